@@ -1,0 +1,210 @@
+"""Accounted collectives: the only way ddlscale's backends touch the network.
+
+Each call charges the closed-form bytes of its algorithm (see :mod:`ddlscale.comm.volume`) to a
+:class:`CommLedger` and timestamps its start and completion. Completion is taken from the work's
+future callback, which fires on the communication thread when the collective really ends, so the
+recorded spans show where the wire was busy — Gemini schedules checkpoint traffic into the gaps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddlscale.comm import volume
+
+
+@dataclass
+class CollectiveRecord:
+    """One collective as one rank saw it."""
+
+    op: str
+    bytes_sent: int
+    bytes_recv: int
+    start: float
+    end: float | None = None  # perf_counter() at completion; None while in flight
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+
+@dataclass
+class CommLedger:
+    """The collectives one rank issued since the last :meth:`drain`."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(r.bytes_recv for r in self.records)
+
+    def drain(self) -> list[CollectiveRecord]:
+        """Return the records so far and start a new, empty ledger."""
+        records, self.records = self.records, []
+        return records
+
+
+class Pending:
+    """An issued collective; :meth:`wait` blocks until it is done and returns its result."""
+
+    def __init__(self, work: Any, record: CollectiveRecord, result: Any = None):
+        self._work = work
+        self.record = record
+        self.result = result
+
+    def wait(self) -> Any:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self.record.end is None:
+            self.record.end = time.perf_counter()
+        return self.result
+
+
+def _stamp_completion(work: Any, record: CollectiveRecord) -> None:
+    """Record the true completion time through the work's future, where the backend offers one."""
+    try:
+        future = work.get_future()
+    except (AttributeError, RuntimeError):
+        return
+
+    def done(_: Any) -> None:
+        if record.end is None:
+            record.end = time.perf_counter()
+
+    future.add_done_callback(done)
+
+
+class Communicator:
+    """Accounted collectives over one process group (the world by default).
+
+    Ranks given to and returned by methods are ranks *within the group*, so the same backend code
+    runs on intra- and inter-machine sub-groups.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: CommLedger | None = None):
+        self.group = group
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _issue(self, op: str, sent: int, recv: int, launch, result: Any = None) -> Pending:
+        record = CollectiveRecord(op, sent, recv, time.perf_counter())
+        self.ledger.records.append(record)
+        work = launch()
+        if work is not None:
+            _stamp_completion(work, record)
+        return Pending(work, record, result)
+
+    def _global(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    # -- collectives -------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> Pending:
+        """In-place ring allreduce of a dense tensor."""
+        sent, recv = volume.ring_allreduce(tensor.numel(), tensor.element_size(), self.size, self.rank)
+        return self._issue(
+            "allreduce", sent, recv,
+            lambda: dist.all_reduce(tensor, op=op, group=self.group, async_op=True), tensor,
+        )
+
+    def allgather(self, tensor: torch.Tensor) -> Pending:
+        """Allgather of equal-sized tensors; the result is a list, one tensor per rank."""
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        nbytes = tensor.numel() * tensor.element_size()
+        sent, recv = volume.ring_allgather([nbytes] * self.size, self.rank)
+        return self._issue(
+            "allgather", sent, recv,
+            lambda: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True), out,
+        )
+
+    def allgather_sizes(self, numel: int, device: torch.device) -> list[int]:
+        """Blocking allgather of one integer per rank (the sizes an uneven allgather needs)."""
+        mine = torch.tensor([numel], dtype=torch.int64, device=device)
+        return [int(t.item()) for t in self.allgather(mine).wait()]
+
+    def allgather_uneven(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> Pending:
+        """Allgather of 1-D tensors of different lengths; the result is a list trimmed per rank.
+
+        Pieces are padded to the longest one so the ring algorithm applies; the padding travels and
+        is charged. ``sizes`` (every rank's length) skips the size exchange when already known.
+        """
+        flat = tensor.reshape(-1)
+        if sizes is None:
+            sizes = self.allgather_sizes(flat.numel(), flat.device)
+        longest = max(sizes)
+        padded = flat.new_zeros(longest)
+        padded[: flat.numel()] = flat
+        out = [padded.new_empty(longest) for _ in range(self.size)]
+        sent, recv = volume.ring_allgather([longest * flat.element_size()] * self.size, self.rank)
+        trimmed = [piece[:n] for piece, n in zip(out, sizes)]
+        return self._issue(
+            "allgather_uneven", sent, recv,
+            lambda: dist.all_gather(out, padded, group=self.group, async_op=True), trimmed,
+        )
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int] | None = None,
+        input_splits: list[int] | None = None,
+    ) -> Pending:
+        """All-to-all along dim 0 with (optionally uneven) splits; ``output`` receives the blocks."""
+        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        in_splits = input_splits or volume.even_split(input.shape[0], self.size)
+        out_splits = output_splits or volume.even_split(output.shape[0], self.size)
+        sent, recv = volume.all_to_all([s * row for s in in_splits], [s * row for s in out_splits], self.rank)
+        return self._issue(
+            "all_to_all", sent, recv,
+            lambda: dist.all_to_all_single(
+                output, input, output_splits, input_splits, group=self.group, async_op=True
+            ),
+            output,
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
+        """Ring reduce-scatter: ``input`` holds ``size`` equal chunks, ``output`` gets this rank's sum."""
+        chunk = output.numel() * output.element_size()
+        sent, recv = volume.ring_reduce_scatter(chunk, self.size)
+        return self._issue(
+            "reduce_scatter", sent, recv,
+            lambda: dist.reduce_scatter_tensor(output, input, group=self.group, async_op=True), output,
+        )
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        sent, recv = volume.flat_broadcast(tensor.numel() * tensor.element_size(), self.size, self.rank, src)
+        return self._issue(
+            "broadcast", sent, recv,
+            lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True), tensor,
+        )
+
+    def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
+        """Gather equal-sized tensors to ``dst``; the result there is a list, elsewhere None."""
+        nbytes = tensor.numel() * tensor.element_size()
+        sent, recv = volume.flat_gather([nbytes] * self.size, self.rank, dst)
+        out = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == dst else None
+        return self._issue(
+            "gather", sent, recv,
+            lambda: dist.gather(tensor, out, dst=self._global(dst), group=self.group, async_op=True), out,
+        )
+
+    def send(self, tensor: torch.Tensor, dst: int) -> Pending:
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._issue("send", nbytes, 0, lambda: dist.isend(tensor, self._global(dst), group=self.group))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> Pending:
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._issue(
+            "recv", 0, nbytes, lambda: dist.irecv(tensor, self._global(src), group=self.group), tensor
+        )

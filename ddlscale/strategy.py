@@ -1,0 +1,160 @@
+"""DDLStrategy: a Lightning strategy that owns gradient synchronization.
+
+Lightning's DDPStrategy hands gradients to DDP's C++ reducer, which hides per-tensor readiness and
+(on CPU) ignores communication hooks. DDLStrategy keeps DDP's process-group set-up, launchers and
+samplers but replaces the DDP wrapper with a :class:`~ddlscale.sync.GradSync` backend fed by
+per-parameter post-accumulate-grad hooks:
+
+* set-up: parameters and buffers are broadcast from rank 0, the backend gets the parameters and the
+  world process group;
+* backward: each ready gradient goes to the backend, which may launch collectives at once;
+* ``post_backward`` (before clipping and the optimizer step): the backend finishes, leaving the
+  global average in every ``p.grad``;
+* gradient accumulation: Lightning's ``block_backward_sync`` pauses the hooks on micro-batches
+  that do not step, so only the accumulated gradient is synchronized;
+* buffers (BatchNorm statistics) follow rank 0 before every training step, as in DDP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ddlscale.sync import DenseAllreduce, GradSync
+
+
+class DDLStrategy(DDPStrategy):
+    """Data-parallel training whose gradient synchronization is a pluggable :class:`GradSync`.
+
+    Args:
+        sync: the backend; dense bucketed allreduce when omitted.
+        broadcast_buffers: make every rank use rank 0's buffers before each training step (DDP's
+            default); turn off for models whose buffers need not agree.
+        start_method: how Lightning starts local workers. ``"spawn"`` (default) starts fresh
+            interpreters without re-running the command line, so Hydra sweeps work; ``"popen"`` is
+            Lightning's script re-execution. Under torchrun or SLURM nothing is started here.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+    """
+
+    strategy_name = "ddlscale"
+
+    def __init__(
+        self,
+        sync: GradSync | None = None,
+        broadcast_buffers: bool = True,
+        start_method: str = "spawn",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        if start_method not in ("spawn", "popen", "fork", "forkserver"):
+            raise ValueError(
+                f"strategy.start_method must be one of spawn, popen, fork, forkserver; got {start_method!r}"
+            )
+        if sync is not None and not isinstance(sync, GradSync):
+            raise TypeError(f"sync must be a ddlscale.sync.GradSync, got {type(sync).__name__}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.sync = sync if sync is not None else DenseAllreduce()
+        self.broadcast_buffers = broadcast_buffers
+        self._sync_paused = False
+        self._hook_handles: list[Any] = []
+
+    # -- launching -----------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            # torchrun / SLURM started every process already: never spawn more.
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
+
+    # -- set-up: replaces wrapping the model in DistributedDataParallel ------------------------
+    def configure_ddp(self) -> None:
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise RuntimeError(
+                "DDLStrategy supports automatic optimization only: the LightningModule sets "
+                "automatic_optimization = False. Use Lightning's DDPStrategy for manual optimization."
+            )
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            _sync_module_states(module)
+        named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+        self.sync.setup(named, group=None, device=self.root_device)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        if not self._sync_paused:
+            self.sync.grad_ready(param)
+
+    # -- per step ------------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.sync.world_size > 1:
+            self._broadcast_buffers()
+        return super().training_step(*args, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if not self._sync_paused:
+            self.sync.finish_step()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulate locally: Lightning enters this on micro-batches that do not step."""
+        self._sync_paused = True
+        try:
+            yield None
+        finally:
+            self._sync_paused = False
+
+    def _broadcast_buffers(self) -> None:
+        buffers = [b for b in self.lightning_module.buffers() if b.numel() > 0]
+        for dtype in {b.dtype for b in buffers}:
+            same = [b for b in buffers if b.dtype == dtype]
+            flat = _flatten_dense_tensors(same)
+            self.sync.comm.broadcast(flat, src=0).wait()
+            for buf, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+                buf.copy_(synced)
+
+    def teardown(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "ddlscale", cls, description="ddlscale: data parallel with a pluggable gradient-sync backend"
+        )
+        strategy_registry.register(
+            "ddlscale_popen", cls, description="ddlscale, workers started by re-running the script",
+            start_method="popen",
+        )
+
+
+if "ddlscale" not in StrategyRegistry:
+    DDLStrategy.register_strategies(StrategyRegistry)

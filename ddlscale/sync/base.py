@@ -1,0 +1,154 @@
+"""The GradSync seam: how a backend sees gradients and hands back their global average.
+
+Life of one optimizer step, driven by :class:`ddlscale.strategy.DDLStrategy`:
+
+1. during backward, each parameter's post-accumulate-grad hook calls :meth:`GradSync.grad_ready`,
+   which forwards to :meth:`on_grad_ready` — a subclass packs, compresses or sparsifies the
+   gradient and launches asynchronous collectives as it likes;
+2. before clipping and the optimizer step, :meth:`finish_step` calls :meth:`finish`, which must leave
+   every ``p.grad`` holding the average over all ranks, then closes the step's statistics.
+
+Invariants a subclass must keep: every rank issues the same collectives in the same order (launch in
+a rank-independent order such as :attr:`backward_order`, never in raw hook order), and ``finish``
+handles parameters whose hook never fired this step (unused parameters) on every rank alike.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddlscale.comm import CollectiveRecord, CommLedger, Communicator
+
+
+@dataclass
+class StepSyncStats:
+    """What one rank's backend did for one optimizer step."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    encode_s: float = 0.0  # packing / compressing / hashing on the training thread
+    comm_s: float = 0.0  # training thread blocked on collectives
+    decode_s: float = 0.0  # unpacking / decompressing
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+
+    @property
+    def sync_s(self) -> float:
+        """Time the training thread spent on synchronization (what a faster backend saves)."""
+        return self.encode_s + self.comm_s + self.decode_s
+
+
+class GradSync:
+    """Base class of every gradient-synchronization backend.
+
+    Subclasses override :meth:`on_grad_ready` and :meth:`finish` (and :meth:`on_setup` /
+    :meth:`on_backward_order` to build their buffers). Time spent inside ``with self.timed("encode")``
+    (or ``"comm"``, ``"decode"``) and bytes moved through :attr:`comm` are reported per step.
+    """
+
+    def __init__(self) -> None:
+        self.ledger = CommLedger()
+        self.last_stats = StepSyncStats()
+        self.steps = 0
+        self._timers = {"encode": 0.0, "comm": 0.0, "decode": 0.0}
+        self._order_known = False
+        self._ready_log: list[int] = []
+
+    # -- set-up --------------------------------------------------------------------------------
+    def setup(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter]],
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Bind to the parameters (in registration order) and the process group."""
+        self.names = [name for name, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.device = device or (self.params[0].device if self.params else torch.device("cpu"))
+        self.comm = Communicator(group, self.ledger)
+        self.world_size = self.comm.size
+        self.rank = self.comm.rank
+        # DDP's first guess: gradients arrive roughly in reverse registration order.
+        self.backward_order = list(reversed(range(len(self.params))))
+        self.on_setup()
+
+    def on_setup(self) -> None:
+        """Build buffers for :attr:`backward_order` (override)."""
+
+    def on_backward_order(self) -> None:
+        """React to the backward order learned on the first step (override; default rebuilds)."""
+        self.on_setup()
+
+    # -- per step ------------------------------------------------------------------------------
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        index = self.index_of[id(param)]
+        if not self._order_known:
+            self._ready_log.append(index)
+        self.on_grad_ready(index, param)
+
+    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        """Gradient ``param.grad`` of parameter ``index`` is final for this step (override)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Complete all communication; leave every ``p.grad`` the global average (override)."""
+        raise NotImplementedError
+
+    def finish_step(self) -> StepSyncStats:
+        """Finish the step, learn the backward order after the first one, and close the stats."""
+        self.finish()
+        if not self._order_known:
+            self._adopt_backward_order()
+        self.steps += 1
+        records = self.ledger.drain()
+        self.last_stats = StepSyncStats(
+            bytes_sent=sum(r.bytes_sent for r in records),
+            bytes_recv=sum(r.bytes_recv for r in records),
+            encode_s=self._timers["encode"],
+            comm_s=self._timers["comm"],
+            decode_s=self._timers["decode"],
+            collectives=records,
+        )
+        self._timers = dict.fromkeys(self._timers, 0.0)
+        return self.last_stats
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timers[phase] += time.perf_counter() - start
+
+    # -- checkpointed state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Backend state a checkpoint must capture (error feedback, profiles...); override and extend."""
+        return {"steps": self.steps, "backward_order": list(self.backward_order)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.backward_order = list(state["backward_order"])
+        self._order_known = True
+        self.on_backward_order()
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _adopt_backward_order(self) -> None:
+        """Take rank 0's observed order, so every rank fuses and launches identically."""
+        seen = list(dict.fromkeys(self._ready_log))
+        unused = [i for i in reversed(range(len(self.params))) if i not in set(seen)]
+        order = [seen + unused]
+        if self.world_size > 1:
+            # One-off, outside the accounted traffic: it is set-up, not gradient synchronization.
+            dist.broadcast_object_list(order, src=self.comm._global(0), group=self.comm.group)
+        self._order_known = True
+        self._ready_log = []
+        if order[0] != self.backward_order:
+            self.backward_order = order[0]
+            self.on_backward_order()

@@ -1,0 +1,137 @@
+"""Per-step training figures and the run's ``summary.json``.
+
+The callback times each optimizer step (all its micro-batches), reads the sync backend's byte and
+time figures, logs them per step, and at the end reduces them over ranks into the summary every
+experiment reads. Medians skip the first step, which pays one-off costs (order learning, warm-up).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from ddlscale.sync import GradSync
+
+
+def param_sha256(module: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes in registration order: equal iff the models are bit-identical."""
+    digest = hashlib.sha256()
+    for name, p in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _median_after_warmup(values: list[float]) -> float:
+    kept = values[1:] if len(values) > 1 else values
+    return statistics.median(kept) if kept else float("nan")
+
+
+class StepMetrics(pl.Callback):
+    """Log per-step loss, throughput, sync time and bytes; write ``summary.json`` on rank 0.
+
+    Args:
+        output_dir: where ``summary.json`` goes.
+        run_info: fixed keys copied into the summary (sync, compressor, ckpt, model names...).
+    """
+
+    def __init__(self, output_dir: str | Path, run_info: dict[str, Any] | None = None):
+        self.output_dir = Path(output_dir)
+        self.run_info = dict(run_info or {})
+        self.history: dict[str, list[float]] = {
+            k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss")
+        }
+        self._step_start: float | None = None
+        self._losses: list[float] = []
+        self._last_global_step = 0
+
+    def _sync(self, trainer: pl.Trainer) -> GradSync | None:
+        sync = getattr(trainer.strategy, "sync", None)
+        return sync if isinstance(sync, GradSync) else None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self._losses.append(float(loss.detach()))
+        if trainer.global_step == self._last_global_step or self._step_start is None:
+            return  # a micro-batch that only accumulated
+        self._last_global_step = trainer.global_step
+        step_time = time.perf_counter() - self._step_start
+        self._step_start = None
+        sync = self._sync(trainer)
+        stats = sync.last_stats if sync is not None else None
+        row = {
+            "step_time_s": step_time,
+            "sync_time_s": stats.sync_s if stats else float("nan"),
+            "bytes_sent": float(stats.bytes_sent) if stats else float("nan"),
+            "bytes_recv": float(stats.bytes_recv) if stats else float("nan"),
+            "loss": statistics.fmean(self._losses) if self._losses else float("nan"),
+        }
+        self._losses = []
+        for key, value in row.items():
+            self.history[key].append(value)
+        global_batch = self._global_batch(trainer)
+        pl_module.log_dict(
+            {
+                "step_time_s": step_time,
+                "sync_time_s": row["sync_time_s"],
+                "bytes_sent": row["bytes_sent"],
+                "bytes_recv": row["bytes_recv"],
+            },
+            on_step=True, on_epoch=False, rank_zero_only=True,
+        )
+        pl_module.log("samples_per_s", global_batch / step_time, on_step=True, on_epoch=False,
+                      prog_bar=True, rank_zero_only=True)
+
+    @staticmethod
+    def _global_batch(trainer: pl.Trainer) -> int:
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or 1
+        return int(batch_size) * trainer.world_size * trainer.accumulate_grad_batches
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        h = self.history
+        local = torch.tensor(
+            [
+                _median_after_warmup(h["step_time_s"]),
+                _median_after_warmup(h["sync_time_s"]),
+                _median_after_warmup(h["bytes_sent"]),
+                _median_after_warmup(h["bytes_recv"]),
+                h["loss"][-1] if h["loss"] else float("nan"),
+            ],
+            dtype=torch.float64,
+        )
+        ranks = trainer.strategy.all_gather(local).reshape(-1, local.numel()).cpu()
+        if not trainer.is_global_zero:
+            return
+        step_time = float(ranks[:, 0].max())
+        traffic = ranks[:, 2] + ranks[:, 3]
+        summary = {
+            **self.run_info,
+            "world_size": trainer.world_size,
+            "steps": trainer.global_step,
+            "final_loss": float(ranks[:, 4].mean()),
+            "samples_per_s": self._global_batch(trainer) / step_time,
+            "step_time_s": step_time,
+            "sync_time_s": float(ranks[:, 1].max()),
+            "bytes_sent_per_step": float(ranks[:, 2].max()),
+            "bytes_recv_per_step": float(ranks[:, 3].max()),
+            "imbalance": float(traffic.max() / traffic.mean()) if float(traffic.mean()) > 0 else 1.0,
+            "param_sha256": param_sha256(pl_module),
+        }
+        # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
+        summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
