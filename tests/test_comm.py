@@ -1,0 +1,95 @@
+"""Accounted collectives: results equal torch.distributed's, bytes equal the closed forms."""
+
+import pytest
+import torch
+
+from ddlscale.cluster import run_workers
+from ddlscale.comm import Communicator
+from ddlscale.comm import volume
+
+
+def test_even_split_sums_and_balances():
+    for total in (0, 1, 7, 10, 1001):
+        for parts in (1, 2, 3, 4):
+            sizes = volume.even_split(total, parts)
+            assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+
+
+def test_ring_allreduce_volume_is_two_n_minus_one_over_n():
+    # 1200 elements of 4 bytes on 4 ranks: each rank moves 2 * 3/4 * 4800 bytes each way.
+    assert volume.ring_allreduce(1200, 4, 4, 2) == (7200, 7200)
+    assert volume.ring_allreduce(1200, 4, 1, 0) == (0, 0)
+    # Uneven: 10 elements on 3 ranks -> chunks 4,3,3.
+    assert volume.ring_allreduce(10, 4, 3, 0) == (48, 48)
+    assert volume.ring_allreduce(10, 4, 3, 1) == (56, 56)
+
+
+def _exercise(rank, world):
+    comm = Communicator()
+    out = {}
+    t = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    comm.allreduce(t).wait()
+    out["allreduce"] = t
+    out["allgather"] = torch.stack(comm.allgather(torch.full((3,), float(rank))).wait())
+    piece = torch.arange(rank + 1, dtype=torch.int32)  # lengths 1..n
+    out["allgather_uneven"] = [x.clone() for x in comm.allgather_uneven(piece).wait()]
+    # all-to-all: rank r sends (j + 1) copies of value 10r + j to rank j.
+    in_splits = [j + 1 for j in range(world)]
+    send = torch.cat([torch.full((j + 1,), float(10 * rank + j)) for j in range(world)])
+    out_splits = [rank + 1] * world
+    recv = torch.empty(sum(out_splits))
+    comm.all_to_all(recv, send, out_splits, in_splits).wait()
+    out["all_to_all"] = recv
+    chunk = torch.empty(2)
+    comm.reduce_scatter(chunk, torch.arange(2 * world, dtype=torch.float32)).wait()
+    out["reduce_scatter"] = chunk
+    b = torch.full((5,), float(rank))
+    comm.broadcast(b, src=world - 1).wait()
+    out["broadcast"] = b
+    gathered = comm.gather(torch.tensor([float(rank)]), dst=0).wait()
+    out["gather"] = None if gathered is None else torch.cat(gathered)
+    if world > 1:
+        if rank == 0:
+            comm.send(torch.ones(6), dst=1).wait()
+        elif rank == 1:
+            out["recv"] = comm.recv(torch.zeros(6), src=0).wait()
+    out["records"] = [(r.op, r.bytes_sent, r.bytes_recv, r.end is not None and r.end >= r.start)
+                      for r in comm.ledger.records]
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_results_and_bytes(world):
+    results = run_workers(_exercise, world)
+    n = world
+    for rank, out in enumerate(results):
+        expected_sum = torch.arange(10, dtype=torch.float32) * sum(range(1, n + 1))
+        assert torch.equal(out["allreduce"], expected_sum)
+        assert torch.equal(out["allgather"], torch.arange(n, dtype=torch.float32)[:, None].expand(n, 3))
+        assert [x.tolist() for x in out["allgather_uneven"]] == [list(range(k + 1)) for k in range(n)]
+        assert out["all_to_all"].tolist() == [float(10 * src + rank) for src in range(n) for _ in range(rank + 1)]
+        assert torch.equal(out["reduce_scatter"], n * torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32))
+        assert torch.equal(out["broadcast"], torch.full((5,), float(n - 1)))
+        if rank == 0:
+            assert out["gather"].tolist() == [float(r) for r in range(n)]
+        if rank == 1:
+            assert torch.equal(out["recv"], torch.ones(6))
+
+        records = {}
+        for op, sent, recv, _ in out["records"]:
+            records.setdefault(op, (sent, recv))  # the uneven allgather's size exchange comes later
+        assert all(done for *_, done in out["records"]), "every collective got a completion time"
+        chunks = volume.even_split(10, n)
+        assert records["allreduce"] == (2 * (10 - chunks[rank]) * 4,) * 2
+        assert records["allgather"] == ((n - 1) * 12, (n - 1) * 12)
+        longest = n * 4  # int32 pieces padded to the longest (n elements)
+        assert records["allgather_uneven"] == ((n - 1) * longest, (n - 1) * longest)
+        sent_a2a = sum((j + 1) * 4 for j in range(n) if j != rank)
+        assert records["all_to_all"] == (sent_a2a, (n - 1) * (rank + 1) * 4)
+        assert records["reduce_scatter"] == ((n - 1) * 8, (n - 1) * 8)
+        assert records["broadcast"] == (((n - 1) * 20, 0) if rank == n - 1 else (0, 20))
+        assert records["gather"] == ((0, (n - 1) * 4) if rank == 0 else (4, 0))
+        if rank == 0:
+            assert records["send"] == (24, 0)
+        if rank == 1:
+            assert records["recv"] == (0, 24)
