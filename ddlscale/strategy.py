@@ -132,11 +132,12 @@ class DDLStrategy(DDPStrategy):
 
     def _broadcast_buffers(self) -> None:
         buffers = [b for b in self.lightning_module.buffers() if b.numel() > 0]
-        for dtype in {b.dtype for b in buffers}:
+        # dtypes hash by identity, so a set's order differs between processes: sort by name.
+        for dtype in sorted({b.dtype for b in buffers}, key=str):
             same = [b for b in buffers if b.dtype == dtype]
             flat = _flatten_dense_tensors(same)
             self.sync.comm.broadcast(flat, src=0).wait()
-            for buf, synced in zip(same, _unflatten_dense_tensors(flat, same)):
+            for buf, synced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
                 buf.copy_(synced)
 
     def teardown(self) -> None:

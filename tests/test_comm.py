@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from ddlscale.cluster import run_workers
-from ddlscale.comm import Communicator
-from ddlscale.comm import volume
+from ddlscale.comm import Communicator, volume
 
 
 def test_even_split_sums_and_balances():

@@ -71,7 +71,7 @@ def _run(rank, world, sparse, bucket_mb, steps):
 @pytest.mark.parametrize("sparse", [False, True])
 def test_dense_equals_allreduce_average_exactly(world, sparse):
     for steps_out in run_workers(_run, world, sparse, 25.0, 3):
-        for oracle, synced, sent, recv, n_coll, order in steps_out:
+        for oracle, synced, sent, recv, _n_coll, _order in steps_out:
             for name, expected in oracle.items():
                 got = synced[name]
                 if name == "emb.weight" and sparse:

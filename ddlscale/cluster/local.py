@@ -10,8 +10,8 @@ import io
 import os
 import socket
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch

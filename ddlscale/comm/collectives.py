@@ -147,7 +147,7 @@ class Communicator:
         padded[: flat.numel()] = flat
         out = [padded.new_empty(longest) for _ in range(self.size)]
         sent, recv = volume.ring_allgather([longest * flat.element_size()] * self.size, self.rank)
-        trimmed = [piece[:n] for piece, n in zip(out, sizes)]
+        trimmed = [piece[:n] for piece, n in zip(out, sizes, strict=True)]
         return self._issue(
             "allgather_uneven", sent, recv,
             lambda: dist.all_gather(out, padded, group=self.group, async_op=True), trimmed,

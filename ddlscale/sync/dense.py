@@ -47,39 +47,43 @@ class DenseAllreduce(GradSync):
         self.first_bucket_bytes = int(first_bucket_mb * 2**20)
 
     def on_setup(self) -> None:
-        self.buckets = self._plan_buckets(self.backward_order)
+        if self._order_known:
+            groups = self._assign(self.backward_order)
+        else:
+            # Before any backward, DDP assigns buckets over the registration order and reverses the
+            # bucket list; doing the same keeps even the first step's sums in DDP's order.
+            groups = list(reversed(self._assign(list(range(len(self.params))))))
+        self.buckets = [self._make_bucket(members) for members in groups]
         self.slot_of = {
             i: (b, slot) for b, bucket in enumerate(self.buckets) for slot, i in enumerate(bucket.members)
         }
         self._next_launch = 0
         self._was_sparse: dict[int, int] = {}  # param index -> sparse_dim of its COO gradient
 
-    def _plan_buckets(self, order: list[int]) -> list[Bucket]:
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        """DDP's rule: add tensors in order, close a bucket once it reaches its cap (the first one
+        smaller), and never mix dtypes."""
         groups: list[list[int]] = []
         size = 0
+        closed = True
         for i in order:
             p = self.params[i]
-            nbytes = p.numel() * p.element_size()
-            cap = self.first_bucket_bytes if len(groups) <= 1 else self.bucket_bytes
-            start_new = (
-                not groups
-                or (size > 0 and size + nbytes > cap)
-                or self.params[groups[-1][0]].dtype != p.dtype
-            )
-            if start_new:
+            if closed or self.params[groups[-1][0]].dtype != p.dtype:
                 groups.append([])
                 size = 0
             groups[-1].append(i)
-            size += nbytes
-        buckets = []
-        for members in groups:
-            offsets, total = [], 0
-            for i in members:
-                offsets.append(total)
-                total += self.params[i].numel()
-            dtype = self.params[members[0]].dtype
-            buckets.append(Bucket(members, offsets, torch.zeros(total, dtype=dtype, device=self.device)))
-        return buckets
+            size += p.numel() * p.element_size()
+            cap = self.first_bucket_bytes if len(groups) == 1 else self.bucket_bytes
+            closed = size >= cap
+        return groups
+
+    def _make_bucket(self, members: list[int]) -> Bucket:
+        offsets, total = [], 0
+        for i in members:
+            offsets.append(total)
+            total += self.params[i].numel()
+        dtype = self.params[members[0]].dtype
+        return Bucket(members, offsets, torch.zeros(total, dtype=dtype, device=self.device))
 
     def _view(self, bucket: Bucket, slot: int) -> torch.Tensor:
         p = self.params[bucket.members[slot]]
