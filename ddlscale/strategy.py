@@ -29,7 +29,6 @@ from lightning_fabric.plugins.collectives.torch_collective import default_pg_tim
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ddlscale.sync import DenseAllreduce, GradSync
 
@@ -132,13 +131,8 @@ class DDLStrategy(DDPStrategy):
 
     def _broadcast_buffers(self) -> None:
         buffers = [b for b in self.lightning_module.buffers() if b.numel() > 0]
-        # dtypes hash by identity, so a set's order differs between processes: sort by name.
-        for dtype in sorted({b.dtype for b in buffers}, key=str):
-            same = [b for b in buffers if b.dtype == dtype]
-            flat = _flatten_dense_tensors(same)
-            self.sync.comm.broadcast(flat, src=0).wait()
-            for buf, synced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
-                buf.copy_(synced)
+        if buffers:
+            self.sync.comm.broadcast_coalesced(buffers, src=0)
 
     def teardown(self) -> None:
         for handle in self._hook_handles:

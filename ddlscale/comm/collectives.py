@@ -189,6 +189,16 @@ class Communicator:
             lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True), tensor,
         )
 
+    def broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Blocking broadcast of many small tensors in a few flat messages (DDP's buffer sync)."""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        sent, recv = volume.flat_broadcast(nbytes, self.size, self.rank, src)
+        record = CollectiveRecord("broadcast_coalesced", sent, recv, time.perf_counter())
+        self.ledger.records.append(record)
+        group = self.group if self.group is not None else dist.group.WORLD
+        dist._broadcast_coalesced(group, tensors, 64 * 2**20, self._global(src))
+        record.end = time.perf_counter()
+
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
         """Gather equal-sized tensors to ``dst``; the result there is a list, elsewhere None."""
         nbytes = tensor.numel() * tensor.element_size()

@@ -22,8 +22,8 @@ class Bucket:
     """A flat buffer holding several parameters' gradients, all of one dtype."""
 
     members: list[int]
-    offsets: list[int]
     buffer: torch.Tensor
+    views: list[torch.Tensor]  # per member, shaped like its parameter, aliasing `buffer`
     filled: set[int] = field(default_factory=set)
     pending: Pending | None = None
 
@@ -78,17 +78,13 @@ class DenseAllreduce(GradSync):
         return groups
 
     def _make_bucket(self, members: list[int]) -> Bucket:
-        offsets, total = [], 0
-        for i in members:
-            offsets.append(total)
-            total += self.params[i].numel()
-        dtype = self.params[members[0]].dtype
-        return Bucket(members, offsets, torch.zeros(total, dtype=dtype, device=self.device))
-
-    def _view(self, bucket: Bucket, slot: int) -> torch.Tensor:
-        p = self.params[bucket.members[slot]]
-        start = bucket.offsets[slot]
-        return bucket.buffer[start : start + p.numel()].view(p.shape)
+        params = [self.params[i] for i in members]
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
+        views, start = [], 0
+        for p in params:
+            views.append(buffer[start : start + p.numel()].view(p.shape))
+            start += p.numel()
+        return Bucket(members, buffer, views)
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         b, slot = self.slot_of[index]
@@ -103,7 +99,7 @@ class DenseAllreduce(GradSync):
             if grad.is_sparse:
                 self._was_sparse[index] = grad.sparse_dim()
                 grad = grad.to_dense()
-            torch.mul(grad, 1.0 / self.world_size, out=self._view(bucket, slot))
+            torch.mul(grad, 1.0 / self.world_size, out=bucket.views[slot])
         bucket.filled.add(index)
         self._launch_full_buckets()
 
@@ -121,7 +117,7 @@ class DenseAllreduce(GradSync):
         for bucket in self.buckets[self._next_launch :]:
             for slot, i in enumerate(bucket.members):
                 if i not in bucket.filled:
-                    self._view(bucket, slot).zero_()
+                    bucket.views[slot].zero_()
                     bucket.filled.add(i)
         self._launch_full_buckets()
         for bucket in self.buckets:
@@ -129,7 +125,7 @@ class DenseAllreduce(GradSync):
                 bucket.pending.wait()
             with self.timed("decode"):
                 for slot, i in enumerate(bucket.members):
-                    self._write_grad(i, self._view(bucket, slot))
+                    self._write_grad(i, bucket.views[slot])
             bucket.filled.clear()
             bucket.pending = None
         self._next_launch = 0

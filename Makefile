@@ -1,0 +1,38 @@
+# ddlscale developer targets. `make help` lists them.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: help setup train test test-slow lint experiments clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev,wandb,slurm]'
+	touch $@
+
+setup: $(BIN)/.installed  ## create .venv: torch 2.13.0 (CPU), then ddlscale with its dev extras
+
+train: setup  ## run the default job (ARGS="model=deepfm trainer.devices=3" to override)
+	$(BIN)/python train.py $(ARGS)
+
+test: setup  ## the test suite (slow tests excluded)
+	$(BIN)/python -m pytest -q
+
+test-slow: setup  ## only the slow tests
+	$(BIN)/python -m pytest -q -m slow
+
+lint: setup  ## ruff
+	$(BIN)/ruff check .
+
+experiments: setup  ## regenerate experiments/results (minutes; see each module's docstring)
+	$(BIN)/python -m experiments.overhead
+
+clean:  ## remove run outputs and caches (keeps .venv)
+	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Reproducible experiments: `python -m experiments.<name>` writes results/<name>/{csv,png,md}."""
