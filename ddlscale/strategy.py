@@ -32,6 +32,8 @@ from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 
 from ddlscale.sync import DenseAllreduce, GradSync
 
+SYNC_STATE_KEY = "ddlscale_sync"
+
 
 class DDLStrategy(DDPStrategy):
     """Data-parallel training whose gradient synchronization is a pluggable :class:`GradSync`.
@@ -81,6 +83,7 @@ class DDLStrategy(DDPStrategy):
         self.broadcast_buffers = broadcast_buffers
         self._sync_paused = False
         self._hook_handles: list[Any] = []
+        self._pending_sync_state: dict[str, Any] | None = None
 
     # -- launching -----------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -104,6 +107,9 @@ class DDLStrategy(DDPStrategy):
             _sync_module_states(module)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.sync.setup(named, group=None, device=self.root_device)
+        if self._pending_sync_state is not None:  # Lightning restores before set-up: apply now
+            self.sync.load_state_dict(self._pending_sync_state)
+            self._pending_sync_state = None
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -133,6 +139,31 @@ class DDLStrategy(DDPStrategy):
         buffers = [b for b in self.lightning_module.buffers() if b.numel() > 0]
         if buffers:
             self.sync.comm.broadcast_coalesced(buffers, src=0)
+
+    # -- checkpoints carry the backend's state (per rank: error feedback differs between ranks) --
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        states = [self.sync.state_dict()]
+        if dist.is_initialized() and self.world_size > 1:  # every rank calls this; rank 0 writes
+            states = [None] * self.world_size
+            dist.all_gather_object(states, self.sync.state_dict())
+        checkpoint[SYNC_STATE_KEY] = {"world_size": self.world_size, "ranks": states}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        saved = checkpoint.get(SYNC_STATE_KEY)
+        if saved is None:
+            return
+        if saved["world_size"] != self.world_size:
+            raise RuntimeError(
+                f"checkpoint holds sync state of {saved['world_size']} ranks, this run has {self.world_size}: "
+                "per-rank backend state (e.g. error feedback) cannot be remapped"
+            )
+        state = saved["ranks"][self.global_rank]
+        if hasattr(self.sync, "params"):
+            self.sync.load_state_dict(state)
+        else:
+            self._pending_sync_state = state
 
     def teardown(self) -> None:
         for handle in self._hook_handles:

@@ -61,7 +61,7 @@ def _run(rank, world, sparse, bucket_mb, steps):
                 dist.all_reduce(total)
                 assert torch.equal(scaled, total / world)
             oracle[n] = scaled
-        synced = {n: p.grad for n, p in named}
+        synced = {n: p.grad.clone() for n, p in named}  # gradients alias the buckets
         outs.append((oracle, synced, stats.bytes_sent, stats.bytes_recv, len(stats.collectives),
                      [sync.names[i] for i in sync.backward_order]))
     return outs

@@ -1,0 +1,186 @@
+"""The iteration simulator: when each gradient is encoded, sent and decoded, and when the step ends.
+
+Espresso scores a compression plan and Cupcake a fusion plan by the iteration time this model
+predicts; Gemini reads the idle spans of the communication stream from it. Times are seconds from
+the start of backward. Three resources run side by side:
+
+- the *compute stream* runs backward, producing tensor i's gradient at ``ready_s``;
+- the *communication stream* sends tensors one at a time, in backward order;
+- the *side stream* (a CPU thread or a second CUDA stream) encodes and decodes tensors whose
+  ``encode_on_compute`` is false, one job at a time, each job in the order it became runnable.
+
+Tensor i, with D_i the compute time stolen by compute-stream encodes/decodes of earlier tensors:
+
+    ready'_i     = ready_i + D_i
+    encode_start = max(ready'_i, end of the previous job on its stream)
+    comm_start   = max(encode_end, comm_end_{i-1});   comm_end = comm_start + comm_i
+    decode_end   = max(comm_end, side stream free) + decode_i      (side stream)
+                 = comm_end + decode_i                              (compute stream)
+    iteration    = max(backward_end + D_N, max_i decode_end) + optimizer
+
+A compute-stream tensor (GPU compression) charges ``encode_s + decode_s`` to the compute stream at
+once: every later gradient and the backward end move by that much — Espresso's model. This is
+exact for the decode when its communication ends after backward (it then runs right after backward
+and ends at max(backward_end', comm_end) + decode either way); when it ends during backward the
+decode delays a few gradients produced before it actually ran. A zero-length encode or decode
+needs no stream and waits for none.
+
+Without encoding and decoding this reduces to the recursion in SYSTEMS.md,
+``finish_i = max(finish_{i-1}, ready_i) + comp_i + comm_i``, when compression shares the
+communication stream: pass ``comm_s = comp_i + comm_i`` and zero encode/decode times. A separate
+side stream is the more optimistic case in which encoding tensor i overlaps sending tensor i-1.
+Every tensor is visited once, and each decode once, so a simulation is O(N).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorTask:
+    """One gradient tensor to synchronize, in backward order.
+
+    ``ready_s``: when backward produced it (seconds after backward starts). ``encode_s``,
+    ``comm_s``, ``decode_s``: its compression, communication and decompression times (0 when not
+    compressed). ``encode_on_compute``: encode/decode run on the compute stream (GPU compression
+    that steals compute from backward) instead of the side stream.
+    """
+
+    name: str
+    ready_s: float
+    encode_s: float
+    comm_s: float
+    decode_s: float
+    encode_on_compute: bool = False
+
+
+@dataclass(frozen=True)
+class TensorSpan:
+    """When one tensor's work happened; ``ready`` includes the delays of compute-stream encodes."""
+
+    name: str
+    ready: float
+    encode_start: float
+    encode_end: float
+    comm_start: float
+    comm_end: float
+    decode_start: float
+    decode_end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A simulated iteration (backward start = 0).
+
+    ``backward_end_s`` includes the compute stolen by compute-stream encodes/decodes;
+    ``comm_busy`` lists the disjoint (start, end) spans in which the communication stream is busy,
+    touching spans merged.
+    """
+
+    tensors: tuple[TensorSpan, ...]
+    backward_end_s: float
+    optimizer_s: float
+    iteration_s: float
+    comm_busy: tuple[tuple[float, float], ...]
+
+    def idle_gaps(self, min_s: float = 0.0) -> list[tuple[float, float]]:
+        """The (start, end) spans of [0, iteration_s] with no communication, at least ``min_s`` long.
+
+        Includes the span before the first message (backward of the last layers) and the one after
+        the last (decode, optimizer): Gemini can fill both with checkpoint traffic. The forward pass
+        of the next iteration is not part of this timeline. Empty spans are never returned.
+        """
+        gaps = []
+        cursor = 0.0
+        for start, end in (*self.comm_busy, (self.iteration_s, self.iteration_s)):
+            length = start - cursor
+            if length > 0 and length >= min_s:
+                gaps.append((cursor, start))
+            cursor = max(cursor, end)
+        return gaps
+
+
+def _check_duration(value: float, what: str) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
+
+
+def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0) -> Timeline:
+    """Simulate one iteration of ``tasks`` (in backward order); see the module doc for the model."""
+    _check_duration(backward_end_s, "backward_end_s")
+    _check_duration(optimizer_s, "optimizer_s")
+    for task in tasks:
+        for what in ("ready_s", "encode_s", "comm_s", "decode_s"):
+            _check_duration(getattr(task, what), f"{task.name}.{what}")
+        if task.ready_s > backward_end_s:
+            raise ValueError(f"{task.name}.ready_s ({task.ready_s}) is after backward_end_s ({backward_end_s})")
+
+    count = len(tasks)
+    ready = [0.0] * count
+    encode_start, encode_end = [0.0] * count, [0.0] * count
+    comm_start, comm_end = [0.0] * count, [0.0] * count
+    decode_start, decode_end = [0.0] * count, [0.0] * count
+
+    stolen = 0.0  # compute time taken from backward by compute-stream encodes/decodes so far
+    compute_free = side_free = comm_free = 0.0
+    undecoded: deque[int] = deque()  # side-stream tensors sent but not yet decoded, in send order
+
+    def decode_on_side_stream(j: int) -> None:
+        nonlocal side_free
+        decode_start[j] = max(side_free, comm_end[j])
+        decode_end[j] = decode_start[j] + tasks[j].decode_s
+        side_free = decode_end[j]
+
+    for i, task in enumerate(tasks):
+        ready[i] = task.ready_s + stolen
+        if task.encode_on_compute:
+            encode_start[i] = max(ready[i], compute_free) if task.encode_s > 0 else ready[i]
+            encode_end[i] = encode_start[i] + task.encode_s
+            compute_free = max(compute_free, encode_end[i])
+            stolen += task.encode_s + task.decode_s
+        elif task.encode_s > 0:
+            # The side stream serves jobs in the order they became runnable: decodes whose message
+            # arrived no later than this gradient go first.
+            while undecoded and comm_end[undecoded[0]] <= ready[i]:
+                decode_on_side_stream(undecoded.popleft())
+            encode_start[i] = max(ready[i], side_free)
+            encode_end[i] = side_free = encode_start[i] + task.encode_s
+        else:
+            encode_start[i] = encode_end[i] = ready[i]
+
+        comm_start[i] = max(encode_end[i], comm_free)
+        comm_end[i] = comm_free = comm_start[i] + task.comm_s
+
+        if task.encode_on_compute or task.decode_s == 0:
+            decode_start[i] = comm_end[i]
+            decode_end[i] = comm_end[i] + task.decode_s
+        else:
+            undecoded.append(i)
+    while undecoded:
+        decode_on_side_stream(undecoded.popleft())
+
+    backward_end = backward_end_s + stolen
+    iteration = max([backward_end, *decode_end]) + optimizer_s
+    spans = tuple(
+        TensorSpan(t.name, ready[i], encode_start[i], encode_end[i], comm_start[i], comm_end[i],
+                   decode_start[i], decode_end[i])
+        for i, t in enumerate(tasks)
+    )
+    return Timeline(spans, backward_end, optimizer_s, iteration, _merged_busy(spans))
+
+
+def _merged_busy(spans: Sequence[TensorSpan]) -> tuple[tuple[float, float], ...]:
+    """The communication stream's busy spans; messages are sent in order, so one pass merges them."""
+    busy: list[tuple[float, float]] = []
+    for span in spans:
+        if span.comm_end <= span.comm_start:
+            continue
+        if busy and span.comm_start <= busy[-1][1]:
+            busy[-1] = (busy[-1][0], max(busy[-1][1], span.comm_end))
+        else:
+            busy.append((span.comm_start, span.comm_end))
+    return tuple(busy)

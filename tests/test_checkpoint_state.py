@@ -1,0 +1,55 @@
+"""Lightning checkpoints carry the sync backend's per-rank state, and resuming is bit-exact."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+
+from ddlscale.strategy import SYNC_STATE_KEY, DDLStrategy
+from ddlscale.sync import DenseAllreduce
+from ddlscale.workloads import LSTMLanguageModel
+
+
+def _model():
+    # 320 samples / (32 per batch x 2 ranks) = 5 steps per epoch: step 5 ends an epoch.
+    return LSTMLanguageModel(vocab_size=1000, embed_dim=16, hidden_dim=16, num_sampled=32,
+                             num_samples=320, lr=0.5)
+
+
+def _fit(max_steps, ckpt_dir=None, resume=None):
+    pl.seed_everything(11, verbose=False)
+    model = _model()
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)] if ckpt_dir else []
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=DDLStrategy(sync=DenseAllreduce()), max_steps=max_steps,
+        logger=False, enable_checkpointing=bool(ckpt_dir), callbacks=callbacks,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    trainer.fit(model, ckpt_path=resume)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_resume_from_lightning_checkpoint_is_bit_exact(tmp_path):
+    straight = _fit(10)
+    _fit(5, ckpt_dir=tmp_path / "a")
+    (first,) = sorted((tmp_path / "a").glob("*.ckpt"))
+    resumed = _fit(10, ckpt_dir=tmp_path / "b", resume=str(first))
+    assert torch.equal(straight, resumed)
+
+    saved = torch.load(first, weights_only=False)[SYNC_STATE_KEY]
+    assert saved["world_size"] == 2 and len(saved["ranks"]) == 2
+    assert [s["steps"] for s in saved["ranks"]] == [5, 5]
+    last = max((tmp_path / "b").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    # The resumed backend continued counting from the restored state.
+    assert [s["steps"] for s in torch.load(last, weights_only=False)[SYNC_STATE_KEY]["ranks"]] == [10, 10]
+
+
+def test_world_size_mismatch_is_refused(tmp_path):
+    _fit(5, ckpt_dir=tmp_path)
+    (ckpt,) = sorted(tmp_path.glob("*.ckpt"))
+    pl.seed_everything(11, verbose=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DDLStrategy(), max_steps=6, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    with pytest.raises(Exception, match="sync state of 2 ranks"):
+        trainer.fit(_model(), ckpt_path=str(ckpt))
