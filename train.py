@@ -22,7 +22,7 @@ def main(cfg: DictConfig) -> float | None:
     runtime = HydraConfig.get().runtime
     run_info = {group: runtime.choices.get(group) for group in RUN_INFO_GROUPS}
     try:
-        summary = run(cfg, Path(runtime.output_dir), run_info)
+        summary = run(cfg, Path(runtime.output_dir), run_info, list(HydraConfig.get().overrides.task))
     except ConfigError as exc:
         sys.exit(f"ddlscale: invalid config: {exc}")
     return summary.get("final_loss")

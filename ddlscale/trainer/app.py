@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
+from ddlscale.comm.cost import NetworkModel
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.metrics import StepMetrics
 
-CLUSTER_KINDS = ("local", "torchrun", "slurm")
+CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
 
 
 class ConfigError(ValueError):
@@ -91,12 +94,64 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -
     return trainer, model
 
 
-def run(cfg: DictConfig, output_dir: str | Path, run_info: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train as configured; return the summary (written to ``output_dir/summary.json``)."""
+def run(
+    cfg: DictConfig,
+    output_dir: str | Path,
+    run_info: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """Train as configured; return the summary (written to ``output_dir/summary.json``).
+
+    ``overrides`` are the command line's Hydra overrides: an emulated cluster re-runs train.py with
+    them on every emulated machine.
+    """
     output_dir = Path(output_dir)
-    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
+    if cfg.cluster.kind == "emulated" and "WORLD_SIZE" not in os.environ:
+        check_config(cfg)
+        reason = unavailable_reason()
+        if reason is None:
+            return run_on_emulated_cluster(cfg, output_dir, overrides or [])
+        if cfg.cluster.get("fallback", "loopback") != "loopback":
+            raise ConfigError(f"cluster=emulated cannot run here: {reason} (cluster.fallback={cfg.cluster.fallback})")
+        warnings.warn(f"emulated cluster unavailable ({reason}): running on loopback, NO bandwidth limit",
+                      stacklevel=2)
+        info["cluster"] = f"emulated-fallback-loopback: {reason}"
+        cfg = cfg.copy()
+        cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info)
     trainer.fit(model)
     summary_path = output_dir / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.exists() else {}
+
+
+def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
+
+    Every agent gets the same overrides, plus the machine count and this run's directory, so all
+    ranks write one run's outputs; the summary gains the cost model's view of the network.
+    """
+    nodes, devices = int(cfg.cluster.nodes), int(cfg.trainer.devices)
+    worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
+    with EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency)) as cluster:
+        print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
+              f"{cfg.cluster.bandwidth} NICs", flush=True)
+        # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
+        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
+        agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=int(cfg.cluster.port), env=threads)
+                  for i in range(nodes)]
+        codes = [agent.wait() for agent in agents]
+    if any(codes):
+        raise RuntimeError(f"emulated-cluster agents exited with codes {codes}; see the output above")
+    summary_path = output_dir / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    network = NetworkModel.of(bandwidth=str(cfg.cluster.bandwidth), latency=str(cfg.cluster.latency),
+                              gpus_per_machine=devices)
+    summary["cluster_nodes"] = nodes
+    summary["cluster_bandwidth_bps"] = network.bandwidth_bps
+    if summary.get("bytes_sent_per_step"):
+        # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
+        summary["wire_time_per_step_s"] = summary["bytes_sent_per_step"] * 8 / network.bandwidth_bps
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,73 @@
+"""`python -m ddlscale.cluster up|run|down|list`: manage emulated clusters by hand.
+
+    python -m ddlscale.cluster up --nodes 4 --bandwidth 1gbit       # prints the cluster's name
+    python -m ddlscale.cluster run --name ddl1a2b3c --machine 1 -- ip addr
+    python -m ddlscale.cluster down --name ddl1a2b3c                # or: down --all
+A cluster made with `up` stays until `down`; train.py's `cluster=emulated` makes and removes its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from ddlscale.cluster.emulated import PREFIX, EmulatedCluster, list_namespaces, remove_namespaces
+
+
+def _clusters() -> dict[str, int]:
+    """Cluster name -> machine count, read from the namespaces that exist now."""
+    found: dict[str, int] = {}
+    for ns in list_namespaces(PREFIX):
+        name, _, role = ns.partition("-")
+        found.setdefault(name, 0)
+        found[name] += role.startswith("m")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddlscale.cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="create an emulated cluster and leave it up")
+    up.add_argument("--nodes", type=int, required=True)
+    up.add_argument("--bandwidth", default="1gbit")
+    up.add_argument("--latency", default="0ms")
+    up.add_argument("--name")
+    run = sub.add_parser("run", help="run a command inside one machine (or all) of a cluster")
+    run.add_argument("--name", required=True)
+    run.add_argument("--machine", default="all", help="machine index or 'all'")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    down = sub.add_parser("down", help="remove a cluster (kills everything inside it)")
+    down.add_argument("--name")
+    down.add_argument("--all", action="store_true", help=f"remove every {PREFIX}* namespace")
+    sub.add_parser("list", help="list emulated clusters")
+    args = parser.parse_args(argv)
+
+    if args.command == "up":
+        cluster = EmulatedCluster(args.nodes, args.bandwidth, args.latency, name=args.name, keep=True).up()
+        addresses = ", ".join(cluster.address(i) for i in range(cluster.nodes))
+        print(f"{cluster.name}: {cluster.nodes} machines at {addresses}, {args.bandwidth} NICs")
+        return 0
+    clusters = _clusters()
+    if args.command == "list":
+        for name, machines in sorted(clusters.items()):
+            print(f"{name}: {machines} machines")
+        return 0
+    if args.command == "down":
+        if not args.all and not args.name:
+            parser.error("down needs --name NAME or --all")
+        names = list_namespaces(PREFIX if args.all else f"{args.name}-")
+        remove_namespaces(names)
+        print(f"removed {len(names)} namespaces")
+        return 0
+    if args.name not in clusters:
+        parser.error(f"no emulated cluster named {args.name!r} (have: {', '.join(clusters) or 'none'})")
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    machines = range(clusters[args.name]) if args.machine == "all" else [int(args.machine)]
+    codes = [subprocess.call(["ip", "netns", "exec", f"{args.name}-m{i}", *cmd]) for i in machines]
+    return max(codes, default=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

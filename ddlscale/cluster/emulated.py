@@ -1,0 +1,220 @@
+"""An emulated cluster on one host: network namespaces, a bridge, and per-machine NIC limits.
+
+Each emulated machine is a network namespace with one interface ``eth0`` on a private subnet,
+joined by a veth pair to a bridge in a separate "switch" namespace. ``tc`` shapes both directions
+of every machine's link (tbf for rate, netem for delay), so each machine has its own full-duplex
+NIC of the configured bandwidth — the bottleneck real clusters have, on real sockets.
+
+Safety rules this module keeps: every link is created from inside namespaces it created (the
+host's own interfaces are never touched), addresses exist only inside those namespaces, and
+everything is torn down on exit, on Ctrl-C, on SIGTERM and when the owning block raises.
+``python -m ddlscale.cluster down --all`` removes what a SIGKILLed owner left behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ddlscale.comm.cost import parse_bandwidth, parse_time
+
+PREFIX = "ddl"  # every namespace this module creates starts with it
+SUBNET = "10.213.0"  # machine i has SUBNET.(i+1)/24, inside its namespace only
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
+
+
+def unavailable_reason() -> str | None:
+    """Why an emulated cluster cannot run here, or None if it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"missing {' and '.join(missing)} (install iproute2)"
+    probe = f"{PREFIX}probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _sh(*argv: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {result.stderr.strip()}")
+
+
+def _has_qdisc(ns: str, kind: str) -> bool:
+    """Whether the kernel offers a qdisc kind (tried on the namespace's loopback, then removed)."""
+    tried = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", kind],
+                           capture_output=True)
+    subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+    return tried.returncode == 0
+
+
+def list_namespaces(prefix: str = PREFIX) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+def _kill_namespace_processes(ns: str) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def remove_namespaces(names: Sequence[str]) -> None:
+    """Kill every process inside, then delete the namespaces (their veths go with them)."""
+    for ns in names:
+        _kill_namespace_processes(ns)
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class EmulatedCluster:
+    """N emulated machines with NICs of ``bandwidth`` (tc units, e.g. "1gbit") and one-way ``latency``.
+
+    Use as a context manager (``with EmulatedCluster(4, "1gbit") as cluster: ...``) or call
+    :meth:`up` / :meth:`down`. ``keep=True`` leaves it up when the owner exits (the CLI's ``up``).
+    """
+
+    def __init__(self, nodes: int, bandwidth: str = "1gbit", latency: str = "0ms", name: str | None = None,
+                 keep: bool = False):
+        if not isinstance(nodes, int) or nodes < 1 or nodes > 250:
+            raise ValueError(f"cluster.nodes must be an integer in [1, 250], got {nodes!r}")
+        self.nodes = nodes
+        self.bandwidth_bps = parse_bandwidth(bandwidth)
+        self.latency_s = parse_time(latency)
+        self.name = name or f"{PREFIX}{uuid.uuid4().hex[:6]}"
+        if not self.name.startswith(PREFIX) or len(self.name) > 12:
+            raise ValueError(f"cluster name must start with {PREFIX!r} and have at most 12 characters: {self.name!r}")
+        self.keep = keep
+        self.is_up = False
+
+    # -- names and addresses ---------------------------------------------------------------
+    @property
+    def switch(self) -> str:
+        return f"{self.name}-sw"
+
+    def namespace(self, machine: int) -> str:
+        return f"{self.name}-m{machine}"
+
+    def address(self, machine: int) -> str:
+        return f"{SUBNET}.{machine + 1}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.namespace(i) for i in range(self.nodes)] + [self.switch]
+
+    # -- life cycle --------------------------------------------------------------------------
+    def up(self) -> EmulatedCluster:
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"emulated cluster unavailable: {reason}")
+        if not self.keep:
+            atexit.register(self.down)
+            _teardown_on_sigterm()
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        self.is_up = True
+        return self
+
+    def _build(self) -> None:
+        sw = self.switch
+        _sh("ip", "netns", "add", sw)
+        if self.latency_s > 0 and not _has_qdisc(sw, "netem"):
+            raise RuntimeError(
+                f"cluster.latency={self.latency_s * 1e3:g}ms needs tc's netem qdisc, which this kernel lacks; "
+                "use cluster.latency=0ms"
+            )
+        _sh("ip", "netns", "exec", sw, "ip", "link", "add", "br0", "type", "bridge")
+        _sh("ip", "netns", "exec", sw, "ip", "link", "set", "br0", "up")
+        for i in range(self.nodes):
+            ns, port = self.namespace(i), f"v{i}"
+            _sh("ip", "netns", "add", ns)
+            # Both ends are born inside our namespaces: the host's interfaces are never involved.
+            _sh("ip", "netns", "exec", sw, "ip", "link", "add", port, "type", "veth", "peer", "name", "eth0",
+                "netns", ns)
+            _sh("ip", "netns", "exec", sw, "ip", "link", "set", port, "master", "br0")
+            _sh("ip", "netns", "exec", sw, "ip", "link", "set", port, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            self._shape(ns, "eth0")  # the machine's upload
+            self._shape(sw, port)  # its download: the switch port's egress toward it
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate = f"{int(self.bandwidth_bps)}bit"
+        # A burst of ~1 ms of traffic (at least 64 KiB) keeps tbf accurate without starving TCP.
+        burst = max(int(self.bandwidth_bps / 8 / 1000), 64 * 1024)
+        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+        if self.latency_s > 0:
+            delay = f"{self.latency_s * 1e6:.0f}us"
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                "delay", delay)
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
+        else:
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+
+    def down(self) -> None:
+        remove_namespaces([ns for ns in self.namespaces if ns in set(list_namespaces(self.name))])
+        self.is_up = False
+
+    def __enter__(self) -> EmulatedCluster:
+        return self.up()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.down()
+
+    # -- running things on machines ----------------------------------------------------------------
+    def popen(self, machine: int, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs: Any):
+        """Start ``argv`` inside machine ``machine``'s namespace."""
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(machine), *argv], env=full_env, **kwargs)
+
+    def kill_machine(self, machine: int) -> None:
+        """Machine failure: every process of that machine dies at once (trainer, agents...)."""
+        _kill_namespace_processes(self.namespace(machine))
+
+    def torchrun(self, machine: int, script_args: Sequence[str], nproc_per_node: int = 1, port: int = 29400,
+                 script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, **popen_kwargs: Any):
+        """One torchrun agent on ``machine``; machine 0 hosts the rendezvous store (never fail it)."""
+        argv = [
+            sys.executable, "-m", "torch.distributed.run",
+            f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}",
+            f"--rdzv-conf=is_host={'true' if machine == 0 else 'false'}",
+            f"--local-addr={self.address(machine)}", f"--max-restarts={max_restarts}",
+            str(script), *script_args,
+        ]
+        return self.popen(machine, argv, **popen_kwargs)
+
+
+_SIGTERM_INSTALLED = False
+
+
+def _teardown_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit so `finally` blocks and atexit run the teardown."""
+    global _SIGTERM_INSTALLED
+    if _SIGTERM_INSTALLED or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        return
+
+    def exit_cleanly(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_cleanly)
+    _SIGTERM_INSTALLED = True
