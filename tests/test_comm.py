@@ -81,8 +81,8 @@ def test_collectives_results_and_bytes(world):
         chunks = volume.even_split(10, n)
         assert records["allreduce"] == (2 * (10 - chunks[rank]) * 4,) * 2
         assert records["allgather"] == ((n - 1) * 12, (n - 1) * 12)
-        longest = n * 4  # int32 pieces padded to the longest (n elements)
-        assert records["allgather_uneven"] == ((n - 1) * longest, (n - 1) * longest)
+        # Uneven pieces travel unpadded: rank r's piece has r + 1 int32 elements.
+        assert records["allgather_uneven"] == ((n - 1) * (rank + 1) * 4, (sum(range(1, n + 1)) - rank - 1) * 4)
         sent_a2a = sum((j + 1) * 4 for j in range(n) if j != rank)
         assert records["all_to_all"] == (sent_a2a, (n - 1) * (rank + 1) * 4)
         assert records["reduce_scatter"] == ((n - 1) * 8, (n - 1) * 8)

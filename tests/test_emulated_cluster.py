@@ -103,7 +103,12 @@ def test_train_on_emulated_cluster(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cluster"] == "emulated" and summary["world_size"] == 2 and summary["cluster_nodes"] == 2
-    assert summary["wire_time_per_step_s"] == pytest.approx(summary["bytes_sent_per_step"] * 8 / 1e9)
+    payload_bps = 1e9 * 1448 / 1514  # TCP payload per Ethernet frame
+    assert summary["wire_time_per_step_s"] == pytest.approx(summary["bytes_sent_per_step"] * 8 / payload_bps)
+    projected = summary["projected_step_time_s"]
+    assert list(projected) == ["16", "32", "64", "128", "256", "512", "1024"]
+    assert all(a <= b for a, b in zip(list(projected.values())[:-1], list(projected.values())[1:], strict=True))
+    assert "projected step time" in result.stdout
     assert "emulated cluster ddl" in result.stdout
 
 

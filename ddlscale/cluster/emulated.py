@@ -24,7 +24,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddlscale.comm.cost import parse_bandwidth, parse_time
+from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
+
+# TCP over IPv4 over Ethernet carries 1448 payload bytes per 1514-byte frame (timestamps on): the
+# shaped rate counts frames, so payload moves at this fraction of the NIC's bandwidth.
+TCP_PAYLOAD_FRACTION = 1448 / 1514
+ALPHA = "100us"  # per message step across veth + bridge + TCP, as measured on this host
 
 PREFIX = "ddl"  # every namespace this module creates starts with it
 SUBNET = "10.213.0"  # machine i has SUBNET.(i+1)/24, inside its namespace only
@@ -116,6 +121,14 @@ class EmulatedCluster:
     @property
     def namespaces(self) -> list[str]:
         return [self.namespace(i) for i in range(self.nodes)] + [self.switch]
+
+    def network_model(self, gpus_per_machine: int = 1) -> NetworkModel:
+        """The cost model of this cluster: payload bandwidth of its NICs, its message latency."""
+        return NetworkModel(
+            bandwidth_bps=self.bandwidth_bps * TCP_PAYLOAD_FRACTION,
+            latency_s=parse_time(ALPHA) + self.latency_s,
+            gpus_per_machine=gpus_per_machine,
+        )
 
     # -- life cycle --------------------------------------------------------------------------
     def up(self) -> EmulatedCluster:

@@ -8,6 +8,7 @@ recorded spans show where the wire was busy — Gemini schedules checkpoint traf
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,14 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.comm import volume
+
+SEGMENT_BYTES = 256 << 10  # point-to-point segment size on gloo (see Communicator._exchange)
+
+
+def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
+    flat = tensor.reshape(-1)
+    step = max(1, segment_bytes // max(1, flat.element_size()))
+    return [flat[i : i + step] for i in range(0, flat.numel(), step)] or [flat]
 
 
 @dataclass
@@ -54,34 +63,37 @@ class CommLedger:
 
 
 class Pending:
-    """An issued collective; :meth:`wait` blocks until it is done and returns its result."""
+    """An issued collective (one work or several); :meth:`wait` blocks until done, returns the result."""
 
-    def __init__(self, work: Any, record: CollectiveRecord, result: Any = None):
-        self._work = work
+    def __init__(self, works: list[Any], record: CollectiveRecord, result: Any = None):
+        self._works = works
         self.record = record
         self.result = result
 
     def wait(self) -> Any:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
         if self.record.end is None:
             self.record.end = time.perf_counter()
         return self.result
 
 
-def _stamp_completion(work: Any, record: CollectiveRecord) -> None:
-    """Record the true completion time through the work's future, where the backend offers one."""
+def _stamp_completion(works: list[Any], record: CollectiveRecord) -> None:
+    """Record the true completion time (the last work's) through futures, where the backend has them."""
     try:
-        future = work.get_future()
+        futures = [work.get_future() for work in works]
     except (AttributeError, RuntimeError):
         return
+    remaining = [len(futures)]
 
     def done(_: Any) -> None:
-        if record.end is None:
+        remaining[0] -= 1
+        if remaining[0] == 0 and record.end is None:
             record.end = time.perf_counter()
 
-    future.add_done_callback(done)
+    for future in futures:
+        future.add_done_callback(done)
 
 
 class Communicator:
@@ -96,15 +108,35 @@ class Communicator:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
+        # NCCL pipelines large messages itself; gloo needs our segmented point-to-point exchange.
+        self.segment_bytes = SEGMENT_BYTES if dist.get_backend(group) == "gloo" else None
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _issue(self, op: str, sent: int, recv: int, launch, result: Any = None) -> Pending:
         record = CollectiveRecord(op, sent, recv, time.perf_counter())
         self.ledger.records.append(record)
-        work = launch()
-        if work is not None:
-            _stamp_completion(work, record)
-        return Pending(work, record, result)
+        works = launch()
+        works = [w for w in (works if isinstance(works, list) else [works]) if w is not None]
+        if works:
+            _stamp_completion(works, record)
+        return Pending(works, record, result)
+
+    def _exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> list[Any]:
+        """Post every send and receive at once, cut into segments (gloo) so both directions flow.
+
+        gloo's TCP pair moves one large message at a time: two ranks exchanging 32 MB each way as
+        single messages take twice as long as one-way, whereas 1 MB segments keep both directions
+        busy (measured on the emulated cluster; 256 KiB beat 1 and 4 MiB). Both sides cut a block identically: by element
+        count, into pieces of at most ``SEGMENT_BYTES``.
+        """
+        # Interleave sends and receives segment by segment, peer by peer: queued in blocks, the
+        # receives would wait behind every send and the exchange would run one way at a time.
+        queues = [[dist.P2POp(dist.isend, piece, self._global(peer), self.group)
+                   for piece in _segments(tensor, self.segment_bytes)] for peer, tensor in sends]
+        queues += [[dist.P2POp(dist.irecv, piece, self._global(peer), self.group)
+                    for piece in _segments(tensor, self.segment_bytes)] for peer, tensor in recvs]
+        ops = [op for batch in itertools.zip_longest(*queues) for op in batch if op is not None]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
@@ -120,13 +152,7 @@ class Communicator:
 
     def allgather(self, tensor: torch.Tensor) -> Pending:
         """Allgather of equal-sized tensors; the result is a list, one tensor per rank."""
-        out = [torch.empty_like(tensor) for _ in range(self.size)]
-        nbytes = tensor.numel() * tensor.element_size()
-        sent, recv = volume.ring_allgather([nbytes] * self.size, self.rank)
-        return self._issue(
-            "allgather", sent, recv,
-            lambda: dist.all_gather(out, tensor.contiguous(), group=self.group, async_op=True), out,
-        )
+        return self._allgather_direct(tensor.contiguous(), [tensor.shape] * self.size, "allgather")
 
     def allgather_sizes(self, numel: int, device: torch.device) -> list[int]:
         """Blocking allgather of one integer per rank (the sizes an uneven allgather needs)."""
@@ -134,23 +160,34 @@ class Communicator:
         return [int(t.item()) for t in self.allgather(mine).wait()]
 
     def allgather_uneven(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> Pending:
-        """Allgather of 1-D tensors of different lengths; the result is a list trimmed per rank.
+        """Allgather of 1-D tensors of different lengths, without padding; the result is a list.
 
-        Pieces are padded to the longest one so the ring algorithm applies; the padding travels and
-        is charged. ``sizes`` (every rank's length) skips the size exchange when already known.
+        ``sizes`` (every rank's length) skips the size exchange when already known.
         """
-        flat = tensor.reshape(-1)
+        flat = tensor.reshape(-1).contiguous()
         if sizes is None:
             sizes = self.allgather_sizes(flat.numel(), flat.device)
-        longest = max(sizes)
-        padded = flat.new_zeros(longest)
-        padded[: flat.numel()] = flat
-        out = [padded.new_empty(longest) for _ in range(self.size)]
-        sent, recv = volume.ring_allgather([longest * flat.element_size()] * self.size, self.rank)
-        trimmed = [piece[:n] for piece, n in zip(out, sizes, strict=True)]
+        return self._allgather_direct(flat, [torch.Size([n]) for n in sizes], "allgather_uneven")
+
+    def _allgather_direct(self, tensor: torch.Tensor, shapes: list[torch.Size], op: str) -> Pending:
+        """Every rank sends its piece to each peer: the ring's bytes per rank, in one round.
+
+        With gloo this beats gloo's own ring allgather, which serializes its two large messages
+        per step (measured 1.7-2.2x the ideal time on the emulated cluster). NCCL with equal
+        pieces keeps its own ring.
+        """
+        out = [tensor.new_empty(shape) for shape in shapes]
+        pieces = [shape.numel() * tensor.element_size() for shape in shapes]
+        if self.segment_bytes is None and len(set(pieces)) == 1:
+            sent, recv = volume.ring_allgather(pieces, self.rank)
+            return self._issue(op, sent, recv,
+                               lambda: dist.all_gather(out, tensor, group=self.group, async_op=True), out)
+        out[self.rank] = tensor.clone()
+        sent, recv = volume.direct_allgather(pieces, self.rank)
+        peers = [r for r in range(self.size) if r != self.rank]
         return self._issue(
-            "allgather_uneven", sent, recv,
-            lambda: dist.all_gather(out, padded, group=self.group, async_op=True), trimmed,
+            op, sent, recv,
+            lambda: self._exchange([(p, tensor) for p in peers], [(p, out[p]) for p in peers]), out,
         )
 
     def all_to_all(
@@ -165,11 +202,21 @@ class Communicator:
         in_splits = input_splits or volume.even_split(input.shape[0], self.size)
         out_splits = output_splits or volume.even_split(output.shape[0], self.size)
         sent, recv = volume.all_to_all([s * row for s in in_splits], [s * row for s in out_splits], self.rank)
+        if self.segment_bytes is None:
+            return self._issue(
+                "all_to_all", sent, recv,
+                lambda: dist.all_to_all_single(
+                    output, input, output_splits, input_splits, group=self.group, async_op=True
+                ),
+                output,
+            )
+        in_blocks = list(torch.split(input, in_splits))
+        out_blocks = list(torch.split(output, out_splits))
+        out_blocks[self.rank].copy_(in_blocks[self.rank])
+        peers = [r for r in range(self.size) if r != self.rank]
         return self._issue(
             "all_to_all", sent, recv,
-            lambda: dist.all_to_all_single(
-                output, input, output_splits, input_splits, group=self.group, async_op=True
-            ),
+            lambda: self._exchange([(p, in_blocks[p]) for p in peers], [(p, out_blocks[p]) for p in peers]),
             output,
         )
 

@@ -41,6 +41,12 @@ def ring_allgather(piece_bytes: list[int], rank: int) -> tuple[int, int]:
     return total - piece_bytes[(rank + 1) % world], total - piece_bytes[rank]
 
 
+def direct_allgather(piece_bytes: list[int], rank: int) -> tuple[int, int]:
+    """Allgather by sending one's piece straight to every peer (no padding of uneven pieces)."""
+    world = len(piece_bytes)
+    return (world - 1) * piece_bytes[rank], sum(piece_bytes) - piece_bytes[rank]
+
+
 def all_to_all(send_bytes: list[int], recv_bytes: list[int], rank: int) -> tuple[int, int]:
     """Pairwise all-to-all: everything but the block a rank addresses to itself travels."""
     return sum(send_bytes) - send_bytes[rank], sum(recv_bytes) - recv_bytes[rank]

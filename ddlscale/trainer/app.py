@@ -18,7 +18,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.metrics import StepMetrics
 
@@ -126,6 +126,17 @@ def run(
     return json.loads(summary_path.read_text()) if summary_path.exists() else {}
 
 
+def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:
+    """Step time at 16-1024 workers: this run's non-sync time plus the model's allreduce of its gradients.
+
+    The gradient bytes are recovered from the measured ring volume, 2 (n-1)/n of them per rank.
+    """
+    world = summary["world_size"]
+    grad_bytes = summary["bytes_sent_per_step"] * world / (2 * (world - 1))
+    local = max(summary["step_time_s"] - summary["sync_time_s"], 0.0)
+    return {str(n): local + network.allreduce(grad_bytes, n) for n in PROJECTION_WORKERS}
+
+
 def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
     """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
 
@@ -146,12 +157,15 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         raise RuntimeError(f"emulated-cluster agents exited with codes {codes}; see the output above")
     summary_path = output_dir / "summary.json"
     summary = json.loads(summary_path.read_text())
-    network = NetworkModel.of(bandwidth=str(cfg.cluster.bandwidth), latency=str(cfg.cluster.latency),
-                              gpus_per_machine=devices)
+    network = cluster.network_model(gpus_per_machine=devices)
     summary["cluster_nodes"] = nodes
-    summary["cluster_bandwidth_bps"] = network.bandwidth_bps
-    if summary.get("bytes_sent_per_step"):
+    summary["cluster_bandwidth_bps"] = cluster.bandwidth_bps
+    world = summary["world_size"]
+    if summary.get("bytes_sent_per_step") and world > 1:
         # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
         summary["wire_time_per_step_s"] = summary["bytes_sent_per_step"] * 8 / network.bandwidth_bps
+        summary["projected_step_time_s"] = project_step_time(summary, network)
+        print("projected step time (cost model, dense ring allreduce not overlapped): " + ", ".join(
+            f"{n} workers {t * 1e3:.0f} ms" for n, t in summary["projected_step_time_s"].items()), flush=True)
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
