@@ -81,8 +81,9 @@ time.sleep(60)
 @needs_namespaces
 @pytest.mark.parametrize("how", ["raise", "sigterm", "sigint"])
 def test_teardown_on_crash_sigterm_and_ctrl_c(how):
+    # A background job inherits SIGINT ignored (as under CI); an interactive owner would not.
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=ROOT)
+                             text=True, cwd=ROOT, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     name = owner.stdout.readline().strip()
     assert name.startswith("ddl")
     if how != "raise":
