@@ -203,14 +203,32 @@ class EmulatedCluster:
         """Machine failure: every process of that machine dies at once (trainer, agents...)."""
         _kill_namespace_processes(self.namespace(machine))
 
+    def start_rendezvous_store(self, port: int = 29400):
+        """A TCPStore on machine 0 that outlives every agent, for torchrun's c10d rendezvous.
+
+        Hosted by an agent, the store would die with it: peers then fail to leave the rendezvous at
+        the end, and a failure injected into that machine would take the whole job down.
+        """
+        code = (
+            "import time, datetime, torch.distributed as d\n"
+            f"s = d.TCPStore('{self.address(0)}', {port}, is_master=True, wait_for_workers=False,"
+            " timeout=datetime.timedelta(hours=24))\n"
+            "print('ready', flush=True)\n"
+            "while True: time.sleep(3600)"
+        )
+        store = self.popen(0, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        if store.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the rendezvous store on {self.address(0)}:{port} did not start")
+        return store
+
     def torchrun(self, machine: int, script_args: Sequence[str], nproc_per_node: int = 1, port: int = 29400,
                  script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, **popen_kwargs: Any):
-        """One torchrun agent on ``machine``; machine 0 hosts the rendezvous store (never fail it)."""
+        """One torchrun agent on ``machine``, joining the store of :meth:`start_rendezvous_store`."""
         argv = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}",
-            f"--rdzv-conf=is_host={'true' if machine == 0 else 'false'}",
+            "--rdzv-conf=is_host=false",
             f"--local-addr={self.address(machine)}", f"--max-restarts={max_restarts}",
             str(script), *script_args,
         ]

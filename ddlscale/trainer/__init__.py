@@ -1,6 +1,13 @@
 """The Hydra-configured training application behind ``train.py``."""
 
-from ddlscale.trainer.app import ConfigError, build_trainer, check_config, run
-from ddlscale.trainer.metrics import StepMetrics, param_sha256
+import warnings
+
+# Deprecations raised inside Lightning's own use of torch, which a user cannot act on; they would
+# print once per worker per run. (Imported in spawned workers too, through the metrics callback.)
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+warnings.filterwarnings("ignore", message=r".*torch.distributed.nn.functional.all_gather is deprecated.*")
+
+from ddlscale.trainer.app import ConfigError, build_trainer, check_config, run  # noqa: E402
+from ddlscale.trainer.metrics import StepMetrics, param_sha256  # noqa: E402
 
 __all__ = ["ConfigError", "StepMetrics", "build_trainer", "check_config", "param_sha256", "run"]

@@ -150,6 +150,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
               f"{cfg.cluster.bandwidth} NICs", flush=True)
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
+        cluster.start_rendezvous_store(int(cfg.cluster.port))
         agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=int(cfg.cluster.port), env=threads)
                   for i in range(nodes)]
         codes = [agent.wait() for agent in agents]
