@@ -22,9 +22,10 @@ SEGMENT_BYTES = 256 << 10  # point-to-point segment size on gloo (see Communicat
 
 
 def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
+    """Pieces of at most ``segment_bytes``; none for an empty tensor (both sides know it is empty)."""
     flat = tensor.reshape(-1)
     step = max(1, segment_bytes // max(1, flat.element_size()))
-    return [flat[i : i + step] for i in range(0, flat.numel(), step)] or [flat]
+    return [flat[i : i + step] for i in range(0, flat.numel(), step)]
 
 
 @dataclass

@@ -1,0 +1,10 @@
+"""Sparse gradient synchronization: Zen and the baselines it is measured against."""
+
+from ddlscale.sync.sparse.agsparse import AGSparseSync
+from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.hashing import HashPartitioner
+from ddlscale.sync.sparse.partition import ContiguousPartitioner
+from ddlscale.sync.sparse.sparse_ps import SparsePSSync
+from ddlscale.sync.sparse.zen import ZenSync
+
+__all__ = ["AGSparseSync", "ContiguousPartitioner", "HashPartitioner", "SparsePSSync", "SparseSync", "ZenSync"]

@@ -1,0 +1,30 @@
+"""Flat COO views of gradients: (indices, values) of the non-zeros, and back to a dense tensor."""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_flat_coo(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat int64 indices and values of a gradient's non-zeros.
+
+    Dense layout: the elements that are not zero (NaN counts as non-zero, so it propagates).
+    Sparse COO (``nn.Embedding(sparse=True)``): every element of every stored row.
+    """
+    if grad.is_sparse:
+        grad = grad.coalesce()
+        rows = grad.indices()[0]
+        row_values = grad.values().reshape(rows.numel(), -1)
+        width = row_values.shape[1]
+        indices = (rows[:, None] * width + torch.arange(width, device=rows.device)).reshape(-1)
+        return indices, row_values.reshape(-1)
+    flat = grad.reshape(-1)
+    indices = torch.nonzero(flat != 0, as_tuple=False).reshape(-1)  # NaN != 0 is True
+    return indices, flat[indices]
+
+
+def scatter_dense(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A dense tensor shaped like ``like`` holding ``values`` at the (distinct) flat ``indices``."""
+    out = torch.zeros(like.numel(), dtype=values.dtype, device=values.device)
+    out[indices.to(torch.int64)] = values
+    return out.view(like.shape)

@@ -1,0 +1,83 @@
+"""Parallel sparse aggregation: push each index to its owner, sum there, pull the sums back.
+
+Push: worker w sends server s the (index, value) pairs it owns (all-to-all, uneven sizes); server s
+adds what arrives into a compact buffer over its owned set (incremental aggregation: the server's
+bytes out are its *summed* non-zeros, not n copies). Pull: every server's sums go to every worker
+(allgather), either as COO (index + value, 2 words per non-zero) or as a hash bitmap (one bit per
+owned index, then the values in owned order) — the bitmap wins once the summed density exceeds
+about 1/32 (SYSTEMS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ddlscale.comm import Communicator
+from ddlscale.sync.sparse.partition import split_by_server
+
+INDEX_DTYPE = torch.int32  # indices travel as int32: tensors here have fewer than 2**31 elements
+
+
+def push(comm: Communicator, indices: torch.Tensor, values: torch.Tensor, servers: torch.Tensor):
+    """All-to-all of (index, value) pairs by owning server; returns what this rank received."""
+    n = comm.size
+    indices, values, counts = split_by_server(servers, indices, values, n)
+    send_counts = torch.tensor(counts, dtype=torch.int64)
+    recv_counts = torch.empty(n, dtype=torch.int64)
+    comm.all_to_all(recv_counts, send_counts).wait()
+    recv_splits = recv_counts.tolist()
+    recv_idx = torch.empty(sum(recv_splits), dtype=INDEX_DTYPE)
+    recv_val = torch.empty(sum(recv_splits), dtype=values.dtype)
+    sent_idx = comm.all_to_all(recv_idx, indices.to(INDEX_DTYPE), recv_splits, counts)
+    sent_val = comm.all_to_all(recv_val, values, recv_splits, counts)
+    sent_idx.wait()
+    sent_val.wait()
+    return recv_idx.to(torch.int64), recv_val
+
+
+def aggregate(recv_idx: torch.Tensor, recv_val: torch.Tensor, owned: torch.Tensor, position: torch.Tensor):
+    """Sum received pairs over this server's owned set; return the owned mask of non-zero sums.
+
+    Pairs are added in arrival order (rank 0's first), the same on every run: deterministic.
+    """
+    compact = torch.zeros(owned.numel(), dtype=recv_val.dtype)
+    compact.index_add_(0, position[recv_idx], recv_val)
+    nonzero = (compact != 0) | torch.isnan(compact)
+    return compact, nonzero
+
+
+def pull_coo(comm: Communicator, owned: torch.Tensor, compact: torch.Tensor, nonzero: torch.Tensor):
+    """Allgather each server's summed non-zeros as (index, value); returns the global sum's COO."""
+    mine_idx = owned[nonzero].to(INDEX_DTYPE)
+    sizes = comm.allgather_sizes(mine_idx.numel(), mine_idx.device)
+    got_idx = comm.allgather_uneven(mine_idx, sizes)
+    got_val = comm.allgather_uneven(compact[nonzero], sizes)
+    return torch.cat(got_idx.wait()).to(torch.int64), torch.cat(got_val.wait())
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask -> uint8 bitmap, 8 entries per byte (little-endian bit order)."""
+    padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8)
+    padded[: mask.numel()] = mask.to(torch.uint8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(bitmap: torch.Tensor, length: int) -> torch.Tensor:
+    bits = (bitmap[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(-1)[:length].bool()
+
+
+def pull_bitmap(comm: Communicator, owned_sets: list[torch.Tensor], compact: torch.Tensor, nonzero: torch.Tensor):
+    """Allgather a bitmap over each server's owned set plus its non-zero values in owned order.
+
+    Every worker knows every owned set (the partition is a fixed function of the index), so the
+    bitmaps total M/8 bytes whatever n is and no index travels.
+    """
+    bitmap_sizes = [(s.numel() + 7) // 8 for s in owned_sets]
+    got_bits = comm.allgather_uneven(pack_bits(nonzero), bitmap_sizes)
+    value_sizes = comm.allgather_sizes(int(nonzero.sum()), compact.device)
+    got_val = comm.allgather_uneven(compact[nonzero], value_sizes)
+    bitmaps = got_bits.wait()
+    indices = [owned[unpack_bits(bits, owned.numel())] for owned, bits in zip(owned_sets, bitmaps, strict=True)]
+    return torch.cat(indices), torch.cat(got_val.wait())
