@@ -32,6 +32,8 @@ def _exercise(rank, world):
     out["allgather"] = torch.stack(comm.allgather(torch.full((3,), float(rank))).wait())
     piece = torch.arange(rank + 1, dtype=torch.int32)  # lengths 1..n
     out["allgather_uneven"] = [x.clone() for x in comm.allgather_uneven(piece).wait()]
+    big = torch.full(((rank + 1) * 20_000,), rank, dtype=torch.int32)  # past SMALL_BYTES: no padding
+    out["allgather_big"] = [x.clone() for x in comm.allgather_uneven(big, [(r + 1) * 20_000 for r in range(world)]).wait()]
     # all-to-all: rank r sends (j + 1) copies of value 10r + j to rank j.
     in_splits = [j + 1 for j in range(world)]
     send = torch.cat([torch.full((j + 1,), float(10 * rank + j)) for j in range(world)])
@@ -81,8 +83,12 @@ def test_collectives_results_and_bytes(world):
         chunks = volume.even_split(10, n)
         assert records["allreduce"] == (2 * (10 - chunks[rank]) * 4,) * 2
         assert records["allgather"] == ((n - 1) * 12, (n - 1) * 12)
-        # Uneven pieces travel unpadded: rank r's piece has r + 1 int32 elements.
-        assert records["allgather_uneven"] == ((n - 1) * (rank + 1) * 4, (sum(range(1, n + 1)) - rank - 1) * 4)
+        # Small uneven pieces go through one padded native allgather (padding charged)...
+        assert records["allgather_uneven"] == ((n - 1) * n * 4, (n - 1) * n * 4)
+        # ...large ones straight to each peer, unpadded: rank r's piece has (r + 1) * 20000 int32s.
+        assert [x.unique().tolist() for x in out["allgather_big"]] == [[r] for r in range(n)]
+        uneven = [op for op in out["records"] if op[0] == "allgather_uneven"][1]
+        assert uneven[1:3] == ((n - 1) * (rank + 1) * 80_000, (sum(range(1, n + 1)) - rank - 1) * 80_000)
         sent_a2a = sum((j + 1) * 4 for j in range(n) if j != rank)
         assert records["all_to_all"] == (sent_a2a, (n - 1) * (rank + 1) * 4)
         assert records["reduce_scatter"] == ((n - 1) * 8, (n - 1) * 8)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ddlscale.comm import volume
 
 SEGMENT_BYTES = 256 << 10  # point-to-point segment size on gloo (see Communicator._exchange)
+SMALL_BYTES = 64 << 10  # below this per rank, gloo's own collectives win: one call, no per-peer ops
 
 
 def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
@@ -179,10 +180,12 @@ class Communicator:
         """
         out = [tensor.new_empty(shape) for shape in shapes]
         pieces = [shape.numel() * tensor.element_size() for shape in shapes]
-        if self.segment_bytes is None and len(set(pieces)) == 1:
+        if len(set(pieces)) == 1 and (self.segment_bytes is None or sum(pieces) <= SMALL_BYTES):
             sent, recv = volume.ring_allgather(pieces, self.rank)
             return self._issue(op, sent, recv,
                                lambda: dist.all_gather(out, tensor, group=self.group, async_op=True), out)
+        if self.segment_bytes is None or max(pieces) * self.size <= SMALL_BYTES:
+            return self._allgather_padded(tensor.reshape(-1), [s.numel() for s in shapes], op)
         out[self.rank] = tensor.clone()
         sent, recv = volume.direct_allgather(pieces, self.rank)
         peers = [r for r in range(self.size) if r != self.rank]
@@ -190,6 +193,21 @@ class Communicator:
             op, sent, recv,
             lambda: self._exchange([(p, tensor) for p in peers], [(p, out[p]) for p in peers]), out,
         )
+
+    def _allgather_padded(self, flat: torch.Tensor, numels: list[int], op: str) -> Pending:
+        """Uneven allgather through the backend's own allgather, padding to the longest piece.
+
+        The padding travels and is charged: worth it only for small pieces, where one native call
+        beats per-peer messages.
+        """
+        longest = max(numels)
+        padded = flat.new_zeros(longest)
+        padded[: flat.numel()] = flat
+        out = [padded.new_empty(longest) for _ in range(self.size)]
+        sent, recv = volume.ring_allgather([longest * flat.element_size()] * self.size, self.rank)
+        trimmed = [piece[:n] for piece, n in zip(out, numels, strict=True)]
+        return self._issue(op, sent, recv,
+                           lambda: dist.all_gather(out, padded, group=self.group, async_op=True), trimmed)
 
     def all_to_all(
         self,
@@ -203,7 +221,7 @@ class Communicator:
         in_splits = input_splits or volume.even_split(input.shape[0], self.size)
         out_splits = output_splits or volume.even_split(output.shape[0], self.size)
         sent, recv = volume.all_to_all([s * row for s in in_splits], [s * row for s in out_splits], self.rank)
-        if self.segment_bytes is None:
+        if self.segment_bytes is None or max(sent, recv) <= SMALL_BYTES:
             return self._issue(
                 "all_to_all", sent, recv,
                 lambda: dist.all_to_all_single(

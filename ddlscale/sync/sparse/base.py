@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ddlscale.comm.cost import NetworkModel
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.coo import scatter_dense, to_flat_coo
 
@@ -26,12 +27,17 @@ class SparseSync(DenseAllreduce):
         profile_steps: steps of dense sync spent measuring densities before routing tensors.
         sparse_params: ``"auto"`` (route by the volume formulas) or a list of parameter names that
             must go sparse (others stay dense), e.g. to force a scheme for a benchmark.
+        network_bandwidth, network_latency: the network the routing assumes (tc units). A tensor goes
+            sparse when its bytes at that bandwidth plus the scheme's extra message latencies beat
+            its dense bytes; small tensors stay in the dense buckets, where latency is shared.
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
     """
 
     def __init__(self, profile_steps: int = 2, sparse_params: str | list[str] = "auto",
+                 network_bandwidth: str = "1gbit", network_latency: str = "100us",
                  bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        self.network = NetworkModel.of(bandwidth=network_bandwidth, latency=network_latency)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         if sparse_params != "auto" and not isinstance(sparse_params, list | tuple):
@@ -117,13 +123,22 @@ class SparseSync(DenseAllreduce):
         if self.steps + 1 == self.profile_steps:
             self._route()
 
+    def sparse_latency_steps(self) -> int:
+        """Sequential message steps the sparse scheme adds per tensor (push counts, push, sizes, pull)."""
+        return 4 * (self.world_size - 1)
+
+    def prefers_sparse(self, index: int) -> bool:
+        """The cost model's verdict for one profiled tensor (bytes in a dense bucket share latency)."""
+        p = self.params[index]
+        n, b = self.world_size, self.network.bandwidth_bps
+        dense_s = 2 * (n - 1) / n * p.numel() * p.element_size() * 8 / b
+        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0))
+        sparse_s = sparse_bytes * 8 / b + self.sparse_latency_steps() * self.network.latency_s
+        return sparse_s < dense_s
+
     def _route(self) -> None:
         if self.sparse_params == "auto":
-            dense_bytes = {i: 2 * (self.world_size - 1) / self.world_size * p.numel() * p.element_size()
-                           for i, p in enumerate(self.params)}
-            self.sparse = [i for i in range(len(self.params)) if self.world_size > 1
-                           and self.sparse_volume(self.params[i].numel(), self.density.get(i, 1.0),
-                                                  self.gamma.get(i, 1.0)) < dense_bytes[i]]
+            self.sparse = [i for i in range(len(self.params)) if self.world_size > 1 and self.prefers_sparse(i)]
         else:
             self.sparse = [self.names.index(name) for name in self.sparse_params]
         self.on_setup()  # rebuild the dense buckets without the sparse tensors

@@ -1,0 +1,1 @@
+"""Stand-alone analysis tools run as ``python -m ddlscale.tools.<name>``."""
