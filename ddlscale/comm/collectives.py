@@ -9,6 +9,7 @@ recorded spans show where the wire was busy — Gemini schedules checkpoint traf
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,7 +218,7 @@ class Communicator:
         input_splits: list[int] | None = None,
     ) -> Pending:
         """All-to-all along dim 0 with (optionally uneven) splits; ``output`` receives the blocks."""
-        row = input[0].numel() * input.element_size() if input.dim() > 1 else input.element_size()
+        row = math.prod(input.shape[1:]) * input.element_size()  # bytes per dim-0 row (empty input too)
         in_splits = input_splits or volume.even_split(input.shape[0], self.size)
         out_splits = output_splits or volume.even_split(output.shape[0], self.size)
         sent, recv = volume.all_to_all([s * row for s in in_splits], [s * row for s in out_splits], self.rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ddlscale.sync.sparse.base import SparseSync
-from ddlscale.sync.sparse.pushpull import INDEX_DTYPE
+from ddlscale.sync.sparse.pushpull import pack_pairs, unpack_pairs
 
 
 class AGSparseSync(SparseSync):
@@ -21,10 +21,10 @@ class AGSparseSync(SparseSync):
     def sync_sparse(self, index: int, indices: torch.Tensor, values: torch.Tensor):
         numel = self.params[index].numel()
         with self.timed("comm"):
-            sizes = self.comm.allgather_sizes(indices.numel(), indices.device)
-            got_idx = self.comm.allgather_uneven(indices.to(INDEX_DTYPE), sizes)
-            got_val = self.comm.allgather_uneven(values, sizes)
-            all_idx, all_val = torch.cat(got_idx.wait()).to(torch.int64), torch.cat(got_val.wait())
+            rows = pack_pairs(indices, values)
+            sizes = self.comm.allgather_sizes(rows.numel(), rows.device)
+            pieces = self.comm.allgather_uneven(rows, sizes).wait()
+            all_idx, all_val = unpack_pairs(torch.cat(pieces).view(-1, rows.shape[1]), values.dtype)
         with self.timed("decode"):
             total = torch.zeros(numel, dtype=values.dtype)
             total.index_add_(0, all_idx, all_val)  # in rank order: deterministic

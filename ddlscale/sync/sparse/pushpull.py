@@ -18,6 +18,22 @@ from ddlscale.sync.sparse.partition import split_by_server
 INDEX_DTYPE = torch.int32  # indices travel as int32: tensors here have fewer than 2**31 elements
 
 
+def pack_pairs(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(index, value) pairs as rows of bytes — int32 index then the value — so one message carries both."""
+    width = 4 + values.element_size()
+    rows = torch.empty((indices.numel(), width), dtype=torch.uint8)
+    rows[:, :4] = indices.to(INDEX_DTYPE).view(torch.uint8).view(-1, 4)
+    rows[:, 4:] = values.contiguous().view(torch.uint8).view(-1, values.element_size())
+    return rows
+
+
+def unpack_pairs(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # Fresh column blocks: .contiguous() may keep a one-row slice's odd stride, which view() rejects.
+    index_bytes = torch.empty((rows.shape[0], 4), dtype=torch.uint8).copy_(rows[:, :4])
+    value_bytes = torch.empty((rows.shape[0], rows.shape[1] - 4), dtype=torch.uint8).copy_(rows[:, 4:])
+    return index_bytes.view(INDEX_DTYPE).reshape(-1).to(torch.int64), value_bytes.view(dtype).reshape(-1)
+
+
 def push(comm: Communicator, indices: torch.Tensor, values: torch.Tensor, servers: torch.Tensor):
     """All-to-all of (index, value) pairs by owning server; returns what this rank received."""
     n = comm.size
@@ -26,13 +42,10 @@ def push(comm: Communicator, indices: torch.Tensor, values: torch.Tensor, server
     recv_counts = torch.empty(n, dtype=torch.int64)
     comm.all_to_all(recv_counts, send_counts).wait()
     recv_splits = recv_counts.tolist()
-    recv_idx = torch.empty(sum(recv_splits), dtype=INDEX_DTYPE)
-    recv_val = torch.empty(sum(recv_splits), dtype=values.dtype)
-    sent_idx = comm.all_to_all(recv_idx, indices.to(INDEX_DTYPE), recv_splits, counts)
-    sent_val = comm.all_to_all(recv_val, values, recv_splits, counts)
-    sent_idx.wait()
-    sent_val.wait()
-    return recv_idx.to(torch.int64), recv_val
+    rows = pack_pairs(indices, values)
+    received = rows.new_empty((sum(recv_splits), rows.shape[1]))
+    comm.all_to_all(received, rows, recv_splits, counts).wait()
+    return unpack_pairs(received, values.dtype)
 
 
 def aggregate(recv_idx: torch.Tensor, recv_val: torch.Tensor, owned: torch.Tensor, position: torch.Tensor):
@@ -48,11 +61,10 @@ def aggregate(recv_idx: torch.Tensor, recv_val: torch.Tensor, owned: torch.Tenso
 
 def pull_coo(comm: Communicator, owned: torch.Tensor, compact: torch.Tensor, nonzero: torch.Tensor):
     """Allgather each server's summed non-zeros as (index, value); returns the global sum's COO."""
-    mine_idx = owned[nonzero].to(INDEX_DTYPE)
-    sizes = comm.allgather_sizes(mine_idx.numel(), mine_idx.device)
-    got_idx = comm.allgather_uneven(mine_idx, sizes)
-    got_val = comm.allgather_uneven(compact[nonzero], sizes)
-    return torch.cat(got_idx.wait()).to(torch.int64), torch.cat(got_val.wait())
+    rows = pack_pairs(owned[nonzero], compact[nonzero])
+    sizes = comm.allgather_sizes(rows.numel(), rows.device)
+    pieces = comm.allgather_uneven(rows, sizes).wait()
+    return unpack_pairs(torch.cat(pieces).view(-1, rows.shape[1]), compact.dtype)
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
