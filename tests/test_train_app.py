@@ -137,3 +137,21 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
     assert all(agent.returncode == 0 for agent in agents), "\n".join(log[-2000:] for log in logs)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4 and summary["cluster"] == "torchrun"
+
+
+@pytest.mark.parametrize("model", ["lstm", "deepfm"])
+def test_sparse_backends_train_exactly_like_dense(model, tmp_path):
+    """On 2 workers every sum is exact, so zen and the baselines must give dense's very bits."""
+    small = {"lstm": ["model.vocab_size=5000", "model.num_samples=1024"],
+             "deepfm": ["model.field_size=5000", "model.num_samples=2048"]}[model]
+    syncs = ["dense", "zen", "agsparse", "sparse_ps"] if model == "lstm" else ["dense", "zen"]
+    summaries = {}
+    for sync in syncs:
+        out = tmp_path / sync
+        result = _train(f"model={model}", f"sync={sync}", "trainer.max_steps=6", *small, f"hydra.run.dir={out}", *QUIET)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summaries[sync] = json.loads((out / "summary.json").read_text())
+    for sync in syncs[1:]:
+        assert summaries[sync]["param_sha256"] == summaries["dense"]["param_sha256"], sync
+        assert summaries[sync]["final_loss"] == summaries["dense"]["final_loss"]
+        assert summaries[sync]["bytes_sent_per_step"] < summaries["dense"]["bytes_sent_per_step"] / 2, sync
