@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from ddlscale.sync import DenseAllreduce, GradSync
 
@@ -170,6 +170,11 @@ class DDLStrategy(DDPStrategy):
             handle.remove()
         self._hook_handles = []
         super().teardown()
+        if isinstance(self._launcher, _MultiProcessingLauncher) and dist.is_initialized():
+            # This worker process ends right after fit: shut gloo's threads down in order here. Left to
+            # interpreter exit, a collective's completion callback can outlive them and abort the
+            # process ("terminate called without an active exception").
+            dist.destroy_process_group()
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

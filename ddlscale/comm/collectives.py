@@ -119,8 +119,11 @@ class Communicator:
         record = CollectiveRecord(op, sent, recv, time.perf_counter())
         self.ledger.records.append(record)
         works = launch()
-        works = [w for w in (works if isinstance(works, list) else [works]) if w is not None]
-        if works:
+        point_to_point = isinstance(works, list)
+        works = [w for w in (works if point_to_point else [works]) if w is not None]
+        # Future callbacks on gloo's point-to-point works can abort the process at exit
+        # ("terminate called without an active exception"), so those end at wait() instead.
+        if works and not point_to_point:
             _stamp_completion(works, record)
         return Pending(works, record, result)
 
