@@ -18,8 +18,7 @@ class AGSparseSync(SparseSync):
     def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
         return 8 * density * numel * (self.world_size - 1)
 
-    def sync_sparse(self, index: int, indices: torch.Tensor, values: torch.Tensor):
-        numel = self.params[index].numel()
+    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         with self.timed("comm"):
             rows = pack_pairs(indices, values)
             sizes = self.comm.allgather_sizes(rows.numel(), rows.device)

@@ -9,6 +9,7 @@ stay in the dense buckets. Sparse tensors are synchronized after backward, in ba
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -79,23 +80,50 @@ class SparseSync(DenseAllreduce):
 
     def finish(self) -> None:
         super().finish()  # dense buckets first: they were launched during backward
-        for index in [i for i in self.backward_order if i in self._sparse_set]:
-            p = self.params[index]
-            pending = self._pending_sparse.pop(index, None)
-            if pending is None:  # no gradient this step on this rank: contribute nothing
-                pending = (torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=p.dtype),
-                           None)
-            indices, values, sparse_dim = pending
-            total_idx, total_val = self.sync_sparse(index, indices, values)
-            start = time.perf_counter()
-            average = scatter_dense(total_idx, total_val, p)
-            p.grad = average.to_sparse(sparse_dim) if sparse_dim is not None else average
-            self._timers["decode"] += time.perf_counter() - start
+        for group in self._sparse_groups():
+            self._finish_group(group)
         if self.steps < self.profile_steps:
             self._profile()
 
-    def sync_sparse(self, index: int, indices: torch.Tensor, values: torch.Tensor):
-        """Return the global sum of every rank's (indices, values) as flat COO (override)."""
+    def _sparse_groups(self) -> list[list[int]]:
+        """Sparse tensors fused by dtype, in backward order: one push and one pull per group, so
+        the per-message latency is paid once, not once per tensor."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for i in self.backward_order:
+            if i in self._sparse_set:
+                groups.setdefault(self.params[i].dtype, []).append(i)
+        return list(groups.values())
+
+    def _finish_group(self, group: list[int]) -> None:
+        start = time.perf_counter()
+        sizes = [self.params[i].numel() for i in group]
+        offsets = [0, *itertools.accumulate(sizes)]
+        parts_idx, parts_val, sparse_dims = [], [], {}
+        for k, i in enumerate(group):
+            pending = self._pending_sparse.pop(i, None)
+            if pending is None:  # no gradient this step on this rank: contribute nothing
+                continue
+            indices, values, sparse_dims[i] = pending
+            parts_idx.append(indices + offsets[k])  # one index space over the fused tensors
+            parts_val.append(values)
+        dtype = self.params[group[0]].dtype
+        indices = torch.cat(parts_idx) if parts_idx else torch.empty(0, dtype=torch.int64)
+        values = torch.cat(parts_val) if parts_val else torch.empty(0, dtype=dtype)
+        self._timers["encode"] += time.perf_counter() - start
+        total_idx, total_val = self.sync_sparse(group, offsets[-1], indices, values)
+        start = time.perf_counter()
+        owner = torch.bucketize(total_idx, torch.tensor(offsets[1:-1], dtype=torch.int64), right=True)
+        for k, i in enumerate(group):
+            mine = owner == k
+            p = self.params[i]
+            average = scatter_dense(total_idx[mine] - offsets[k], total_val[mine], p)
+            sparse_dim = sparse_dims.get(i)
+            p.grad = average.to_sparse(sparse_dim) if sparse_dim is not None else average
+        self._timers["decode"] += time.perf_counter() - start
+
+    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
+        """Global sum of every rank's (indices, values) over the fused index space of ``group``
+        (``numel`` elements), as flat COO (override)."""
         raise NotImplementedError
 
     def sparse_volume(self, numel: int, density: float, gamma: float) -> float:

@@ -25,8 +25,7 @@ class SparsePSSync(SparseSync):
     def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
         return zen_coo_bytes(numel, density, gamma, self.world_size)  # if it were balanced
 
-    def sync_sparse(self, index: int, indices: torch.Tensor, values: torch.Tensor):
-        numel = self.params[index].numel()
+    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         owned_sets, position = self.partitioner.layout(numel)
         with self.timed("comm"):
             recv_idx, recv_val = pushpull.push(self.comm, indices, values, self.partitioner.server_of(indices, numel))

@@ -48,10 +48,14 @@ class ZenSync(SparseSync):
             self.partitioner.verify_agreement(self.comm.group)
         super().on_setup()
 
-    def pull_format(self, index: int) -> str:
+    def pull_format(self, group: list[int]) -> str:
+        """COO or hash bitmap for a fused group, from its tensors' profiled densities."""
         if self.pull != "auto":
             return self.pull
-        numel, d, gamma = self.params[index].numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0)
+        numel = sum(self.params[i].numel() for i in group)
+        nonzeros = sum(self.density.get(i, 1.0) * self.params[i].numel() for i in group)
+        summed = sum(self.gamma.get(i, 1.0) * self.density.get(i, 1.0) * self.params[i].numel() for i in group)
+        d, gamma = nonzeros / numel, (summed / nonzeros if nonzeros else 1.0)
         coo = zen_coo_bytes(numel, d, gamma, self.world_size)
         return "bitmap" if zen_bitmap_bytes(numel, d, gamma, self.world_size) < coo else "coo"
 
@@ -59,8 +63,7 @@ class ZenSync(SparseSync):
         return min(zen_coo_bytes(numel, density, gamma, self.world_size),
                    zen_bitmap_bytes(numel, density, gamma, self.world_size))
 
-    def sync_sparse(self, index: int, indices: torch.Tensor, values: torch.Tensor):
-        numel = self.params[index].numel()
+    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         with self.timed("encode"):
             servers = self.partitioner.server_of(indices)
             owned_sets, position = self.partitioner.layout(numel)
@@ -69,7 +72,7 @@ class ZenSync(SparseSync):
         with self.timed("decode"):
             compact, nonzero = pushpull.aggregate(recv_idx, recv_val, owned_sets[self.rank], position)
         with self.timed("comm"):
-            if self.pull_format(index) == "bitmap":
+            if self.pull_format(group) == "bitmap":
                 return pushpull.pull_bitmap(self.comm, owned_sets, compact, nonzero)
             return pushpull.pull_coo(self.comm, owned_sets[self.rank], compact, nonzero)
 
