@@ -26,22 +26,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="lstm,deepfm")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--syncs", default=",".join(SYNCS))
+    parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated "
+                        "(e.g. 'model.vocab_size=100000')")
+    parser.add_argument("--name", default="zen_speed", help="results folder name")
     args = parser.parse_args(argv)
+    syncs = tuple(args.syncs.split(","))
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = Results("zen_speed")
+    results = Results(args.name)
     models = args.models.split(",")
     rows, by_pair = [], defaultdict(list)
-    total, done = len(models) * args.reps * len(SYNCS), 0
+    total, done = len(models) * args.reps * len(syncs), 0
     for model in models:
-        for rep, sync in alternating(SYNCS, args.reps):
+        for rep, sync in alternating(syncs, args.reps):
             summary = train([f"model={model}", f"sync={sync}", "cluster=emulated", f"cluster.nodes={args.nodes}",
                              f"cluster.bandwidth={args.bandwidth}", "trainer.devices=1",
-                             f"trainer.max_steps={args.steps}", "seed=0"], timeout=1800)
+                             f"trainer.max_steps={args.steps}", "seed=0", *args.overrides.split()], timeout=1800)
             done += 1
             row = {"model": model, "sync": sync, "rep": rep,
                    **{k: summary[k] for k in ("step_time_s", "sync_time_s", "samples_per_s", "bytes_sent_per_step",
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         dense_sync = spread([r["sync_time_s"] for r in by_pair[(model, "dense")]])[0]
         dense_step = spread([r["step_time_s"] for r in by_pair[(model, "dense")]])[0]
-        for sync in SYNCS:
+        for sync in syncs:
             runs = by_pair[(model, sync)]
             step, sync_s = spread([r["step_time_s"] for r in runs])[0], spread([r["sync_time_s"] for r in runs])[0]
             table.append([model, sync, step * 1e3, sync_s * 1e3, runs[0]["bytes_sent_per_step"] / 2**20,
@@ -71,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
               "blocked on the wire, unpacking); all emulated machines share this host's 2 cores, so compute "
               "is ~4x slower than on 8 real machines and step speedups understate sync speedups.",
         command=f"python -m experiments.zen_speed --nodes {args.nodes} --bandwidth {args.bandwidth} "
-                f"--models {args.models} --reps {args.reps} --steps {args.steps}",
+                f"--models {args.models} --reps {args.reps} --steps {args.steps} --syncs {args.syncs}"
+                + (f" --overrides '{args.overrides}' --name {args.name}" if args.overrides else ""),
     )
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6))
     for ax, model in zip(list(axes) if len(models) > 1 else [axes], models, strict=True):

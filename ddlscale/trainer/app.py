@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,10 @@ def run(
     trainer, model = build_trainer(cfg, output_dir, info)
     trainer.fit(model)
     summary_path = output_dir / "summary.json"
-    return json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
+    if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
+        return {}
+    return json.loads(summary_path.read_text())
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:
@@ -135,6 +139,16 @@ def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[st
     grad_bytes = summary["bytes_sent_per_step"] * world / (2 * (world - 1))
     local = max(summary["step_time_s"] - summary["sync_time_s"], 0.0)
     return {str(n): local + network.allreduce(grad_bytes, n) for n in PROJECTION_WORKERS}
+
+
+def _wait_all_or_first_failure(agents: list[Any], poll_s: float = 0.5) -> list[int | None]:
+    """Exit codes of all agents, or as soon as one fails (its peers could wait on it forever; the
+    cluster's teardown then kills them)."""
+    while True:
+        codes = [agent.poll() for agent in agents]
+        if all(code is not None for code in codes) or any(code for code in codes):
+            return codes
+        time.sleep(poll_s)
 
 
 def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
@@ -153,7 +167,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         cluster.start_rendezvous_store(int(cfg.cluster.port))
         agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=int(cfg.cluster.port), env=threads)
                   for i in range(nodes)]
-        codes = [agent.wait() for agent in agents]
+        codes = _wait_all_or_first_failure(agents)
     if any(codes):
         raise RuntimeError(f"emulated-cluster agents exited with codes {codes}; see the output above")
     summary_path = output_dir / "summary.json"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -134,4 +135,6 @@ class StepMetrics(pl.Callback):
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
         summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        partial = self.output_dir / "summary.json.partial"
+        partial.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(partial, self.output_dir / "summary.json")  # readers never see half a file
