@@ -73,13 +73,6 @@ class HashPartitioner:
             self._layouts[numel] = (owned, position)
         return self._layouts[numel]
 
-    def split(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """Group (index, value) pairs by server: returns them reordered and the count per server."""
-        owner = self.server_of(indices)
-        order = torch.argsort(owner, stable=True)
-        counts = torch.bincount(owner, minlength=self.num_servers).tolist()
-        return indices[order], values[order], counts
-
     def fingerprint(self) -> str:
         return hashlib.sha256(f"fmix64:{self.seed}:{self.num_servers}".encode()).hexdigest()
 

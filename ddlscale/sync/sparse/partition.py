@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ddlscale.sync.sparse.hashing import HashPartitioner
-
 
 class ContiguousPartitioner:
     """Server s owns indices [s*M/n, (s+1)*M/n): what sparse parameter servers and OmniReduce do.
@@ -51,8 +49,3 @@ def split_by_server(
     counts = torch.bincount(server, minlength=num_servers).tolist()
     return indices[order], values[order], counts
 
-
-def server_of(partitioner: HashPartitioner | ContiguousPartitioner, indices: torch.Tensor, numel: int):
-    if isinstance(partitioner, HashPartitioner):
-        return partitioner.server_of(indices)
-    return partitioner.server_of(indices, numel)
