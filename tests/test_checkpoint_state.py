@@ -1,5 +1,7 @@
 """Lightning checkpoints carry the sync backend's per-rank state, and resuming is bit-exact."""
 
+import os
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -17,6 +19,7 @@ def _model():
 
 
 def _fit(max_steps, ckpt_dir=None, resume=None):
+    os.environ.pop("MASTER_PORT", None)  # a fresh port per fit (see conftest.py)
     pl.seed_everything(11, verbose=False)
     model = _model()
     callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, save_top_k=-1)] if ckpt_dir else []

@@ -1,5 +1,7 @@
 """DDLStrategy + DenseAllreduce against stock Lightning DDP: same model, seed and data."""
 
+import os
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -14,6 +16,7 @@ STEPS = 20
 
 
 def _fit(make_model, strategy, world, accumulate=1, clip=None):
+    os.environ.pop("MASTER_PORT", None)  # a fresh port per fit (see conftest.py)
     pl.seed_everything(7, verbose=False)
     model = make_model()
     trainer = pl.Trainer(

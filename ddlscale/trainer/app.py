@@ -6,10 +6,12 @@ worker starts: :class:`ConfigError` names the offending key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +124,8 @@ def run(
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info)
-    trainer.fit(model)
+    with _own_rendezvous_port():
+        trainer.fit(model)
     summary_path = output_dir / "summary.json"
     # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
@@ -149,6 +152,27 @@ def _wait_all_or_first_failure(agents: list[Any], poll_s: float = 0.5) -> list[i
         if all(code is not None for code in codes) or any(code for code in codes):
             return codes
         time.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def _own_rendezvous_port() -> Iterator[None]:
+    """Let each fit started here pick a fresh free port, then put the environment back.
+
+    Lightning's spawn launcher writes its port into MASTER_PORT for good; the next job of a sweep
+    would reuse it while the last job's socket may still hold it. Under torchrun or SLURM the
+    variable belongs to the launcher and is left alone.
+    """
+    if "WORLD_SIZE" in os.environ:
+        yield
+        return
+    saved = os.environ.get("MASTER_PORT")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("MASTER_PORT", None)
+        else:
+            os.environ["MASTER_PORT"] = saved
 
 
 def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
