@@ -8,6 +8,7 @@ from ddlscale.comm import volume
 from ddlscale.comm.cost import (
     PROJECTION_WORKERS,
     NetworkModel,
+    SharedHost,
     parse_bandwidth,
     parse_time,
     project,
@@ -152,6 +153,33 @@ def test_all_to_all_inside_a_machine_uses_the_intra_link():
     uniform = [[0 if i == j else 10 for j in range(8)] for i in range(8)]
     assert model.all_to_all(10, 8) == pytest.approx(model.all_to_all(uniform))
     assert model.all_to_all(10, 8) == pytest.approx(7 * ALPHA + 2 * 6 * 10 * 8 / GBIT)
+
+
+def test_direct_allgather_is_an_all_to_all_of_each_rank_piece():
+    model = gigabit()
+    pieces = [100, 300, 0, 200]
+    matrix = [[p] * 4 for p in pieces]
+    assert model.allgather(pieces, 4, algorithm="direct") == pytest.approx(model.all_to_all(matrix))
+    # Every NIC sends its piece three times; the busiest sends 900 bytes, one round of alphas.
+    assert model.allgather(pieces, 4, algorithm="direct") == pytest.approx(3 * ALPHA + 900 * 8 / GBIT)
+
+
+def test_shared_host_adds_message_cpu_over_its_cores():
+    host = SharedHost(cores=2, message_cpu_s=1e-4, segment_bytes=1000)
+    emulated, real = gigabit(shared_host=host), gigabit()
+    # 4 ranks, 2500-byte blocks: 12 messages of 3 segments, each posted by sender and receiver.
+    assert host.operations([2500] * 12) == 72
+    extra = 72 * 1e-4 / 2
+    assert emulated.all_to_all(2500, 4) == pytest.approx(real.all_to_all(2500, 4) + extra)
+    uniform = [[0 if i == j else 2500 for j in range(4)] for i in range(4)]
+    assert emulated.all_to_all(uniform) == pytest.approx(real.all_to_all(uniform) + extra)
+    assert emulated.allgather(2500, 4, algorithm="direct") == pytest.approx(
+        real.allgather(2500, 4, algorithm="direct") + extra)
+    # Empty messages cost nothing; rings and allreduce have no host term.
+    assert host.operations([0, 0, 1]) == 2
+    assert emulated.allreduce(10**6, 4) == real.allreduce(10**6, 4)
+    with pytest.raises(ValueError, match="shared_host.cores"):
+        SharedHost(cores=0, message_cpu_s=1e-4, segment_bytes=1000)
 
 
 def test_rings_and_exchanges_across_multi_gpu_machines():

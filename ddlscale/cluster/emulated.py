@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.collectives import SEGMENT_BYTES
+from ddlscale.comm.cost import NetworkModel, SharedHost, parse_bandwidth, parse_time
 
 # TCP over IPv4 over Ethernet carries 1448 payload bytes per 1514-byte frame (timestamps on): the
 # shaped rate counts frames, so payload moves at this fraction of the NIC's bandwidth.
@@ -122,12 +123,19 @@ class EmulatedCluster:
     def namespaces(self) -> list[str]:
         return [self.namespace(i) for i in range(self.nodes)] + [self.switch]
 
-    def network_model(self, gpus_per_machine: int = 1) -> NetworkModel:
-        """The cost model of this cluster: payload bandwidth of its NICs, its message latency."""
+    def network_model(self, gpus_per_machine: int = 1, message_cpu_s: float | None = None) -> NetworkModel:
+        """The cost model of this cluster: payload bandwidth of its NICs, its message latency.
+
+        ``message_cpu_s`` (host CPU per message segment, calibrated by a measurement) adds the
+        emulation's own cost: all machines share this host's cores. Leave it out to model the real
+        cluster being emulated, as projections to larger clusters do.
+        """
+        host = None if message_cpu_s is None else SharedHost(os.cpu_count() or 1, message_cpu_s, SEGMENT_BYTES)
         return NetworkModel(
             bandwidth_bps=self.bandwidth_bps * TCP_PAYLOAD_FRACTION,
             latency_s=parse_time(ALPHA) + self.latency_s,
             gpus_per_machine=gpus_per_machine,
+            shared_host=host,
         )
 
     # -- life cycle --------------------------------------------------------------------------

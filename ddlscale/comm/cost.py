@@ -26,6 +26,11 @@ times ``b / 8`` is the per-rank bytes the accounted collectives charge. The mode
 respect: it splits ``nbytes`` into ``n`` equal real-valued chunks, which equals the *mean* over
 ranks of ``volume.ring_allreduce`` for any size and every rank's bytes when ``n`` divides the tensor.
 
+**One host, many machines.** An emulated cluster's machines share one host's CPU cores, which
+post, copy and bridge every message of every machine; a real cluster has no such term. The optional
+``shared_host`` adds it to the pairwise exchanges (all-to-all, direct allgather): every message
+segment costs ``message_cpu_s`` of host CPU, spread over the host's cores (see :class:`SharedHost`).
+
 **Calibration.** ``efficiency[name]`` multiplies the whole time of collective ``name`` (measured /
 ideal; gloo's allgather measures 1.7-2.2x the ideal ring), so that a calibration against the
 emulated cluster corrects one collective without bending the others.
@@ -106,6 +111,36 @@ def _check_bytes(nbytes: float, what: str = "nbytes") -> None:
 
 
 @dataclass(frozen=True)
+class SharedHost:
+    """Machines emulated on one host: the CPU work of their messages queues on its cores.
+
+    Each point-to-point message is posted by its sender and its receiver (two operations) and cut
+    into ``segment_bytes`` pieces; an operation costs ``message_cpu_s`` of host CPU (Python posting,
+    socket copies, shaping and bridging). With ``cores`` cores the exchange lasts that work / cores
+    longer than its wire time: the host is busy alongside the wire, not instead of it.
+    """
+
+    cores: int
+    message_cpu_s: float
+    segment_bytes: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cores, int) and self.cores >= 1):
+            raise ValueError(f"shared_host.cores must be an integer >= 1, got {self.cores!r}")
+        if not (math.isfinite(self.message_cpu_s) and self.message_cpu_s >= 0):
+            raise ValueError(f"shared_host.message_cpu_s must be >= 0 s, got {self.message_cpu_s!r}")
+        if not (isinstance(self.segment_bytes, int) and self.segment_bytes >= 1):
+            raise ValueError(f"shared_host.segment_bytes must be an integer >= 1, got {self.segment_bytes!r}")
+
+    def operations(self, message_bytes: Sequence[float]) -> int:
+        """Host operations for these messages: each is sent and received in ceil(bytes/segment) pieces."""
+        return sum(2 * max(1, math.ceil(b / self.segment_bytes)) for b in message_bytes if b > 0)
+
+    def seconds(self, message_bytes: Sequence[float]) -> float:
+        return self.operations(message_bytes) * self.message_cpu_s / self.cores
+
+
+@dataclass(frozen=True)
 class NetworkModel:
     """A cluster of identical machines, as the alpha-beta model sees it.
 
@@ -114,7 +149,7 @@ class NetworkModel:
     ``gpus_per_machine``: ranks per machine (k). ``intra_bandwidth_bps`` / ``intra_latency_s``: the
     per-rank link inside a machine (default 100x the NIC and 5 us, NVLink-like).
     ``efficiency``: measured/ideal time ratio per collective name (see :data:`COLLECTIVES`); a
-    missing name means 1.0.
+    missing name means 1.0. ``shared_host``: set for emulated clusters only (see :class:`SharedHost`).
     """
 
     bandwidth_bps: float
@@ -123,6 +158,7 @@ class NetworkModel:
     intra_bandwidth_bps: float | None = None
     intra_latency_s: float = 5e-6
     efficiency: dict[str, float] = field(default_factory=dict, hash=False)
+    shared_host: SharedHost | None = None
 
     def __post_init__(self) -> None:
         def require(ok: bool, key: str, value: object, rule: str) -> None:
@@ -308,6 +344,8 @@ class NetworkModel:
           ``volume.ring_allgather``.
         - ``recursive_doubling``: log2 n rounds; in round i each rank swaps the 2^i pieces it has
           gathered so far with the rank at distance 2^i. ``n`` must be a power of two.
+        - ``direct``: every rank sends its piece to every other at once (``Communicator`` on gloo
+          for large pieces): an all-to-all whose row i is piece i, priced as :meth:`all_to_all`.
         """
         pieces = self._pieces(piece_bytes, n)
         if n == 1:
@@ -323,8 +361,10 @@ class NetworkModel:
                 span = 1 << i  # after i rounds rank r holds the pieces of its aligned group of 2^i
                 blocks = [prefix[r - r % span + span] - prefix[r - r % span] for r in range(n)]
                 seconds += self._exchange_step(span, blocks)
+        elif algorithm == "direct":
+            return self._calibrated("allgather", self._pairwise([[p] * n for p in pieces]))
         else:
-            raise ValueError(f"unknown allgather algorithm {algorithm!r} (ring, recursive_doubling)")
+            raise ValueError(f"unknown allgather algorithm {algorithm!r} (ring, recursive_doubling, direct)")
         return self._calibrated("allgather", seconds)
 
     def _pieces(self, piece_bytes: Sequence[float] | float, n: int) -> list[float]:
@@ -359,23 +399,31 @@ class NetworkModel:
         size = len(matrix)
         if (n is not None and n != size) or any(len(row) != size for row in matrix):
             raise ValueError(f"send matrix must be {n or size}x{n or size}")
+        return self._calibrated("all_to_all", self._pairwise(matrix))
+
+    def _pairwise(self, matrix: list[list[float]]) -> float:
+        """Uncalibrated seconds of a pairwise exchange with send matrix ``matrix`` (see all_to_all)."""
+        size = len(matrix)
         machines = self.machines(size)
         if size == 1:
             return 0.0
         nic_out, nic_in = [0.0] * machines, [0.0] * machines
         link_out, link_in = [0.0] * size, [0.0] * size
+        messages = []
         for src, row in enumerate(matrix):
             for dst, nbytes in enumerate(row):
                 _check_bytes(nbytes, "send_matrix_bytes")
                 if src == dst:
                     continue
+                messages.append(nbytes)
                 if self.machine_of(src) != self.machine_of(dst):
                     nic_out[self.machine_of(src)] += nbytes
                     nic_in[self.machine_of(dst)] += nbytes
                 else:
                     link_out[src] += nbytes
                     link_in[dst] += nbytes
-        return self._all_to_all_time(
+        host = self.shared_host.seconds(messages) if self.shared_host else 0.0
+        return host + self._all_to_all_time(
             size, max(max(nic_out), max(nic_in)), max(max(link_out), max(link_in))
         )
 
@@ -385,7 +433,9 @@ class NetworkModel:
         local = self._ranks_per_machine(n)
         if n == 1:
             return 0.0
-        return self._all_to_all_time(n, local * (n - local) * block_bytes, (local - 1) * block_bytes)
+        host = n * (n - 1) * self.shared_host.seconds([block_bytes]) if self.shared_host else 0.0
+        seconds = host + self._all_to_all_time(n, local * (n - local) * block_bytes, (local - 1) * block_bytes)
+        return self._calibrated("all_to_all", seconds)
 
     def _all_to_all_time(self, n: int, busiest_nic_bytes: float, busiest_link_bytes: float) -> float:
         across = self.machines(n) > 1
@@ -394,7 +444,7 @@ class NetworkModel:
             busiest_nic_bytes * BITS_PER_BYTE / self.bandwidth_bps,
             busiest_link_bytes * BITS_PER_BYTE / self.intra_bandwidth_bps,
         )
-        return self._calibrated("all_to_all", (n - 1) * alpha + transfer)
+        return (n - 1) * alpha + transfer
 
     def reduce_scatter(self, nbytes: float, n: int) -> float:
         """Seconds for a ring reduce-scatter of ``nbytes`` per rank (n chunks; each rank keeps one).
