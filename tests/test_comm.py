@@ -54,6 +54,10 @@ def _exercise(rank, world):
             comm.send(torch.ones(6), dst=1).wait()
         elif rank == 1:
             out["recv"] = comm.recv(torch.zeros(6), src=0).wait()
+    peer = rank ^ 1  # swap with a neighbour, sizes past one gloo segment and different each way
+    if peer < world:
+        mine = torch.full(((rank + 1) * 70_000,), rank, dtype=torch.int32)
+        out["sendrecv"] = comm.sendrecv(mine, torch.empty((peer + 1) * 70_000, dtype=torch.int32), peer).wait()
     out["records"] = [(r.op, r.bytes_sent, r.bytes_recv, r.end is not None and r.end >= r.start)
                       for r in comm.ledger.records]
     return out
@@ -98,3 +102,6 @@ def test_collectives_results_and_bytes(world):
             assert records["send"] == (24, 0)
         if rank == 1:
             assert records["recv"] == (0, 24)
+        if rank ^ 1 < n:
+            assert torch.equal(out["sendrecv"], torch.full((((rank ^ 1) + 1) * 70_000,), rank ^ 1, dtype=torch.int32))
+            assert records["sendrecv"] == ((rank + 1) * 280_000, ((rank ^ 1) + 1) * 280_000)

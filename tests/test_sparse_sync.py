@@ -5,13 +5,25 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.sync.sparse import AGSparseSync, HashPartitioner, SparsePSSync, ZenSync
+from ddlscale.sync.sparse import (
+    AGSparseSync,
+    GlooSparseSync,
+    HashPartitioner,
+    OmniReduceSync,
+    SparCMLSync,
+    SparsePSSync,
+    ZenSync,
+)
 
 BACKENDS = {
-    "zen-coo": lambda: ZenSync(pull="coo", sparse_params=["w"], profile_steps=1),
-    "zen-bitmap": lambda: ZenSync(pull="bitmap", sparse_params=["w"], profile_steps=1),
+    "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1),
+    "zen-bitmap": lambda: ZenSync(scheme="bp", pull="bitmap", sparse_params=["w"], profile_steps=1),
+    "zen-hc": lambda: ZenSync(scheme="hc", sparse_params=["w"], profile_steps=1),
+    "sparcml": lambda: SparCMLSync(sparse_params=["w"], profile_steps=1),
+    "gloo_sparse": lambda: GlooSparseSync(sparse_params=["w"], profile_steps=1),
     "sparse_ps": lambda: SparsePSSync(sparse_params=["w"], profile_steps=1),
     "agsparse": lambda: AGSparseSync(sparse_params=["w"], profile_steps=1),
+    "omnireduce": lambda: OmniReduceSync(sparse_params=["w"], profile_steps=1),
 }
 CASES = ["random", "endpoints", "uneven_M", "empty_on_some", "identical", "disjoint", "full", "cancel", "nan"]
 

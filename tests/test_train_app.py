@@ -144,7 +144,8 @@ def test_sparse_backends_train_exactly_like_dense(model, tmp_path):
     """On 2 workers every sum is exact, so zen and the baselines must give dense's very bits."""
     small = {"lstm": ["model.vocab_size=5000", "model.num_samples=1024"],
              "deepfm": ["model.field_size=5000", "model.num_samples=2048"]}[model]
-    syncs = ["dense", "zen", "agsparse", "sparse_ps"] if model == "lstm" else ["dense", "zen"]
+    syncs = (["dense", "zen", "agsparse", "sparse_ps", "sparcml", "omnireduce", "gloo_sparse"] if model == "lstm"
+             else ["dense", "zen"])
     summaries = {}
     for sync in syncs:
         out = tmp_path / sync
@@ -154,4 +155,6 @@ def test_sparse_backends_train_exactly_like_dense(model, tmp_path):
     for sync in syncs[1:]:
         assert summaries[sync]["param_sha256"] == summaries["dense"]["param_sha256"], sync
         assert summaries[sync]["final_loss"] == summaries["dense"]["final_loss"]
-        assert summaries[sync]["bytes_sent_per_step"] < summaries["dense"]["bytes_sent_per_step"] / 2, sync
+        # OmniReduce ships whole 256-value blocks: on this small vocabulary about half of them are hit.
+        share = 1.0 if sync == "omnireduce" else 0.5
+        assert summaries[sync]["bytes_sent_per_step"] < share * summaries["dense"]["bytes_sent_per_step"], sync

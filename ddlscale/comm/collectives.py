@@ -279,6 +279,32 @@ class Communicator:
             lambda: dist.gather(tensor, out, dst=self._global(dst), group=self.group, async_op=True), out,
         )
 
+    def sparse_allreduce(self, tensor: torch.Tensor) -> Pending:
+        """The backend's own in-place allreduce of a sparse COO tensor (gloo: allgather of indices
+        and values); the result is the coalesced sum.
+
+        gloo exchanges the non-zero counts, then ring-allgathers every rank's int64 indices and its
+        values, and sums locally; the counts come from one accounted size exchange first, so the
+        charged bytes are those of the ring allgather of each rank's (indices, values).
+        """
+        tensor = tensor.coalesce()
+        per_nonzero = tensor.sparse_dim() * 8 + tensor.values()[:1].numel() * tensor.element_size()
+        counts = self.allgather_sizes(tensor._nnz(), tensor.device)
+        sent, recv = volume.ring_allgather([c * per_nonzero for c in counts], self.rank)
+        return self._issue("sparse_allreduce", sent, recv,
+                           lambda: dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+
+    def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int) -> Pending:
+        """Swap with one peer: ``send`` goes to ``peer`` while ``recv`` fills from it (both ways at once)."""
+        sent, got = send.numel() * send.element_size(), recv.numel() * recv.element_size()
+        if self.segment_bytes is None:
+            launch = lambda: dist.batch_isend_irecv([  # noqa: E731
+                dist.P2POp(dist.isend, send, self._global(peer), self.group),
+                dist.P2POp(dist.irecv, recv, self._global(peer), self.group)])
+        else:
+            launch = lambda: self._exchange([(peer, send)], [(peer, recv)])  # noqa: E731
+        return self._issue("sendrecv", sent, got, launch, recv)
+
     def send(self, tensor: torch.Tensor, dst: int) -> Pending:
         nbytes = tensor.numel() * tensor.element_size()
         return self._issue("send", nbytes, 0, lambda: dist.isend(tensor, self._global(dst), group=self.group))

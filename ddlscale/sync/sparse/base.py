@@ -2,9 +2,16 @@
 
 Every sparse backend starts as dense allreduce: during the first ``profile_steps`` steps it measures,
 per tensor, the density d on each worker and the density of the sum (gamma_n = d_sum / d), agreed
-across ranks by one small allreduce. Then each tensor whose sparse scheme moves fewer bytes than
-dense allreduce (the backend's own volume formula) switches to the sparse path for good; the rest
-stay in the dense buckets. Sparse tensors are synchronized after backward, in backward order.
+across ranks by one small allreduce; backends that weigh recursive doubling (``profiles_doubling``)
+also measure gamma_{2^i}, the densification of aligned groups of 2^i workers, by OR-ing non-zero
+bitmaps up the doubling stages. Then each tensor whose sparse scheme beats dense allreduce on the
+cost model switches to the sparse path; the rest stay in the dense buckets. Sparse tensors are
+synchronized after backward, in backward order.
+
+Density drifts (an embedding's batch vocabulary grows, a model unfreezes): after routing, every step
+compares each sparse tensor's summed non-zeros — the same number on every rank, so all ranks agree
+without a collective — with its profile; past a factor of ``reprofile_drift`` the backend profiles
+again for ``profile_steps`` steps (tensors keep their current path meanwhile) and re-routes.
 """
 
 from __future__ import annotations
@@ -18,11 +25,14 @@ import torch
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.coo import scatter_dense, to_flat_coo
+from ddlscale.sync.sparse.pushpull import pack_bits
+from ddlscale.sync.sparse.recursive import union_counts
 
 
 class SparseSync(DenseAllreduce):
     """Base of agsparse, sparse_ps, omnireduce, sparcml and zen: subclasses implement
-    :meth:`sparse_volume` (bytes per worker, to decide routing) and :meth:`sync_sparse`.
+    :meth:`sync_sparse` and either :meth:`sparse_volume` (bytes per worker) or, for schemes whose
+    time is not bytes over one bandwidth, :meth:`sparse_seconds` — the routing decision.
 
     Args:
         profile_steps: steps of dense sync spent measuring densities before routing tensors.
@@ -31,23 +41,34 @@ class SparseSync(DenseAllreduce):
         network_bandwidth, network_latency: the network the routing assumes (tc units). A tensor goes
             sparse when its bytes at that bandwidth plus the scheme's extra message latencies beat
             its dense bytes; small tensors stay in the dense buckets, where latency is shared.
+        reprofile_drift: re-profile when a sparse tensor's summed density moves by more than this
+            factor from its profile (``None``: never).
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
     """
 
+    profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
+
     def __init__(self, profile_steps: int = 2, sparse_params: str | list[str] = "auto",
                  network_bandwidth: str = "1gbit", network_latency: str = "100us",
-                 bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+                 reprofile_drift: float | None = 2.0, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.network = NetworkModel.of(bandwidth=network_bandwidth, latency=network_latency)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         if sparse_params != "auto" and not isinstance(sparse_params, list | tuple):
             raise ValueError(f"sync.sparse_params must be 'auto' or a list of names, got {sparse_params!r}")
+        if reprofile_drift is not None and not (isinstance(reprofile_drift, int | float) and reprofile_drift > 1):
+            raise ValueError(f"sync.reprofile_drift must be a number > 1 or null, got {reprofile_drift!r}")
         self.profile_steps = profile_steps
         self.sparse_params = sparse_params if sparse_params == "auto" else list(sparse_params)
+        self.reprofile_drift = reprofile_drift
         self.sparse: list[int] = []  # parameter indices on the sparse path, decided after profiling
         self.density: dict[int, float] = {}  # mean per-worker density d
         self.gamma: dict[int, float] = {}  # density of the sum / d
+        self.gammas: dict[int, list[float]] = {}  # [gamma_1, gamma_2, gamma_4, ..., gamma_n] (power-of-two n)
+        self.profiles = 0  # profiling rounds run (1 + re-profiles)
+        self._profile_left = profile_steps  # profiling steps still to run in this round
+        self._samples = 0  # steps averaged into the current round's profile
 
     def on_setup(self) -> None:
         if getattr(self, "names", None) and self.sparse_params != "auto":
@@ -57,6 +78,7 @@ class SparseSync(DenseAllreduce):
         super().on_setup()
         self._sparse_set = set(self.sparse)
         self._local_nnz: dict[int, int] = {}
+        self._local_masks: dict[int, torch.Tensor] = {}
         self._pending_sparse: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
 
     def _assign(self, order: list[int]) -> list[list[int]]:
@@ -73,28 +95,50 @@ class SparseSync(DenseAllreduce):
             self._pending_sparse[index] = (indices, values * (1.0 / self.world_size),
                                            grad.sparse_dim() if grad.is_sparse else None)
             self._timers["encode"] += time.perf_counter() - start
+            if self._profile_left:
+                self._observe(index, indices)
             return
-        if self.steps < self.profile_steps:
-            self._local_nnz[index] = int(to_flat_coo(param.grad)[0].numel())
+        if self._profile_left:
+            self._observe(index, to_flat_coo(param.grad)[0])
         super().on_grad_ready(index, param)
+
+    def _observe(self, index: int, indices: torch.Tensor) -> None:
+        """Record one local gradient's non-zeros for the profile (and its bitmap, if asked)."""
+        self._local_nnz[index] = int(indices.numel())
+        if self._doubling_profiled():
+            mask = torch.zeros(self.params[index].numel(), dtype=torch.bool)
+            mask[indices] = True
+            self._local_masks[index] = pack_bits(mask)
+
+    def _doubling_profiled(self) -> bool:
+        n = self.world_size
+        return self.profiles_doubling and n > 1 and n & (n - 1) == 0
 
     def finish(self) -> None:
         super().finish()  # dense buckets first: they were launched during backward
+        drifted = False
         for group in self._sparse_groups():
-            self._finish_group(group)
-        if self.steps < self.profile_steps:
+            drifted |= self._finish_group(group)
+        if self._profile_left:
             self._profile()
+        elif drifted:
+            self._profile_left, self._samples = self.profile_steps, 0
 
     def _sparse_groups(self) -> list[list[int]]:
-        """Sparse tensors fused by dtype, in backward order: one push and one pull per group, so
-        the per-message latency is paid once, not once per tensor."""
-        groups: dict[torch.dtype, list[int]] = {}
+        """Sparse tensors fused by :meth:`group_key`, in backward order: one push and one pull per
+        group, so the per-message latency is paid once, not once per tensor."""
+        groups: dict[Any, list[int]] = {}
         for i in self.backward_order:
             if i in self._sparse_set:
-                groups.setdefault(self.params[i].dtype, []).append(i)
+                groups.setdefault(self.group_key(i), []).append(i)
         return list(groups.values())
 
-    def _finish_group(self, group: list[int]) -> None:
+    def group_key(self, index: int) -> Any:
+        """Tensors with equal keys are fused: same dtype (and, in subclasses, same scheme)."""
+        return str(self.params[index].dtype)
+
+    def _finish_group(self, group: list[int]) -> bool:
+        """Sync one fused group; True when a tensor's summed density drifted from its profile."""
         start = time.perf_counter()
         sizes = [self.params[i].numel() for i in group]
         offsets = [0, *itertools.accumulate(sizes)]
@@ -113,13 +157,24 @@ class SparseSync(DenseAllreduce):
         total_idx, total_val = self.sync_sparse(group, offsets[-1], indices, values)
         start = time.perf_counter()
         owner = torch.bucketize(total_idx, torch.tensor(offsets[1:-1], dtype=torch.int64), right=True)
+        drifted = False
         for k, i in enumerate(group):
             mine = owner == k
             p = self.params[i]
             average = scatter_dense(total_idx[mine] - offsets[k], total_val[mine], p)
             sparse_dim = sparse_dims.get(i)
             p.grad = average.to_sparse(sparse_dim) if sparse_dim is not None else average
+            drifted |= self._drifted(i, int(mine.sum()))
         self._timers["decode"] += time.perf_counter() - start
+        return drifted
+
+    def _drifted(self, index: int, summed_nnz: int) -> bool:
+        """Has the summed density (identical on every rank) left its profile by reprofile_drift?"""
+        if self.reprofile_drift is None or index not in self.density:
+            return False
+        profiled = max(1.0, self.density[index] * self.gamma.get(index, 1.0) * self.params[index].numel())
+        ratio = max(1.0, summed_nnz) / profiled
+        return not 1 / self.reprofile_drift <= ratio <= self.reprofile_drift
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         """Global sum of every rank's (indices, values) over the fused index space of ``group``
@@ -132,37 +187,74 @@ class SparseSync(DenseAllreduce):
 
     # -- profiling and routing -------------------------------------------------------------------
     def _profile(self) -> None:
-        dense = [i for i in range(len(self.params)) if i not in self._sparse_set]
-        local = torch.tensor([self._local_nnz.get(i, 0) for i in dense], dtype=torch.float64)
-        summed = torch.tensor([int(to_flat_coo(self.params[i].grad)[0].numel()) if self.params[i].grad is not None
-                               else 0 for i in dense], dtype=torch.float64)
+        """Fold this step's densities into the profile (collective: every rank calls it together)."""
+        everyone = range(len(self.params))
+        local = torch.tensor([self._local_nnz.get(i, 0) for i in everyone], dtype=torch.float64)
+        summed = [int(to_flat_coo(p.grad)[0].numel()) if p.grad is not None else 0 for p in self.params]
         if self.world_size > 1:
             self.comm.allreduce(local).wait()  # accounted: profiling traffic is real traffic
         local /= self.world_size
-        for k, i in enumerate(dense):
+        fresh = self._samples == 0
+        weight = self._samples / (self._samples + 1)  # running mean over this round's steps
+        unions = self._profile_unions(local)
+        for i in everyone:
             numel = self.params[i].numel()
-            d = float(local[k]) / numel
-            gamma = float(summed[k]) / float(local[k]) if local[k] > 0 else 1.0
-            # Average over the profiling steps.
-            seen = self.steps
-            self.density[i] = (self.density.get(i, 0.0) * seen + d) / (seen + 1)
-            self.gamma[i] = (self.gamma.get(i, 0.0) * seen + gamma) / (seen + 1)
+            d = float(local[i]) / numel
+            gamma = summed[i] / float(local[i]) if local[i] > 0 else 1.0
+            self.density[i] = d if fresh else weight * self.density[i] + (1 - weight) * d
+            self.gamma[i] = gamma if fresh else weight * self.gamma[i] + (1 - weight) * gamma
+            if i in unions:
+                old = self.gammas.get(i) if not fresh else None
+                new = unions[i]
+                self.gammas[i] = new if old is None else [weight * a + (1 - weight) * b for a, b in zip(old, new, strict=True)]
         self._local_nnz.clear()
-        if self.steps + 1 == self.profile_steps:
+        self._local_masks.clear()
+        self._samples += 1
+        self._profile_left -= 1
+        if not self._profile_left:
+            self.profiles += 1
             self._route()
+
+    def _profile_unions(self, mean_nnz: torch.Tensor) -> dict[int, list[float]]:
+        """gamma_{2^i} for i = 0..log2 n of the tensors sparse could serve (d below 1/2)."""
+        if not self._doubling_profiled():
+            return {}
+        candidates = [i for i in range(len(self.params))
+                      if 0 < float(mean_nnz[i]) < 0.5 * self.params[i].numel()]
+        if not candidates:
+            return {}
+        empty = torch.empty(0, dtype=torch.uint8)
+        maps = [self._local_masks.get(i, empty) for i in candidates]
+        lengths = [(self.params[i].numel() + 7) // 8 for i in candidates]
+        maps = [m if m.numel() else torch.zeros(n, dtype=torch.uint8) for m, n in zip(maps, lengths, strict=True)]
+        stages = union_counts(self.comm, torch.cat(maps), lengths)
+        # Average each group's union over all ranks (members of a group report the same count).
+        mean_union = torch.tensor(stages, dtype=torch.float64)
+        self.comm.allreduce(mean_union).wait()
+        mean_union /= self.world_size
+        gammas = {}
+        for k, i in enumerate(candidates):
+            per_stage = [float(mean_union[s, k]) / float(mean_nnz[i]) for s in range(len(stages))]
+            # Ranks' densities differ, so clip to gamma_k's definition range [1, k].
+            gammas[i] = [1.0] + [min(2.0 ** (s + 1), max(1.0, g)) for s, g in enumerate(per_stage)]
+        return gammas
 
     def sparse_latency_steps(self) -> int:
         """Sequential message steps the sparse scheme adds per tensor (push counts, push, sizes, pull)."""
         return 4 * (self.world_size - 1)
+
+    def sparse_seconds(self, index: int) -> float:
+        """The cost model's time for one profiled tensor on the sparse path (override to refine)."""
+        p = self.params[index]
+        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0))
+        return sparse_bytes * 8 / self.network.bandwidth_bps + self.sparse_latency_steps() * self.network.latency_s
 
     def prefers_sparse(self, index: int) -> bool:
         """The cost model's verdict for one profiled tensor (bytes in a dense bucket share latency)."""
         p = self.params[index]
         n, b = self.world_size, self.network.bandwidth_bps
         dense_s = 2 * (n - 1) / n * p.numel() * p.element_size() * 8 / b
-        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0))
-        sparse_s = sparse_bytes * 8 / b + self.sparse_latency_steps() * self.network.latency_s
-        return sparse_s < dense_s
+        return self.sparse_seconds(index) < dense_s
 
     def _route(self) -> None:
         if self.sparse_params == "auto":
@@ -172,17 +264,23 @@ class SparseSync(DenseAllreduce):
         self.on_setup()  # rebuild the dense buckets without the sparse tensors
 
     def routing(self) -> dict[str, dict[str, Any]]:
-        """Per parameter: path, profiled density and gamma (for logs and reports)."""
+        """Per parameter: path, profiled density and gammas (for logs and reports)."""
         return {self.names[i]: {"path": "sparse" if i in self._sparse_set else "dense",
-                                "density": self.density.get(i), "gamma": self.gamma.get(i)}
+                                "density": self.density.get(i), "gamma": self.gamma.get(i),
+                                "gammas": self.gammas.get(i)}
                 for i in range(len(self.params))}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "sparse": list(self.sparse), "density": dict(self.density),
-                "gamma": dict(self.gamma)}
+                "gamma": dict(self.gamma), "gammas": dict(self.gammas), "profiles": self.profiles,
+                "profile_left": self._profile_left, "samples": self._samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sparse = list(state["sparse"])
         self.density = {int(k): v for k, v in state["density"].items()}
         self.gamma = {int(k): v for k, v in state["gamma"].items()}
+        self.gammas = {int(k): list(v) for k, v in state.get("gammas", {}).items()}
+        self.profiles = int(state.get("profiles", 1 if self.sparse else 0))
+        self._profile_left = int(state.get("profile_left", max(0, self.profile_steps - int(state["steps"]))))
+        self._samples = int(state.get("samples", 0))
         super().load_state_dict(state)

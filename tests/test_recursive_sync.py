@@ -1,0 +1,156 @@
+"""Recursive doubling with merging (SparCML, Zen's HC), densification profiling, per-tensor plans, drift."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddlscale.cluster import run_workers
+from ddlscale.comm import Communicator
+from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density, union_counts
+from ddlscale.sync.sparse.sparcml import SparCMLSync
+from ddlscale.sync.sparse.zen import ZenSync
+
+
+def _doubling(rank, world, numel, nnz, threshold):
+    """Rank-specific small integers at random indices; the doubling sum against allreduce."""
+    g = torch.Generator().manual_seed(rank)
+    indices = torch.randperm(numel, generator=g)[:nnz]
+    values = torch.randint(-3, 4, (nnz,), generator=g).float()
+    values[values == 0] = 5.0
+    comm = Communicator()
+    got_idx, got_val = SparseDoubling(comm, numel, torch.float32, threshold).run(indices, values)
+    got = torch.zeros(numel)
+    got[got_idx] = got_val
+    oracle = torch.zeros(numel)
+    oracle[indices] = values
+    dist.all_reduce(oracle)
+    kinds = [(r.op, r.bytes_sent, r.bytes_recv) for r in comm.ledger.records]
+    return got, oracle, bool(torch.all(got_idx[1:] > got_idx[:-1])), kinds
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("threshold", [None, 0.5, 0.05])
+def test_doubling_sum_equals_allreduce_on_every_rank(world, threshold):
+    results = run_workers(_doubling, world, 2000, 60, threshold)
+    first = results[0][0]
+    for got, oracle, ascending, _ in results:
+        assert torch.equal(got, oracle)
+        assert torch.equal(got, first), "every rank holds the same bits"
+        assert ascending
+
+
+def test_doubling_bytes_follow_the_merged_non_zeros():
+    """Disjoint index sets of k each on 4 ranks: stage 0 sends k pairs, stage 1 the merged 2k."""
+    k, pair = 50, 8  # int32 index + fp32 value
+
+    def run(rank, world):
+        comm = Communicator()
+        indices = torch.arange(rank, 4 * k, 4)  # disjoint across ranks
+        SparseDoubling(comm, 1000, torch.float32, None).run(indices, torch.ones(k))
+        return [(r.op, r.bytes_sent) for r in comm.ledger.records]
+
+    for records in run_workers(run, 4):
+        assert records == [("sendrecv", 8), ("sendrecv", k * pair), ("sendrecv", 8), ("sendrecv", 2 * k * pair)]
+
+
+def test_dense_switch_sends_the_dense_vector():
+    numel = 1000
+
+    def run(rank, world):
+        comm = Communicator()
+        indices = torch.arange(rank % 2, numel, 2)  # 50% each: a pair's union fills the tensor
+        SparseDoubling(comm, numel, torch.float32, break_even_density(4)).run(indices, torch.ones(500))
+        return [r.bytes_sent for r in comm.ledger.records]
+
+    for sent in run_workers(run, 4):
+        # Stage 0: 500 pairs (4000 B, exactly at break-even, still sparse); the merged sum is full: dense.
+        assert sent == [8, 500 * 8, 8, numel * 4]
+
+
+def _unions(rank, world):
+    masks = []
+    for numel, members in ((16, [rank]), (24, [0, 1, 2]), (8, [rank, rank + 4])):
+        mask = torch.zeros(numel, dtype=torch.bool)
+        mask[torch.tensor(members)] = True
+        from ddlscale.sync.sparse.pushpull import pack_bits
+
+        masks.append(pack_bits(mask))
+    return union_counts(Communicator(), torch.cat(masks), [m.numel() for m in masks])
+
+
+def test_union_counts_per_stage():
+    for rank, stages in enumerate(run_workers(_unions, 4)):
+        # Stage 0: pairs {2j, 2j+1}; stage 1: all four ranks.
+        assert stages == [[2, 3, 4], [4, 3, 8]], rank
+
+
+def _profiled(rank, world, overlap):
+    if overlap == "identical":  # every rank the same 2.5%: recursive doubling never grows
+        numel = 40_000
+        indices = torch.arange(0, numel, 40)
+    else:  # independent 30% on each rank: the union nears saturation
+        numel = 200_000
+        indices = torch.randperm(numel, generator=torch.Generator().manual_seed(rank))[:60_000]
+    local = torch.zeros(numel)
+    local[indices] = 1.0
+    p = torch.nn.Parameter(torch.zeros(numel))
+    sync = ZenSync(profile_steps=1)  # 1 Gbit/s, 100 us
+    sync.setup([("w", p)])
+    for _ in range(2):
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        sync.finish_step()
+    oracle = local * (1.0 / world)
+    dist.all_reduce(oracle)
+    return sync.routing()["w"], torch.equal(p.grad, oracle)
+
+
+def test_gammas_are_measured_and_pick_the_scheme():
+    for route, exact in run_workers(_profiled, 4, "identical"):
+        assert route["gammas"] == [1.0, 1.0, 1.0]
+        # Equal bytes per stage, but log2 n latencies instead of BP's 2 (n-1).
+        assert (route["path"], route["plan"]) == ("sparse", "hc")
+        assert exact
+    for route, exact in run_workers(_profiled, 4, "random"):
+        # Independent sets of density d: gamma_k = (1 - (1 - d)^k) / d.
+        assert route["gammas"] == pytest.approx([1.0, 1.7, 2.533], abs=0.02)
+        assert (route["path"], route["plan"]) == ("sparse", "bp-bitmap")  # dense union: bitmap pull wins
+        assert exact
+
+
+def _drift(rank, world):
+    numel = 20000
+    p = torch.nn.Parameter(torch.zeros(numel))
+    sync = ZenSync(profile_steps=1, sparse_params=["w"], reprofile_drift=2.0)
+    sync.setup([("w", p)])
+    seen = []
+    for step in range(6):
+        stride = 100 if step < 3 else 10  # from step 3 on, ten times the non-zeros
+        local = torch.zeros(numel)
+        local[torch.arange(rank, numel, stride)] = 1.0
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        sync.finish_step()
+        oracle = local * (1.0 / world)
+        dist.all_reduce(oracle)
+        seen.append((sync.profiles, round(sync.density[0], 4), torch.equal(p.grad, oracle)))
+    return seen
+
+
+def test_density_drift_triggers_a_new_profile():
+    for seen in run_workers(_drift, 2):
+        assert all(exact for *_, exact in seen)
+        assert seen[0][:2] == (1, 0.01)
+        assert seen[2][:2] == (1, 0.01)
+        # Step 3 notices the drift, step 4 profiles again.
+        assert seen[4][:2] == (2, 0.1)
+        assert seen[5][0] == 2
+
+
+def test_bad_arguments_name_the_key():
+    with pytest.raises(ValueError, match="sync.dense_threshold"):
+        SparCMLSync(dense_threshold=1.5)
+    with pytest.raises(ValueError, match="sync.scheme"):
+        ZenSync(scheme="tree")
+    with pytest.raises(ValueError, match="sync.reprofile_drift"):
+        ZenSync(reprofile_drift=0.5)
