@@ -7,6 +7,7 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.comm import volume
 from ddlscale.sync import DenseAllreduce
+from ddlscale.sync.dense import to_sparse_slices
 
 
 class TwoTowers(torch.nn.Module):
@@ -102,3 +103,14 @@ def test_bucket_size_is_validated():
         DenseAllreduce(bucket_mb=-1)
     with pytest.raises(ValueError, match="sync.first_bucket_mb"):
         DenseAllreduce(first_bucket_mb=0)
+
+
+def test_to_sparse_slices_matches_to_sparse():
+    dense = torch.zeros(200, 6)
+    dense[torch.randint(0, 200, (30,), generator=torch.Generator().manual_seed(0))] = 1.5
+    dense[5, 2], dense[7, 1], dense[9, 3] = float("nan"), -0.0, 2.0
+    for sparse_dim in (1, 2):
+        fast, reference = to_sparse_slices(dense, sparse_dim), dense.to_sparse(sparse_dim).coalesce()
+        assert fast.is_coalesced() and fast.sparse_dim() == sparse_dim
+        assert torch.equal(fast.indices(), reference.indices())
+        torch.testing.assert_close(fast.values(), reference.values(), equal_nan=True, rtol=0, atol=0)

@@ -48,7 +48,8 @@ class StepMetrics(pl.Callback):
         self.output_dir = Path(output_dir)
         self.run_info = dict(run_info or {})
         self.history: dict[str, list[float]] = {
-            k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss")
+            k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss",
+                            "encode_time_s", "comm_time_s", "decode_time_s")
         }
         self._step_start: float | None = None
         self._losses: list[float] = []
@@ -79,6 +80,10 @@ class StepMetrics(pl.Callback):
             "bytes_sent": float(stats.bytes_sent) if stats else float("nan"),
             "bytes_recv": float(stats.bytes_recv) if stats else float("nan"),
             "loss": statistics.fmean(self._losses) if self._losses else float("nan"),
+            # Where the sync time goes: packing/hashing, blocked on the wire, unpacking/summing.
+            "encode_time_s": stats.encode_s if stats else float("nan"),
+            "comm_time_s": stats.comm_s if stats else float("nan"),
+            "decode_time_s": stats.decode_s if stats else float("nan"),
         }
         self._losses = []
         for key, value in row.items():
@@ -90,6 +95,8 @@ class StepMetrics(pl.Callback):
                 "sync_time_s": row["sync_time_s"],
                 "bytes_sent": row["bytes_sent"],
                 "bytes_recv": row["bytes_recv"],
+                "encode_time_s": row["encode_time_s"],
+                "decode_time_s": row["decode_time_s"],
             },
             on_step=True, on_epoch=False, rank_zero_only=True,
         )
@@ -111,6 +118,9 @@ class StepMetrics(pl.Callback):
                 _median_after_warmup(h["bytes_sent"]),
                 _median_after_warmup(h["bytes_recv"]),
                 h["loss"][-1] if h["loss"] else float("nan"),
+                _median_after_warmup(h["encode_time_s"]),
+                _median_after_warmup(h["comm_time_s"]),
+                _median_after_warmup(h["decode_time_s"]),
             ],
             dtype=torch.float64,
         )
@@ -130,6 +140,9 @@ class StepMetrics(pl.Callback):
             "bytes_sent_per_step": float(ranks[:, 2].max()),
             "bytes_recv_per_step": float(ranks[:, 3].max()),
             "imbalance": float(traffic.max() / traffic.mean()) if float(traffic.mean()) > 0 else 1.0,
+            "encode_time_s": float(ranks[:, 5].max()),
+            "comm_time_s": float(ranks[:, 6].max()),
+            "decode_time_s": float(ranks[:, 7].max()),
             "param_sha256": param_sha256(pl_module),
         }
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.

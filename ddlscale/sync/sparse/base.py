@@ -24,7 +24,7 @@ import torch
 
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.sync.dense import DenseAllreduce
-from ddlscale.sync.sparse.coo import scatter_dense, to_flat_coo
+from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
 from ddlscale.sync.sparse.pushpull import pack_bits
 from ddlscale.sync.sparse.recursive import union_counts
 
@@ -161,9 +161,11 @@ class SparseSync(DenseAllreduce):
         for k, i in enumerate(group):
             mine = owner == k
             p = self.params[i]
-            average = scatter_dense(total_idx[mine] - offsets[k], total_val[mine], p)
             sparse_dim = sparse_dims.get(i)
-            p.grad = average.to_sparse(sparse_dim) if sparse_dim is not None else average
+            if sparse_dim is None:
+                p.grad = scatter_dense(total_idx[mine] - offsets[k], total_val[mine], p)
+            else:
+                p.grad = coo_slices(total_idx[mine] - offsets[k], total_val[mine], p, sparse_dim)
             drifted |= self._drifted(i, int(mine.sum()))
         self._timers["decode"] += time.perf_counter() - start
         return drifted
