@@ -154,3 +154,33 @@ def test_bad_arguments_name_the_key():
         ZenSync(scheme="tree")
     with pytest.raises(ValueError, match="sync.reprofile_drift"):
         ZenSync(reprofile_drift=0.5)
+
+
+def _hierarchical(rank, world, scheme):
+    numel = 3001  # not divisible by the 2 ranks of a machine
+    g = torch.Generator().manual_seed(rank)
+    local = torch.zeros(numel)
+    local[torch.randint(0, numel, (150,), generator=g)] = torch.randint(1, 4, (150,), generator=g).float()
+    p = torch.nn.Parameter(torch.zeros(numel))
+    sync = ZenSync(scheme=scheme, sparse_params=["w"], profile_steps=1, hierarchical=True, local_size=2)
+    sync.setup([("w", p)])
+    for _ in range(2):
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        stats = sync.finish_step()
+    oracle = local * (1.0 / world)
+    dist.all_reduce(oracle)
+    ops = [(r.op, r.bytes_sent) for r in stats.collectives]
+    return torch.equal(p.grad, oracle), ops
+
+
+@pytest.mark.parametrize("scheme", ["bp", "hc"])
+def test_hierarchical_mode_dense_inside_sparse_across(scheme):
+    for exact, ops in run_workers(_hierarchical, 4, scheme):
+        assert exact
+        chunk_bytes = 1501 * 4
+        # Dense reduce-scatter and allgather inside the machine (one chunk each way, 2 ranks)...
+        assert ops[0] == ("reduce_scatter", chunk_bytes)
+        assert ops[-1][0] == "allgather" and ops[-1][1] == chunk_bytes
+        # ...and only sparse traffic between the two machines in between.
+        assert all(op in ("all_to_all", "allgather", "allgather_uneven", "sendrecv") for op, _ in ops[1:-1])

@@ -11,15 +11,27 @@ Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recurs
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
 T_hc formulas rate faster on the profiled d and gamma_{2^i}; tensors whose density makes any sparse
 scheme slower than dense allreduce stay dense.
+
+Hierarchical mode (``hierarchical=True``, the paper's multi-GPU machines): a dense reduce-scatter
+inside each machine leaves local rank j with chunk j of the machine's sum; the sparse scheme then
+runs across machines among the ranks holding the same chunk; a dense allgather inside the machine
+completes the tensor. The plan is made for the machine-level density gamma_k d over m machines.
 """
 
 from __future__ import annotations
 
-import torch
+import math
+import os
+from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
+from ddlscale.comm import Communicator
 from ddlscale.comm.cost import zen_hierarchical_centralization_time
 from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.coo import to_flat_coo
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.recursive import SparseDoubling
 
@@ -35,6 +47,18 @@ def zen_bitmap_bytes(numel: int, density: float, gamma: float, n: int) -> float:
     return (n - 1) / n * numel * (8 * density + 4 * gamma * density + 1 / 8)
 
 
+@dataclass(frozen=True)
+class Sparsity:
+    """What the plan reads about one tensor among ``n`` participants: elements, density d, gamma_n,
+    and gamma_{2^i} for i = 0..log2 n where profiled."""
+
+    numel: int
+    density: float
+    gamma: float
+    gammas: list[float] | None
+    n: int
+
+
 class ZenSync(SparseSync):
     """``sync=zen``. Args beyond :class:`SparseSync`'s:
 
@@ -43,53 +67,98 @@ class ZenSync(SparseSync):
         or ``"bitmap"``.
     seed: the hash seed; ``None`` draws one on rank 0. Every rank uses rank 0's, checked by a
         fingerprint collective at set-up.
+    hierarchical: dense inside a machine, sparse across machines (see the module doc).
+    local_size: ranks per machine for the hierarchical mode (``None``: ``LOCAL_WORLD_SIZE``, as
+        torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
     """
 
     profiles_doubling = True
 
-    def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED, **kwargs):
+    def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
+                 hierarchical: bool = False, local_size: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if scheme not in SCHEMES:
             raise ValueError(f"sync.scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
         if pull not in PULL_FORMATS:
             raise ValueError(f"sync.pull must be one of {', '.join(PULL_FORMATS)}; got {pull!r}")
+        if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
+            raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
         self.scheme, self.pull, self.seed = scheme, pull, seed
+        self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.plans: dict[int, str] = {}  # sparse tensor -> hc, bp-coo or bp-bitmap
 
     def on_setup(self) -> None:
         if not hasattr(self, "partitioner"):
-            self.partitioner = HashPartitioner(self.world_size, agreed_seed(self.seed, self.comm.group))
+            seed = agreed_seed(self.seed, self.comm.group)
+            self.partitioner = HashPartitioner(self.world_size, seed)
             self.partitioner.verify_agreement(self.comm.group)
+            self.intra = self.inter = None
+            if self.hierarchical and self.world_size > 1:
+                self._build_machine_groups(seed)
         super().on_setup()
 
+    def _build_machine_groups(self, seed: int) -> None:
+        """One group per machine and one per local rank across machines (every rank creates all)."""
+        k = self.local_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.world_size % k:
+            raise ValueError(f"sync.local_size={k} does not divide the {self.world_size} ranks")
+        machines = self.world_size // k
+        self.local_size = k
+        ledger = self.comm.ledger  # intra and inter traffic land in the same accounts
+        for m in range(machines):
+            group = dist.new_group(list(range(m * k, (m + 1) * k)))
+            if self.rank // k == m:
+                self.intra = Communicator(group, ledger)
+        for j in range(k):
+            group = dist.new_group(list(range(j, self.world_size, k)))
+            if self.rank % k == j:
+                self.inter = Communicator(group, ledger)
+        self.inter_partitioner = HashPartitioner(machines, seed)
+
     # -- the per-tensor plan: hc, bp-coo or bp-bitmap ---------------------------------------------
+    def sparsity(self, index: int) -> Sparsity:
+        """The profile as the sparse scheme sees it: over all ranks, or over machines (hierarchical)."""
+        numel, d = self.params[index].numel(), self.density.get(index, 1.0)
+        gamma, gammas = self.gamma.get(index, 1.0), self.gammas.get(index)
+        if not self.hierarchical or self.local_size in (None, 1):
+            return Sparsity(numel, d, gamma, gammas, self.world_size)
+        k = self.local_size
+        machines = self.world_size // k
+        # A machine's sum has density gamma_k d; across machines it densifies by gamma_n / gamma_k.
+        stage = k.bit_length() - 1
+        exact = gammas is not None and 1 << stage == k
+        gamma_k = gammas[stage] if exact else max(1.0, min(float(k), gamma))
+        across = None
+        if exact and len(gammas) > stage + 1:
+            across = [max(1.0, min(2.0**i, g / gamma_k)) for i, g in enumerate(gammas[stage:])]
+        return Sparsity(math.ceil(numel / k), min(1.0, gamma_k * d), max(1.0, min(machines, gamma / gamma_k)),
+                        across, machines)
+
     def plan_times(self, index: int) -> dict[str, float]:
         """The cost model's seconds for each scheme this tensor may take (SYSTEMS.md's T_bp, T_hc)."""
-        p = self.params[index]
-        n, numel = self.world_size, p.numel()
-        d, gamma = self.density.get(index, 1.0), self.gamma.get(index, 1.0)
+        s = self.sparsity(index)
         seconds_per_byte = 8 / self.network.bandwidth_bps
-        bp_alpha = 2 * (n - 1) * self.network.latency_s
+        bp_alpha = 2 * (s.n - 1) * self.network.latency_s
         times = {}
         if self.scheme != "hc":
             if self.pull != "bitmap":
-                times["bp-coo"] = zen_coo_bytes(numel, d, gamma, n) * seconds_per_byte + bp_alpha
+                times["bp-coo"] = zen_coo_bytes(s.numel, s.density, s.gamma, s.n) * seconds_per_byte + bp_alpha
             if self.pull != "coo":
-                times["bp-bitmap"] = zen_bitmap_bytes(numel, d, gamma, n) * seconds_per_byte + bp_alpha
-        if self.scheme == "hc" or (self.scheme == "auto" and index in self.gammas):
-            times["hc"] = self._hc_seconds(index)
+                times["bp-bitmap"] = zen_bitmap_bytes(s.numel, s.density, s.gamma, s.n) * seconds_per_byte + bp_alpha
+        if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
+            times["hc"] = self._hc_seconds(s)
         return times
 
-    def _hc_seconds(self, index: int) -> float:
-        """T_hc over the largest power of two of ranks, plus folding the others in and out."""
-        p = self.params[index]
-        numel, d, gamma = p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0)
-        core = 1 << (self.world_size.bit_length() - 1)
+    def _hc_seconds(self, s: Sparsity) -> float:
+        """T_hc over the largest power of two of participants, plus folding the others in and out."""
+        core = 1 << (s.n.bit_length() - 1)
         # Measured gamma_{2^i} where profiled (power-of-two n), else the bound min(2^i, gamma_n).
-        gammas = self.gammas.get(index) or [max(1.0, min(2.0**s, gamma)) for s in range(core.bit_length())]
-        seconds = zen_hierarchical_centralization_time(numel, d, gammas, core, self.network)
-        if core < self.world_size:
-            seconds += 2 * (self.network.latency_s + 8 * numel * d * (1 + gamma) * 8 / self.network.bandwidth_bps)
+        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(core.bit_length())]
+        seconds = zen_hierarchical_centralization_time(s.numel, s.density, gammas[: core.bit_length()], core,
+                                                       self.network)
+        if core < s.n:
+            seconds += 2 * (self.network.latency_s
+                            + 8 * s.numel * s.density * (1 + s.gamma) * 8 / self.network.bandwidth_bps)
         return seconds
 
     def plan(self, index: int) -> str:
@@ -111,19 +180,47 @@ class ZenSync(SparseSync):
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         plan = self.plan(group[0])
+        if self.intra is not None:
+            return self._sync_hierarchical(plan, numel, indices, values)
+        return self._sync_flat(self.comm, self.partitioner, plan, numel, indices, values)
+
+    def _sync_flat(self, comm: Communicator, partitioner: HashPartitioner, plan: str, numel: int,
+                   indices: torch.Tensor, values: torch.Tensor):
+        """The sparse scheme among ``comm``'s ranks: the global sum as flat COO."""
         if plan == "hc":
-            return SparseDoubling(self.comm, numel, values.dtype, None, self.timed).run(indices, values)
+            return SparseDoubling(comm, numel, values.dtype, None, self.timed).run(indices, values)
         with self.timed("encode"):
-            servers = self.partitioner.server_of(indices)
-            owned_sets, position = self.partitioner.layout(numel)
+            servers = partitioner.server_of(indices)
+            owned_sets, position = partitioner.layout(numel)
         with self.timed("comm"):
-            recv_idx, recv_val = pushpull.push(self.comm, indices, values, servers)
+            recv_idx, recv_val = pushpull.push(comm, indices, values, servers)
         with self.timed("decode"):
-            compact, nonzero = pushpull.aggregate(recv_idx, recv_val, owned_sets[self.rank], position)
+            compact, nonzero = pushpull.aggregate(recv_idx, recv_val, owned_sets[comm.rank], position)
         with self.timed("comm"):
             if plan == "bp-bitmap":
-                return pushpull.pull_bitmap(self.comm, owned_sets, compact, nonzero)
-            return pushpull.pull_coo(self.comm, owned_sets[self.rank], compact, nonzero)
+                return pushpull.pull_bitmap(comm, owned_sets, compact, nonzero)
+            return pushpull.pull_coo(comm, owned_sets[comm.rank], compact, nonzero)
+
+    def _sync_hierarchical(self, plan: str, numel: int, indices: torch.Tensor, values: torch.Tensor):
+        """Dense reduce-scatter in the machine, sparse across machines on this rank's chunk, dense allgather."""
+        k = self.local_size
+        chunk = math.ceil(numel / k)
+        with self.timed("encode"):
+            machine_input = torch.zeros(chunk * k, dtype=values.dtype)
+            machine_input[indices] = values
+            mine = torch.empty(chunk, dtype=values.dtype)
+        with self.timed("comm"):
+            self.intra.reduce_scatter(mine, machine_input).wait()
+        with self.timed("encode"):
+            chunk_idx, chunk_val = to_flat_coo(mine)
+        total_idx, total_val = self._sync_flat(self.inter, self.inter_partitioner, plan, chunk, chunk_idx, chunk_val)
+        with self.timed("decode"):
+            summed = torch.zeros(chunk, dtype=values.dtype)
+            summed[total_idx] = total_val
+        with self.timed("comm"):
+            pieces = self.intra.allgather(summed).wait()
+        with self.timed("decode"):
+            return to_flat_coo(torch.cat(pieces)[:numel])
 
     def routing(self):
         table = super().routing()
