@@ -27,5 +27,5 @@ class AGSparseSync(SparseSync):
         with self.timed("decode"):
             total = torch.zeros(numel, dtype=values.dtype)
             total.index_add_(0, all_idx, all_val)  # in rank order: deterministic
-            nonzero = torch.nonzero((total != 0) | torch.isnan(total)).reshape(-1)
+            nonzero = torch.nonzero(total).reshape(-1)  # NaN counts as non-zero
             return nonzero, total[nonzero]

@@ -38,7 +38,14 @@ def coo_slices(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor, 
     ``indices``: the slices they touch, built in O(non-zeros) rather than through a dense tensor."""
     width = math.prod(like.shape[sparse_dim:])
     indices = indices.to(torch.int64)
-    slices, slot = torch.unique(indices // width, return_inverse=True)
+    slice_of = indices // width
+    # Distinct slices in order through a presence map over all slices: no sort of the indices.
+    present = torch.zeros(math.prod(like.shape[:sparse_dim]), dtype=torch.bool, device=indices.device)
+    present[slice_of] = True
+    slices = present.nonzero().reshape(-1)
+    slot_of = torch.empty(present.numel(), dtype=torch.int64, device=indices.device)
+    slot_of[slices] = torch.arange(slices.numel(), device=indices.device)
+    slot = slot_of[slice_of]
     block = torch.zeros((slices.numel(), width), dtype=values.dtype, device=values.device)
     block[slot, indices % width] = values
     coords = torch.stack(torch.unravel_index(slices, like.shape[:sparse_dim])) if slices.numel() else \

@@ -89,7 +89,7 @@ class SparseDoubling:
         part = self._maybe_dense(Partial(indices[order], values[order]))
         total = doubling(self.comm, part, self._swap, self._send, self._recv, self._merge)
         if total.is_dense:
-            nonzero = torch.nonzero((total.values != 0) | torch.isnan(total.values)).reshape(-1)
+            nonzero = torch.nonzero(total.values).reshape(-1)  # NaN counts as non-zero
             return nonzero, total.values[nonzero]
         return total.indices, total.values
 
@@ -144,7 +144,7 @@ class SparseDoubling:
         indices, slot = torch.unique(torch.cat([lower.indices, upper.indices]), return_inverse=True)
         summed = torch.zeros(indices.numel(), dtype=self.dtype)
         summed.index_add_(0, slot, torch.cat([lower.values, upper.values]))  # lower group's first
-        keep = (summed != 0) | torch.isnan(summed)
+        keep = summed != 0  # NaN != 0: NaN is kept
         return self._maybe_dense(Partial(indices[keep], summed[keep]))
 
     def _densify(self, part: Partial) -> torch.Tensor:
