@@ -10,6 +10,10 @@ xor a seed — full avalanche, so clusters of nearby indices spread over all ser
 
 Indices are 0-based and every value 0..M-1 is hashed, index 0 included (a known bug class in
 1-based hash tables is dropping it).
+
+``server_of_reference`` and ``layout_reference`` are the pure-PyTorch definitions; the partitioner
+calls them through :mod:`ddlscale.sync.sparse.native`, which runs the C++ kernels (bit-identical)
+where they were measured faster.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import hashlib
 
 import torch
 import torch.distributed as dist
+
+from ddlscale.sync.sparse import native
 
 _MASK63 = (1 << 63) - 1
 # fmix64 multipliers as signed int64 (torch has no uint64 arithmetic; multiplication wraps).
@@ -39,6 +45,25 @@ def fmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _logical_shift_right(x, 33)
 
 
+def server_of_reference(indices: torch.Tensor, seed: int, num_servers: int) -> torch.Tensor:
+    """h0: (fmix64(index ^ seed) & (2^63 - 1)) % num_servers, int64 in, int64 out."""
+    hashed = fmix64(indices.to(torch.int64) ^ seed)
+    return (hashed & _MASK63) % num_servers
+
+
+def layout_reference(numel: int, seed: int, num_servers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(owned index set per server, sorted; position of every index within its owner's set)."""
+    all_indices = torch.arange(numel, dtype=torch.int64)
+    owner = server_of_reference(all_indices, seed, num_servers)
+    order = torch.argsort(owner, stable=True)  # stable: each set comes out sorted
+    counts = torch.bincount(owner, minlength=num_servers).tolist()
+    owned = list(torch.split(order, counts))
+    position = torch.empty(numel, dtype=torch.int64)
+    for members in owned:
+        position[members] = torch.arange(members.numel(), dtype=torch.int64)
+    return owned, position
+
+
 class HashPartitioner:
     """Maps flat indices of a tensor to ``num_servers`` partitions by h0 = fmix64(index ^ seed).
 
@@ -56,21 +81,12 @@ class HashPartitioner:
 
     def server_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Owning server of each flat index (int64 in, int64 out)."""
-        hashed = fmix64(indices.to(torch.int64) ^ self.seed)
-        return (hashed & _MASK63) % self.num_servers
+        return native.server_of(indices, self.seed, self.num_servers)
 
     def layout(self, numel: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """(owned index set per server, position of every index within its owner's set)."""
         if numel not in self._layouts:
-            all_indices = torch.arange(numel, dtype=torch.int64)
-            owner = self.server_of(all_indices)
-            order = torch.argsort(owner, stable=True)  # stable: each set comes out sorted
-            counts = torch.bincount(owner, minlength=self.num_servers).tolist()
-            owned = list(torch.split(order, counts))
-            position = torch.empty(numel, dtype=torch.int64)
-            for members in owned:
-                position[members] = torch.arange(members.numel(), dtype=torch.int64)
-            self._layouts[numel] = (owned, position)
+            self._layouts[numel] = native.hash_layout(numel, self.seed, self.num_servers)
         return self._layouts[numel]
 
     def fingerprint(self) -> str:

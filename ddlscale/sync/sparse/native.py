@@ -1,0 +1,255 @@
+"""Native kernels for Zen's hash partitioning (``csrc/``), with the pure-PyTorch references as fallback.
+
+Each function here takes the same arguments as its reference (``hashing.server_of_reference``,
+``partition.split_by_server_reference``, ``pushpull.pack_bits_reference`` ...) and returns the same
+result bit for bit; it runs the native kernel only where ``experiments/native_kernels`` measured it
+beating the reference (``NATIVE_FROM``), and the reference everywhere else.
+
+The C++ extension is compiled on first use with ``torch.utils.cpp_extension`` into
+``$DDLSCALE_EXT_DIR`` (default ``~/.cache/ddlscale/ext``), under a name that carries a hash of the
+sources, flags and torch version: edits rebuild, and every later process (spawned workers too)
+imports the cached library without calling the compiler. When it cannot be had (``DDLSCALE_NATIVE=0``,
+no compiler, no ninja, a failed build) one :class:`NativeKernelWarning` names the reason and the
+references run. The CUDA extension is only tried when ``torch.cuda.is_available()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[3] / "csrc"
+SOURCES = {"cpu": ["zen_cpu.cpp", "zen_hash.h"], "cuda": ["zen_cuda.cu", "zen_hash.h"]}
+CFLAGS = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined into this library: without it, serial
+LDFLAGS = ["-fopenmp"]
+CUDA_FLAGS = ["-O3"]
+
+# Smallest input (elements) from which the native kernel measurably beat the reference on this
+# project's 2-core machine (experiments/results/native_kernels/results.md): every op won at every
+# size measured, 1 to 1e7 elements, by 2.5-20x, so all start at 0. An op missing here never runs
+# natively; CUDA has no entries until a GPU run of experiments/gpu_check.py (section C) measures it.
+NATIVE_FROM: dict[tuple[str, str], int] = {
+    ("cpu", "server_of"): 0,
+    ("cpu", "partition"): 0,
+    ("cpu", "split_by_server"): 0,
+    ("cpu", "hash_layout"): 0,
+    ("cpu", "pack_bits"): 0,
+    ("cpu", "unpack_bits"): 0,
+}
+
+
+class NativeKernelWarning(RuntimeWarning):
+    """The native kernels are unavailable; the pure-PyTorch references run instead (same results)."""
+
+
+class NativeUnavailable(RuntimeError):
+    """Why a native extension could not be loaded; ``missing_tool`` when a compiler or ninja is absent."""
+
+    def __init__(self, reason: str, missing_tool: bool = False):
+        super().__init__(reason)
+        self.missing_tool = missing_tool
+
+
+def ext_dir() -> Path:
+    return Path(os.environ.get("DDLSCALE_EXT_DIR") or Path.home() / ".cache" / "ddlscale" / "ext")
+
+
+def module_name(kind: str) -> str:
+    """Extension name: a digest of everything that changes the binary, so edits rebuild."""
+    digest = hashlib.sha256()
+    for source in SOURCES[kind]:
+        digest.update((CSRC / source).read_bytes())
+    flags = CUDA_FLAGS if kind == "cuda" else CFLAGS + LDFLAGS
+    digest.update(f"{flags}{torch.__version__}{sys.version_info[:2]}{platform.machine()}".encode())
+    return f"ddlscale_zen_{kind}_{digest.hexdigest()[:16]}"
+
+
+def build(kind: str, verbose: bool = False) -> ModuleType:
+    """Import the cached extension, building it first if needed; raises :class:`NativeUnavailable`."""
+    if any(not (CSRC / s).is_file() for s in SOURCES[kind]):
+        raise NativeUnavailable(f"sources not found under {CSRC}")
+    name = module_name(kind)
+    directory = ext_dir() / name
+    library = directory / f"{name}.so"
+    ready = directory / "ready"  # written after a complete build: a library mid-link is not imported
+    if ready.is_file():
+        try:
+            return _import(name, library)
+        except (ImportError, OSError):
+            ready.unlink(missing_ok=True)  # a damaged or foreign cache entry: build it again
+    module = _compile(kind, name, directory, verbose)
+    ready.write_text(name)
+    return module
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _compile(kind: str, name: str, directory: Path, verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise NativeUnavailable(f"no C++ compiler ({compiler!r} is not on PATH)", missing_tool=True)
+    if not cpp_extension.is_ninja_available():
+        raise NativeUnavailable("ninja is not installed (pip install ninja)", missing_tool=True)
+    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
+        raise NativeUnavailable("no CUDA toolkit (nvcc) found", missing_tool=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:  # torch serializes concurrent builds of one directory with a lock file
+        return cpp_extension.load(
+            name, [str(CSRC / s) for s in SOURCES[kind] if not s.endswith(".h")], build_directory=str(directory),
+            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS if kind == "cpu" else [],
+            extra_cuda_cflags=CUDA_FLAGS, extra_include_paths=[str(CSRC)], verbose=verbose,
+        )
+    except Exception as error:  # compiler errors arrive as RuntimeError / CalledProcessError
+        text = str(error)
+        lines = [ln[ln.find("error:"):].strip() for ln in text.splitlines() if "error:" in ln]  # the compiler's own
+        raise NativeUnavailable(f"build failed: {' | '.join(lines[:3]) or text[:300]}") from error
+
+
+# kind -> loaded extension or None; tests swap in a fresh dict to load again.
+_loaded: dict[str, ModuleType | None] = {}
+_reasons: dict[str, str] = {}
+_lock = threading.Lock()  # one load attempt, hence one warning, per process
+
+
+def _ops(kind: str) -> ModuleType | None:
+    loaded = _loaded
+    if kind in loaded:
+        return loaded[kind]
+    with _lock:
+        if kind not in loaded:
+            loaded[kind] = _load(kind)
+    return loaded[kind]
+
+
+def _load(kind: str) -> ModuleType | None:
+    if os.environ.get("DDLSCALE_NATIVE", "1") == "0":
+        reason = "disabled by DDLSCALE_NATIVE=0"
+    elif kind == "cuda" and not torch.cuda.is_available():
+        _reasons[kind] = "no CUDA device"
+        return None  # nothing to warn about: CPU-only machines never wanted it
+    else:
+        try:
+            return build(kind)
+        except NativeUnavailable as error:
+            reason = str(error)
+    _reasons[kind] = reason
+    warnings.warn(f"ddlscale native {kind} kernels unavailable ({reason}); using the pure-PyTorch references",
+                  NativeKernelWarning, stacklevel=4)
+    return None
+
+
+def cpu_ops() -> ModuleType | None:
+    return _ops("cpu")
+
+
+def cuda_ops() -> ModuleType | None:
+    return _ops("cuda")
+
+
+def unavailable_reason(kind: str = "cpu") -> str | None:
+    """Why ``kind``'s kernels are not loaded (after a load was attempted), or None when they are."""
+    return None if _ops(kind) is not None else _reasons.get(kind)
+
+
+def _native(op: str, *tensors: torch.Tensor, device: str | None = None, numel: int | None = None):
+    """The extension to run ``op`` on these tensors (or on a size on ``device``), or None for the reference."""
+    device = device or tensors[0].device.type
+    numel = tensors[0].numel() if numel is None else numel
+    threshold = NATIVE_FROM.get((device, op))
+    if threshold is None or numel < threshold:
+        return None
+    if any(t.device.type != device or t.layout != torch.strided for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None  # the kernels have no backward
+    return cuda_ops() if device == "cuda" else cpu_ops()
+
+
+def _int64(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64
+
+
+def server_of(indices: torch.Tensor, seed: int, num_servers: int) -> torch.Tensor:
+    """Owning server h0(index) = (fmix64(index ^ seed) & (2^63 - 1)) % num_servers."""
+    ops = _native("server_of", indices) if num_servers >= 1 and not indices.is_floating_point() else None
+    if ops is not None:
+        return ops.server_of(indices.to(torch.int64), int(seed), num_servers)
+    from ddlscale.sync.sparse.hashing import server_of_reference
+
+    return server_of_reference(indices, seed, num_servers)
+
+
+def split_by_server(server: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, num_servers: int):
+    """(indices, values) with each server's pairs contiguous, in input order; the count per server."""
+    ops = None
+    if _int64(server) and _int64(indices) and server.dim() == indices.dim() == 1 and values.dim() >= 1:
+        ops = _native("split_by_server", server, indices, values)
+    if ops is not None:
+        idx, val, counts = ops.group_by_server(server, indices, values, num_servers)
+        return idx, val, counts.tolist()
+    from ddlscale.sync.sparse.partition import split_by_server_reference
+
+    return split_by_server_reference(server, indices, values, num_servers)
+
+
+def partition(indices: torch.Tensor, values: torch.Tensor, seed: int, num_servers: int):
+    """``split_by_server(server_of(indices, ...), indices, values, ...)`` in one hash + counting-sort pass."""
+    ops = None
+    if _int64(indices) and indices.dim() == 1 and values.dim() >= 1 and num_servers >= 1:
+        ops = _native("partition", indices, values)
+    if ops is not None:
+        idx, val, counts = ops.partition(indices, values, int(seed), num_servers)
+        return idx, val, counts.tolist()
+    from ddlscale.sync.sparse.partition import partition_reference
+
+    return partition_reference(indices, values, seed, num_servers)
+
+
+def hash_layout(numel: int, seed: int, num_servers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``HashPartitioner.layout``: each server's sorted owned indices, and every index's position there."""
+    ops = _native("hash_layout", device="cpu", numel=numel) if numel >= 0 and num_servers >= 1 else None
+    if ops is not None:
+        owned, counts, position = ops.hash_layout(numel, int(seed), num_servers)
+        return list(torch.split(owned, counts.tolist())), position
+    from ddlscale.sync.sparse.hashing import layout_reference
+
+    return layout_reference(numel, seed, num_servers)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """Boolean mask -> uint8 bitmap, 8 entries per byte (little-endian bit order)."""
+    ops = _native("pack_bits", mask) if mask.dtype == torch.bool and mask.dim() == 1 else None
+    if ops is not None:
+        return ops.pack_bits(mask)
+    from ddlscale.sync.sparse.pushpull import pack_bits_reference
+
+    return pack_bits_reference(mask)
+
+
+def unpack_bits(bitmap: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` bits of a bitmap as a bool tensor."""
+    ops = _native("unpack_bits", bitmap) if bitmap.dtype == torch.uint8 and bitmap.dim() == 1 and length >= 0 else None
+    if ops is not None:
+        return ops.unpack_bits(bitmap, length)
+    from ddlscale.sync.sparse.pushpull import unpack_bits_reference
+
+    return unpack_bits_reference(bitmap, length)
