@@ -16,7 +16,9 @@ from collections import defaultdict
 
 from experiments.harness import Results, alternating, spread, train
 
-SYNCS = ("dense", "agsparse", "sparse_ps", "zen")
+SYNCS = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
+# Embedding gradients as sparse COO tensors (what a user of sparse sync runs): O(non-zeros) packing.
+DEFAULT_OVERRIDES = "model.sparse_embedding=true"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -27,8 +29,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--syncs", default=",".join(SYNCS))
-    parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated "
-                        "(e.g. 'model.vocab_size=100000')")
+    parser.add_argument("--overrides", default=DEFAULT_OVERRIDES, help="extra train.py overrides, "
+                        "space-separated (e.g. 'model.vocab_size=100000')")
     parser.add_argument("--name", default="zen_speed", help="results folder name")
     args = parser.parse_args(argv)
     syncs = tuple(args.syncs.split(","))
@@ -50,40 +52,53 @@ def main(argv: list[str] | None = None) -> None:
             done += 1
             row = {"model": model, "sync": sync, "rep": rep,
                    **{k: summary[k] for k in ("step_time_s", "sync_time_s", "samples_per_s", "bytes_sent_per_step",
-                                              "bytes_recv_per_step", "imbalance", "final_loss", "param_sha256")}}
+                                              "bytes_recv_per_step", "imbalance", "final_loss", "param_sha256",
+                                              "encode_time_s", "comm_time_s", "decode_time_s")}}
             rows.append(row)
             by_pair[(model, sync)].append(row)
             results.progress(done, total, f"{model} {sync} rep {rep}: step {row['step_time_s'] * 1e3:.0f} ms, "
                                           f"sync {row['sync_time_s'] * 1e3:.0f} ms")
     results.write_csv(rows)
 
+    def median(model: str, sync: str, key: str) -> float:
+        return spread([r[key] for r in by_pair[(model, sync)]])[0]
+
     table = []
     for model in models:
-        dense_sync = spread([r["sync_time_s"] for r in by_pair[(model, "dense")]])[0]
-        dense_step = spread([r["step_time_s"] for r in by_pair[(model, "dense")]])[0]
+        dense = {k: median(model, "dense", k) for k in ("sync_time_s", "step_time_s", "comm_time_s")}
         for sync in syncs:
             runs = by_pair[(model, sync)]
-            step, sync_s = spread([r["step_time_s"] for r in runs])[0], spread([r["sync_time_s"] for r in runs])[0]
-            table.append([model, sync, step * 1e3, sync_s * 1e3, runs[0]["bytes_sent_per_step"] / 2**20,
-                          runs[0]["imbalance"], dense_sync / sync_s, dense_step / step])
+            m = {k: median(model, sync, k) for k in ("step_time_s", "sync_time_s", "comm_time_s", "encode_time_s",
+                                                       "decode_time_s")}
+            table.append([model, sync, m["step_time_s"] * 1e3, m["sync_time_s"] * 1e3, m["comm_time_s"] * 1e3,
+                          (m["encode_time_s"] + m["decode_time_s"]) * 1e3, runs[0]["bytes_sent_per_step"] / 2**20,
+                          runs[0]["imbalance"], dense["comm_time_s"] / m["comm_time_s"],
+                          dense["sync_time_s"] / m["sync_time_s"], dense["step_time_s"] / m["step_time_s"]])
     results.write_markdown(
         f"Sparse sync on {args.nodes} emulated machines at {args.bandwidth}",
-        ["model", "sync", "step ms (median)", "sync ms (median)", "MiB sent/step (max rank)", "imbalance",
-         "sync speedup vs dense", "step speedup vs dense"],
+        ["model", "sync", "step ms", "sync ms", "comm ms", "encode+decode ms", "MiB sent/step (max rank)",
+         "imbalance", "comm speedup vs dense", "sync speedup vs dense", "step speedup vs dense"],
         table,
         notes=f"One worker per emulated machine, {args.steps} steps per run (first excluded), {args.reps} "
-              "alternating repetitions. 'sync ms' is time the training thread spent synchronizing (packing, "
-              "blocked on the wire, unpacking); all emulated machines share this host's 2 cores, so compute "
-              "is ~4x slower than on 8 real machines and step speedups understate sync speedups.",
+              "alternating repetitions, medians. 'sync ms' is the training thread's time in synchronization "
+              "after backward; 'comm ms' the part of it blocked on collectives; 'encode+decode ms' packing, "
+              "hashing, partitioning, summing and unpacking (Zen's hashing overhead, reported apart). All "
+              "emulated machines share this host's 2 cores, so compute and encode/decode run ~4x slower than "
+              "on 8 real machines and step speedups understate sync speedups.",
         command=f"python -m experiments.zen_speed --nodes {args.nodes} --bandwidth {args.bandwidth} "
                 f"--models {args.models} --reps {args.reps} --steps {args.steps} --syncs {args.syncs}"
-                + (f" --overrides '{args.overrides}' --name {args.name}" if args.overrides else ""),
+                + (f" --overrides '{args.overrides}'" if args.overrides != DEFAULT_OVERRIDES else "")
+                + (f" --name {args.name}" if args.name != "zen_speed" else ""),
     )
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6))
     for ax, model in zip(list(axes) if len(models) > 1 else [axes], models, strict=True):
         rows_m = [r for r in table if r[0] == model]
-        ax.bar([r[1] for r in rows_m], [r[3] for r in rows_m])
+        names = [r[1] for r in rows_m]
+        ax.bar(names, [r[4] for r in rows_m], label="comm")
+        ax.bar(names, [r[3] - r[4] for r in rows_m], bottom=[r[4] for r in rows_m], label="rest of sync")
         ax.set(title=f"{model}: sync time per step", ylabel="ms (median)")
+        ax.tick_params(axis="x", rotation=45)
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(results.figure_path(), dpi=120)
     print(f"wrote {results.dir}")
