@@ -1,0 +1,105 @@
+"""Gradient compressors and error-feedback memories (GRACE's split: Compressor / Memory / scheme).
+
+A compressor knows how to encode one tensor; a memory knows what to add back; an aggregation
+scheme (a sync backend) knows who sends what to whom. Each lives apart, so any compressor runs
+under any memory and any scheme its properties allow.
+
+The interface a backend relies on
+---------------------------------
+``Compressor`` (``base.py``)::
+
+    compress(tensor: Tensor, name: str = "") -> Compressed
+    decompress(compressed: Compressed) -> Tensor          # original shape and dtype
+    aggregate(items: Sequence[Compressed]) -> Compressed  # only where ``summable``
+    payload_bytes(shape: int | Sequence[int], dtype: torch.dtype, kept: int | None = None) -> int
+    state_dict() -> dict;  load_state_dict(state: dict) -> None
+    summable: bool     # payloads of different ranks may be summed elementwise, then decoded
+    fixed_size: bool   # payload shapes depend only on (shape, dtype); else exchange sizes first
+    has_memory: bool   # applies its own error feedback (efsignsgd): run it with memory=none
+
+``Compressed(payload: list[Tensor], ctx: Context)``: ``payload`` is exactly what travels (its
+``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra)``
+stays on the rank. ``with_payload(received)`` pairs another rank's payload with this rank's context.
+
+Rules:
+1. A Context is rank-independent: for the same tensor name and step, every rank's Context decodes
+   every rank's payload. So a receiver compresses its own copy of the tensor (every scheme does)
+   and decodes others' payloads with ``mine.with_payload(theirs)`` — nothing but payload tensors
+   travels. (Only randomk with a shared seed puts data in ``extra``: its indices, identical on
+   every rank by construction.)
+2. ``name`` keys per-tensor state (momentum, PowerSGD's Q, residuals, random streams); every rank
+   must compress the same names the same number of times, in any order.
+3. Randomness is drawn from (seed, rank, name, step) with a stable hash — never from the global
+   RNG — so it is reproducible and restored by ``load_state_dict``. Shared draws (randomk's
+   indices with a seed, PowerSGD's first Q) leave the rank out; the rank comes from
+   ``torch.distributed`` when it is initialized.
+4. Summable payloads (none, fp16, bf16, randomk with ``seed``) may be allreduced. A sum of fp16
+   payloads can overflow: divide by the world size before compressing, not after.
+5. Variable-size compressors (``fixed_size = False``: threshold, dgc) put the values first:
+   ``payload[0].numel()`` is the ``kept`` count that ``payload_bytes`` takes.
+6. ``decompress`` returns a new tensor except for pass-through payloads (none, PowerSGD's
+   vectors), which may alias the input; so may ``payload`` itself for those.
+7. PowerSGD adds ``reduce(tensor, name, allreduce: Callable[[Tensor], None]) -> Tensor``, the
+   allreduce-compatible path (two in-place allreduces of the factors).
+8. Parameters are checked at construction; a bad one raises ValueError naming its config key
+   (``compressor.ratio must be in (0, 1], got 1.5``).
+
+``Memory`` (``memory.py``)::
+
+    compensate(tensor: Tensor, name: str) -> Tensor       # p = g + e (float32 or wider)
+    update(name: str, compensated: Tensor, decompressed: Tensor) -> None
+    residual(name: str) -> Tensor | None
+    state_dict() -> dict;  load_state_dict(state: dict) -> None
+
+Names (the config group files ``conf/compressor/<name>.yaml`` and ``conf/memory/<name>.yaml``
+target these classes) are listed in :data:`COMPRESSORS` and :data:`MEMORIES`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddlscale.compress.base import Compressed, Compressor, Context
+from ddlscale.compress.cast import BF16, FP16
+from ddlscale.compress.dgc import DGC
+from ddlscale.compress.efsignsgd import EFSignSGD
+from ddlscale.compress.int8 import Int8
+from ddlscale.compress.memory import DecayedMemory, Memory, NoMemory, ResidualMemory
+from ddlscale.compress.none import NoCompression
+from ddlscale.compress.onebit import OneBit
+from ddlscale.compress.powersgd import PowerSGD
+from ddlscale.compress.qsgd import QSGD
+from ddlscale.compress.randomk import RandomK
+from ddlscale.compress.signsgd import SignSGD
+from ddlscale.compress.signum import Signum
+from ddlscale.compress.terngrad import TernGrad
+from ddlscale.compress.threshold import Threshold
+from ddlscale.compress.topk import TopK
+
+COMPRESSORS: dict[str, type[Compressor]] = {
+    cls.name: cls
+    for cls in (NoCompression, FP16, BF16, Int8, TopK, RandomK, DGC, Threshold, SignSGD, EFSignSGD,
+                Signum, OneBit, QSGD, TernGrad, PowerSGD)
+}
+MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}
+
+
+def build_compressor(name: str, **params: Any) -> Compressor:
+    """The compressor registered as ``name`` (what ``compressor=<name>`` selects)."""
+    if name not in COMPRESSORS:
+        raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {name!r}")
+    return COMPRESSORS[name](**params)
+
+
+def build_memory(name: str, **params: Any) -> Memory:
+    if name not in MEMORIES:
+        raise ValueError(f"memory must be one of {', '.join(MEMORIES)}; got {name!r}")
+    return MEMORIES[name](**params)
+
+
+__all__ = [
+    "BF16", "COMPRESSORS", "DGC", "EFSignSGD", "FP16", "Int8", "MEMORIES", "NoCompression", "NoMemory",
+    "OneBit", "PowerSGD", "QSGD", "RandomK", "SignSGD", "Signum", "TernGrad", "Threshold", "TopK",
+    "Compressed", "Compressor", "Context", "DecayedMemory", "Memory", "ResidualMemory",
+    "build_compressor", "build_memory",
+]

@@ -1,0 +1,193 @@
+"""The Compressor contract: what travels, what stays local, and how payloads combine.
+
+See the package docstring (``ddlscale/compress/__init__.py``) for the rules a backend relies on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+Shape = int | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Context:
+    """What the decoder needs besides the payload. Rank-independent by contract: any rank's Context
+    for the same tensor (same name, same step) decodes any rank's payload."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    extra: Any = None  # compressor-specific, identical on every rank (e.g. shared-seed indices)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Compressed:
+    """One compressed tensor: ``payload`` goes on the wire, ``ctx`` stays with the receiver."""
+
+    payload: list[torch.Tensor]
+    ctx: Context
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes on the wire: every payload tensor, indices and scales included."""
+        return sum(t.numel() * t.element_size() for t in self.payload)
+
+    def with_payload(self, payload: list[torch.Tensor]) -> Compressed:
+        """Another rank's payload decoded with this rank's context (the receiving side)."""
+        return Compressed(list(payload), self.ctx)
+
+
+class Compressor:
+    """Base class: subclasses implement :meth:`encode`, :meth:`decode` and :meth:`payload_bytes`.
+
+    Class attributes a backend reads (an instance may override them from its parameters):
+    ``summable`` — payloads of different ranks may be summed elementwise (allreduce) and decoded;
+    ``fixed_size`` — payload shapes depend only on the tensor's shape and dtype, so a receiver can
+    size its buffers from its own payload; otherwise sizes must be exchanged first;
+    ``has_memory`` — the compressor applies its own error feedback (use ``memory=none`` with it).
+    """
+
+    name: ClassVar[str] = "?"
+    summable: bool = False
+    fixed_size: bool = True
+    has_memory: bool = False
+
+    seed: int = 0  # stochastic compressors set it from their config
+
+    def __init__(self) -> None:
+        self._steps: dict[str, int] = {}  # per-tensor call count: drives reproducible randomness
+
+    # -- the public contract -------------------------------------------------------------------
+    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
+        """Compress one gradient. ``name`` keys any per-tensor state (momentum, factors, RNG)."""
+        if not tensor.is_floating_point():
+            raise TypeError(f"{self.name}: can only compress floating-point tensors, got {tensor.dtype}")
+        payload, extra = self.encode(tensor, name)
+        self._steps[name] = self._steps.get(name, 0) + 1
+        return Compressed(payload, Context(tensor.shape, tensor.dtype, extra))
+
+    def decompress(self, compressed: Compressed) -> torch.Tensor:
+        """A dense tensor of the original shape and dtype."""
+        ctx = compressed.ctx
+        return self.decode(compressed.payload, ctx).reshape(ctx.shape).to(ctx.dtype)
+
+    def aggregate(self, items: Sequence[Compressed]) -> Compressed:
+        """Elementwise sum of several ranks' payloads (what an allreduce would produce)."""
+        if not self.summable:
+            raise TypeError(f"compressor {self.name} payloads cannot be summed; gather and decode them")
+        if not items:
+            raise ValueError("aggregate needs at least one compressed tensor")
+        summed = [torch.stack(parts).sum(0) for parts in zip(*(c.payload for c in items), strict=True)]
+        return items[0].with_payload(summed)
+
+    def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
+        """Bytes :meth:`compress` puts on the wire for a tensor of this shape and dtype.
+
+        ``kept`` — for variable-size compressors, the number of elements selected (the length of
+        ``payload[0]``); without it, the largest possible size.
+        """
+        raise NotImplementedError
+
+    # -- what subclasses implement -------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], Any]:
+        """(payload, Context.extra) for ``tensor`` (any shape; flatten as needed)."""
+        raise NotImplementedError
+
+    def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
+        """The dense tensor (any shape with ``ctx.numel`` elements; dtype is fixed up after)."""
+        raise NotImplementedError
+
+    # -- checkpointed state --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything that changes future outputs; subclasses extend the dict."""
+        return {"steps": dict(self._steps)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._steps = {str(k): int(v) for k, v in state["steps"].items()}
+
+    # -- helpers for subclasses ----------------------------------------------------------------
+    def generator(self, name: str, device: torch.device, shared: bool = False) -> torch.Generator:
+        """A fresh generator for this tensor's current step.
+
+        Seeded from (seed, rank, name, step) by a stable hash rather than drawn from the global
+        RNG: results do not depend on what else consumed random numbers, and restoring
+        :meth:`state_dict` replays them exactly. ``shared=True`` leaves the rank out, so every rank
+        draws the same numbers (randomk's aligned indices, PowerSGD's initial factors).
+        """
+        rank = 0 if shared else _rank()
+        key = f"{self.seed}/{rank}/{name}/{self._steps.get(name, 0)}".encode()
+        value = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+        return torch.Generator(device=device).manual_seed(value)
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+def _rank() -> int:
+    """This process's global rank (0 outside torch.distributed): stochastic rounding and local
+    sampling must differ across ranks, or their errors would be correlated instead of averaging out."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def numel_of(shape: Shape) -> int:
+    return shape if isinstance(shape, int) else math.prod(shape)
+
+
+def float_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Indices travel as int32 whenever they fit: half the bytes of int64."""
+    return torch.int32 if numel <= 2**31 - 1 else torch.int64
+
+
+def count_of(ratio: float, numel: int) -> int:
+    """k = ceil(ratio * numel), at least 1 for a non-empty tensor. The product is rounded to 6
+    decimals first, so floating-point noise does not add one (0.07 * 100 gives 7, not 8)."""
+    if numel == 0:
+        return 0
+    return min(numel, max(1, math.ceil(round(ratio * numel, 6))))
+
+
+def wide(tensor: torch.Tensor) -> torch.Tensor:
+    """Compute dtype for scales, norms and sums: float32, or float64 for float64 input."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def check_ratio(ratio: Any, key: str = "compressor.ratio") -> float:
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+        raise ValueError(f"{key} must be in (0, 1], got {ratio!r}")
+    return float(ratio)
+
+
+def check_unit_interval(value: Any, key: str) -> float:
+    """A coefficient in [0, 1) (momentum, decay)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{key} must be in [0, 1), got {value!r}")
+    return float(value)
+
+
+def check_seed(value: Any, key: str = "compressor.seed") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{key} must be an integer, got {value!r}")
+    return value
+
+
+def check_int(value: Any, key: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{key} must be an integer {bound}, got {value!r}")
+    return value

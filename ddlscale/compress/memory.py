@@ -1,0 +1,108 @@
+"""Error-feedback memories: what a rank adds back of what compression dropped earlier.
+
+A backend drives one per run, per tensor name, around the compressor::
+
+    p = memory.compensate(grad, name)          # p_t = g_t + e_{t-1}
+    c = compressor.compress(p, name)
+    memory.update(name, p, compressor.decompress(c))   # e_t from p_t and D(C(p_t))
+
+(For an aggregated path such as PowerSGD's ``reduce``, pass the aggregated approximation as the
+decompressed tensor, as PowerSGD's authors do.)
+
+Residuals live in float32 (float64 for float64 gradients) whatever the gradient's dtype: a bf16
+residual would round away exactly the small values error feedback exists to keep. ``compensate``
+therefore returns that wider dtype; cast the synchronized result back into the gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from ddlscale.compress.base import check_unit_interval
+
+
+class Memory:
+    """No error feedback: ``compensate`` returns the gradient itself, ``update`` forgets."""
+
+    name: ClassVar[str] = "none"
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        return tensor
+
+    def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
+        pass
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        """The error carried into the next step for ``name`` (None if there is none)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({params})"
+
+
+NoMemory = Memory
+
+
+class ResidualMemory(Memory):
+    """True error feedback: p_t = g_t + e_{t-1}, e_t = p_t - D(C(p_t)).
+
+    Invariant (telescoping): sum_t D(C(p_t)) + e_T = sum_t g_t, exactly up to floating-point
+    rounding — nothing a compressor drops is ever lost, only delayed. Subclasses must keep it.
+    """
+
+    name = "residual"
+
+    def __init__(self) -> None:
+        self._residuals: dict[str, torch.Tensor] = {}
+
+    def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        wide = tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+        residual = self._residuals.get(name)
+        if residual is None:
+            return wide.clone() if wide is tensor else wide  # never hand out the gradient itself
+        if residual.shape != wide.shape:
+            raise ValueError(f"memory: tensor {name!r} changed shape from {tuple(residual.shape)} "
+                             f"to {tuple(wide.shape)}; names must identify tensors")
+        return wide + residual.to(wide.device)
+
+    def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
+        self._residuals[name] = self.next_residual(compensated - decompressed.to(compensated.dtype))
+
+    def next_residual(self, error: torch.Tensor) -> torch.Tensor:
+        return error
+
+    def residual(self, name: str) -> torch.Tensor | None:
+        return self._residuals.get(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._residuals = {k: v.clone() for k, v in state["residuals"].items()}
+
+
+class DecayedMemory(ResidualMemory):
+    """e_t = beta * (p_t - D(C(p_t))): the damped residual some published systems use.
+
+    A *different* memory from :class:`ResidualMemory`: the (1 - beta) share of every error is
+    dropped for good, so the telescoping identity does not hold (sum_t D(C(p_t)) + e_T falls short
+    of sum_t g_t). beta = 0 is no memory; beta -> 1 approaches true error feedback.
+    """
+
+    name = "decayed"
+
+    def __init__(self, beta: float = 0.9) -> None:
+        super().__init__()
+        self.beta = check_unit_interval(beta, "memory.beta")
+
+    def next_residual(self, error: torch.Tensor) -> torch.Tensor:
+        return error * self.beta

@@ -1,0 +1,164 @@
+"""PowerSGD: a rank-r approximation from one warm-started power iteration per step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ddlscale.compress.base import Compressor, Context, Shape, check_int, check_seed, float_bytes, numel_of
+
+Allreduce = Callable[[torch.Tensor], None]
+
+
+def orthogonalize_(p: torch.Tensor) -> torch.Tensor:
+    """Modified Gram-Schmidt on the columns of ``p``, in place.
+
+    A column that is (numerically) a combination of earlier ones is set to zero rather than
+    normalized: normalizing its rounding noise would yield a direction unrelated to the data,
+    and P Q^T would then add a spurious term. A zero column contributes nothing, so a matrix of
+    rank below r is still reproduced exactly.
+    """
+    tolerance = torch.finfo(p.dtype).eps ** 0.5
+    for j in range(p.shape[1]):
+        col = p[:, j]
+        before = torch.linalg.vector_norm(col)
+        for i in range(j):
+            col -= (p[:, i] @ col) * p[:, i]
+        after = torch.linalg.vector_norm(col)
+        if after > tolerance * before:
+            col /= after
+        else:
+            col.zero_()
+    return p
+
+
+class PowerSGD(Compressor):
+    """A gradient of shape (n, ...) is seen as the matrix M = g.reshape(n, -1) (n x m) and sent as
+    two factors: P = orth(M Q) (n x r) and Q' = M^T P (m x r), decoded as P Q'^T = P P^T M, the
+    projection of M onto span(P). Q' is kept per tensor name and warm-starts the next step's Q
+    (one power iteration per step tracks the slowly changing top subspace); the first Q is drawn
+    from (seed, name), identically on every rank.
+
+    Exactness: if M has rank <= r, span(M Q) = col(M) for Q in general position (a random Q is),
+    so one step reproduces M up to rounding — no warm-up steps needed. Warm starts only matter for
+    matrices of higher rank, where repeated steps converge to the best rank-r approximation.
+
+    Tensors with fewer than 2 dimensions, and matrices where the factors would not be smaller
+    ((n + m) r >= n m), pass uncompressed.
+
+    Two ways to use it:
+    - ``compress`` / ``decompress``: one rank's own approximation (for gather-style schemes). Not
+      summable: factors of different ranks do not add up to factors of the sum.
+    - :meth:`reduce`: the allreduce-compatible path, two allreduces of small factors per tensor.
+
+    Factors travel as float32 (float64 for float64 gradients): a bf16 Gram-Schmidt loses the
+    orthogonality the decoding relies on.
+
+    Payload: ``[P (n x r), Q (m x r)]`` with r = min(rank, n, m); uncompressed: ``[g.reshape(-1)]``.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int = 1, seed: int = 0) -> None:
+        super().__init__()
+        self.rank = check_int(rank, "compressor.rank", 1)
+        self.seed = check_seed(seed)
+        self._q: dict[str, torch.Tensor] = {}
+
+    # -- shapes --------------------------------------------------------------------------------
+    def matrix_shape(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
+        """(n, m, r) of the matrix view, or None when the tensor passes uncompressed."""
+        if len(shape) < 2 or shape[0] == 0:
+            return None
+        n = shape[0]
+        m = math.prod(shape) // n
+        r = min(self.rank, n, m)
+        return (n, m, r) if (n + m) * r < n * m else None
+
+    @staticmethod
+    def factor_dtype(dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else torch.float32
+
+    def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
+        dims = self.matrix_shape((shape,) if isinstance(shape, int) else tuple(shape))
+        if dims is None:
+            return numel_of(shape) * float_bytes(dtype)
+        n, m, r = dims
+        return (n + m) * r * float_bytes(self.factor_dtype(dtype))
+
+    # -- the two paths -------------------------------------------------------------------------
+    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
+        dims = self.matrix_shape(tensor.shape)
+        if dims is None:
+            return [tensor.reshape(-1)], None
+        matrix = self._matrix(tensor, dims)
+        p = orthogonalize_(matrix @ self._warm_q(name, dims, matrix))
+        q = matrix.T @ p
+        self._q[name] = q
+        return [p, q], None
+
+    def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
+        if len(payload) == 1:
+            return payload[0]
+        p, q = payload
+        return p @ q.T
+
+    def reduce(self, tensor: torch.Tensor, name: str, allreduce: Allreduce) -> torch.Tensor:
+        """Synchronize ``tensor`` across ranks through its factors; return P Q^T in its shape/dtype.
+
+        Steps: P = M Q; allreduce(P); orthogonalize P; Q = M^T P; allreduce(Q); result P Q^T.
+        ``allreduce`` reduces a contiguous tensor in place across ranks; the result is the sum or
+        the average of the ranks' matrices (projected onto the common span) exactly as that
+        callback sums or averages — orthogonalization does not care about P's scale. Every rank
+        must call this for the same tensors in the same order (two collectives each; one for a
+        tensor that passes uncompressed). For error feedback, give the memory this result as the
+        decompressed tensor.
+        """
+        dims = self.matrix_shape(tensor.shape)
+        if dims is None:
+            flat = tensor.reshape(-1).clone()
+            allreduce(flat)
+            self._steps[name] = self._steps.get(name, 0) + 1
+            return flat.reshape(tensor.shape)
+        matrix = self._matrix(tensor, dims)
+        p = matrix @ self._warm_q(name, dims, matrix)
+        allreduce(p)
+        orthogonalize_(p)
+        q = matrix.T @ p
+        allreduce(q)
+        self._q[name] = q
+        self._steps[name] = self._steps.get(name, 0) + 1
+        return (p @ q.T).reshape(tensor.shape).to(tensor.dtype)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _matrix(self, tensor: torch.Tensor, dims: tuple[int, int, int]) -> torch.Tensor:
+        return tensor.reshape(dims[0], dims[1]).to(self.factor_dtype(tensor.dtype))
+
+    def _warm_q(self, name: str, dims: tuple[int, int, int], matrix: torch.Tensor) -> torch.Tensor:
+        """Last step's Q for this tensor, or a fresh shared random one. Columns that collapsed to
+        zero (an all-zero gradient) are redrawn: M Q would otherwise stay zero forever."""
+        _, m, r = dims
+        q = self._q.get(name)
+        if q is None or q.shape != (m, r):
+            return self._random_q(name, m, r, matrix)
+        q = q.to(device=matrix.device, dtype=matrix.dtype)
+        dead = torch.linalg.vector_norm(q, dim=0) == 0
+        if bool(dead.any()):
+            q = q.clone()
+            q[:, dead] = self._random_q(name, m, r, matrix)[:, dead]
+        return q
+
+    def _random_q(self, name: str, m: int, r: int, matrix: torch.Tensor) -> torch.Tensor:
+        gen = self.generator(name, matrix.device, shared=True)
+        return torch.randn(m, r, generator=gen, device=matrix.device, dtype=matrix.dtype)
+
+    # -- checkpointed state --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "q": {k: v.clone() for k, v in self._q.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._q = {k: v.clone() for k, v in state["q"].items()}

@@ -1,0 +1,63 @@
+"""What the sparsifiers share: a (values, indices) payload and exact top-k selection."""
+
+from __future__ import annotations
+
+import torch
+
+from ddlscale.compress.base import Compressor, Context, Shape, float_bytes, index_dtype, numel_of
+
+
+def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 positions of the ``k`` largest entries of a 1-D tensor, exactly ``k`` of them.
+
+    Ties at the k-th value go to the lowest positions, so every rank and every run picks the same
+    set (``torch.topk`` leaves ties unspecified). O(numel): one top-k for the k-th value, then one
+    comparison pass — no full sort.
+    """
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=magnitude.device)
+    if k >= magnitude.numel():
+        return torch.arange(magnitude.numel(), device=magnitude.device)
+    kth = torch.topk(magnitude, k, sorted=False).values.min()
+    idx = torch.nonzero(magnitude >= kth).reshape(-1)  # ascending; more than k only on ties
+    surplus = idx.numel() - k
+    if surplus > 0:
+        tied = torch.nonzero(magnitude[idx] == kth).reshape(-1)
+        keep = torch.ones_like(idx, dtype=torch.bool)
+        keep[tied[-surplus:]] = False  # drop the highest-positioned ties
+        idx = idx[keep]
+    return idx
+
+
+class SparseCompressor(Compressor):
+    """Payload: ``[values (input dtype, kept), indices (int32, or int64 past 2**31 elements)]``,
+    indices ascending. Decoding scatters the values into zeros."""
+
+    def select(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """Ascending int64 positions to keep (override)."""
+        raise NotImplementedError
+
+    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
+        flat = tensor.reshape(-1)
+        idx = self.select(flat, name)
+        return [flat[idx], idx.to(index_dtype(flat.numel()))], None
+
+    def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
+        values, idx = payload
+        out = values.new_zeros(ctx.numel)
+        out[idx] = values
+        return out
+
+    def kept_max(self, numel: int) -> int:
+        """Largest number of elements one tensor may keep (override)."""
+        return numel
+
+    def kept_count(self, numel: int, kept: int | None) -> int:
+        if self.fixed_size or kept is None:
+            return self.kept_max(numel)
+        return kept
+
+    def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
+        n = numel_of(shape)
+        per = float_bytes(dtype) + torch.empty((), dtype=index_dtype(n)).element_size()
+        return self.kept_count(n, kept) * per
