@@ -1,0 +1,197 @@
+"""``sync=compress``: gradient compression with error feedback through any aggregation scheme.
+
+Gradients are gathered into groups — one per tensor by default (``fusion: tensor``), DDP's buckets
+(``fusion: bucket``) or a plan's fusion groups — each a flat buffer scaled by 1/n as dense allreduce
+does. As soon as a group is complete (launching strictly in backward order, the same on every rank)
+its buffer is compensated by the error-feedback memory, compressed and its first collective
+issued, overlapping the rest of backward; after backward each scheme completes, the memory keeps
+what compression lost, and the averaged gradients are written back.
+
+Hierarchical groups reduce densely inside each machine first (reduce-scatter over the machine's
+ranks), run the scheme across machines on this rank's chunk, then allgather inside the machine.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddlscale.comm import Communicator
+from ddlscale.compress.base import Compressor
+from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
+from ddlscale.compress.none import NoCompression
+from ddlscale.sync.compress.plan import Plan, TensorPlan
+from ddlscale.sync.compress.schemes import SCHEMES, Job, scheme
+from ddlscale.sync.dense import DenseAllreduce
+
+FUSIONS = ("tensor", "bucket")
+MEMORIES = {"none": Memory, "residual": ResidualMemory, "decayed": DecayedMemory}
+
+
+@dataclass
+class _Flight:
+    """A launched group: its job, its scheme and what error feedback needs at the end."""
+
+    job: Job
+    scheme: Any
+    compensated: torch.Tensor
+    key: str
+    hierarchical: bool
+
+
+class CompressSync(DenseAllreduce):
+    """``sync=compress``. Args:
+
+    compressor: the compressor (``compressor=`` config group), ``None`` for none.
+    comm: the aggregation scheme — allreduce, allgather, alltoall, gather.
+    memory: error feedback — ``residual`` (true EF), ``none`` or ``decayed`` (``memory_beta``).
+    hierarchical: dense inside a machine, compressed across machines; ``local_size`` ranks per
+        machine (``None``: ``LOCAL_WORLD_SIZE``).
+    fusion: ``tensor`` (compress each tensor alone) or ``bucket`` (DDP's buckets, ``bucket_mb``).
+    plan: a :class:`Plan` overriding the uniform choice per tensor and the fusion groups.
+    """
+
+    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: str = "residual",
+                 memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,
+                 fusion: str = "tensor", plan: Plan | None = None, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
+        super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        scheme(comm, "sync.comm")  # validates the name
+        if memory not in MEMORIES:
+            raise ValueError(f"sync.memory must be one of {', '.join(MEMORIES)}; got {memory!r}")
+        if fusion not in FUSIONS:
+            raise ValueError(f"sync.fusion must be one of {', '.join(FUSIONS)}; got {fusion!r}")
+        if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
+            raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
+        self.compressors: dict[str, Compressor] = {"none": NoCompression(), "default": compressor or NoCompression()}
+        if getattr(compressor, "has_memory", False) and memory != "none":
+            raise ValueError(f"compressor {compressor.name} keeps its own error feedback; set sync.memory=none "
+                             f"(got sync.memory={memory})")
+        self.memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()
+        self.fusion, self.local_size = fusion, local_size
+        self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
+        for name, choice in [("default", self.plan.default), *self.plan.tensors.items()]:
+            self._check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
+
+    def _check_choice(self, choice: TensorPlan, key: str) -> None:
+        if choice.compressor not in self.compressors:
+            raise ValueError(f"{key}: unknown compressor {choice.compressor!r} ({', '.join(self.compressors)})")
+        if choice.scheme not in SCHEMES:
+            raise ValueError(f"{key}: scheme must be one of {', '.join(SCHEMES)}; got {choice.scheme!r}")
+        scheme(choice.scheme).check(self.compressors[choice.compressor], key)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def on_setup(self) -> None:
+        if not hasattr(self, "intra"):
+            self.intra = self.inter = None
+            if self.world_size > 1 and any(c.hierarchical for c in [self.plan.default, *self.plan.tensors.values()]):
+                self._build_machine_groups()
+        super().on_setup()
+        self._flights: list[_Flight | None] = [None] * len(self.buckets)
+        self._choices = [self.plan.for_group([self.names[i] for i in b.members]) for b in self.buckets]
+
+    def _build_machine_groups(self) -> None:
+        """One group per machine and one per local rank across machines (every rank creates all)."""
+        k = self.local_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.world_size % k:
+            raise ValueError(f"sync.local_size={k} does not divide the {self.world_size} ranks")
+        self.local_size = k
+        for m in range(self.world_size // k):
+            group = dist.new_group(list(range(m * k, (m + 1) * k)))
+            if self.rank // k == m:
+                self.intra = Communicator(group, self.ledger)
+        for j in range(k):
+            group = dist.new_group(list(range(j, self.world_size, k)))
+            if self.rank % k == j:
+                self.inter = Communicator(group, self.ledger)
+
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        if self.plan.groups is not None:
+            return self._plan_groups(order)
+        if self.fusion == "tensor":
+            return [[i] for i in order]
+        return super()._assign(order)
+
+    def _plan_groups(self, order: list[int]) -> list[list[int]]:
+        """The plan's fusion groups as indices, launched in the order their first member is ready."""
+        position = {i: k for k, i in enumerate(order)}
+        groups = [[self.names.index(name) for name in names] for names in self.plan.groups]
+        covered = sorted(i for g in groups for i in g)
+        if covered != list(range(len(self.params))):
+            raise ValueError("plan.groups must name every parameter exactly once")
+        for g in groups:
+            if len({self.params[i].dtype for i in g}) > 1:
+                raise ValueError(f"plan.groups: {[self.names[i] for i in g]} mix dtypes")
+        groups = [sorted(g, key=position.get) for g in groups]
+        return sorted(groups, key=lambda g: position[g[-1]])
+
+    # -- per step ----------------------------------------------------------------------------------
+    def _launch_full_buckets(self) -> None:
+        while self._next_launch < len(self.buckets):
+            b = self._next_launch
+            bucket = self.buckets[b]
+            if len(bucket.filled) < len(bucket.members):
+                return
+            self._flights[b] = self._start(b)
+            bucket.pending = True  # marks "launched" for DenseAllreduce's double-ready check
+            self._next_launch += 1
+
+    def _start(self, b: int) -> _Flight:
+        bucket, choice = self.buckets[b], self._choices[b]
+        key = "+".join(self.names[i] for i in bucket.members)
+        comm, tensor = self.comm, bucket.buffer
+        hierarchical = choice.hierarchical and self.intra is not None
+        with self.timed("encode"):
+            if hierarchical:
+                k = self.local_size
+                padded = torch.zeros(math.ceil(tensor.numel() / k) * k, dtype=tensor.dtype)
+                padded[: tensor.numel()] = tensor
+                chunk = torch.empty(padded.numel() // k, dtype=tensor.dtype)
+                self.intra.reduce_scatter(chunk, padded).wait()
+                comm, tensor = self.inter, chunk
+            compensated = self.memory.compensate(tensor, key)
+            shape = tuple(self.params[bucket.members[0]].shape) if len(bucket.members) == 1 and not hierarchical else None
+            job = Job(comm, self.compressors[choice.compressor], compensated, key, shape)
+            chosen = scheme(choice.scheme)
+            chosen.start(job)
+        return _Flight(job, chosen, compensated, key, hierarchical)
+
+    def finish(self) -> None:
+        for bucket in self.buckets[self._next_launch:]:  # no gradient this step: zeros, on every rank
+            for slot, i in enumerate(bucket.members):
+                if i not in bucket.filled:
+                    bucket.views[slot].zero_()
+                    bucket.filled.add(i)
+        self._launch_full_buckets()
+        for b, bucket in enumerate(self.buckets):
+            flight = self._flights[b]
+            with self.timed("comm"):
+                total = flight.scheme.finish(flight.job)
+                if flight.hierarchical:
+                    total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
+            with self.timed("decode"):
+                self.memory.update(flight.key, flight.compensated, flight.job.local)
+                bucket.buffer.copy_(total[: bucket.buffer.numel()])
+                for slot, i in enumerate(bucket.members):
+                    self._write_grad(i, bucket.views[slot])
+            bucket.filled.clear()
+            bucket.pending = None
+            self._flights[b] = None
+        self._next_launch = 0
+        self._was_sparse.clear()
+
+    # -- checkpointed state --------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "memory": self.memory.state_dict(),
+                "compressors": {k: c.state_dict() for k, c in self.compressors.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.memory.load_state_dict(state["memory"])
+        for k, c in self.compressors.items():
+            c.load_state_dict(state["compressors"][k])
+        super().load_state_dict(state)

@@ -1,0 +1,44 @@
+"""A compression plan: per tensor, which compressor, which aggregation scheme, flat or hierarchical,
+and which tensors are fused into one buffer compressed once (Cupcake's groups).
+
+``sync=compress`` builds a uniform plan from its config; Espresso and Cupcake hand the backend
+non-uniform ones. Tensors are named by parameter name; a group's members share one choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """How one tensor (or fused group) is synchronized.
+
+    ``compressor``: a key of the backend's compressors (``"none"`` always exists, ``"default"`` is
+    the configured one); ``scheme``: allreduce, allgather, alltoall or gather; ``hierarchical``:
+    dense reduction inside each machine first, the scheme only across machines.
+    """
+
+    compressor: str = "default"
+    scheme: str = "allgather"
+    hierarchical: bool = False
+
+
+@dataclass
+class Plan:
+    """Per-tensor choices (``tensors``; others get ``default``) and optional fusion ``groups``."""
+
+    default: TensorPlan = field(default_factory=TensorPlan)
+    tensors: dict[str, TensorPlan] = field(default_factory=dict)
+    groups: list[list[str]] | None = None  # None: the backend's own grouping (per tensor or buckets)
+
+    def for_tensor(self, name: str) -> TensorPlan:
+        return self.tensors.get(name, self.default)
+
+    def for_group(self, names: list[str]) -> TensorPlan:
+        """The members' common choice; a fused group is compressed once, so they must agree."""
+        choices = {self.for_tensor(name) for name in names}
+        if len(choices) != 1:
+            raise ValueError(f"plan: tensors fused into one group need one choice, got {sorted(map(str, choices))} "
+                             f"for {names}")
+        return choices.pop()

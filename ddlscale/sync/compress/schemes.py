@@ -1,0 +1,210 @@
+"""Aggregation schemes: how compressed tensors are combined across ranks (SYSTEMS.md, section 2).
+
+Compressed tensors cannot be summed by an allreduce (quantizers and sparsifiers are not
+associative), except casts, shared-index sparsifiers and PowerSGD's factors. So:
+
+- ``allreduce`` (indivisible): allreduce the payload itself; only for summable compressors, and
+  PowerSGD's two-allreduce path.
+- ``allgather`` (indivisible): every rank gets every rank's payload, decodes each and sums them in
+  rank order.
+- ``alltoall`` (divisible): the tensor is cut into n partitions; partition j of every rank goes to
+  rank j (all-to-all), which decodes the n pieces, sums, re-compresses the sum, and an allgather
+  hands every rank every partition's compressed sum.
+- ``gather`` (centralized): rank 0 receives every payload, decodes and sums them, re-compresses
+  and broadcasts the result.
+
+Each scheme has two halves: :meth:`Scheme.start` issues the first collective as soon as the
+tensor is ready (during backward), :meth:`Scheme.finish` completes it after backward. Both take a
+:class:`Job`; every scheme returns the *sum* over ranks of what the ranks started with (the
+backend scales by 1/n before compressing, as dense allreduce does), and ``job.local`` — this rank's
+own decompressed tensor, which error feedback subtracts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddlscale.comm import Communicator, volume
+from ddlscale.compress.base import Compressed, Compressor
+from ddlscale.sync.compress import wire
+
+
+@dataclass
+class Job:
+    """One tensor (a fused group's flat buffer) on its way through a scheme."""
+
+    comm: Communicator
+    compressor: Compressor
+    tensor: torch.Tensor  # 1-D, scaled and compensated
+    name: str
+    shape: tuple[int, ...] | None = None  # the parameter's shape for a one-tensor group (PowerSGD's matrix)
+    local: torch.Tensor | None = None  # this rank's decompressed contribution (for error feedback)
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class Scheme:
+    name = "?"
+    needs_summable = False
+
+    def check(self, compressor: Compressor, key: str) -> None:
+        """Refuse a compressor this scheme cannot carry (before training starts)."""
+        if self.needs_summable and not _allreducible(compressor):
+            raise ValueError(
+                f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
+                f"{compressor.name} is not summable; use allgather, alltoall or gather"
+            )
+
+    def start(self, job: Job) -> None:
+        raise NotImplementedError
+
+    def finish(self, job: Job) -> torch.Tensor:
+        raise NotImplementedError
+
+    @staticmethod
+    def shaped(job: Job) -> torch.Tensor:
+        """The tensor as the compressor should see it: its parameter's shape where there is one."""
+        return job.tensor.view(job.shape) if job.shape is not None else job.tensor
+
+
+def _allreducible(compressor: Compressor) -> bool:
+    return compressor.summable or hasattr(compressor, "reduce")
+
+
+def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.Tensor]) -> torch.Tensor:
+    """Decode each rank's payload with this rank's context and sum them in rank order."""
+    total = None
+    for message in messages:
+        part = compressor.decompress(like.with_payload(wire.unpack(message)))
+        total = part if total is None else total + part
+    return total
+
+
+class Allreduce(Scheme):
+    name = "allreduce"
+    needs_summable = True
+
+    def start(self, job: Job) -> None:
+        if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
+            return
+        compressed = job.compressor.compress(self.shaped(job), job.name)
+        job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
+        payload = [p.clone() if p.data_ptr() == job.tensor.data_ptr() else p for p in compressed.payload]
+        job.state["compressed"] = compressed.with_payload(payload)
+        job.state["pending"] = [job.comm.allreduce(p) for p in payload]
+
+    def finish(self, job: Job) -> torch.Tensor:
+        if hasattr(job.compressor, "reduce"):
+            def allreduce(t: torch.Tensor) -> None:
+                job.comm.allreduce(t).wait()
+
+            total = job.compressor.reduce(self.shaped(job), job.name, allreduce).reshape(-1)
+            job.local = total  # error feedback keeps what the shared low-rank approximation missed
+            return total
+        for pending in job.state["pending"]:
+            pending.wait()
+        return job.compressor.decompress(job.state["compressed"]).reshape(-1)
+
+
+class Allgather(Scheme):
+    name = "allgather"
+
+    def start(self, job: Job) -> None:
+        compressed = job.compressor.compress(self.shaped(job), job.name)
+        job.local = job.compressor.decompress(compressed).reshape(-1)
+        message = wire.pack(compressed.payload)
+        sizes = job.comm.allgather_sizes(message.numel(), message.device)
+        job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, sizes))
+
+    def finish(self, job: Job) -> torch.Tensor:
+        messages = job.state["pending"].wait()
+        return _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
+
+
+class AllToAll(Scheme):
+    """Divisible: partition j is reduced at rank j, then every partition's sum is allgathered."""
+
+    name = "alltoall"
+
+    def start(self, job: Job) -> None:
+        n = job.comm.size
+        parts = torch.split(job.tensor, volume.even_split(job.tensor.numel(), n))
+        compressed = [job.compressor.compress(p, f"{job.name}/{j}") for j, p in enumerate(parts)]
+        job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
+        messages = [wire.pack(c.payload) for c in compressed]
+        send_sizes = torch.tensor([m.numel() for m in messages], dtype=torch.int64)
+        recv_sizes = torch.empty(n, dtype=torch.int64)
+        job.comm.all_to_all(recv_sizes, send_sizes).wait()
+        splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
+        received = torch.empty(sum(splits_out), dtype=torch.uint8)
+        pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in)
+        job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending)
+
+    def finish(self, job: Job) -> torch.Tensor:
+        comm, compressor, mine = job.comm, job.compressor, job.state["mine"]
+        job.state["pending"].wait()
+        pieces = torch.split(job.state["received"], job.state["splits"])
+        partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
+        # The owner re-compresses its partition's sum; everyone decodes every partition's.
+        summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum")
+        message = wire.pack(summed.payload)
+        sizes = comm.allgather_sizes(message.numel(), message.device)
+        gathered = comm.allgather_uneven(message, sizes).wait()
+        sizes = volume.even_split(job.tensor.numel(), comm.size)
+        out = []
+        for j, piece in enumerate(gathered):
+            like = summed if j == comm.rank else _context_of(compressor, sizes[j], partial.dtype, f"{job.name}/{j}/sum")
+            out.append(compressor.decompress(like.with_payload(wire.unpack(piece))).reshape(-1))
+        return torch.cat(out)
+
+
+class GatherBroadcast(Scheme):
+    """Centralized: rank 0 decodes and sums every payload, re-compresses and broadcasts the sum."""
+
+    name = "gather"
+
+    def start(self, job: Job) -> None:
+        compressed = job.compressor.compress(self.shaped(job), job.name)
+        job.local = job.compressor.decompress(compressed).reshape(-1)
+        message = wire.pack(compressed.payload)
+        sizes = job.comm.allgather_sizes(message.numel(), message.device)
+        padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gather takes equal sizes: pad, charged
+        padded[: message.numel()] = message
+        job.state.update(compressed=compressed, sizes=sizes, pending=job.comm.gather(padded, dst=0))
+
+    def finish(self, job: Job) -> torch.Tensor:
+        comm, compressor = job.comm, job.compressor
+        gathered: list[torch.Tensor] | None = job.state["pending"].wait()
+        if comm.rank == 0:
+            messages = [m[:size] for m, size in zip(gathered, job.state["sizes"], strict=True)]
+            total = _decode_sum(compressor, job.state["compressed"], messages)
+            summed = compressor.compress(total, f"{job.name}/sum")
+            message = wire.pack(summed.payload)
+            size = torch.tensor([message.numel()], dtype=torch.int64)
+        else:
+            size = torch.empty(1, dtype=torch.int64)
+        comm.broadcast(size, src=0).wait()
+        if comm.rank != 0:
+            message = torch.empty(int(size), dtype=torch.uint8)
+        comm.broadcast(message, src=0).wait()
+        if comm.rank != 0:
+            summed = _context_of(compressor, self.shaped(job).shape, job.tensor.dtype, f"{job.name}/sum")
+        return compressor.decompress(summed.with_payload(wire.unpack(message))).reshape(-1)
+
+
+def _context_of(compressor: Compressor, shape, dtype: torch.dtype, name: str) -> Compressed:
+    """The context another rank used to compress ``name``: compressing zeros under the same name
+    and step gives the same rank-independent extras (shared-seed indices) and keeps this rank's
+    per-name step counters in line with the compressing rank's."""
+    return compressor.compress(torch.zeros(shape, dtype=dtype), name)
+
+
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast)}
+
+
+def scheme(name: str, key: str = "sync.comm") -> Scheme:
+    if name not in SCHEMES:
+        raise ValueError(f"{key} must be one of {', '.join(SCHEMES)}; got {name!r}")
+    return SCHEMES[name]()

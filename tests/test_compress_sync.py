@@ -1,0 +1,187 @@
+"""sync=compress: every scheme against dense allreduce, lossy sums, error feedback, plans, bytes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddlscale.cluster import run_workers
+from ddlscale.compress.none import NoCompression
+from ddlscale.compress.powersgd import PowerSGD
+from ddlscale.compress.topk import TopK
+from ddlscale.sync.compress import CompressSync, Plan, TensorPlan, wire
+
+SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8)}
+
+
+def _params():
+    return [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+
+
+def _grads(rank, step=0):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+
+
+def _sync_once(sync, params, grads):
+    for name, p in reversed(params):  # backward order: last parameter first
+        p.grad = grads[name].clone()
+        sync.grad_ready(p)
+    stats = sync.finish_step()
+    return {name: p.grad.clone() for name, p in params}, stats
+
+
+def _identity(rank, world, comm, hierarchical, fusion):
+    params = _params()
+    sync = CompressSync(NoCompression(), comm=comm, memory="residual", hierarchical=hierarchical, local_size=2,
+                        fusion=fusion, bucket_mb=0.0001, first_bucket_mb=0.0001)
+    sync.setup(params)
+    out = []
+    for step in range(2):
+        grads = _grads(rank, step)
+        got, _ = _sync_once(sync, params, grads)
+        oracle = {}
+        for name, g in grads.items():
+            oracle[name] = g * (1.0 / world)
+            dist.all_reduce(oracle[name])
+        out.append((got, oracle))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("comm", ["allreduce", "allgather", "alltoall", "gather"])
+def test_identity_through_every_scheme_equals_dense_allreduce(comm, world):
+    for steps in run_workers(_identity, world, comm, False, "tensor"):
+        for got, oracle in steps:
+            for name in SHAPES:
+                if world == 3:  # x/3 is inexact: summation order may differ from the ring's
+                    torch.testing.assert_close(got[name], oracle[name], rtol=1e-6, atol=1e-6)
+                else:
+                    assert torch.equal(got[name], oracle[name]), (comm, world, name)
+
+
+@pytest.mark.parametrize("comm", ["allreduce", "allgather", "alltoall", "gather"])
+def test_hierarchical_and_bucketed_identity_equal_dense(comm):
+    for fusion in ("tensor", "bucket"):
+        for steps in run_workers(_identity, 4, comm, True, fusion):
+            for got, oracle in steps:
+                for name in SHAPES:
+                    assert torch.equal(got[name], oracle[name]), (comm, fusion, name)
+
+
+def _lossy_allgather(rank, world):
+    params = _params()
+    sync = CompressSync(TopK(ratio=0.1), comm="allgather", memory="none")
+    sync.setup(params)
+    grads = _grads(rank)
+    got, stats = _sync_once(sync, params, grads)
+    # Oracle: every rank's own top-k of its scaled gradient, decompressed, summed.
+    mine = {}
+    reference = TopK(ratio=0.1)
+    for name, g in grads.items():
+        mine[name] = reference.decompress(reference.compress(g * (1.0 / world), name))
+        dist.all_reduce(mine[name])
+    messages = [r for r in stats.collectives if r.op == "allgather_uneven"]
+    return got, mine, [(m.bytes_sent, m.bytes_recv) for m in messages]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_lossy_allgather_is_the_sum_of_each_rank_decompressed(world):
+    topk = TopK(ratio=0.1)
+    for got, oracle, messages in run_workers(_lossy_allgather, world):
+        for name in SHAPES:
+            torch.testing.assert_close(got[name], oracle[name], rtol=1e-6, atol=1e-6)
+        # Each message: the top-k payload plus the packing header, sent to every other rank.
+        expected = []
+        for name in reversed(list(SHAPES)):
+            payload = topk.payload_bytes(SHAPES[name], torch.float32)
+            header = 8 * (1 + 2 * (2 + 1))  # count, then (dtype, ndim, length) for values and indices
+            expected.append(((world - 1) * (payload + header), (world - 1) * (payload + header)))
+        assert messages == expected
+
+
+def _error_feedback(rank, world, comm):
+    params = _params()
+    sync = CompressSync(TopK(ratio=0.05), comm=comm, memory="residual")
+    sync.setup(params)
+    total_sync = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    total_grad = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    for step in range(20):
+        grads = _grads(rank, step)
+        got, _ = _sync_once(sync, params, grads)
+        for name in SHAPES:
+            total_sync[name] += got[name].double().float()
+            total_grad[name] += grads[name] * (1.0 / world)
+    residual = {name: sync.memory.residual(name).reshape(SHAPES[name]).clone() for name in SHAPES}
+    for name in SHAPES:
+        dist.all_reduce(total_grad[name])
+        dist.all_reduce(residual[name])
+    return total_sync, total_grad, residual
+
+
+def test_error_feedback_telescopes_across_ranks():
+    """sum_t average_t + mean over ranks of e_T = sum_t mean over ranks of g_t (allgather sums exactly)."""
+    for total_sync, total_grad, residual in run_workers(_error_feedback, 2, "allgather"):
+        for name in SHAPES:
+            torch.testing.assert_close(total_sync[name] + residual[name], total_grad[name], rtol=1e-5, atol=1e-4)
+
+
+def _powersgd(rank, world):
+    torch.manual_seed(0)
+    u, v = torch.randn(8, 2), torch.randn(2, 8)
+    params = [("c", torch.nn.Parameter(torch.zeros(8, 8)))]
+    sync = CompressSync(PowerSGD(rank=2), comm="allreduce", memory="none")
+    sync.setup(params)
+    grad = (u @ v) * (rank + 1)  # rank-2 on every rank, same column space: the average is rank 2
+    got, stats = _sync_once(sync, params, {"c": grad})
+    return got["c"], (u @ v) * sum(range(1, world + 1)) / world, [r.op for r in stats.collectives]
+
+
+def test_powersgd_allreduce_path_is_exact_on_low_rank():
+    for got, expected, ops in run_workers(_powersgd, 2):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert ops == ["allreduce", "allreduce"]  # P, then Q
+
+
+def _plan(rank, world):
+    params = _params()
+    plan = Plan(default=TensorPlan("none", "allreduce"),
+                tensors={"a": TensorPlan("default", "allgather"), "c": TensorPlan("default", "allgather")},
+                groups=[["a", "c"], ["b"]])
+    sync = CompressSync(TopK(ratio=1.0), plan=plan, memory="none")
+    sync.setup(params)
+    grads = _grads(rank)
+    got, stats = _sync_once(sync, params, grads)
+    oracle = {}
+    for name, g in grads.items():
+        oracle[name] = g * (1.0 / world)
+        dist.all_reduce(oracle[name])
+    return got, oracle, [r.op for r in stats.collectives]
+
+
+def test_plan_fuses_groups_and_picks_per_tensor_choices():
+    for got, oracle, ops in run_workers(_plan, 2):
+        for name in SHAPES:
+            assert torch.equal(got[name], oracle[name]), name
+        # b alone through allreduce; a and c fused into one top-k allgather (sizes, then data).
+        assert ops.count("allreduce") == 1 and ops.count("allgather_uneven") == 1
+
+
+def test_wire_round_trip_keeps_dtypes_and_shapes():
+    payload = [torch.randn(3, 4), torch.arange(5, dtype=torch.int32), torch.tensor(2.5, dtype=torch.bfloat16),
+               torch.zeros(0, dtype=torch.uint8), torch.tensor([True, False])]
+    back = wire.unpack(wire.pack(payload))
+    assert [t.dtype for t in back] == [t.dtype for t in payload]
+    assert all(torch.equal(a, b) for a, b in zip(back, payload, strict=True))
+
+
+def test_bad_input_names_the_key():
+    with pytest.raises(ValueError, match="sync.comm"):
+        CompressSync(TopK(ratio=0.1), comm="allreduce")  # top-k payloads cannot be summed
+    with pytest.raises(ValueError, match="sync.comm"):
+        CompressSync(comm="ring")
+    with pytest.raises(ValueError, match="sync.memory"):
+        CompressSync(memory="forever")
+    with pytest.raises(ValueError, match="sync.fusion"):
+        CompressSync(fusion="layers")
+    with pytest.raises(ValueError, match="plan"):
+        CompressSync(TopK(ratio=0.1), plan=Plan(tensors={"a": TensorPlan("default", "allreduce")}))
