@@ -30,9 +30,8 @@ from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
+from ddlscale.ckpt.state import SYNC_STATE_KEY
 from ddlscale.sync import DenseAllreduce, GradSync
-
-SYNC_STATE_KEY = "ddlscale_sync"
 
 
 class DDLStrategy(DDPStrategy):

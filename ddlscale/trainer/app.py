@@ -20,6 +20,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from ddlscale.ckpt import Checkpointer
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
@@ -53,10 +54,11 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
     if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
-    for group in ("compressor", "ckpt"):
-        target = OmegaConf.select(cfg, f"{group}._target_")
-        if target is not None:
-            raise ConfigError(f"{group}={target} is not available in this version of ddlscale")
+    target = OmegaConf.select(cfg, "compressor._target_")
+    if target is not None:
+        raise ConfigError(f"compressor={target} is not available in this version of ddlscale")
+    if OmegaConf.select(cfg, "ckpt._target_") is not None:
+        _build("ckpt", cfg.ckpt)  # the checkpointer checks its own keys (ckpt.every, ckpt.keep...)
 
 
 def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
@@ -82,13 +84,17 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -
         extra["sync"] = _build("sync", cfg.sync)
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
+    callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info)]
+    if OmegaConf.select(cfg, "ckpt._target_") is not None:
+        # First, so that a blocking checkpoint's time shows in the step time the metrics measure.
+        callbacks.insert(0, _build("ckpt", cfg.ckpt, run_dir=str(output_dir)))
     trainer_args = OmegaConf.to_container(cfg.trainer, resolve=True)
     try:
         trainer = pl.Trainer(
             **trainer_args,
             strategy=strategy,
             logger=logger,
-            callbacks=[StepMetrics(output_dir, run_info)],
+            callbacks=callbacks,
             enable_checkpointing=False,
             default_root_dir=str(output_dir),
         )
@@ -124,13 +130,25 @@ def run(
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info)
+    ckpt_path = resume_path(trainer)
     with _own_rendezvous_port():
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=ckpt_path)
     summary_path = output_dir / "summary.json"
     # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
         return {}
     return json.loads(summary_path.read_text())
+
+
+def resume_path(trainer: pl.Trainer) -> str | None:
+    """The checkpoint a checkpointer callback asks to resume from, decided here, before workers start."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, Checkpointer):
+            try:
+                return callback.resume_path(trainer.world_size)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from exc
+    return None
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:

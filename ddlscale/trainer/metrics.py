@@ -125,6 +125,12 @@ class StepMetrics(pl.Callback):
             dtype=torch.float64,
         )
         ranks = trainer.strategy.all_gather(local).reshape(-1, local.numel()).cpu()
+        # Other callbacks' figures (checkpoint times...): every rank asks, as they may reduce over ranks.
+        extra: dict[str, Any] = {}
+        for callback in trainer.callbacks:
+            figures = getattr(callback, "summary_figures", None)
+            if callback is not self and callable(figures):
+                extra.update(figures(trainer))
         if not trainer.is_global_zero:
             return
         step_time = float(ranks[:, 0].max())
@@ -145,6 +151,7 @@ class StepMetrics(pl.Callback):
             "decode_time_s": float(ranks[:, 7].max()),
             "param_sha256": param_sha256(pl_module),
         }
+        summary.update({k: v for k, v in extra.items() if k not in summary})
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
         summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
         self.output_dir.mkdir(parents=True, exist_ok=True)

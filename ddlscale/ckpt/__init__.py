@@ -1,0 +1,79 @@
+"""Checkpointing: the whole training state, tiers that keep it, and where replicas go.
+
+Selected by ``ckpt=`` alone (``ckpt=none``, ``ckpt=disk``); the app builds the tier's callback from
+the config and, when the tier names a version to resume from, passes it to ``trainer.fit(ckpt_path=)``.
+
+Modules, one job each:
+
+* :mod:`~ddlscale.ckpt.state` — what a rank's state is, as bytes. ``capture_shard(trainer,
+  batch_idx, with_shared)`` -> :class:`Shard` (``rank``, immutable ``data`` bytes, ``sha256``),
+  taken at ``on_train_batch_end``; ``decode(bytes, sha256)`` -> payload; ``assemble(shared_payload,
+  own_payload)`` -> the dict Lightning restores; ``restore_local(trainer, local)`` at train start.
+  The shared part (Lightning's checkpoint: parameters, optimizer state with step counters, LR
+  schedulers, loop progress, callback states) is identical on all data-parallel ranks, so one
+  rank's copy suffices; the local part (RNG streams, data position, sync-backend state) is per rank.
+* :mod:`~ddlscale.ckpt.manifest` — the commit record of a version: ``Manifest(step, world_size,
+  shards=(ShardRecord(rank, file, bytes, sha256), ...), shared_rank, tier, placement)``, written
+  last and atomically; ``verify`` re-hashes every shard. The ``tier`` and ``placement`` fields are
+  for tiers that do not keep files (a peer-memory tier records where the replicas live there).
+* :mod:`~ddlscale.ckpt.io` — ``ManifestCheckpointIO``: Lightning loads a version through its
+  CheckpointIO plugin point; ``load_version(manifest_path, rank)`` is the same as a function.
+* :mod:`~ddlscale.ckpt.base` — ``Checkpointer``, the callback every tier subclasses: schedule
+  (every K steps or HighFreq), restore of RNG and data position, ``summary.json`` figures. A tier
+  implements ``save(trainer, batch_idx)`` (every rank, same step, collectives allowed) and
+  ``resume_path(world_size)`` (launcher side, before workers start).
+* :mod:`~ddlscale.ckpt.disk` — ``DiskCheckpointer`` (``ckpt=disk``): atomic, checksummed,
+  per-rank shard files plus a manifest; ``keep``, ``bandwidth`` throttling, ``resume=auto``.
+* :mod:`~ddlscale.ckpt.storage` — ``write_atomic`` (temporary name, fsync, rename, fsync dir).
+* :mod:`~ddlscale.ckpt.placement` — ``PlacementPlan(N, m, kind)`` (group / mixed / ring):
+  ``holders_of(shard)``, ``replicas_of(machine)``, ``peers_of``, ``recovery_source``; exact
+  recovery probability, Gemini's bound, Monte-Carlo.
+
+A peer-memory tier reuses all of it: every rank calls ``capture_shard(..., with_shared=True)`` (so
+any holder can restore any rank), ships ``Shard.data`` to ``plan.peers_of(machine)``, and, once every
+replica is checksum-verified, publishes a ``Manifest(tier="memory", placement=...)``; on recovery it
+hands each rank ``assemble(decode(shared), decode(own))`` the way ``load_version`` does, and the
+Checkpointer base restores RNG and data position as for disk.
+"""
+
+from ddlscale.ckpt.base import HIGHFREQ, Checkpointer
+from ddlscale.ckpt.data import DataPosition
+from ddlscale.ckpt.disk import DiskCheckpointer, find_resumable
+from ddlscale.ckpt.io import ManifestCheckpointIO, load_version
+from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, read_manifest, verify
+from ddlscale.ckpt.placement import PlacementPlan, monte_carlo, paper_bound, recovery_probability
+from ddlscale.ckpt.state import (
+    RANK_STATE_KEY,
+    SYNC_STATE_KEY,
+    Shard,
+    assemble,
+    capture_shard,
+    decode,
+    restore_local,
+)
+
+__all__ = [
+    "HIGHFREQ",
+    "RANK_STATE_KEY",
+    "SYNC_STATE_KEY",
+    "Checkpointer",
+    "DataPosition",
+    "DiskCheckpointer",
+    "Manifest",
+    "ManifestCheckpointIO",
+    "ManifestError",
+    "PlacementPlan",
+    "Shard",
+    "ShardRecord",
+    "assemble",
+    "capture_shard",
+    "decode",
+    "find_resumable",
+    "load_version",
+    "monte_carlo",
+    "paper_bound",
+    "read_manifest",
+    "recovery_probability",
+    "restore_local",
+    "verify",
+]

@@ -1,0 +1,156 @@
+"""Checkpointer: the part every checkpoint tier shares, as a Lightning callback.
+
+It decides *when* (every K optimizer steps, or "highfreq": K = ceil(t_ckpt / T_iter) measured on a
+probe checkpoint), restores at train start what Lightning's own restore leaves out (RNG, data
+position), and reports checkpoint figures for ``summary.json``. A tier subclasses it and implements
+:meth:`save` (and :meth:`resume_path` to offer a version to resume from).
+
+Invariants a subclass must keep: :meth:`save` runs on every rank at the same step and may use
+collectives; the state it persists is :func:`ddlscale.ckpt.state.capture_shard`'s, taken inside
+``save`` (at on_train_batch_end, after the optimizer step, where Lightning's restore expects it).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from ddlscale.ckpt.io import ManifestCheckpointIO
+from ddlscale.ckpt.state import RANK_STATE_KEY, restore_local
+
+HIGHFREQ = "highfreq"
+# HighFreq's probe: the first checkpoint, after two steps whose time is not warm-up.
+HIGHFREQ_PROBE_STEP = 3
+
+
+def parse_every(every: Any, key: str = "ckpt.every") -> int | str:
+    if every == HIGHFREQ:
+        return HIGHFREQ
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"{key} must be an integer >= 1 or '{HIGHFREQ}', got {every!r}")
+    return every
+
+
+class Checkpointer(pl.Callback):
+    """Base of checkpoint tiers. Place it before the metrics callback so a blocking checkpoint's time
+    shows in the step time, as it would in training.
+
+    Args:
+        every: optimizer steps between checkpoints, or ``"highfreq"``.
+        resume: ``None`` (start fresh), ``"auto"`` (newest verified version) or a tier-specific path.
+    """
+
+    def __init__(self, every: int | str = 1, resume: str | None = None) -> None:
+        self.every = parse_every(every)
+        if resume is not None and not isinstance(resume, str):
+            raise ValueError(f"ckpt.resume must be null, 'auto' or a path, got {resume!r}")
+        self.resume = resume
+        self.interval: int | None = None if self.every == HIGHFREQ else int(self.every)
+        self.anchor = 0  # checkpoints fall on steps anchor + j * interval
+        self.times: list[float] = []  # this rank's seconds per checkpoint
+        self.resumed_step: int | None = None
+        self._step_times: list[float] = []
+        self._batch_start: float | None = None
+        self._last_step = 0
+        self._pending_local: dict[str, Any] | None = None
+
+    # -- to implement --------------------------------------------------------------------------
+    def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        """Persist the state after batch ``batch_idx`` (every rank; collectives allowed)."""
+        raise NotImplementedError
+
+    def resume_path(self, world_size: int) -> str | None:
+        """What ``trainer.fit(ckpt_path=)`` should load, decided before workers start (None: fresh)."""
+        return None
+
+    def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """Tier-specific summary figures (every rank calls this; collectives allowed)."""
+        return {}
+
+    # -- schedule ------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        if self.interval is None:  # HighFreq before its probe
+            return step >= HIGHFREQ_PROBE_STEP
+        return step > self.anchor and (step - self.anchor) % self.interval == 0
+
+    def _settle_highfreq(self, trainer: pl.Trainer, step: int) -> None:
+        """K = ceil(t_ckpt / T_iter), from the slowest rank's figures so every rank agrees."""
+        steps = self._step_times[1:] or self._step_times
+        local = torch.tensor([self.times[-1], statistics.median(steps)], dtype=torch.float64,
+                             device=trainer.strategy.root_device)
+        t_ckpt, t_iter = (float(v) for v in trainer.strategy.reduce(local, reduce_op="max").cpu())
+        self.interval = max(1, math.ceil(t_ckpt / t_iter)) if t_iter > 0 else 1
+        self.anchor = step
+
+    # -- Lightning hooks -----------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Runs before Lightning loads ckpt_path: let it read our manifests.
+        strategy = trainer.strategy
+        # Lightning warns that a mid-epoch resume of a plain DataLoader is unreliable; restore_local
+        # repositions the loader, so the warning would mislead.
+        warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
+        if not isinstance(strategy.checkpoint_io, ManifestCheckpointIO):
+            strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._pending_local = checkpoint.get(RANK_STATE_KEY)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._pending_local is not None:
+            restore_local(trainer, self._pending_local)
+            self._pending_local = None
+            self.resumed_step = trainer.global_step
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._batch_start is None:
+            self._batch_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        if step == self._last_step:
+            return  # a micro-batch that only accumulated
+        self._last_step = step
+        if self._batch_start is not None:
+            self._step_times.append(time.perf_counter() - self._batch_start)
+        self._batch_start = None
+        if not self.due(step):
+            return
+        start = time.perf_counter()
+        self.save(trainer, batch_idx)
+        self.times.append(time.perf_counter() - start)
+        if self.interval is None:
+            self._settle_highfreq(trainer, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"interval": self.interval, "anchor": self.anchor}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.every == HIGHFREQ:  # a fixed interval stays as configured
+            self.interval = state_dict.get("interval")
+            self.anchor = int(state_dict.get("anchor", 0))
+
+    # -- summary -------------------------------------------------------------------------------
+    def summary_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """``ckpt_*`` keys for summary.json; every rank calls this (it reduces over ranks)."""
+        per_ckpt: list[float] = []
+        if self.times:  # every rank checkpointed at the same steps
+            local = torch.tensor(self.times, dtype=torch.float64, device=trainer.strategy.root_device)
+            gathered = trainer.strategy.all_gather(local).reshape(-1, len(self.times)).cpu()
+            per_ckpt = [float(v) for v in gathered.max(dim=0).values]
+        figures = {
+            "ckpt_count": len(per_ckpt),
+            "ckpt_time_s": statistics.median(per_ckpt) if per_ckpt else None,
+            "ckpt_times_s": per_ckpt,
+            "ckpt_interval": self.interval,
+            "ckpt_resumed_step": self.resumed_step,
+        }
+        figures.update(self.figures(trainer))
+        return figures

@@ -1,0 +1,143 @@
+"""The whole training state of one rank: captured as bytes, restored bit-exactly.
+
+A rank's state splits in two:
+
+* **shared** — what every data-parallel rank holds identically: Lightning's own checkpoint dict
+  (parameters and buffers, optimizer state with its step counters, LR schedulers, loop progress,
+  callback states, precision-plugin state, hyper-parameters). One rank's copy is enough.
+* **local** — what differs per rank: the RNG streams, the data position, and the sync backend's
+  state (error feedback, Zen's profiled densities...).
+
+:func:`capture_shard` serializes both (or only the local part) into a :class:`Shard`: immutable bytes
+and their sha256, so the snapshot cannot change while it is being written or sent. :func:`assemble`
+turns a shared and a local payload back into one dict that Lightning restores on ``fit(ckpt_path=)``;
+:func:`restore_local` then applies what Lightning does not know about at train start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from ddlscale.ckpt.data import DataPosition, position_loader
+from ddlscale.ckpt.rng import capture_rng, restore_rng
+
+PAYLOAD_FORMAT = "ddlscale-training-state/1"
+# DDLStrategy.load_model_state_dict reads the backend's per-rank state under this key.
+SYNC_STATE_KEY = "ddlscale_sync"
+# This rank's local state inside an assembled checkpoint dict.
+RANK_STATE_KEY = "ddlscale_rank"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One rank's serialized state."""
+
+    rank: int
+    data: bytes
+    sha256: str
+
+    @classmethod
+    def encode(cls, rank: int, payload: dict[str, Any]) -> Shard:
+        buffer = io.BytesIO()
+        torch.save(payload, buffer)
+        data = buffer.getvalue()
+        return cls(rank, data, hashlib.sha256(data).hexdigest())
+
+    def decode(self) -> dict[str, Any]:
+        return decode(self.data, self.sha256, f"shard of rank {self.rank}")
+
+
+def decode(data: bytes, expected_sha256: str | None = None, where: str = "shard") -> dict[str, Any]:
+    """The payload inside shard bytes, after checking them against ``expected_sha256`` when given."""
+    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+        raise ValueError(f"{where}: sha256 mismatch (corrupt shard)")
+    # Our own files: the payload holds python objects (RNG tuples, hyper-parameters), not only tensors.
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
+        raise ValueError(f"{where}: not a ddlscale training-state payload")
+    return payload
+
+
+def capture_shared(trainer: pl.Trainer) -> dict[str, Any]:
+    """Lightning's full checkpoint dict, exactly what ``trainer.save_checkpoint`` would write."""
+    # The connector's dump is what save_checkpoint serializes; it runs every callback's and the
+    # module's on_save_checkpoint hook, and needs no collective under data parallelism.
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def capture_local(trainer: pl.Trainer, batch_idx: int) -> dict[str, Any]:
+    """This rank's own state, taken right after training batch ``batch_idx`` (at on_train_batch_end)."""
+    sync = getattr(trainer.strategy, "sync", None)
+    position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "rng": capture_rng(),
+        "data": position.to_dict(),
+        "sync": sync.state_dict() if callable(getattr(sync, "state_dict", None)) else None,
+    }
+
+
+def capture_shard(trainer: pl.Trainer, batch_idx: int, with_shared: bool) -> Shard:
+    """Serialize this rank's state now; ``with_shared`` adds the rank-shared part (one rank suffices)."""
+    payload = {
+        "format": PAYLOAD_FORMAT,
+        "local": capture_local(trainer, batch_idx),
+        "shared": capture_shared(trainer) if with_shared else None,
+    }
+    return Shard.encode(trainer.global_rank, payload)
+
+
+def assemble(shared_payload: dict[str, Any], own_payload: dict[str, Any]) -> dict[str, Any]:
+    """One rank's restorable checkpoint dict from the shared part and that rank's local part."""
+    if shared_payload.get("shared") is None:
+        raise ValueError("the shared payload holds no rank-shared state")
+    local = own_payload["local"]
+    if local["global_step"] != shared_payload["local"]["global_step"]:
+        raise ValueError(
+            f"shards of different steps: {shared_payload['local']['global_step']} and {local['global_step']}"
+        )
+    checkpoint = dict(shared_payload["shared"])
+    if local["sync"] is not None:
+        ranks: list[Any] = [None] * local["world_size"]  # DDLStrategy reads only its own entry
+        ranks[local["rank"]] = local["sync"]
+        checkpoint[SYNC_STATE_KEY] = {"world_size": local["world_size"], "ranks": ranks}
+    checkpoint[RANK_STATE_KEY] = local
+    return checkpoint
+
+
+def restore_local(trainer: pl.Trainer, local: dict[str, Any]) -> None:
+    """Resume the data position and RNG streams; call at on_train_start, after Lightning's restore.
+
+    By then Lightning has built the train iterator (and pre-fetched a batch) from the epoch's start.
+    The loader is repositioned and the iterator rebuilt. Building an iterator draws a seed from the
+    global RNG: an uninterrupted run draws it at an epoch's start, right after the checkpoint point,
+    so there the RNG is restored first and the rebuild draws exactly that seed; mid-epoch the
+    uninterrupted run draws nothing, so the RNG is restored after the rebuild.
+    """
+    if local["rank"] != trainer.global_rank or local["world_size"] != trainer.world_size:
+        raise RuntimeError(
+            f"state of rank {local['rank']} of {local['world_size']} loaded on rank {trainer.global_rank} "
+            f"of {trainer.world_size}"
+        )
+    position = DataPosition.from_dict(local["data"])
+    loop = trainer.fit_loop
+    loaders = loop._combined_loader.flattened if loop._combined_loader is not None else []
+    for loader in loaders:
+        position_loader(loader, position)
+    fetcher = loop._data_fetcher
+    if position.at_epoch_start:
+        restore_rng(local["rng"])
+        if fetcher is not None:
+            iter(fetcher)
+    else:
+        if fetcher is not None:
+            iter(fetcher)
+        restore_rng(local["rng"])

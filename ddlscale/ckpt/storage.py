@@ -1,0 +1,57 @@
+"""Crash-safe file writes for checkpoints, optionally paced to a storage bandwidth.
+
+A file appears under its final name only complete and on disk: it is written to a temporary name in
+the same directory, flushed and fsynced, renamed over the final name (atomic on POSIX), and the
+directory is fsynced so the rename itself survives a power loss. A crash leaves at most a stray
+temporary file, which readers never look at (see :func:`is_temporary`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+_TMP_MARK = ".tmp-"
+_CHUNK = 1 << 20
+
+
+def is_temporary(path: Path) -> bool:
+    return path.name.startswith(".") and _TMP_MARK in path.name
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) -> None:
+    """Write ``data`` to ``path`` all or nothing; at most ``bandwidth_bps`` bits/s when given.
+
+    Pacing emulates remote storage on a local disk: each chunk waits until the bytes written so far
+    would have crossed a link of that rate.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
+    start = time.perf_counter()
+    try:
+        with open(tmp, "wb") as file:
+            view = memoryview(data)
+            chunk = _CHUNK if not bandwidth_bps else max(4096, min(_CHUNK, int(bandwidth_bps / 8 / 20)))
+            for offset in range(0, len(view), chunk):
+                file.write(view[offset : offset + chunk])
+                if bandwidth_bps:
+                    due = start + (offset + len(view[offset : offset + chunk])) * 8 / bandwidth_bps
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
