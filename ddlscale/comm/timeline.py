@@ -109,8 +109,7 @@ def _check_duration(value: float, what: str) -> None:
         raise ValueError(f"{what} must be a finite number of seconds >= 0, got {value!r}")
 
 
-def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0) -> Timeline:
-    """Simulate one iteration of ``tasks`` (in backward order); see the module doc for the model."""
+def _check_tasks(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float) -> None:
     _check_duration(backward_end_s, "backward_end_s")
     _check_duration(optimizer_s, "optimizer_s")
     for task in tasks:
@@ -119,6 +118,30 @@ def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: fl
         if task.ready_s > backward_end_s:
             raise ValueError(f"{task.name}.ready_s ({task.ready_s}) is after backward_end_s ({backward_end_s})")
 
+
+def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0) -> Timeline:
+    """Simulate one iteration of ``tasks`` (in backward order); see the module doc for the model."""
+    _check_tasks(tasks, backward_end_s, optimizer_s)
+    times, stolen = _schedule(tasks)
+    backward_end = backward_end_s + stolen
+    iteration = max([backward_end, *times[6]]) + optimizer_s
+    spans = tuple(TensorSpan(t.name, *(column[i] for column in times)) for i, t in enumerate(tasks))
+    return Timeline(spans, backward_end, optimizer_s, iteration, _merged_busy(spans))
+
+
+def iteration_time(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0,
+                   check: bool = True) -> float:
+    """``simulate(...).iteration_s`` without building the spans: what a plan search evaluates
+    thousands of times. ``check=False`` skips validating the inputs (the caller built them)."""
+    if check:
+        _check_tasks(tasks, backward_end_s, optimizer_s)
+    times, stolen = _schedule(tasks)
+    return max([backward_end_s + stolen, *times[6]]) + optimizer_s
+
+
+def _schedule(tasks: Sequence[TensorTask]) -> tuple[tuple[list[float], ...], float]:
+    """The recursion of the module doc: per task (ready, encode start/end, comm start/end, decode
+    start/end) as seven columns, and the compute time stolen by compute-stream jobs."""
     count = len(tasks)
     ready = [0.0] * count
     encode_start, encode_end = [0.0] * count, [0.0] * count
@@ -162,15 +185,7 @@ def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: fl
             undecoded.append(i)
     while undecoded:
         decode_on_side_stream(undecoded.popleft())
-
-    backward_end = backward_end_s + stolen
-    iteration = max([backward_end, *decode_end]) + optimizer_s
-    spans = tuple(
-        TensorSpan(t.name, ready[i], encode_start[i], encode_end[i], comm_start[i], comm_end[i],
-                   decode_start[i], decode_end[i])
-        for i, t in enumerate(tasks)
-    )
-    return Timeline(spans, backward_end, optimizer_s, iteration, _merged_busy(spans))
+    return (ready, encode_start, encode_end, comm_start, comm_end, decode_start, decode_end), stolen
 
 
 def _merged_busy(spans: Sequence[TensorSpan]) -> tuple[tuple[float, float], ...]:

@@ -1,0 +1,277 @@
+"""The cost of one way to synchronize one tensor (or fused group): an :class:`Option` made a TensorTask.
+
+An option is {compressor (``none`` or the configured one), aggregation scheme, flat or hierarchical,
+compression device}. Its times come from three sources and nowhere else: the compressor's
+``payload_bytes`` for what travels, the :class:`~ddlscale.comm.cost.NetworkModel` for how long the
+collectives take, and the profiled encode/decode fits. :meth:`CostModel.task` turns (unit, option)
+into the :class:`~ddlscale.comm.timeline.TensorTask` the iteration simulator schedules, so Espresso
+and Cupcake score plans with one model.
+
+The collectives are those :class:`~ddlscale.sync.compress.CompressSync` issues (SYSTEMS.md §2):
+
+- ``allreduce`` (summable payloads): encode, allreduce the payload, decode once;
+- ``allgather``: encode (plus the local decode error feedback needs), exchange sizes, allgather the
+  packed payloads, decode and sum all n;
+- ``alltoall``: encode each of the n partitions, all-to-all them (after their sizes), then the owner
+  decodes n pieces, re-encodes the sum, every rank allgathers the n sums and decodes them — the
+  re-encode and the second collective run after backward, so they are charged to decode and comm;
+- ``gather``: encode, gather to rank 0, which decodes n payloads, re-encodes the sum and
+  broadcasts it (sizes first); everyone decodes — rank 0's path is the critical one;
+- the size exchange before an uneven allgather / all-to-all / gather *blocks* the training thread
+  while the group is launched (CompressSync waits for it inside the gradient hook), so it is
+  charged to encode, on the compute stream, not to the asynchronous communication;
+- hierarchical: a dense reduce-scatter among a machine's k ranks (blocking, so charged to encode),
+  the scheme across the m machines on a 1/k chunk with the NIC shared by the k concurrent inter
+  groups, and an allgather inside the machine after backward (charged to decode).
+
+"Encode" and "decode" are the profiled per-group work of the executor (error feedback, compress,
+pack / unpack, decompress, sum), ``none`` included: an uncompressed group is not free either.
+
+Device: ``compute`` runs encode/decode on the training stream (TensorTask.encode_on_compute: GPU
+compression that delays backward; on a CPU-only host, the training thread, which is what
+CompressSync does); ``side`` on a second stream (the CPU beside a GPU, or a helper thread) with the
+side fits. Where only a CPU exists, the side device is a model: CompressSync runs every encode on
+the training thread, so the plan says so when it offloads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.timeline import TensorTask
+from ddlscale.compress import Compressor
+from ddlscale.plan.fit import CostFit
+from ddlscale.plan.profile import Profile
+from ddlscale.sync.compress.plan import TensorPlan
+
+SCHEMES = ("allreduce", "allgather", "alltoall", "gather")
+DEVICES = ("compute", "side")
+SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
+SMALL_BYTES = 64 << 10  # ddlscale.comm.collectives: below this gloo's ring allgather, above direct
+
+
+@dataclass(frozen=True, order=True)
+class Option:
+    """One way to synchronize a unit. ``compressor`` is a CompressSync key: ``none`` or ``default``."""
+
+    compressor: str
+    scheme: str
+    hierarchical: bool = False
+    device: str = "compute"
+
+    @property
+    def compressed(self) -> bool:
+        return self.compressor != "none"
+
+    def label(self, names: dict[str, str] | None = None) -> str:
+        comp = (names or {}).get(self.compressor, self.compressor)
+        text = f"{comp}/{self.scheme}" + ("/hier" if self.hierarchical else "")
+        return text + ("@side" if self.device == "side" and self.compressed else "")
+
+    def tensor_plan(self) -> TensorPlan:
+        return TensorPlan(self.compressor, self.scheme, self.hierarchical)
+
+    def on(self, device: str) -> Option:
+        return replace(self, device=device)
+
+
+DENSE = Option("none", "allreduce")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A tensor or a fused group of consecutive tensors, as the planner sees it."""
+
+    names: tuple[str, ...]
+    numel: int
+    dtype: str
+    ready_s: float  # of its last member: a group is complete when its last gradient is
+    shape: tuple[int, ...] | None = None  # a single tensor's shape (PowerSGD compresses matrices)
+    kept: dict[str, float] = field(default_factory=dict)  # per compressor key: fraction kept
+
+    @property
+    def label(self) -> str:
+        return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]} ({len(self.names)})"
+
+
+class CostModel:
+    """Times of every option for every unit on one cluster.
+
+    Args:
+        profile: the measured profile (compressor fits, ready times).
+        compressors: the compressor objects by key (for ``payload_bytes`` and ``summable``).
+        world_size: ranks (default: the profile's).
+        network: the cluster (default: from the profile's ``network`` entry).
+    """
+
+    def __init__(self, profile: Profile, compressors: dict[str, Compressor], world_size: int | None = None,
+                 network: NetworkModel | None = None):
+        self.profile = profile
+        self.compressors = dict(compressors)
+        if set(profile.compressors) != set(self.compressors):
+            raise ValueError(f"compressor objects {sorted(self.compressors)} do not match the profiled "
+                             f"compressors {sorted(profile.compressors)}")
+        self.n = world_size or profile.world_size
+        net = profile.network
+        self.network = network or NetworkModel.of(net.get("bandwidth", "1gbit"), net.get("latency", "100us"),
+                                                  int(net.get("gpus_per_machine", 1)))
+        self.k = min(self.network.gpus_per_machine, self.n)
+        # Hierarchical: k inter-machine groups run at once, one per local rank: each gets 1/k of the NIC.
+        self.across = NetworkModel(self.network.bandwidth_bps / self.k, self.network.latency_s, 1,
+                                   efficiency=self.network.efficiency)
+        self._cache: dict[tuple, tuple[float, float, float]] = {}
+
+    # -- the option space ------------------------------------------------------------------------
+    @property
+    def hierarchical_possible(self) -> bool:
+        return 1 < self.k < self.n and self.n % self.k == 0
+
+    def allows(self, option: Option) -> bool:
+        """Incompatible combinations are not options (allreduce of a non-summable compressor...)."""
+        comp = self.compressors.get(option.compressor)
+        if comp is None or option.scheme not in SCHEMES or option.device not in DEVICES:
+            return False
+        if option.hierarchical and not self.hierarchical_possible:
+            return False
+        if option.device == "side" and not option.compressed:
+            return False  # nothing to offload: the executor's own work stays on the training thread
+        if option.scheme == "allreduce":
+            return comp.summable or hasattr(comp, "reduce")
+        return option.compressed  # moving uncompressed tensors through allgather & co never wins
+
+    def options(self, schemes: Sequence[str] = SCHEMES, device: str = "compute") -> list[Option]:
+        """Every allowed option on ``device``: dense allreduce plus each compressor x scheme x layout."""
+        out = []
+        for comp in self.compressors:
+            for scheme in schemes:
+                for hier in (False, True):
+                    option = Option(comp, scheme, hier, device)
+                    if self.allows(option):
+                        out.append(option)
+        return out
+
+    # -- costs -------------------------------------------------------------------------------------
+    def costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
+        """(encode_s, comm_s, decode_s) of ``unit`` under ``option``."""
+        key = (unit.numel, unit.dtype, unit.shape, unit.kept.get(option.compressor), option)
+        found = self._cache.get(key)
+        if found is None:
+            if not self.allows(option):
+                raise ValueError(f"option {option.label()} is not allowed here")
+            found = self._cache[key] = self._costs(unit, option)
+        return found
+
+    def task(self, unit: Unit, option: Option) -> TensorTask:
+        encode, comm, decode = self.costs(unit, option)
+        return TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute")
+
+    def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
+        prof = self.profile.compressors.get(option.compressor)
+        if prof is None:
+            return CostFit(), CostFit()
+        if option.device == "side":
+            return prof.side_encode, prof.side_decode
+        return prof.encode, prof.decode
+
+    def _payload(self, unit: Unit, option: Option, numel: int, shape: tuple[int, ...] | None) -> float:
+        """Bytes of one packed payload of ``numel`` elements of the unit (its real kept fraction)."""
+        if not option.compressed:
+            return numel * _element_size(unit.dtype)  # the gradient itself (NoCompression's payload)
+        comp = self.compressors[option.compressor]
+        dtype = _dtype(unit.dtype)
+        kept = None
+        if option.compressor in unit.kept and not getattr(comp, "fixed_size", True):
+            kept = max(1, round(unit.kept[option.compressor] * numel))
+        header = self.profile.compressors[option.compressor].header_bytes
+        return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header
+
+    def _costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
+        n, k, net = self.n, self.k, self.network
+        if n == 1:
+            return 0.0, 0.0, 0.0
+        dense_bytes = unit.numel * _element_size(unit.dtype)
+        encode = comm = decode = 0.0
+        numel, shape, ranks, across = unit.numel, unit.shape, n, net
+        if option.hierarchical:
+            encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
+            decode += net.allgather(dense_bytes / k, k)
+            numel, shape, ranks = -(-unit.numel // k), None, n // k
+            across = self.across
+        enc, dec = self._fits(option)
+        scheme = option.scheme
+        if scheme == "allreduce":
+            payload = self._payload(unit, option, numel, shape)
+            encode += enc(numel)
+            comm += across.allreduce(payload, ranks)
+            decode += dec(numel)
+        elif scheme == "allgather":
+            payload = self._payload(unit, option, numel, shape)
+            encode += enc(numel) + _allgather(across, SIZE_BYTES, ranks)  # sizes: a blocking exchange
+            comm += _allgather(across, payload, ranks)
+            decode += ranks * dec(numel)
+        elif scheme == "alltoall":
+            part = -(-numel // ranks)
+            payload = self._payload(unit, option, part, None)
+            encode += ranks * enc(part) + across.all_to_all(SIZE_BYTES, ranks)
+            comm += across.all_to_all(payload, ranks)
+            comm += _allgather(across, SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
+            # Sum n pieces, re-encode the sum, encode zeros for each other partition's context
+            # (CompressSync's rank-independent contexts), decode the n gathered sums.
+            decode += 2 * ranks * dec(part) + ranks * enc(part)
+        elif scheme == "gather":
+            payload = self._payload(unit, option, numel, shape)
+            encode += enc(numel) + _allgather(across, SIZE_BYTES, ranks)
+            comm += across.gather(payload, ranks)
+            comm += across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
+            decode += ranks * dec(numel) + enc(numel) + dec(numel)
+        return encode, comm, decode
+
+
+@functools.lru_cache(maxsize=4096)
+def _allgather(net: NetworkModel, piece_bytes: float, n: int) -> float:
+    """Communicator's allgather: gloo's ring for small pieces, a direct exchange for large ones.
+
+    The direct exchange of equal pieces is the uniform all-to-all (the same send matrix), priced in
+    O(1) rather than through the n x n matrix ``allgather(..., "direct")`` builds.
+    """
+    if piece_bytes * n <= SMALL_BYTES:
+        return net.allgather(piece_bytes, n, "ring")
+    ratio = net.efficiency.get("allgather", 1.0) / net.efficiency.get("all_to_all", 1.0)
+    return net.all_to_all(piece_bytes, n) * ratio
+
+
+@functools.cache
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the profile")
+    return dtype
+
+
+@functools.cache
+def _element_size(name: str) -> int:
+    return torch.empty((), dtype=_dtype(name)).element_size()
+
+
+def units_of(profile: Profile) -> list[Unit]:
+    """One unit per profiled tensor, in backward order."""
+    return [Unit((t.name,), t.numel, t.dtype, t.ready_s, tuple(t.shape), dict(t.kept)) for t in profile.tensors]
+
+
+def fuse(units: Sequence[Unit]) -> Unit:
+    """Consecutive units as one flat buffer (they must share a dtype): ready with the last one,
+    kept fractions averaged by size."""
+    if len({u.dtype for u in units}) != 1:
+        raise ValueError(f"cannot fuse units of different dtypes: {[u.label for u in units]}")
+    if len(units) == 1:
+        return units[0]
+    numel = sum(u.numel for u in units)
+    keys = set.intersection(*(set(u.kept) for u in units))
+    kept = {key: sum(u.kept[key] * u.numel for u in units) / max(1, numel) for key in keys}
+    return Unit(tuple(n for u in units for n in u.names), numel, units[0].dtype, max(u.ready_s for u in units),
+                None, kept)

@@ -1,0 +1,198 @@
+"""Cupcake: the optimal partition of the tensors, in backward order, into contiguous fusion groups.
+
+Each group is one flat buffer compressed once: fewer groups pay the per-call compression cost and
+the per-message latency fewer times, larger groups start later (a group is complete only when its
+last gradient is). Cupcake finds the partition that minimizes the simulated iteration time
+(:func:`ddlscale.comm.timeline.simulate`) exactly, by dynamic programming over split points.
+
+**Why a scalar state is not enough, and what is.** With compression on the compute stream
+(GPU kernels, or the training thread on a CPU — what CompressSync does), group g with ready time
+r_g (its last member's), encode e_g, comm c_g and decode d_g follows the simulator's recursion
+
+    S_g        = S_{g-1} + e_g + d_g                       (compute time stolen so far)
+    comm_end_g = max(r_g + S_{g-1} + e_g, comm_end_{g-1}) + c_g
+    T          = max(B + S_G, max_g comm_end_g + d_g) + optimizer
+
+(the encode starts as soon as the group is ready: ready times are non-decreasing and each ready
+time already includes every earlier encode). Every term is "C + const" or "S + const", so for a
+fixed partition of the tensors i..N-1 entered with comm-stream end C and stolen time S,
+
+    T - optimizer = S + max(C - S + alpha, beta)
+
+for two constants (alpha, beta) of that suffix partition. The suffix DP keeps, for each i, the
+Pareto set of (alpha, beta) over all partitions of i..N-1 (smaller is better in both, as T is
+non-decreasing in each): a partition off the front can never be optimal, whatever prefix precedes
+it. A first group [i, j) followed by (alpha', beta') from suffix j gives
+
+    alpha = c + max(d, alpha')
+    beta  = max(r + e + alpha, e + d + beta')
+
+with the empty suffix (alpha, beta) = (-inf, B). The answer is min over the front at 0 of
+max(alpha, beta) (C = S = 0). This is exact for every input of the recursion — any group cost
+function, not only linear ones — which the tests check against brute force over all 2^(N-1)
+partitions. With encode and decode folded into the communication stream (e = d = 0, c = comp +
+comm), it is the C[j] = min_i max(C[i], ready_{j-1}) + h + g recursion of SYSTEMS.md §3.
+
+Side-stream compression (``encode_on_compute`` false with a non-zero encode or decode) also queues
+decodes behind encodes on the side stream: the state is no longer two numbers, and
+:func:`optimal_partition` refuses such groups rather than return a non-optimal answer.
+
+The fronts are small in practice (tens of points); the work is O(N^2 * front) vectorized per split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ddlscale.comm.timeline import TensorTask, iteration_time
+from ddlscale.plan.cost import CostModel, Option, Unit, fuse
+
+GroupCost = Callable[[int, int], "tuple[float, float, float, float] | None"]
+
+
+def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
+                      optimizer_s: float = 0.0) -> tuple[list[tuple[int, int]], float]:
+    """Split ``range(count)`` into contiguous groups minimizing the simulated iteration time.
+
+    ``group_cost(i, j)`` gives (ready_s, encode_s, comm_s, decode_s) of items i..j-1 fused and
+    compressed on the compute stream, or None where they cannot be fused (then no group spans
+    them). Returns the groups as (start, end) ranges and the iteration time the DP computed.
+
+    ``group_cost`` must refuse every group that spans a forbidden pair, whatever its bounds.
+
+    Pruning (exact): with ``bound`` the time of a known partition (every item alone, or all in one
+    group), a point of front[i] is dropped when even the most favourable prefix — communication
+    done by the time item i-1 is ready, nothing stolen: C >= ready_{i-1}, S >= 0 — gives a time
+    above ``bound``.
+    """
+    if count == 0:
+        return [], backward_end_s + optimizer_s
+    singles = [group_cost(i, i + 1) for i in range(count)]
+    if any(c is None for c in singles):
+        raise ValueError(f"item {singles.index(None)} cannot form a group on its own")
+    alone = [TensorTask(str(i), *cost, True) for i, cost in enumerate(singles)]
+    bound = iteration_time(alone, backward_end_s, optimizer_s)
+    everything = group_cost(0, count)  # one group, where allowed: often the better bound
+    if everything is not None:
+        bound = min(bound, iteration_time([TensorTask("all", *everything, True)], backward_end_s, optimizer_s))
+    bound = bound * (1 + 1e-9) + 1e-12  # float slack: the known partition itself must survive
+    # front[i]: (alpha, beta, next split j, index in front[j]) of non-dominated suffix partitions.
+    front: list[tuple[np.ndarray, ...] | None] = [None] * (count + 1)
+    front[count] = (np.array([-np.inf]), np.array([float(backward_end_s)]), np.array([-1]), np.array([-1]))
+    for i in range(count - 1, -1, -1):
+        js, costs = [], []
+        for j in range(i + 1, count + 1):
+            cost = group_cost(i, j)
+            if cost is None:
+                break  # fusing i..j-1 is not allowed, so neither is any longer group from i
+            js.append(j)
+            costs.append(cost)
+        if not js:
+            raise ValueError(f"item {i} cannot form a group on its own (group_cost({i}, {i + 1}) is None)")
+        # Every first group [i, j) against every point of front[j], in one vectorized step.
+        sizes = np.array([front[j][0].size for j in js])
+        ready, encode, comm, decode = np.repeat(np.array(costs, dtype=float).T, sizes, axis=1)
+        tail_alpha = np.concatenate([front[j][0] for j in js])
+        tail_beta = np.concatenate([front[j][1] for j in js])
+        alpha = comm + np.maximum(decode, tail_alpha)
+        beta = np.maximum(ready + encode + alpha, encode + decode + tail_beta)
+        starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
+        links = np.arange(alpha.size) - starts
+        # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= 0 (C = S = 0 before item 0).
+        floor = singles[i - 1][0] if i > 0 else 0.0
+        keep = np.maximum(floor + alpha, beta) + optimizer_s <= bound
+        front[i] = _pareto(alpha[keep], beta[keep], np.repeat(js, sizes)[keep], links[keep])
+    alpha, beta, nexts, links = front[0]
+    best = int(np.argmin(np.maximum(alpha, beta)))
+    value = float(max(alpha[best], beta[best])) + optimizer_s
+    groups, i = [], 0
+    while i < count:
+        j, best = int(front[i][2][best]), int(front[i][3][best])
+        groups.append((i, j))
+        i = j
+    return groups, value
+
+
+def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The points no other point beats in both alpha and beta (ties: the first in input order)."""
+    order = np.lexsort((beta, alpha))  # stable: equal points keep their input order
+    b = beta[order]
+    best_before = np.minimum.accumulate(np.concatenate(([np.inf], b[:-1])))
+    keep = order[b < best_before]
+    return (alpha[keep], beta[keep], *(p[keep] for p in payload))
+
+
+class Prefix:
+    """Fused units of any range in O(1): prefix sums of sizes and kept elements."""
+
+    def __init__(self, units: Sequence[Unit]):
+        self.units = list(units)
+        self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64)))
+        keys = set.intersection(*(set(u.kept) for u in units)) if units else set()
+        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept[key] * u.numel for u in units])))
+                     for key in keys}
+        # run_end[i]: first index after i with another dtype (a fused buffer has one dtype).
+        self.run_end = [len(units)] * len(units)
+        for i in range(len(units) - 2, -1, -1):
+            same = units[i + 1].dtype == units[i].dtype
+            self.run_end[i] = self.run_end[i + 1] if same else i + 1
+
+    def unit(self, i: int, j: int) -> Unit | None:
+        """Units i..j-1 fused, without names (cheap; for costs), or None across a dtype change."""
+        if j > self.run_end[i]:
+            return None
+        if j == i + 1:
+            return self.units[i]
+        numel = int(self.numel[j] - self.numel[i])
+        kept = {key: float(s[j] - s[i]) / max(1, numel) for key, s in self.kept.items()}
+        return Unit((), numel, self.units[i].dtype, self.units[j - 1].ready_s, None, kept)
+
+
+@dataclass
+class FusionPlan:
+    """Groups as (start, end) ranges over the units, each one fused unit with its option."""
+
+    groups: list[tuple[int, int]]
+    units: list[Unit]  # the fused units, one per group
+    options: list[Option]
+    tasks: list[TensorTask]
+    iteration_s: float
+
+
+def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[int], Option] | Option,
+                backward_end_s: float, optimizer_s: float = 0.0) -> FusionPlan:
+    """The optimal contiguous fusion of ``units`` where every group takes its members' common option.
+
+    ``option_of``: one option for all (Cupcake) or a per-unit option (fusing an Espresso plan:
+    only runs of equal options fuse). Options must compress on the compute stream.
+    """
+    option_at = (lambda _: option_of) if isinstance(option_of, Option) else option_of
+    prefix = Prefix(units)
+    options = [option_at(i) for i in range(len(units))]
+    for i, opt in enumerate(options):
+        if opt.device != "compute" and opt.compressed:
+            raise ValueError(f"fusion DP is exact for compute-stream compression only; unit {i} uses {opt.label()}")
+
+    run_end = list(range(1, len(units) + 1))  # run_end[i]: first index after i with another option
+    for i in range(len(units) - 2, -1, -1):
+        if options[i + 1] == options[i]:
+            run_end[i] = run_end[i + 1]
+
+    def group_cost(i: int, j: int) -> tuple[float, float, float, float] | None:
+        if j > run_end[i]:
+            return None
+        unit = prefix.unit(i, j)
+        if unit is None:
+            return None
+        encode, comm, decode = model.costs(unit, options[i])
+        return unit.ready_s, encode, comm, decode
+
+    groups, _ = optimal_partition(len(units), group_cost, backward_end_s, optimizer_s)
+    fused = [fuse(units[i:j]) for i, j in groups]
+    chosen = [options[i] for i, _ in groups]
+    tasks = [model.task(u, o) for u, o in zip(fused, chosen, strict=True)]
+    # The simulator has the last word: it is the model, the DP only searches it.
+    return FusionPlan(groups, fused, chosen, tasks, iteration_time(tasks, backward_end_s, optimizer_s))

@@ -1,0 +1,110 @@
+"""From a profile to a :class:`CompressionPlan`: Cupcake's fusion, Espresso's per-tensor choices.
+
+The runtime backends (``sync=cupcake``, ``sync=espresso``) and ``python -m ddlscale.tools.plan``
+both call these two functions, so a plan recomputed offline from a saved profile is the plan the
+run used (for the same cluster).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ddlscale.comm.cost import NetworkModel
+from ddlscale.compress import Compressor
+from ddlscale.plan.cost import DENSE, CostModel, Option, units_of
+from ddlscale.plan.cupcake import plan_fusion
+from ddlscale.plan.espresso import espresso
+from ddlscale.plan.profile import Profile
+from ddlscale.plan.result import CompressionPlan, per_unit_savings, uniform_time
+
+
+def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = None, world_size: int | None = None,
+               network: NetworkModel | None = None) -> CostModel:
+    """The cost model of ``profile``; compressors are rebuilt from the profile unless given."""
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+    return CostModel(profile, compressors, world_size, network)
+
+
+def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:
+    """The uniform choice of the config: the configured compressor under ``sync.comm``, or dense
+    allreduce when no compressor is configured (then fusion alone is planned)."""
+    if "default" not in model.compressors or model.compressors["default"].name == "none":
+        return Option("none", "allreduce", hierarchical and model.hierarchical_possible)
+    option = Option("default", comm, hierarchical and model.hierarchical_possible)
+    if not model.allows(option):
+        raise ValueError(f"sync.comm={comm} cannot carry compressor {model.compressors['default'].name} "
+                         "(allreduce needs summable payloads); use allgather, alltoall or gather")
+    return option
+
+
+def _label(model: CostModel, option: Option | None) -> str:
+    if option is None:
+        return "-"
+    return option.label({"default": model.compressors["default"].name} if "default" in model.compressors else {})
+
+
+def _context(profile: Profile, model: CostModel) -> dict:
+    net = profile.network
+    default = model.compressors.get("default")
+    return {"world_size": model.n, "bandwidth": f"{model.network.bandwidth_bps / 1e9:g} Gbit/s",
+            "latency": f"{model.network.latency_s * 1e6:g} us", "gpus_per_machine": model.network.gpus_per_machine,
+            "compressor": repr(default) if default is not None else "none",
+            "compressor_name": default.name if default is not None else "none", "device": profile.device,
+            "measured_dense_step_s": profile.step_s if model.n == profile.world_size else None,
+            "network_config": dict(net)}
+
+
+def _notes(profile: Profile, plan: CompressionPlan) -> list[str]:
+    notes = ["times: backward starts at the first gradient hook; the step's rest (forward, optimizer, "
+             "data, the loss's backward) is added after the last decode"]
+    if profile.device == "cpu":
+        notes.append("compression device 'compute' is the training thread of this CPU-only host "
+                     "(TensorTask.encode_on_compute: it delays the rest of backward), which is where "
+                     "CompressSync compresses; the GPU/CPU dimension is modeled, not measured")
+    if plan.offloaded:
+        notes.append(f"{plan.offloaded} unit(s) compress on the side device (@side): modeled only; CompressSync "
+                     "compresses every unit on the training thread, so that part of the prediction does not run")
+    return notes
+
+
+def _baselines(profile: Profile, model: CostModel, option: Option) -> dict[str, float]:
+    units = units_of(profile)
+
+    def uniform(option: Option) -> float:
+        return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
+
+    out = {"dense allreduce per tensor": uniform(DENSE)}
+    if option.compressed:
+        out[f"layer-wise {_label(model, option)}"] = uniform(option)
+    return out
+
+
+def cupcake_plan(profile: Profile, model: CostModel, option: Option) -> CompressionPlan:
+    """Cupcake: every group under ``option``, the partition optimal for the simulator."""
+    started = time.perf_counter()
+    fusion = plan_fusion(units_of(profile), model, option, profile.backward_end_s, profile.rest_s)
+    elapsed = time.perf_counter() - started
+    plan = CompressionPlan("cupcake", fusion.units, fusion.options, fusion.iteration_s,
+                           f"{len(fusion.groups)} contiguous groups (optimal partition by dynamic programming)",
+                           per_unit_savings(fusion.units, fusion.options, model, profile.backward_end_s,
+                                            profile.rest_s),
+                           _baselines(profile, model, option), context=_context(profile, model))
+    plan.notes = [*_notes(profile, plan), f"planning took {elapsed:.3f} s"]
+    return plan
+
+
+def espresso_plan(profile: Profile, model: CostModel, cupcake_option: Option | None = None,
+                  offload: bool = False, fuse: bool = True, options: list[Option] | None = None) -> CompressionPlan:
+    """Espresso over the model's option space (or ``options``); ``cupcake_option`` adds the search
+    over Cupcake's groups of that option as a candidate."""
+    result = espresso(units_of(profile), model, profile.backward_end_s, profile.rest_s, options=options,
+                      offload=offload, fuse=fuse, cupcake_option=cupcake_option)
+    fusion = {"per tensor": "none (each tensor alone)",
+              "fused runs": "runs of consecutive tensors with the same option fused (Cupcake's DP)",
+              "cupcake groups": f"Cupcake's groups of {_label(model, cupcake_option)} as units"}[result.fusion]
+    plan = CompressionPlan("espresso", result.units, result.options, result.iteration_s, fusion,
+                           per_unit_savings(result.units, result.options, model, profile.backward_end_s,
+                                            profile.rest_s),
+                           _baselines(profile, model, cupcake_option or DENSE), context=_context(profile, model))
+    plan.notes = [*_notes(profile, plan), *(f"search: {step}" for step in result.steps)]
+    return plan

@@ -1,0 +1,269 @@
+"""What a plan is computed from, measured on the first iterations of a real run and saved as JSON.
+
+A :class:`Profile` holds, in backward order, every gradient tensor's size and the time its hook
+fired; when backward ended; the rest of a step (forward, optimizer, data); the encode and decode
+cost of each compressor a plan may use, fitted over a grid of sizes on this device
+(:class:`~ddlscale.plan.fit.CostFit`); and the network the plan assumes (the cluster config's
+bandwidth and latency, as :class:`~ddlscale.comm.cost.NetworkModel` takes them). Saved with the
+run, it lets ``python -m ddlscale.tools.plan`` recompute a plan offline, for other cluster sizes too.
+
+Timing conventions (seconds): backward starts when the first gradient hook fires — the backward of
+the loss and of the last layer before it is counted in ``rest_s`` instead, which no plan changes.
+``rest_s`` is a step's period minus (backward end - backward start) minus the sync wait, so the
+simulator's ``iteration = max(backward end, last decode) + rest_s`` is the whole step time.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor
+from ddlscale.plan.fit import CostFit
+from ddlscale.sync.compress import wire
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TensorProfile:
+    """One gradient: ``ready_s`` after backward start; ``kept``: per compressor key, the fraction of
+    elements a variable-size compressor kept on this tensor's real gradient (absent: fixed size)."""
+
+    name: str
+    numel: int
+    shape: tuple[int, ...]
+    dtype: str
+    ready_s: float
+    kept: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompressorProfile:
+    """A compressor's identity (to rebuild it offline) and its fitted costs.
+
+    ``encode``: compress plus the local decompress error feedback needs; ``decode``: decompress one
+    received payload and add it to a sum. ``side_encode``/``side_decode``: the same on the side
+    device (the CPU beside a GPU; equal to ``encode``/``decode`` where training runs on the CPU).
+    ``header_bytes``: the wire header one packed payload adds.
+    """
+
+    name: str
+    params: dict[str, Any]
+    encode: CostFit
+    decode: CostFit
+    side_encode: CostFit
+    side_decode: CostFit
+    header_bytes: int = 0
+    samples: list[dict[str, float]] = field(default_factory=list)
+
+    def build(self) -> Compressor:
+        return build_compressor(self.name, **self.params)
+
+
+@dataclass
+class Profile:
+    tensors: list[TensorProfile]
+    backward_end_s: float
+    rest_s: float
+    world_size: int
+    network: dict[str, Any]
+    compressors: dict[str, CompressorProfile]
+    device: str = "cpu"
+    step_s: float | None = None  # median measured step with dense sync (for predicted vs measured)
+    steps: int = 0  # measured steps averaged
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["version"] = PROFILE_VERSION
+        for key, comp in self.compressors.items():
+            for what in ("encode", "decode", "side_encode", "side_decode"):
+                out["compressors"][key][what] = getattr(comp, what).to_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"profile version {data.get('version')!r} is not {PROFILE_VERSION}")
+        tensors = [TensorProfile(t["name"], int(t["numel"]), tuple(t["shape"]), t["dtype"], float(t["ready_s"]),
+                                 {k: float(v) for k, v in t.get("kept", {}).items()}) for t in data["tensors"]]
+        compressors = {
+            key: CompressorProfile(c["name"], dict(c["params"]), *(CostFit.from_dict(c[w]) for w in
+                                   ("encode", "decode", "side_encode", "side_decode")),
+                                   int(c.get("header_bytes", 0)), list(c.get("samples", [])))
+            for key, c in data["compressors"].items()
+        }
+        return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
+                   dict(data["network"]), compressors, data.get("device", "cpu"), data.get("step_s"),
+                   int(data.get("steps", 0)))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# -- per-step hook timestamps ----------------------------------------------------------------------
+class StepRecorder:
+    """Timestamps of one rank's gradient hooks, backward end and step end over several steps."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self._current: dict[int, float] = {}
+        self._backward_end: float | None = None
+
+    def ready(self, index: int) -> None:
+        self._current.setdefault(index, time.perf_counter())
+
+    def backward_end(self) -> None:
+        self._backward_end = time.perf_counter()
+
+    def step_end(self) -> None:
+        end = time.perf_counter()
+        self.steps.append({"ready": self._current, "backward_end": self._backward_end or end, "end": end})
+        self._current, self._backward_end = {}, None
+
+    def summary(self, order: Sequence[int], warmup: int = 1) -> dict[str, Any]:
+        """Mean ready times in ``order`` (made non-decreasing), backward end, rest of the step.
+
+        The first ``warmup`` steps are not averaged (allocator and thread-pool warm-up); each
+        measured step needs the previous one's end for its period. A tensor whose hook never fired
+        is ready at backward end (the backend zero-fills it then).
+        """
+        measured = [k for k in range(max(1, warmup), len(self.steps)) if self.steps[k]["ready"]]
+        if not measured:
+            raise ValueError(f"profiling needs more than {max(1, warmup)} steps with gradients; got {len(self.steps)}")
+        ready = {i: [] for i in order}
+        ends, rests, periods = [], [], []
+        for k in measured:
+            step = self.steps[k]
+            start = min(step["ready"].values())
+            backward = step["backward_end"] - start
+            for i in order:
+                ready[i].append(step["ready"].get(i, step["backward_end"]) - start)
+            period = step["end"] - self.steps[k - 1]["end"]
+            ends.append(backward)
+            periods.append(period)
+            rests.append(max(0.0, period - (step["end"] - start)))
+        backward_end = statistics.fmean(ends)
+        ready_s, latest = [], 0.0
+        for i in order:  # backward order is the order the hooks fire: keep the times monotone
+            latest = min(backward_end, max(latest, statistics.fmean(ready[i])))
+            ready_s.append(latest)
+        return {"ready_s": ready_s, "backward_end_s": backward_end, "rest_s": statistics.fmean(rests),
+                "step_s": statistics.median(periods), "steps": len(measured)}
+
+
+# -- compressor costs on this device -------------------------------------------------------------------
+def size_grid(largest: int, smallest: int = 256, cap: int = 1 << 22) -> list[int]:
+    """Powers of 4 from ``smallest`` up to the first one >= ``largest`` (at most ``cap``)."""
+    top = min(cap, max(smallest, 1 << max(0, math.ceil(math.log2(max(1, largest))))))
+    sizes, size = [], smallest
+    while size < top:
+        sizes.append(size)
+        size *= 4
+    return [*sizes, top]
+
+
+def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50) -> float:
+    """Median seconds per call over up to ``max_calls`` calls filling about ``budget_s``."""
+    fn()  # warm-up
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < max_calls and (not times or time.perf_counter() < deadline):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32, budget_s: float = 0.02,
+                  memory: Memory | None = None) -> tuple[CostFit, CostFit, list]:
+    """(encode fit, decode fit, samples) of ``compressor`` on ``device`` over ``sizes`` elements.
+
+    Timed is what CompressSync does per group around the compressor, not the compressor alone:
+    encode = error-feedback compensate, compress, the local decompress error feedback needs, pack
+    the payload into one message, update the residual; decode = unpack one received message,
+    decompress it and add it to the sum. Works on copies, so the caller's per-tensor state
+    (momentum, residuals, step counters) is untouched.
+    """
+    device = torch.device(device)
+    comp = copy.deepcopy(compressor)
+    mem = copy.deepcopy(memory) if memory is not None else Memory()
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    samples = []
+    for size in sizes:
+        x = torch.randn(size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        name = f"profile/{size}"
+
+        def encode(x=x, name=name):
+            compensated = mem.compensate(x, name)
+            compressed = comp.compress(compensated, name)
+            local = comp.decompress(compressed)
+            wire.pack(compressed.payload)
+            mem.update(name, compensated, local.reshape(compensated.shape))
+
+        compressed = comp.compress(x, name)
+        message = wire.pack(compressed.payload)
+        total = torch.zeros_like(x)
+
+        def decode(compressed=compressed, message=message, total=total):
+            total.add_(comp.decompress(compressed.with_payload(wire.unpack(message))).reshape(-1))
+
+        samples.append({"numel": size, "encode_s": _timed(encode, budget_s, device),
+                        "decode_s": _timed(decode, budget_s, device)})
+    sizes_ = [s["numel"] for s in samples]
+    return (CostFit.fit(sizes_, [s["encode_s"] for s in samples]),
+            CostFit.fit(sizes_, [s["decode_s"] for s in samples]), samples)
+
+
+def compressor_params(compressor: Compressor) -> dict[str, Any]:
+    """The constructor arguments that rebuild ``compressor`` (its public attributes of those names)."""
+    import inspect
+
+    names = list(inspect.signature(type(compressor).__init__).parameters)[1:]
+    return {k: getattr(compressor, k) for k in names if hasattr(compressor, k)}
+
+
+def header_bytes(compressor: Compressor) -> int:
+    """Bytes the wire header adds to one packed payload of a flat tensor."""
+    compressed = copy.deepcopy(compressor).compress(torch.randn(1024), "profile/header")
+    return int(wire.pack(compressed.payload).numel()) - compressed.nbytes
+
+
+def profile_compressor(compressor: Compressor, largest: int, device: str | torch.device = "cpu",
+                       budget_s: float = 0.02, memory: Memory | None = None) -> CompressorProfile:
+    """Measure ``compressor`` (``none`` included: the executor's per-group work is not free) on the
+    training device and, beside a GPU, on the CPU (the side device)."""
+    if compressor.name not in COMPRESSORS:
+        raise ValueError(f"compressor {compressor.name!r} is not one of {', '.join(COMPRESSORS)}")
+    sizes = size_grid(largest)
+    encode, decode, samples = measure_costs(compressor, sizes, device, budget_s=budget_s, memory=memory)
+    side_encode, side_decode = encode, decode
+    if torch.device(device).type != "cpu":
+        side_encode, side_decode, side_samples = measure_costs(compressor, sizes, "cpu", budget_s=budget_s,
+                                                               memory=memory)
+        for sample, side in zip(samples, side_samples, strict=True):
+            sample.update(side_encode_s=side["encode_s"], side_decode_s=side["decode_s"])
+    params = {} if compressor.name == "none" else compressor_params(compressor)
+    return CompressorProfile(compressor.name, params, encode, decode, side_encode, side_decode,
+                             header_bytes(compressor), samples)

@@ -1,0 +1,223 @@
+"""What ``sync=espresso`` and ``sync=cupcake`` share: profile with dense sync, plan once, execute.
+
+1. For ``profile_steps`` steps after one warm-up step the backend is dense bucketed allreduce
+   (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
+   fired, when backward ended and how long the step was.
+2. Then rank 0 measures the configured compressor's encode/decode cost on this device, builds the
+   :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
+   computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
+   broadcasts it: every rank executes the identical plan, whatever its own timings were.
+3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
+   choices and fusion groups, each group launched as soon as it is complete, in order.
+
+The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ddlscale.comm.cost import parse_bandwidth, parse_time
+from ddlscale.compress.base import Compressor
+from ddlscale.compress.memory import Memory
+from ddlscale.plan.cost import CostModel
+from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
+from ddlscale.plan.result import CompressionPlan
+from ddlscale.sync.compress.backend import CompressSync
+from ddlscale.sync.dense import DenseAllreduce
+
+PROFILE_FILE, PLAN_FILE, PLAN_TEXT = "plan_profile.json", "plan.json", "plan.txt"
+
+
+def _hydra_run_dir() -> str | None:
+    """The Hydra run directory when built inside a Hydra app (train.py), else None."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+    except Exception:  # composed configs without a run (tests) have no output_dir
+        return None
+
+
+class PlannedSync(CompressSync):
+    """Base of the planned backends. Args:
+
+    compressor, memory: as CompressSync takes them (``compressor=`` and ``memory=`` groups; a null
+        memory is none).
+    comm, hierarchical: the configured uniform choice — Cupcake's option for every group,
+        Espresso's layer-wise baseline and the option of its Cupcake candidate.
+    profile_steps: dense steps measured before planning (after one warm-up step).
+    network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
+        as the sparse backends take them.
+    gpus_per_machine: ranks per machine; above 1 hierarchical options exist (and machine groups
+        are built at set-up).
+    run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
+        directory; ``null`` outside Hydra: not saved).
+    bench_budget_s: seconds per measured (compressor, size) point.
+    """
+
+    system = "?"
+
+    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather",
+                 memory: Memory | str | None = "residual", memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
+                 network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
+                 run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
+        if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
+            raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
+        super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
+                         memory_beta=memory_beta, hierarchical=False, local_size=gpus_per_machine,
+                         fusion="tensor", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
+            raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
+        for key, value, parse in (("sync.network_bandwidth", network_bandwidth, parse_bandwidth),
+                                  ("sync.network_latency", network_latency, parse_time)):
+            try:
+                parse(value)
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
+        if not parse_bandwidth(network_bandwidth) > 0:
+            raise ValueError(f"sync.network_bandwidth must be > 0, got {network_bandwidth!r}")
+        if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
+            raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
+        self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
+        self.profile_steps = profile_steps
+        self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
+                               "gpus_per_machine": gpus_per_machine}
+        self.run_dir = run_dir if run_dir is not None else _hydra_run_dir()
+        self.bench_budget_s = float(bench_budget_s)
+        self.recorder = StepRecorder()
+        self.computed: CompressionPlan | None = None  # None while profiling
+
+    # -- what a subclass decides -------------------------------------------------------------------
+    def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
+        raise NotImplementedError
+
+    # -- phases ------------------------------------------------------------------------------------
+    @property
+    def profiling(self) -> bool:
+        return self.computed is None
+
+    def _hierarchical_possible(self) -> bool:
+        k = self.local_size or 1
+        return 1 < k < self.world_size and self.world_size % k == 0
+
+    def on_setup(self) -> None:
+        if not hasattr(self, "intra"):
+            self.intra = self.inter = None
+            if self._hierarchical_possible():  # every rank, once: plans may use them later
+                self._build_machine_groups()
+        super().on_setup()
+
+    def _assign(self, order: list[int]) -> list[list[int]]:
+        if self.profiling:
+            return DenseAllreduce._assign(self, order)  # DDP's buckets while measuring
+        return super()._assign(order)
+
+    def _launch_full_buckets(self) -> None:
+        if self.profiling:
+            DenseAllreduce._launch_full_buckets(self)
+        else:
+            super()._launch_full_buckets()
+
+    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        if self.profiling:
+            self.recorder.ready(index)
+        super().on_grad_ready(index, param)
+
+    def finish(self) -> None:
+        if not self.profiling:
+            super().finish()
+            return
+        self.recorder.backward_end()
+        DenseAllreduce.finish(self)
+        self.recorder.step_end()
+        if len(self.recorder.steps) > self.profile_steps:  # one warm-up step, then profile_steps
+            self._plan_and_switch()
+
+    # -- planning --------------------------------------------------------------------------------
+    def _plan_and_switch(self) -> None:
+        message: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                profile = self.build_profile()
+                plan = self.compute_plan(profile, CostModel(profile, self._planning_compressors()))
+                self._save(profile, plan)
+                message = [plan.to_dict()]
+            except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
+                message = [{"error": f"{type(exc).__name__}: {exc}"}]
+        if self.world_size > 1:
+            # One-off, outside the accounted traffic, like the backward order: set-up, not sync.
+            dist.broadcast_object_list(message, src=self.comm._global(0), group=self.comm.group)
+        if "error" in message[0]:
+            raise RuntimeError(f"sync={self.system}: planning failed on rank 0: {message[0]['error']}")
+        self.adopt(CompressionPlan.from_dict(message[0]))
+
+    def adopt(self, plan: CompressionPlan) -> None:
+        """Execute ``plan`` from the next step on (rebuilds the groups)."""
+        executable = plan.to_plan()
+        for name, choice in executable.tensors.items():
+            self._check_choice(choice, f"plan[{name}]")
+        self.computed, self.plan = plan, executable
+        self.recorder = StepRecorder()
+        if hasattr(self, "params"):
+            self.on_setup()
+
+    def _planning_compressors(self) -> dict[str, Compressor]:
+        default = self.compressors["default"]
+        return {"none": self.compressors["none"]} if default.name == "none" else {
+            "none": self.compressors["none"], "default": default}
+
+    def build_profile(self) -> Profile:
+        """This rank's measurements as a Profile (measures compressor costs: call on one rank)."""
+        order = list(self.backward_order)
+        summary = self.recorder.summary(order, warmup=1)
+        default = self.compressors["default"]
+        variable = default.name != "none" and not getattr(default, "fixed_size", True)
+        probe = copy.deepcopy(default) if variable else None
+        tensors = []
+        for position, i in enumerate(order):
+            p = self.params[i]
+            kept = {}
+            if probe is not None and p.grad is not None:
+                # What one rank compresses is about its share of the average (residuals aside).
+                grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1) / self.world_size
+                kept["default"] = probe.compress(grad, f"probe/{self.names[i]}").payload[0].numel() / max(1, p.numel())
+            tensors.append(TensorProfile(self.names[i], p.numel(), tuple(p.shape), str(p.dtype),
+                                         summary["ready_s"][position], kept))
+        total = sum(t.numel for t in tensors)  # Cupcake may fuse everything into one buffer
+        compressors = {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.memory)
+                       for key, comp in self._planning_compressors().items()}
+        return Profile(tensors, summary["backward_end_s"], summary["rest_s"], self.world_size,
+                       dict(self.network_config), compressors, str(self.device), summary["step_s"],
+                       summary["steps"])
+
+    def _save(self, profile: Profile, plan: CompressionPlan) -> None:
+        text = plan.describe()
+        print(f"ddlscale {self.system}: plan after {profile.steps} profiled steps\n{text}", flush=True)
+        if self.run_dir is None:
+            return
+        out = Path(self.run_dir)
+        profile.save(out / PROFILE_FILE)
+        (out / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
+        (out / PLAN_TEXT).write_text(text + "\n")
+
+    # -- checkpointed state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "planned": None if self.computed is None else self.computed.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("planned")
+        if saved is not None:  # before the base rebuilds the groups for the restored order
+            plan = CompressionPlan.from_dict(saved)
+            executable = plan.to_plan()
+            for name, choice in executable.tensors.items():
+                self._check_choice(choice, f"plan[{name}]")
+            self.computed, self.plan = plan, executable
+        super().load_state_dict(state)

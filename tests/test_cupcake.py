@@ -1,0 +1,212 @@
+"""Cupcake: the DP's partition is the brute-force optimum of the simulator; sync=cupcake runs it."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddlscale.cluster import run_workers
+from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
+from ddlscale.compress import TopK
+from ddlscale.plan.cost import DENSE, Option, Unit, fuse, units_of
+from ddlscale.plan.cupcake import optimal_partition, plan_fusion
+from ddlscale.plan.planner import cost_model
+from ddlscale.plan.synthetic import random_profile
+from ddlscale.sync.cupcake import CupcakeSync
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def partitions(count):
+    """Every split of range(count) into contiguous (start, end) groups: 2^(count-1) of them."""
+    for mask in range(1 << max(0, count - 1)):
+        groups, start = [], 0
+        for k in range(count - 1):
+            if mask >> k & 1:
+                groups.append((start, k + 1))
+                start = k + 1
+        yield [*groups, (start, count)]
+
+
+def brute_force(count, group_cost, backward_end, optimizer):
+    best = None
+    for groups in partitions(count):
+        costs = [group_cost(i, j) for i, j in groups]
+        if any(c is None for c in costs):
+            continue
+        tasks = [TensorTask(f"{i}:{j}", *c, True) for (i, j), c in zip(groups, costs, strict=True)]
+        t = iteration_time(tasks, backward_end, optimizer)
+        if best is None or t < best[0]:
+            best = (t, groups)
+    return best
+
+
+def random_instance(rng, count):
+    """Random sorted ready times and a random group cost — sometimes linear, sometimes arbitrary."""
+    ready = sorted(rng.uniform(0, 1e-2) for _ in range(count))
+    backward_end = (ready[-1] if ready else 0.0) + rng.uniform(0, 3e-3)
+    sizes = [2 ** rng.uniform(4, 20) for _ in range(count)]
+    kind = rng.choice(["linear", "comm_stream", "table"])
+    e, c, d = ((rng.uniform(0, 3e-4), rng.uniform(0, 2e-9)) for _ in range(3))
+    table = {}
+
+    def group_cost(i, j):
+        size = sum(sizes[i:j])
+        if kind == "table":  # any cost at all: the DP must not rely on linearity or monotonicity
+            if (i, j) not in table:
+                table[(i, j)] = tuple(rng.uniform(0, 2e-3) for _ in range(3))
+            return (ready[j - 1], *table[(i, j)])
+        encode, comm, decode = (max(a, b * size) for a, b in (e, c, d))
+        if kind == "comm_stream":  # compression on the communication stream: SYSTEMS.md's C[j] recursion
+            return ready[j - 1], 0.0, encode + comm + decode, 0.0
+        return ready[j - 1], encode, comm + 1e-4, decode
+
+    return group_cost, backward_end, rng.uniform(0, 1e-3)
+
+
+def test_dp_equals_brute_force_on_every_instance_up_to_12_tensors():
+    rng = random.Random(2024)
+    counts = [rng.randint(1, 12) for _ in range(200)]
+    for trial, count in enumerate(counts):
+        group_cost, backward_end, optimizer = random_instance(rng, count)
+        groups, value = optimal_partition(count, group_cost, backward_end, optimizer)
+        best, _ = brute_force(count, group_cost, backward_end, optimizer)
+        tasks = [TensorTask(str(g), *group_cost(*g), True) for g in groups]
+        simulated = simulate(tasks, backward_end, optimizer).iteration_s
+        assert simulated == pytest.approx(best, rel=1e-12, abs=1e-15), (trial, count, groups)
+        assert value == pytest.approx(best, rel=1e-12, abs=1e-15), (trial, count)
+
+
+def test_dp_respects_forbidden_groups():
+    """Groups that group_cost refuses (dtype changes) never appear, and the optimum among the rest is found."""
+    rng = random.Random(7)
+    for _ in range(60):
+        count = rng.randint(2, 9)
+        group_cost, backward_end, optimizer = random_instance(rng, count)
+        wall = rng.randrange(1, count)  # no group may span items wall-1 and wall
+
+        def split(i, j, wall=wall, group_cost=group_cost):
+            return None if i < wall < j else group_cost(i, j)
+
+        groups, value = optimal_partition(count, split, backward_end, optimizer)
+        assert all(not i < wall < j for i, j in groups)
+        assert value == pytest.approx(brute_force(count, split, backward_end, optimizer)[0], rel=1e-12)
+
+
+def test_plan_fusion_on_the_cost_model_is_optimal_and_keeps_dtypes_apart():
+    rng = random.Random(11)
+    for _ in range(25):
+        profile = random_profile(rng, rng.randint(1, 8))
+        model = cost_model(profile)
+        units = units_of(profile)
+        if len(units) > 2:  # a float16 tensor in the middle: it can never share a buffer
+            middle = len(units) // 2
+            units[middle] = Unit(units[middle].names, units[middle].numel, "torch.float16", units[middle].ready_s,
+                                 units[middle].shape, units[middle].kept)
+        option = rng.choice([DENSE, Option("default", "allgather"), Option("default", "alltoall")])
+        plan = plan_fusion(units, model, option, profile.backward_end_s, profile.rest_s)
+        for unit in plan.units:
+            assert len({u.dtype for u in units if u.names[0] in unit.names}) == 1
+
+        def group_cost(i, j, units=units, model=model, option=option):
+            if len({u.dtype for u in units[i:j]}) > 1:
+                return None
+            task = model.task(fuse(units[i:j]), option)
+            return task.ready_s, task.encode_s, task.comm_s, task.decode_s
+
+        best, _ = brute_force(len(units), group_cost, profile.backward_end_s, profile.rest_s)
+        assert plan.iteration_s == pytest.approx(best, rel=1e-12)
+
+
+def test_fusion_beats_layer_wise_on_many_small_tensors():
+    """Cupcake's case: per-call compression cost and latency dominate small tensors."""
+    rng = random.Random(3)
+    profile = random_profile(rng, 60, world_size=8, min_exp=8, max_exp=12)
+    model = cost_model(profile)
+    units = units_of(profile)
+    option = Option("default", "allgather")
+    plan = plan_fusion(units, model, option, profile.backward_end_s, profile.rest_s)
+    layer_wise = iteration_time([model.task(u, option) for u in units], profile.backward_end_s, profile.rest_s)
+    assert len(plan.groups) < len(units)
+    assert plan.iteration_s < layer_wise
+
+
+def test_side_stream_groups_are_refused():
+    profile = random_profile(random.Random(1), 4)
+    with pytest.raises(ValueError, match="compute-stream"):
+        plan_fusion(units_of(profile), cost_model(profile), Option("default", "allgather", device="side"),
+                    profile.backward_end_s)
+
+
+# -- the backend -----------------------------------------------------------------------------------
+SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
+
+
+def _sync_steps(rank, world, steps, bandwidth, state=None):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = CupcakeSync(TopK(ratio=1.0), comm="allgather", memory="none", profile_steps=2,
+                       network_bandwidth=bandwidth, run_dir=None)
+    sync.setup(params)
+    if state is not None:
+        sync.load_state_dict(state)
+    exact, ops = [], []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+        for name, p in reversed(params):  # backward order: last parameter first
+            p.grad = grads[name].clone()
+            sync.grad_ready(p)
+        stats = sync.finish_step()
+        for name in grads:
+            grads[name] *= 1.0 / world
+            dist.all_reduce(grads[name])
+        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+        ops.append([r.op for r in stats.collectives])
+    return sync.computed.to_dict(), exact, ops, sync.state_dict()
+
+
+@pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
+def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
+    results = run_workers(_sync_steps, 2, 5, bandwidth)
+    (plan0, exact, ops, state), (plan1, *_rest) = results
+    assert plan0 == plan1  # rank 0's plan, broadcast
+    assert all(exact)  # top-k with ratio 1 is lossless: every step equals dense allreduce
+    assert ops[0] == ops[1] == ops[2] == ["allreduce"]  # warm-up + 2 profiled steps: dense buckets
+    groups = len(plan0["units"])
+    assert ops[-1] == ["allgather", "allgather_uneven"] * groups  # sizes, then payload, per group
+    assert sum(len(u["names"]) for u in plan0["units"]) == len(SHAPES)
+    # Resuming from the state dict keeps the plan: no profiling, the same groups from the first step.
+    again = run_workers(_sync_steps, 2, 1, bandwidth, state)
+    assert again[0][0] == plan0 and again[0][2][0] == ops[-1]
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="sync.profile_steps"):
+        CupcakeSync(TopK(), profile_steps=0)
+    with pytest.raises(ValueError, match="sync.network_bandwidth"):
+        CupcakeSync(TopK(), network_bandwidth="fast")
+    with pytest.raises(ValueError, match="sync.gpus_per_machine"):
+        CupcakeSync(TopK(), gpus_per_machine=0)
+    with pytest.raises(ValueError, match="sync.comm"):
+        CupcakeSync(TopK(), comm="allreduce")  # top-k payloads cannot be summed
+
+
+def test_train_py_with_cupcake_and_topk(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "sync=cupcake", "compressor=topk", "model=cnn",
+         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", f"hydra.run.dir={out}",
+         "trainer.enable_progress_bar=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "cupcake" and summary["steps"] == 7
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["system"] == "cupcake" and (out / "plan_profile.json").exists()
+    assert "predicted iteration" in (out / "plan.txt").read_text()

@@ -1,0 +1,282 @@
+"""Espresso: near brute force on small instances, never worse than uniform plans, fast on 300
+tensors; the cost of an option; profiles; the plan tool; sync=espresso in a run."""
+
+import itertools
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddlscale.cluster import run_workers
+from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
+from ddlscale.compress import FP16, NoCompression, TopK
+from ddlscale.plan.cost import DENSE, CostModel, Option, units_of
+from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
+from ddlscale.plan.fit import CostFit
+from ddlscale.plan.planner import cost_model, espresso_plan
+from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, measure_costs
+from ddlscale.plan.result import CompressionPlan
+from ddlscale.plan.synthetic import random_profile
+from ddlscale.sync.espresso import EspressoSync
+from ddlscale.tools import plan as plan_tool
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _reduced(model):
+    """Dense, and the compressor under allreduce (summable only), allgather or alltoall; at most 4."""
+    return [o for o in model.options() if o.scheme in ("allreduce", "allgather", "alltoall")][:4]
+
+
+def _brute_force(units, model, profile, options):
+    ev = Evaluator(units, model, profile.backward_end_s, profile.rest_s)
+    return min(ev.time(ev.tasks(combo)) for combo in itertools.product(options, repeat=len(units)))
+
+
+def test_within_one_percent_of_brute_force_up_to_5_tensors():
+    rng = random.Random(17)
+    for trial in range(150):
+        profile = random_profile(rng, rng.randint(1, 5))
+        model = cost_model(profile)
+        units, options = units_of(profile), _reduced(model)
+        best = _brute_force(units, model, profile, options)
+        found = search(units, model, profile.backward_end_s, profile.rest_s, options, offload=trial % 2 == 0)
+        assert found.iteration_s <= 1.01 * best, (trial, found.steps)
+        # The reported time is the simulator's for the reported plan.
+        tasks = [model.task(u, o) for u, o in zip(found.units, found.options, strict=True)]
+        assert simulate(tasks, profile.backward_end_s, profile.rest_s).iteration_s == pytest.approx(found.iteration_s)
+
+
+def test_never_worse_than_the_best_uniform_plan():
+    rng = random.Random(5)
+    for trial in range(40):
+        profile = random_profile(rng, rng.randint(1, 40))
+        model = cost_model(profile)
+        units = units_of(profile)
+        ev = Evaluator(units, model, profile.backward_end_s, profile.rest_s)
+        uniform = min(ev.time(ev.tasks(plan)) for _, plan in uniform_starts(ev, model.options()))
+        result = espresso(units, model, profile.backward_end_s, profile.rest_s, offload=trial % 3 == 0,
+                          cupcake_option=Option("default", "allgather"))
+        assert result.iteration_s <= uniform + 1e-12, trial
+
+
+def test_300_tensors_plan_in_under_5_seconds():
+    profile = random_profile(random.Random(300), 300, world_size=16)
+    model = cost_model(profile)
+    started = time.perf_counter()
+    plan = espresso_plan(profile, model, cupcake_option=Option("default", "allgather"), offload=True)
+    elapsed = time.perf_counter() - started
+    assert sum(len(u.names) for u in plan.units) == 300
+    assert elapsed < 5.0, f"planning 300 tensors took {elapsed:.2f} s"
+
+
+def test_property1_marks_the_messages_before_a_bubble():
+    # Busy [0, 1] (tensor a), idle, then busy [2, 4] (b, c; c decodes until 4.5). Backward ending at 5
+    # leaves the last span slack too; ending at 3.5, the last decode ends the iteration.
+    spans = (TensorSpan("a", 0, 0, 0, 0, 1, 1, 1), TensorSpan("b", 2, 2, 2, 2, 3, 3, 3),
+             TensorSpan("c", 2.5, 2.5, 2.5, 3, 4, 4, 4.5))
+    assert before_bubble(Timeline(spans, 5.0, 0.0, 5.0, ((0, 1), (2, 4)))) == [True, True, True]
+    assert before_bubble(Timeline(spans, 3.5, 0.0, 4.5, ((0, 1), (2, 4)))) == [True, False, False]
+
+
+def test_algorithm2_offloads_only_when_it_helps():
+    """A compute-bound iteration with a free side device: moving encodes off the compute stream wins."""
+    tensors = [TensorProfile(f"t{i}", 1 << 20, (1 << 20,), "torch.float32", 0.01 * (i + 1)) for i in range(6)]
+    slow = CostFit(1e-3, 0.0, 1e-8)
+    comps = {"none": CompressorProfile("none", {}, CostFit(), CostFit(), CostFit(), CostFit()),
+             "default": CompressorProfile("topk", {"ratio": 0.01}, slow, slow, slow, slow, 40)}
+    profile = Profile(tensors, 0.07, 0.0, 4, {"bandwidth": "100mbit", "latency": "50us"}, comps)
+    model = cost_model(profile)
+    units = units_of(profile)
+    plain = search(units, model, profile.backward_end_s, 0.0)
+    offloaded = search(units, model, profile.backward_end_s, 0.0, offload=True)
+    assert offloaded.iteration_s < plain.iteration_s
+    assert any(o.device == "side" for o in offloaded.options)
+    plan = espresso_plan(profile, model, cupcake_option=Option("default", "allgather"), offload=True, fuse=False)
+    assert plan.offloaded and any("modeled only" in note for note in plan.notes)
+
+
+# -- the cost of an option ---------------------------------------------------------------------------
+def _model(world=4, gpus_per_machine=1, compressor=None):
+    compressor = compressor or TopK(ratio=0.01)
+    fit = CostFit(1e-4, 0.0, 1e-9)
+    comps = {"none": CompressorProfile("none", {}, CostFit(), CostFit(), CostFit(), CostFit()),
+             "default": CompressorProfile(compressor.name, {}, fit, fit, fit, fit, 40)}
+    tensors = [TensorProfile("w", 1 << 20, (1024, 1024), "torch.float32", 0.001)]
+    profile = Profile(tensors, 0.002, 0.0, world, {"bandwidth": "1gbit", "latency": "50us",
+                                                    "gpus_per_machine": gpus_per_machine}, comps)
+    return profile, CostModel(profile, {"none": NoCompression(), "default": compressor})
+
+
+def test_incompatible_options_are_not_options():
+    _, model = _model()
+    labels = {o.label() for o in model.options()}
+    assert "default/allreduce" not in labels  # top-k payloads cannot be summed
+    assert "none/allreduce" in labels and "default/allgather" in labels and "default/alltoall" in labels
+    assert not any(o.hierarchical for o in model.options())  # one rank per machine
+    _, summable = _model(compressor=FP16())
+    assert "default/allreduce" in {o.label() for o in summable.options()}
+    _, machines = _model(world=8, gpus_per_machine=4)
+    assert {o.label() for o in machines.options()} >= {"none/allreduce/hier", "default/allgather/hier"}
+
+
+def test_option_costs_come_from_payload_bytes_the_network_model_and_the_fits():
+    profile, model = _model()
+    unit = units_of(profile)[0]
+    net = NetworkModel.of("1gbit", "50us")
+    payload = TopK(ratio=0.01).payload_bytes((1024, 1024), torch.float32) + 40
+    encode, comm, decode = model.costs(unit, Option("default", "allgather"))
+    fit = profile.compressors["default"].encode
+    assert encode == pytest.approx(fit(1 << 20) + net.allgather(8, 4))  # + the blocking size exchange
+    assert comm == pytest.approx(net.all_to_all(payload, 4))  # direct allgather of equal pieces
+    assert decode == pytest.approx(4 * fit(1 << 20))  # every rank's payload
+    assert model.costs(unit, DENSE) == pytest.approx((0.0, net.allreduce(4 << 20, 4), 0.0))
+    task = model.task(unit, Option("default", "allgather", device="side"))
+    assert not task.encode_on_compute
+
+
+def test_cost_fit_recovers_constant_then_linear():
+    truth = CostFit(2e-5, -1e-5, 3e-9)
+    sizes = [2**e for e in range(8, 23, 2)]
+    fitted = CostFit.fit(sizes, [truth(s) for s in sizes])
+    for s in sizes:
+        assert fitted(s) == pytest.approx(truth(s), rel=0.05)
+    samples = measure_costs(TopK(ratio=0.01), [256, 4096], budget_s=0.001)[2]
+    assert all(s["encode_s"] > 0 and s["decode_s"] > 0 for s in samples)
+
+
+def test_profile_json_round_trip_and_recorder(tmp_path):
+    profile = random_profile(random.Random(0), 5)
+    again = Profile.load(profile.save(tmp_path / "p.json"))
+    assert again == profile
+    recorder = StepRecorder()
+    for _ in range(3):
+        for i in (2, 1, 0):
+            recorder.ready(i)
+        recorder.backward_end()
+        recorder.step_end()
+    summary = recorder.summary([2, 1, 0])
+    assert summary["steps"] == 2 and summary["ready_s"][0] == 0.0
+    assert summary["ready_s"] == sorted(summary["ready_s"]) and summary["ready_s"][-1] <= summary["backward_end_s"]
+
+
+def test_plan_round_trips_and_becomes_a_compress_plan():
+    profile = random_profile(random.Random(9), 12)
+    plan = espresso_plan(profile, cost_model(profile), cupcake_option=Option("default", "allgather"))
+    again = CompressionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again.to_dict() == plan.to_dict()
+    executable = plan.to_plan()
+    assert set(executable.tensors) == {t.name for t in profile.tensors}
+    text = plan.describe()
+    assert "predicted iteration" in text and "saved (ms)" in text
+
+
+# -- the tool ----------------------------------------------------------------------------------------
+def test_plan_tool_recomputes_a_saved_profile_for_another_cluster(tmp_path):
+    path = random_profile(random.Random(4), 20, world_size=4).save(tmp_path / "plan_profile.json")
+    text = plan_tool.report(["--profile", str(path), "--workers", "64", "--bandwidth", "25gbit",
+                             "--json", str(tmp_path / "plans.json")])
+    assert "cupcake plan" in text and "espresso plan" in text and "64 workers" in text
+    assert set(json.loads((tmp_path / "plans.json").read_text())) == {"cupcake", "espresso"}
+    with pytest.raises(ValueError, match="--bandwidth"):
+        plan_tool.report(["--profile", str(path), "--bandwidth", "fast"])
+
+
+def test_plan_tool_profiles_a_model():
+    text = plan_tool.report(["--model", "cnn", "--compressor", "topk", "--steps", "3", "--system", "espresso"])
+    assert "espresso plan" in text and "compressor TopK" in text
+
+
+# -- the backend -------------------------------------------------------------------------------------
+SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
+
+
+def _espresso_steps(rank, world, bandwidth):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth, run_dir=None)
+    sync.setup(params)
+    exact = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+        for name, p in reversed(params):
+            p.grad = grads[name].clone()
+            sync.grad_ready(p)
+        sync.finish_step()
+        for name in grads:
+            grads[name] *= 1.0 / world
+            dist.all_reduce(grads[name])
+        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+    return sync.computed.to_dict(), exact, sync.state_dict()["planned"]
+
+
+@pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
+def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
+    (plan0, exact, state), (plan1, exact1, _) = run_workers(_espresso_steps, 2, bandwidth)
+    assert plan0 == plan1 == state
+    assert all(exact) and all(exact1)
+
+
+def _hierarchical_steps(rank, world):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None)
+    sync.setup(params)
+    exact = []
+    for step in range(4):
+        if step == 2:  # every unit hierarchical: the machine groups must exist on every rank
+            plan = sync.computed
+            sync.adopt(CompressionPlan(plan.system, plan.units, [Option(o.compressor, o.scheme, True)
+                                                                 for o in plan.options], plan.iteration_s))
+        g = torch.Generator().manual_seed(100 * rank + step)
+        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+        for name, p in reversed(params):
+            p.grad = grads[name].clone()
+            sync.grad_ready(p)
+        stats = sync.finish_step()
+        for name in grads:
+            grads[name] *= 1.0 / world
+            dist.all_reduce(grads[name])
+        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+    return exact, [r.op for r in stats.collectives]
+
+
+def test_espresso_sync_with_machines_builds_their_groups():
+    for exact, ops in run_workers(_hierarchical_steps, 4):
+        assert all(exact)
+        assert "reduce_scatter" in ops and "allgather" in ops  # inside the machine, around the scheme
+
+
+def test_bad_config_names_the_key():
+    with pytest.raises(ValueError, match="sync.offload"):
+        EspressoSync(TopK(), offload="yes")
+    with pytest.raises(ValueError, match="sync.network_latency"):
+        EspressoSync(TopK(), network_latency="soon")
+
+
+def test_train_py_with_espresso_and_topk(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "sync=espresso", "compressor=topk", "model=cnn",
+         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", f"hydra.run.dir={out}",
+         "trainer.enable_progress_bar=false"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["sync"] == "espresso" and summary["steps"] == 7
+    assert json.loads((out / "plan.json").read_text())["system"] == "espresso"
+    profile = Profile.load(out / "plan_profile.json")
+    assert profile.world_size == 2 and profile.compressors["default"].name == "topk"
+    assert "predicted iteration" in (out / "plan.txt").read_text()
+
+
+def test_iteration_time_is_simulate():
+    tasks = [TensorTask("a", 0.0, 1e-3, 2e-3, 1e-3, True), TensorTask("b", 1e-3, 1e-3, 1e-3, 2e-3, False)]
+    assert iteration_time(tasks, 3e-3, 1e-3) == simulate(tasks, 3e-3, 1e-3).iteration_s
