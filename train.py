@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from ddlscale.trainer import ConfigError, run
 
-RUN_INFO_GROUPS = ("sync", "compressor", "ckpt", "model", "strategy", "cluster")
+RUN_INFO_GROUPS = ("sync", "compressor", "memory", "ckpt", "model", "strategy", "cluster")
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

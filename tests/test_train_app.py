@@ -90,15 +90,42 @@ def test_sweep_runs_each_job_once_and_seed_reproduces(tmp_path):
         ("trainer.devices=0", "trainer.devices"),
         ("model.batch_size=0", "model.batch_size"),
         ("trainer.foo=1", "trainer.foo"),
+        ("compressor=topk", "needs a compressing sync"),
+        ("sync=compress compressor=topk sync.comm=allreduce", "sync.comm"),
+        ("sync=compress compressor=topk compressor.ratio=1.5", "compressor.ratio"),
+        ("sync=compress compressor=powersgd compressor.rank=0", "compressor.rank"),
+        ("sync=compress compressor=efsignsgd memory=residual", "memory=none"),
     ],
 )
 def test_bad_input_fails_before_any_worker_starts(override, key, tmp_path):
-    result = _train(override, f"hydra.run.dir={tmp_path}")
+    result = _train(*override.split(), f"hydra.run.dir={tmp_path}")
     output = result.stdout + result.stderr
     assert result.returncode != 0
     assert key in output
     assert "Initializing distributed" not in output
     assert "Traceback" not in output
+
+
+COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randomk", "dgc", "threshold", "signsgd", "efsignsgd",
+               "signum", "onebit", "qsgd", "terngrad", "powersgd"]
+
+
+def test_every_compressor_trains_through_sync_compress(tmp_path):
+    """One sweep over every compressor, through the default allgather scheme."""
+    sweep = tmp_path / "sweep"
+    result = _train("-m", "sync=compress", f"compressor={','.join(COMPRESSORS)}", "model=cnn", "trainer.max_steps=3",
+                    f"hydra.sweep.dir={sweep}", *QUIET, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summaries = [json.loads((job / "summary.json").read_text())
+                 for job in sorted(sweep.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
+                 if job.is_dir() and job.name.isdigit()]
+    assert [s["compressor"] for s in summaries] == COMPRESSORS
+    dense_bytes = summaries[0]["bytes_sent_per_step"]
+    for s in summaries:
+        assert s["steps"] == 3 and s["final_loss"] is not None and s["final_loss"] == s["final_loss"], s["compressor"]
+        # PowerSGD sends small tensors uncompressed; threshold keeps however many values pass it.
+        if s["compressor"] not in ("none", "powersgd", "threshold"):
+            assert s["bytes_sent_per_step"] < dense_bytes, s["compressor"]
 
 
 def test_user_backend_outside_the_package(tmp_path):

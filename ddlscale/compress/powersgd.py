@@ -117,21 +117,34 @@ class PowerSGD(Compressor):
         tensor that passes uncompressed). For error feedback, give the memory this result as the
         decompressed tensor.
         """
-        dims = self.matrix_shape(tensor.shape)
-        if dims is None:
-            flat = tensor.reshape(-1).clone()
+        return self.reduce_many([tensor], [name], allreduce)[0]
+
+    def reduce_many(self, tensors: Sequence[torch.Tensor], names: Sequence[str], allreduce: Allreduce
+                    ) -> list[torch.Tensor]:
+        """:meth:`reduce` for several tensors (a bucket) with at most three collectives in all: the
+        uncompressed tensors in one flat allreduce, every tensor's P in one, every Q in one."""
+        dims = [self.matrix_shape(t.shape) for t in tensors]
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        plain = [i for i, d in enumerate(dims) if d is None]
+        if plain:
+            flat = torch.cat([tensors[i].reshape(-1) for i in plain])
             allreduce(flat)
+            for i, piece in zip(plain, torch.split(flat, [tensors[i].numel() for i in plain]), strict=True):
+                out[i] = piece.reshape(tensors[i].shape)
+        compressed = [i for i, d in enumerate(dims) if d is not None]
+        if compressed:
+            matrices = {i: self._matrix(tensors[i], dims[i]) for i in compressed}
+            ps = _allreduced([matrices[i] @ self._warm_q(names[i], dims[i], matrices[i]) for i in compressed],
+                             allreduce)
+            for p in ps:
+                orthogonalize_(p)
+            qs = _allreduced([matrices[i].T @ p for i, p in zip(compressed, ps, strict=True)], allreduce)
+            for i, p, q in zip(compressed, ps, qs, strict=True):
+                self._q[names[i]] = q
+                out[i] = (p @ q.T).reshape(tensors[i].shape).to(tensors[i].dtype)
+        for name in names:
             self._steps[name] = self._steps.get(name, 0) + 1
-            return flat.reshape(tensor.shape)
-        matrix = self._matrix(tensor, dims)
-        p = matrix @ self._warm_q(name, dims, matrix)
-        allreduce(p)
-        orthogonalize_(p)
-        q = matrix.T @ p
-        allreduce(q)
-        self._q[name] = q
-        self._steps[name] = self._steps.get(name, 0) + 1
-        return (p @ q.T).reshape(tensor.shape).to(tensor.dtype)
+        return out
 
     # -- helpers -------------------------------------------------------------------------------
     def _matrix(self, tensor: torch.Tensor, dims: tuple[int, int, int]) -> torch.Tensor:
@@ -162,3 +175,11 @@ class PowerSGD(Compressor):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._q = {k: v.clone() for k, v in state["q"].items()}
+
+
+def _allreduced(factors: list[torch.Tensor], allreduce: Allreduce) -> list[torch.Tensor]:
+    """Allreduce several factor matrices as one flat buffer; return them (fresh, contiguous)."""
+    flat = torch.cat([f.reshape(-1) for f in factors])
+    allreduce(flat)
+    return [piece.reshape(f.shape).clone() for piece, f in zip(torch.split(flat, [f.numel() for f in factors]),
+                                                                  factors, strict=True)]

@@ -54,11 +54,33 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
     if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
-    target = OmegaConf.select(cfg, "compressor._target_")
-    if target is not None:
-        raise ConfigError(f"compressor={target} is not available in this version of ddlscale")
+    _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         _build("ckpt", cfg.ckpt)  # the checkpointer checks its own keys (ckpt.every, ckpt.keep...)
+
+
+def _sync_components(cfg: DictConfig) -> dict[str, Any]:
+    """The compressor and memory a compressing sync takes from their groups (empty for other syncs).
+
+    Syncs that compress declare ``compressor:`` and ``memory:`` keys; any other sync refuses a
+    compressor rather than silently ignore it. Building the sync here also validates the pair (an
+    allreduce of top-k payloads, say) before any worker starts.
+    """
+    compressing = "compressor" in cfg.sync
+    compressor_target = OmegaConf.select(cfg, "compressor._target_")
+    memory_target = OmegaConf.select(cfg, "memory._target_")
+    if not compressing:
+        if compressor_target is not None:
+            raise ConfigError(f"compressor={compressor_target} needs a compressing sync (sync=compress, espresso "
+                              f"or cupcake); sync={OmegaConf.select(cfg, 'sync._target_')} does not compress")
+        if memory_target is not None and not memory_target.endswith("NoMemory"):
+            raise ConfigError(f"memory={memory_target} needs a compressing sync (sync=compress, espresso or cupcake)")
+        return {}
+    parts = {"compressor": _build("compressor", cfg.compressor) if compressor_target is not None else None}
+    if "memory" in cfg.sync and memory_target is not None:
+        parts["memory"] = _build("memory", cfg.memory)
+    _build("sync", cfg.sync, **parts)
+    return parts
 
 
 def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
@@ -81,7 +103,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -
         raise ConfigError(f"strategy._target_: cannot import {strategy_cfg._target_!r} ({exc})") from exc
     extra: dict[str, Any] = {}
     if issubclass(strategy_cls, DDLStrategy):
-        extra["sync"] = _build("sync", cfg.sync)
+        extra["sync"] = _build("sync", cfg.sync, **_sync_components(cfg))
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
     callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info)]

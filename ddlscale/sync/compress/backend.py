@@ -49,30 +49,34 @@ class CompressSync(DenseAllreduce):
 
     compressor: the compressor (``compressor=`` config group), ``None`` for none.
     comm: the aggregation scheme — allreduce, allgather, alltoall, gather.
-    memory: error feedback — ``residual`` (true EF), ``none`` or ``decayed`` (``memory_beta``).
+    memory: error feedback (``memory=`` config group) — a :class:`Memory`, or its name:
+        ``residual`` (true EF), ``none``, ``decayed`` (with ``memory_beta``).
     hierarchical: dense inside a machine, compressed across machines; ``local_size`` ranks per
         machine (``None``: ``LOCAL_WORLD_SIZE``).
     fusion: ``tensor`` (compress each tensor alone) or ``bucket`` (DDP's buckets, ``bucket_mb``).
     plan: a :class:`Plan` overriding the uniform choice per tensor and the fusion groups.
     """
 
-    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: str = "residual",
+    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str = "residual",
                  memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,
                  fusion: str = "tensor", plan: Plan | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         scheme(comm, "sync.comm")  # validates the name
-        if memory not in MEMORIES:
+        memory = "none" if memory is None else memory
+        if isinstance(memory, str) and memory not in MEMORIES:
             raise ValueError(f"sync.memory must be one of {', '.join(MEMORIES)}; got {memory!r}")
         if fusion not in FUSIONS:
             raise ValueError(f"sync.fusion must be one of {', '.join(FUSIONS)}; got {fusion!r}")
         if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
             raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
         self.compressors: dict[str, Compressor] = {"none": NoCompression(), "default": compressor or NoCompression()}
-        if getattr(compressor, "has_memory", False) and memory != "none":
-            raise ValueError(f"compressor {compressor.name} keeps its own error feedback; set sync.memory=none "
-                             f"(got sync.memory={memory})")
-        self.memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()
+        if isinstance(memory, str):
+            memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()
+        if getattr(compressor, "has_memory", False) and memory.name != "none":
+            raise ValueError(f"compressor {compressor.name} keeps its own error feedback; use memory=none "
+                             f"(got memory={memory.name})")
+        self.memory = memory
         self.fusion, self.local_size = fusion, local_size
         self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
         for name, choice in [("default", self.plan.default), *self.plan.tensors.items()]:
@@ -155,8 +159,8 @@ class CompressSync(DenseAllreduce):
                 self.intra.reduce_scatter(chunk, padded).wait()
                 comm, tensor = self.inter, chunk
             compensated = self.memory.compensate(tensor, key)
-            shape = tuple(self.params[bucket.members[0]].shape) if len(bucket.members) == 1 and not hierarchical else None
-            job = Job(comm, self.compressors[choice.compressor], compensated, key, shape)
+            shapes = None if hierarchical else [tuple(self.params[i].shape) for i in bucket.members]
+            job = Job(comm, self.compressors[choice.compressor], compensated, key, shapes)
             chosen = scheme(choice.scheme)
             chosen.start(job)
         return _Flight(job, chosen, compensated, key, hierarchical)

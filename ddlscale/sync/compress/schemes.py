@@ -22,6 +22,7 @@ own decompressed tensor, which error feedback subtracts.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +41,7 @@ class Job:
     compressor: Compressor
     tensor: torch.Tensor  # 1-D, scaled and compensated
     name: str
-    shape: tuple[int, ...] | None = None  # the parameter's shape for a one-tensor group (PowerSGD's matrix)
+    shapes: list[tuple[int, ...]] | None = None  # the members' shapes, when the buffer holds whole tensors
     local: torch.Tensor | None = None  # this rank's decompressed contribution (for error feedback)
     state: dict[str, Any] = field(default_factory=dict)
 
@@ -65,8 +66,8 @@ class Scheme:
 
     @staticmethod
     def shaped(job: Job) -> torch.Tensor:
-        """The tensor as the compressor should see it: its parameter's shape where there is one."""
-        return job.tensor.view(job.shape) if job.shape is not None else job.tensor
+        """The tensor as the compressor should see it: its parameter's shape for a one-tensor group."""
+        return job.tensor.view(job.shapes[0]) if job.shapes is not None and len(job.shapes) == 1 else job.tensor
 
 
 def _allreducible(compressor: Compressor) -> bool:
@@ -100,7 +101,14 @@ class Allreduce(Scheme):
             def allreduce(t: torch.Tensor) -> None:
                 job.comm.allreduce(t).wait()
 
-            total = job.compressor.reduce(self.shaped(job), job.name, allreduce).reshape(-1)
+            if job.shapes is not None and hasattr(job.compressor, "reduce_many"):
+                # Each member as its own matrix, all factors of the group in shared allreduces.
+                members = [m.view(shape) for m, shape in zip(
+                    torch.split(job.tensor, [math.prod(s) for s in job.shapes]), job.shapes, strict=True)]
+                names = [f"{job.name}#{k}" for k in range(len(members))]
+                total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce)])
+            else:
+                total = job.compressor.reduce(job.tensor, job.name, allreduce).reshape(-1)
             job.local = total  # error feedback keeps what the shared low-rank approximation missed
             return total
         for pending in job.state["pending"]:
