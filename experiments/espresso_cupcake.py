@@ -1,0 +1,377 @@
+"""Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
+
+    python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 30]
+
+Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
+(``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
+``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
+error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
+machine. Measured: rank 0's median step time over the steps after the plan took effect (the planned
+syncs profile dense for the first steps), the same steps for every method. The planners are told
+the emulated network (the NIC's TCP payload rate and the alpha the cluster's cost model uses);
+their predicted iteration time is read from each run's ``plan.json``. From every saved
+``plan_profile.json`` the same cost model prices all four methods at --nodes workers (dense: DDP's
+buckets) and at 64. Before training, every machine streams TCP to the next one at once (a ring, as
+the allreduce does) to show whether this host sustains each rate. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from experiments.harness import ROOT, Results, alternating, machine, spread
+
+WORKLOADS = ("cnn", "lstm", "gpt")
+COMPRESSORS = ("dgc", "efsignsgd", "randomk")
+MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor: residual
+PLANNED = ("cupcake", "espresso")
+METHODS = ("dense", "layerwise", *PLANNED)
+PROFILE_STEPS = 3  # the planned syncs' default: 1 warm-up + 3 profiled dense steps, then the plan
+FIRST_MEASURED = PROFILE_STEPS + 2  # skip the first planned step too (it rebuilds the groups)
+PROJECT_TO = 64
+PROBE_PORT, PROBE_SECONDS = 29611, 1.5
+
+# Each machine listens, streams zeros to the next machine for a while, prints what it received per second.
+PROBE = r"""
+import socket, sys, threading, time
+me, peer, seconds, port = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+server = socket.create_server((me, port))
+rate = []
+def receive():
+    conn, _ = server.accept()
+    total, first = 0, None
+    while chunk := conn.recv(1 << 20):
+        first = first or time.perf_counter()
+        total += len(chunk)
+    rate.append(total * 8 / (time.perf_counter() - first))
+reader = threading.Thread(target=receive)
+reader.start()
+for _ in range(200):
+    try:
+        out = socket.create_connection((peer, port))
+        break
+    except OSError:
+        time.sleep(0.05)
+block, end = bytes(1 << 22), time.perf_counter() + seconds
+while time.perf_counter() < end:
+    out.sendall(block)
+out.close()
+reader.join()
+print(rate[0], flush=True)
+"""
+
+
+def probe_rate(nodes: int, bandwidth: str) -> list[float]:
+    """Received TCP payload bit/s of each machine while all stream to their ring successor at once."""
+    from ddlscale.cluster.emulated import EmulatedCluster
+
+    with EmulatedCluster(max(2, nodes), bandwidth) as cluster:
+        n = cluster.nodes
+        procs = [cluster.popen(i, [sys.executable, "-c", PROBE, cluster.address(i), cluster.address((i + 1) % n),
+                                   str(PROBE_SECONDS), str(PROBE_PORT)], stdout=subprocess.PIPE, text=True)
+                 for i in range(n)]
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the {bandwidth} probe failed: exit codes {[p.returncode for p in procs]}")
+    return [float(o.strip().splitlines()[-1]) for o in outs]
+
+
+def planner_network(bandwidth: str) -> tuple[str, str]:
+    """(sync.network_bandwidth, sync.network_latency): what the emulated cluster's own cost model uses."""
+    from ddlscale.cluster.emulated import ALPHA, TCP_PAYLOAD_FRACTION
+    from ddlscale.comm.cost import parse_bandwidth
+
+    return str(int(parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)), ALPHA
+
+
+def scheme_of(compressor: str) -> str:
+    """allreduce where payloads sum, else allgather (CompressSync's default)."""
+    from ddlscale.tools.plan import build_compressor
+
+    comp = build_compressor(compressor)
+    return "allreduce" if comp.summable or hasattr(comp, "reduce") else "allgather"
+
+
+def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argparse.Namespace) -> list[str]:
+    out = ["cluster=emulated", f"cluster.nodes={args.nodes}", f"cluster.bandwidth={bandwidth}",
+           "trainer.devices=1", f"trainer.max_steps={args.steps}", "seed=0", *args.overrides.split()]
+    if method == "dense":
+        return [*out, "sync=dense"]
+    out += [f"sync={'compress' if method == 'layerwise' else method}", f"compressor={compressor}",
+            f"memory={MEMORY.get(compressor, 'residual')}", f"sync.comm={scheme_of(compressor)}"]
+    if method in PLANNED:
+        bw, latency = planner_network(bandwidth)
+        out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
+                f"sync.profile_steps={PROFILE_STEPS}", "sync.gpus_per_machine=1"]
+    return out
+
+
+def run_train(overrides: list[str], run_dir: Path, timeout: float = 1800) -> dict[str, Any]:
+    """train.py into ``run_dir`` (kept: plan.json, plan_profile.json and metrics.csv are read after)."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}",
+           "trainer.enable_progress_bar=false"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def per_step(run_dir: Path) -> list[dict[str, float]]:
+    """Rank 0's logged figures, one dict per optimizer step, in order."""
+    with (run_dir / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r.get("step_time_s")]
+    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+
+
+def window_median(steps: list[dict[str, float]], key: str) -> float:
+    values = [s[key] for s in steps[FIRST_MEASURED:] if key in s]
+    return statistics.median(values) if values else float("nan")
+
+
+# -- the cost model's view of the four methods -------------------------------------------------------
+def ddp_buckets(units: list, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> list:
+    """sync=dense's groups (DDP's rule): fill in backward order, close a bucket at its cap."""
+    import torch
+
+    from ddlscale.plan.cost import fuse
+
+    groups, size = [], float("inf")
+    for unit in units:
+        cap = first_bytes if len(groups) == 1 else bucket_bytes
+        if size >= cap or groups[-1][-1].dtype != unit.dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += unit.numel * torch.empty((), dtype=getattr(torch, unit.dtype.removeprefix("torch."))).element_size()
+    return [fuse(g) for g in groups]
+
+
+def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
+    """Predicted iteration time of each method from a saved profile (optionally at another size)."""
+    from ddlscale.plan.cost import DENSE, units_of
+    from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
+    from ddlscale.plan.profile import Profile
+    from ddlscale.plan.result import uniform_time
+
+    profile = Profile.load(profile_path)
+    if workers is not None:
+        profile = replace(profile, world_size=workers, step_s=None)
+    model = cost_model(profile)
+    option = configured_option(model, comm)
+    units, end, rest = units_of(profile), profile.backward_end_s, profile.rest_s
+    return {"dense": uniform_time(ddp_buckets(units), DENSE, model, end, rest),
+            "layerwise": uniform_time(units, option, model, end, rest),
+            "cupcake": cupcake_plan(profile, model, option).iteration_s,
+            "espresso": espresso_plan(profile, model, cupcake_option=option).iteration_s}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--bandwidths", default="1gbit,5gbit")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--compressors", default=",".join(COMPRESSORS))
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
+    args = parser.parse_args(argv)
+    if args.steps < FIRST_MEASURED + 3:
+        parser.error(f"--steps must be >= {FIRST_MEASURED + 3}: the first {FIRST_MEASURED} are not measured")
+    bandwidths, workloads = args.bandwidths.split(","), args.workloads.split(",")
+    compressors = args.compressors.split(",")
+    schemes = {c: scheme_of(c) for c in compressors}
+    keys = [("dense", None)] + [(m, c) for c in compressors for m in METHODS[1:]]
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = Results("espresso_cupcake")
+    command = (f"python -m experiments.espresso_cupcake --nodes {args.nodes} --bandwidths {args.bandwidths} "
+               f"--workloads {args.workloads} --compressors {args.compressors} --reps {args.reps} "
+               f"--steps {args.steps}" + (f" --overrides '{args.overrides}'" if args.overrides else ""))
+    # What the host can carry: the ring of TCP streams at each rate.
+    probes = {}
+    for bw in bandwidths:
+        rates = probe_rate(args.nodes, bw)
+        payload = float(planner_network(bw)[0])
+        probes[bw] = {"achieved_gbps": [r / 1e9 for r in rates], "payload_gbps": payload / 1e9,
+                      "fraction": statistics.median(rates) / payload}
+        print(f"probe {bw}: {args.nodes} machines streaming at once receive "
+              f"{', '.join(f'{r / 1e9:.2f}' for r in rates)} Gbit/s (TCP payload rate {payload / 1e9:.2f}: "
+              f"{probes[bw]['fraction']:.0%})", flush=True)
+    (results.dir / "config.json").write_text(json.dumps(
+        {"command": command, "args": vars(args), "machine": machine(), "probe": probes, "schemes": schemes,
+         "memory": {c: MEMORY.get(c, "residual") for c in compressors},
+         "planner_network": {bw: planner_network(bw) for bw in bandwidths},
+         "overrides_example": {f"{m}/{c}": overrides_of(m, c, bandwidths[0], args) for m, c in keys}}, indent=1))
+
+    rows: list[dict[str, Any]] = []
+    runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    model_at: dict[tuple, list[dict[str, float]]] = defaultdict(list)  # (bw, workload, compressor, workers)
+    total, done = len(bandwidths) * len(workloads) * args.reps * len(keys), 0
+    with tempfile.TemporaryDirectory(prefix="ddlscale-ec-") as scratch:
+        for bw in bandwidths:
+            for workload in workloads:
+                for rep, (method, comp) in alternating(keys, args.reps):
+                    run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
+                    started = time.perf_counter()
+                    summary = run_train([f"model={workload}", *overrides_of(method, comp, bw, args)], run_dir)
+                    wall = time.perf_counter() - started
+                    steps = per_step(run_dir)
+                    row = {"bandwidth": bw, "workload": workload, "compressor": comp or "none", "method": method,
+                           "scheme": schemes.get(comp, "allreduce"), "rep": rep,
+                           "step_ms": window_median(steps, "step_time_s") * 1e3,
+                           "sync_ms": window_median(steps, "sync_time_s") * 1e3,
+                           "bytes_sent_per_step": window_median(steps, "bytes_sent"),
+                           "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
+                           "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
+                           "predicted_ms": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
+                           "profile_dense_step_ms": ""}
+                    if method in PLANNED:
+                        plan = json.loads((run_dir / "plan.json").read_text())
+                        labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
+                                  for o in plan["options"]]
+                        row.update(predicted_ms=plan["iteration_s"] * 1e3, plan_fusion=plan["fusion"],
+                                   plan_units=len(plan["units"]),
+                                   plan_options=" ".join(f"{k}x{labels.count(k)}" for k in sorted(set(labels))),
+                                   profile_dense_step_ms=(plan["context"].get("measured_dense_step_s") or 0) * 1e3)
+                        profile = run_dir / "plan_profile.json"
+                        model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
+                        model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
+                    rows.append(row)
+                    runs[(bw, workload, comp, method)].append(row)
+                    done += 1
+                    pred = f", predicted {row['predicted_ms']:.1f} ms" if row["predicted_ms"] != "" else ""
+                    eta = (time.perf_counter() - results.started) / done * (total - done) / 60
+                    results.progress(done, total, f"{bw} {workload} {method}{'/' + comp if comp else ''} rep {rep}: "
+                                                  f"step {row['step_ms']:.1f} ms{pred} (run {wall:.0f} s, "
+                                                  f"~{eta:.0f} min left)")
+    results.write_csv(rows, "runs.csv")
+
+    # Per (bandwidth, workload, compressor, method): measured spread, model at --nodes and at 64.
+    table, summary_rows, targets = [], [], []
+    for bw in bandwidths:
+        for workload in workloads:
+            dense = [r["step_ms"] for r in runs[(bw, workload, None, "dense")]]
+            for comp in compressors:
+                stats, models = {}, {}
+                for method in METHODS:
+                    mine = runs[(bw, workload, None if method == "dense" else comp, method)]
+                    stats[method] = spread([r["step_ms"] for r in mine])
+                    here = [m[method] * 1e3 for m in model_at[(bw, workload, comp, args.nodes)]]
+                    far = [m[method] * 1e3 for m in model_at[(bw, workload, comp, PROJECT_TO)]]
+                    # The planned methods' prediction is the plan each run executed.
+                    planned = [r["predicted_ms"] for r in mine if r["predicted_ms"] != ""]
+                    models[method] = (statistics.median(planned or here or [float("nan")]),
+                                      statistics.median(far or [float("nan")]))
+                for method in METHODS:
+                    (med, low, high), (pred, proj) = stats[method], models[method]
+                    record = {"bandwidth": bw, "workload": workload, "compressor": comp, "method": method,
+                              "measured_ms": med, "min_ms": low, "max_ms": high,
+                              "speedup_vs_dense": statistics.median(dense) / med, "predicted_ms": pred,
+                              "measured_over_predicted": med / pred, f"projected_{PROJECT_TO}_ms": proj,
+                              f"projected_{PROJECT_TO}_speedup_vs_dense": models["dense"][1] / proj}
+                    summary_rows.append(record)
+                    table.append([bw, workload, comp, method, f"{med:.1f} ({low:.1f}-{high:.1f})",
+                                  record["speedup_vs_dense"], pred, record["measured_over_predicted"], proj,
+                                  record[f"projected_{PROJECT_TO}_speedup_vs_dense"]])
+                best = min(("dense", "layerwise", "cupcake"), key=lambda m: stats[m][0])
+                esp, other = stats["espresso"], stats[best]
+                targets.append({
+                    "case": f"{bw} {workload} {comp}", "best other": best,
+                    "espresso / best": esp[0] / other[0],
+                    "espresso ok": esp[0] <= other[0] or esp[1] <= other[2],  # faster, or the ranges overlap
+                    "cupcake / layer-wise": stats["cupcake"][0] / stats["layerwise"][0],
+                    "pred err cupcake": models["cupcake"][0] / stats["cupcake"][0] - 1,
+                    "pred err espresso": models["espresso"][0] / stats["espresso"][0] - 1})
+    results.write_csv(summary_rows, "results.csv")
+
+    target_lines = ["| case | best other | Espresso / best | Espresso target | Cupcake / layer-wise | "
+                    "predicted vs measured: Cupcake | Espresso |", "|---|---|---|---|---|---|---|"]
+    for t in targets:
+        cupcake = f"{t['cupcake / layer-wise']:.2f}" + (
+            (" (met)" if t["cupcake / layer-wise"] < 1 else " (MISSED)") if " cnn " in f" {t['case']} " else "")
+        errs = [f"{t[k]:+.0%}" + ("" if abs(t[k]) <= 0.15 else " (MISSED)") for k in ("pred err cupcake",
+                                                                                    "pred err espresso")]
+        target_lines.append(f"| {t['case']} | {t['best other']} | {t['espresso / best']:.2f} | "
+                            f"{'met' if t['espresso ok'] else 'MISSED'} | {cupcake} | {errs[0]} | {errs[1]} |")
+    probe_text = "; ".join(f"{bw}: {p['fraction']:.0%} of the {p['payload_gbps']:.2f} Gbit/s TCP payload rate "
+                           f"({', '.join(f'{a:.2f}' for a in p['achieved_gbps'])} Gbit/s per machine)"
+                           + (" - this host cannot sustain it" if p["fraction"] < 0.9 else "")
+                           for bw, p in probes.items())
+    planner = ", ".join(f"{bw}: {int(b) / 1e9:.3f} Gbit/s, alpha {lat}"
+                        for bw, (b, lat) in ((bw, planner_network(bw)) for bw in bandwidths))
+    notes = f"""
+{args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
+step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
+profiled steps, then plan; the first planned step rebuilds the groups), median (min-max) over {args.reps}
+alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
+{", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}. Layer-wise = sync=compress (every tensor
+compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.
+
+*predicted*: for cupcake/espresso the plan's own predicted iteration time (plan.json), for dense and
+layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
+The planners were told the emulated network: {planner}. The model leaves out that all emulated
+machines share this host's cores (messages cost host CPU), and a profile comes from one rank's few dense
+steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
+host's compute and compression speed, so it says what the plans do with more workers, not what a GPU
+cluster would run at).
+
+Host check (every machine streaming TCP to the next one at once, {PROBE_SECONDS} s): {probe_text}.
+
+Targets (Espresso: met when its median is at most the best other's, or their min-max ranges overlap;
+Cupcake faster than layer-wise: judged on cnn; predicted within 15% of measured):
+
+""" + "\n".join(target_lines)
+    results.write_markdown(
+        f"Espresso and Cupcake vs dense and layer-wise compression, {args.nodes} emulated machines",
+        ["bandwidth", "workload", "compressor", "method", "measured ms (min-max)", "speed-up vs dense",
+         "predicted ms", "measured / predicted", f"projected {PROJECT_TO} workers ms",
+         f"projected speed-up vs dense at {PROJECT_TO}"],
+        table, notes=notes, command=command)
+    plot(summary_rows, bandwidths, workloads, compressors, results.figure_path(), plt)
+    print(f"wrote {results.dir}")
+
+
+def plot(rows: list[dict[str, Any]], bandwidths: list[str], workloads: list[str], compressors: list[str],
+         path: Path, plt: Any) -> None:
+    fig, axes = plt.subplots(len(bandwidths), len(workloads), figsize=(4.5 * len(workloads), 3.4 * len(bandwidths)),
+                             squeeze=False)
+    width = 0.8 / len(METHODS)
+    for i, bw in enumerate(bandwidths):
+        for j, workload in enumerate(workloads):
+            ax = axes[i][j]
+            for k, method in enumerate(METHODS):
+                mine = [next(r for r in rows if (r["bandwidth"], r["workload"], r["compressor"], r["method"])
+                             == (bw, workload, c, method)) for c in compressors]
+                xs = [x + (k - (len(METHODS) - 1) / 2) * width for x in range(len(compressors))]
+                med = [r["measured_ms"] for r in mine]
+                err = [[m - r["min_ms"] for m, r in zip(med, mine, strict=True)],
+                       [r["max_ms"] - m for m, r in zip(med, mine, strict=True)]]
+                ax.bar(xs, med, width, yerr=err, capsize=2, label=method)
+                ax.plot(xs, [r["predicted_ms"] for r in mine], "kD", markersize=4,
+                        label="predicted" if k == 0 else None)
+            ax.set_xticks(range(len(compressors)), compressors)
+            ax.set(title=f"{workload}, {bw}", ylabel="step ms (median)")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
