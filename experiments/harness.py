@@ -49,15 +49,19 @@ def alternating(methods: Sequence[str], reps: int) -> Iterator[tuple[int, str]]:
             yield rep, method
 
 
-def train(overrides: Sequence[str], timeout: float = 900) -> dict[str, Any]:
-    """Run ``train.py`` with Hydra overrides in a scratch directory; return its summary.json."""
+def train(overrides: Sequence[str], timeout: float = 900, run_dir: Path | None = None) -> dict[str, Any]:
+    """Run ``train.py`` with Hydra overrides; return its summary.json.
+
+    The run writes into ``run_dir`` when given (to read its metrics.csv after), else a scratch dir.
+    """
     with tempfile.TemporaryDirectory(prefix="ddlscale-exp-") as scratch:
-        cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={scratch}",
+        out = Path(run_dir) if run_dir is not None else Path(scratch)
+        cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={out}",
                "trainer.enable_progress_bar=false"]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-4000:]}")
-        return json.loads((Path(scratch) / "summary.json").read_text())
+        return json.loads((out / "summary.json").read_text())
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:

@@ -178,7 +178,7 @@ def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
     assert all(exact)  # top-k with ratio 1 is lossless: every step equals dense allreduce
     assert ops[0] == ops[1] == ops[2] == ["allreduce"]  # warm-up + 2 profiled steps: dense buckets
     groups = len(plan0["units"])
-    assert ops[-1] == ["allgather", "allgather_uneven"] * groups  # sizes, then payload, per group
+    assert ops[-1] == ["allgather_uneven"] * groups  # top-k is fixed-size: no size exchange, one message per group
     assert sum(len(u["names"]) for u in plan0["units"]) == len(SHAPES)
     # Resuming from the state dict keeps the plan: no profiling, the same groups from the first step.
     again = run_workers(_sync_steps, 2, 1, bandwidth, state)

@@ -134,7 +134,7 @@ def test_option_costs_come_from_payload_bytes_the_network_model_and_the_fits():
     payload = TopK(ratio=0.01).payload_bytes((1024, 1024), torch.float32) + 40
     encode, comm, decode = model.costs(unit, Option("default", "allgather"))
     fit = profile.compressors["default"].encode
-    assert encode == pytest.approx(fit(1 << 20) + net.allgather(8, 4))  # + the blocking size exchange
+    assert encode == pytest.approx(fit(1 << 20))  # top-k is fixed-size: no size exchange to wait for
     assert comm == pytest.approx(net.all_to_all(payload, 4))  # direct allgather of equal pieces
     assert decode == pytest.approx(4 * fit(1 << 20))  # every rank's payload
     assert model.costs(unit, DENSE) == pytest.approx((0.0, net.allreduce(4 << 20, 4), 0.0))

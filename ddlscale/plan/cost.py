@@ -204,6 +204,9 @@ class CostModel:
             across = self.across
         enc, dec = self._fits(option)
         scheme = option.scheme
+        # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
+        comp = self.compressors.get(option.compressor) if option.compressed else None
+        sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
             payload = self._payload(unit, option, numel, shape)
             encode += enc(numel)
@@ -211,23 +214,23 @@ class CostModel:
             decode += dec(numel)
         elif scheme == "allgather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + _allgather(across, SIZE_BYTES, ranks)  # sizes: a blocking exchange
+            encode += enc(numel) + sized * _allgather(across, SIZE_BYTES, ranks)  # blocking size exchange
             comm += _allgather(across, payload, ranks)
             decode += ranks * dec(numel)
         elif scheme == "alltoall":
             part = -(-numel // ranks)
             payload = self._payload(unit, option, part, None)
-            encode += ranks * enc(part) + across.all_to_all(SIZE_BYTES, ranks)
+            encode += ranks * enc(part) + sized * across.all_to_all(SIZE_BYTES, ranks)
             comm += across.all_to_all(payload, ranks)
-            comm += _allgather(across, SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
+            comm += sized * _allgather(across, SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
             # Sum n pieces, re-encode the sum, encode zeros for each other partition's context
             # (CompressSync's rank-independent contexts), decode the n gathered sums.
             decode += 2 * ranks * dec(part) + ranks * enc(part)
         elif scheme == "gather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + _allgather(across, SIZE_BYTES, ranks)
+            encode += enc(numel) + sized * _allgather(across, SIZE_BYTES, ranks)
             comm += across.gather(payload, ranks)
-            comm += across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
+            comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
             decode += ranks * dec(numel) + enc(numel) + dec(numel)
         return encode, comm, decode
 

@@ -74,6 +74,14 @@ def _allreducible(compressor: Compressor) -> bool:
     return compressor.summable or hasattr(compressor, "reduce")
 
 
+def _sizes(job: Job, message: torch.Tensor) -> list[int]:
+    """Every rank's message length: known locally for fixed-size compressors (same shape, same
+    payload, same header everywhere), else one blocking exchange of sizes."""
+    if job.compressor.fixed_size:
+        return [message.numel()] * job.comm.size
+    return job.comm.allgather_sizes(message.numel(), message.device)
+
+
 def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.Tensor]) -> torch.Tensor:
     """Decode each rank's payload with this rank's context and sum them in rank order."""
     total = None
@@ -123,8 +131,7 @@ class Allgather(Scheme):
         compressed = job.compressor.compress(self.shaped(job), job.name)
         job.local = job.compressor.decompress(compressed).reshape(-1)
         message = wire.pack(compressed.payload)
-        sizes = job.comm.allgather_sizes(message.numel(), message.device)
-        job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, sizes))
+        job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, _sizes(job, message)))
 
     def finish(self, job: Job) -> torch.Tensor:
         messages = job.state["pending"].wait()
@@ -142,13 +149,17 @@ class AllToAll(Scheme):
         compressed = [job.compressor.compress(p, f"{job.name}/{j}") for j, p in enumerate(parts)]
         job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
         messages = [wire.pack(c.payload) for c in compressed]
-        send_sizes = torch.tensor([m.numel() for m in messages], dtype=torch.int64)
-        recv_sizes = torch.empty(n, dtype=torch.int64)
-        job.comm.all_to_all(recv_sizes, send_sizes).wait()
-        splits_in, splits_out = send_sizes.tolist(), recv_sizes.tolist()
+        splits_in = [m.numel() for m in messages]
+        if job.compressor.fixed_size:  # partition j has the same length on every rank
+            splits_out = [splits_in[job.comm.rank]] * n
+        else:
+            recv_sizes = torch.empty(n, dtype=torch.int64)
+            job.comm.all_to_all(recv_sizes, torch.tensor(splits_in, dtype=torch.int64)).wait()
+            splits_out = recv_sizes.tolist()
         received = torch.empty(sum(splits_out), dtype=torch.uint8)
         pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in)
-        job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending)
+        job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending,
+                         lengths=splits_in)
 
     def finish(self, job: Job) -> torch.Tensor:
         comm, compressor, mine = job.comm, job.compressor, job.state["mine"]
@@ -158,7 +169,9 @@ class AllToAll(Scheme):
         # The owner re-compresses its partition's sum; everyone decodes every partition's.
         summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum")
         message = wire.pack(summed.payload)
-        sizes = comm.allgather_sizes(message.numel(), message.device)
+        # Fixed-size: the sum of partition j packs to what partition j did in the first stage.
+        sizes = (job.state["lengths"] if compressor.fixed_size
+                 else comm.allgather_sizes(message.numel(), message.device))
         gathered = comm.allgather_uneven(message, sizes).wait()
         sizes = volume.even_split(job.tensor.numel(), comm.size)
         out = []
@@ -177,7 +190,7 @@ class GatherBroadcast(Scheme):
         compressed = job.compressor.compress(self.shaped(job), job.name)
         job.local = job.compressor.decompress(compressed).reshape(-1)
         message = wire.pack(compressed.payload)
-        sizes = job.comm.allgather_sizes(message.numel(), message.device)
+        sizes = _sizes(job, message)
         padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gather takes equal sizes: pad, charged
         padded[: message.numel()] = message
         job.state.update(compressed=compressed, sizes=sizes, pending=job.comm.gather(padded, dst=0))
@@ -192,8 +205,9 @@ class GatherBroadcast(Scheme):
             message = wire.pack(summed.payload)
             size = torch.tensor([message.numel()], dtype=torch.int64)
         else:
-            size = torch.empty(1, dtype=torch.int64)
-        comm.broadcast(size, src=0).wait()
+            size = torch.tensor([job.state["sizes"][0]], dtype=torch.int64)
+        if not compressor.fixed_size:
+            comm.broadcast(size, src=0).wait()
         if comm.rank != 0:
             message = torch.empty(int(size), dtype=torch.uint8)
         comm.broadcast(message, src=0).wait()
