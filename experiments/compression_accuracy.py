@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="cnn,lstm")
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--name", default="compression_accuracy", help="results folder name")
     args = parser.parse_args(argv)
     workloads, compressors = args.workloads.split(","), args.compressors.split(",")
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = Results("compression_accuracy")
+    results = Results(args.name)
     runs = [(w, "dense", "none") for w in workloads]
     runs += [(w, c, m) for w in workloads for c in compressors for m in MEMORIES]
     curves: dict[tuple[str, str, str], list[float]] = {}
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
               + "; ".join(f"{c}: {' '.join(s)}" for c, s in SETTINGS.items())
               + ". Others at their config defaults. 'memory=residual' is true error feedback.",
         command=f"python -m experiments.compression_accuracy --workloads {args.workloads} "
-                f"--compressors {args.compressors} --steps {args.steps}",
+                f"--compressors {args.compressors} --steps {args.steps}"
+                + (f" --name {args.name}" if args.name != "compression_accuracy" else ""),
     )
     fig, axes = plt.subplots(len(workloads), 2, figsize=(11, 3.6 * len(workloads)), squeeze=False)
     for row_axes, workload in zip(axes, workloads, strict=True):

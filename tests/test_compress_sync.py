@@ -129,17 +129,20 @@ def _powersgd(rank, world):
     torch.manual_seed(0)
     u, v = torch.randn(8, 2), torch.randn(2, 8)
     params = [("c", torch.nn.Parameter(torch.zeros(8, 8)))]
-    sync = CompressSync(PowerSGD(rank=2), comm="allreduce", memory="none")
+    sync = CompressSync(PowerSGD(rank=2), comm="allreduce", memory="residual")
     sync.setup(params)
     grad = (u @ v) * (rank + 1)  # rank-2 on every rank, same column space: the average is rank 2
     got, stats = _sync_once(sync, params, {"c": grad})
-    return got["c"], (u @ v) * sum(range(1, world + 1)) / world, [r.op for r in stats.collectives]
+    residual = sync.memory.residual("c")
+    return got["c"], (u @ v) * sum(range(1, world + 1)) / world, [r.op for r in stats.collectives], residual
 
 
 def test_powersgd_allreduce_path_is_exact_on_low_rank():
-    for got, expected, ops in run_workers(_powersgd, 2):
+    for got, expected, ops, residual in run_workers(_powersgd, 2):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         assert ops == ["allreduce", "allreduce"]  # P, then Q
+        # Error feedback keeps M - P Q_local^T, this rank's own loss: nothing for a rank-2 matrix.
+        assert float(residual.abs().max()) < 1e-4
 
 
 def _plan(rank, world):

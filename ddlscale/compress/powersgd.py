@@ -119,13 +119,19 @@ class PowerSGD(Compressor):
         """
         return self.reduce_many([tensor], [name], allreduce)[0]
 
-    def reduce_many(self, tensors: Sequence[torch.Tensor], names: Sequence[str], allreduce: Allreduce
-                    ) -> list[torch.Tensor]:
+    def reduce_many(self, tensors: Sequence[torch.Tensor], names: Sequence[str], allreduce: Allreduce,
+                    local: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """:meth:`reduce` for several tensors (a bucket) with at most three collectives in all: the
-        uncompressed tensors in one flat allreduce, every tensor's P in one, every Q in one."""
+        uncompressed tensors in one flat allreduce, every tensor's P in one, every Q in one.
+
+        ``local``, if given, receives this rank's own share of each result, P (M^T P)^T with its
+        own M before Q is reduced (the tensor itself where uncompressed): what error feedback must
+        subtract (Vogels et al.'s e = M - P Q_local^T). The shares sum over ranks to the result.
+        """
         dims = [self.matrix_shape(t.shape) for t in tensors]
         out: list[torch.Tensor | None] = [None] * len(tensors)
         plain = [i for i, d in enumerate(dims) if d is None]
+        own: list[torch.Tensor | None] = [t for t in tensors]
         if plain:
             flat = torch.cat([tensors[i].reshape(-1) for i in plain])
             allreduce(flat)
@@ -138,12 +144,17 @@ class PowerSGD(Compressor):
                              allreduce)
             for p in ps:
                 orthogonalize_(p)
-            qs = _allreduced([matrices[i].T @ p for i, p in zip(compressed, ps, strict=True)], allreduce)
+            local_qs = [matrices[i].T @ p for i, p in zip(compressed, ps, strict=True)]
+            for i, p, q in zip(compressed, ps, local_qs, strict=True):
+                own[i] = (p @ q.T).reshape(tensors[i].shape).to(tensors[i].dtype)
+            qs = _allreduced(local_qs, allreduce)
             for i, p, q in zip(compressed, ps, qs, strict=True):
                 self._q[names[i]] = q
                 out[i] = (p @ q.T).reshape(tensors[i].shape).to(tensors[i].dtype)
         for name in names:
             self._steps[name] = self._steps.get(name, 0) + 1
+        if local is not None:
+            local[:] = own
         return out
 
     # -- helpers -------------------------------------------------------------------------------

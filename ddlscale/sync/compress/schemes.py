@@ -109,15 +109,15 @@ class Allreduce(Scheme):
             def allreduce(t: torch.Tensor) -> None:
                 job.comm.allreduce(t).wait()
 
-            if job.shapes is not None and hasattr(job.compressor, "reduce_many"):
-                # Each member as its own matrix, all factors of the group in shared allreduces.
-                members = [m.view(shape) for m, shape in zip(
-                    torch.split(job.tensor, [math.prod(s) for s in job.shapes]), job.shapes, strict=True)]
-                names = [f"{job.name}#{k}" for k in range(len(members))]
-                total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce)])
-            else:
-                total = job.compressor.reduce(job.tensor, job.name, allreduce).reshape(-1)
-            job.local = total  # error feedback keeps what the shared low-rank approximation missed
+            # Each member as its own matrix (one matrix for a flat chunk), all factors of the group in
+            # shared allreduces; error feedback subtracts this rank's own share of the result.
+            shapes = job.shapes or [tuple(job.tensor.shape)]
+            members = [m.view(shape) for m, shape in zip(
+                torch.split(job.tensor, [math.prod(s) for s in shapes]), shapes, strict=True)]
+            names = [f"{job.name}#{k}" for k in range(len(members))] if job.shapes else [job.name]
+            own: list[torch.Tensor] = []
+            total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce, own)])
+            job.local = torch.cat([t.reshape(-1) for t in own])
             return total
         for pending in job.state["pending"]:
             pending.wait()
