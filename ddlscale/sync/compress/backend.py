@@ -115,6 +115,9 @@ class CompressSync(DenseAllreduce):
                 self.inter = Communicator(group, self.ledger)
 
     def _assign(self, order: list[int]) -> list[list[int]]:
+        restored = getattr(self, "_restored_groups", None)
+        if restored is not None and restored[0] is self.plan:  # the layout the state was saved in
+            return [list(g) for g in restored[1]]
         if self.plan.groups is not None:
             return self._plan_groups(order)
         if self.fusion == "tensor":
@@ -191,11 +194,15 @@ class CompressSync(DenseAllreduce):
 
     # -- checkpointed state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # Residuals and factors are keyed by group and laid out in its buffer: save the layout too.
         return {**super().state_dict(), "memory": self.memory.state_dict(),
-                "compressors": {k: c.state_dict() for k, c in self.compressors.items()}}
+                "compressors": {k: c.state_dict() for k, c in self.compressors.items()},
+                "groups": [list(b.members) for b in self.buckets]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.memory.load_state_dict(state["memory"])
         for k, c in self.compressors.items():
             c.load_state_dict(state["compressors"][k])
+        # Valid for the plan in force now; a plan adopted later brings its own groups.
+        self._restored_groups = (self.plan, [list(g) for g in state["groups"]])
         super().load_state_dict(state)
