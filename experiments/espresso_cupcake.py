@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from experiments.harness import ROOT, Results, alternating, machine, spread
+from experiments.harness import Results, alternating, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
 COMPRESSORS = ("dgc", "efsignsgd", "randomk")
@@ -116,16 +116,6 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
         out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
                 f"sync.profile_steps={PROFILE_STEPS}", "sync.gpus_per_machine=1"]
     return out
-
-
-def run_train(overrides: list[str], run_dir: Path, timeout: float = 1800) -> dict[str, Any]:
-    """train.py into ``run_dir`` (kept: plan.json, plan_profile.json and metrics.csv are read after)."""
-    cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={run_dir}",
-           "trainer.enable_progress_bar=false"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{(result.stdout + result.stderr)[-4000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def per_step(run_dir: Path) -> list[dict[str, float]]:
@@ -229,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
                 for rep, (method, comp) in alternating(keys, args.reps):
                     run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
                     started = time.perf_counter()
-                    summary = run_train([f"model={workload}", *overrides_of(method, comp, bw, args)], run_dir)
+                    summary = train([f"model={workload}", *overrides_of(method, comp, bw, args)], timeout=1800,
+                                    run_dir=run_dir)
                     wall = time.perf_counter() - started
                     steps = per_step(run_dir)
                     row = {"bandwidth": bw, "workload": workload, "compressor": comp or "none", "method": method,

@@ -124,13 +124,18 @@ class Allreduce(Scheme):
         return job.compressor.decompress(job.state["compressed"]).reshape(-1)
 
 
+def _compress_whole(scheme: Scheme, job: Job) -> tuple[Compressed, torch.Tensor]:
+    """Compress the whole tensor, keep this rank's decompressed copy for error feedback, pack it."""
+    compressed = job.compressor.compress(scheme.shaped(job), job.name)
+    job.local = job.compressor.decompress(compressed).reshape(-1)
+    return compressed, wire.pack(compressed.payload)
+
+
 class Allgather(Scheme):
     name = "allgather"
 
     def start(self, job: Job) -> None:
-        compressed = job.compressor.compress(self.shaped(job), job.name)
-        job.local = job.compressor.decompress(compressed).reshape(-1)
-        message = wire.pack(compressed.payload)
+        compressed, message = _compress_whole(self, job)
         job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, _sizes(job, message)))
 
     def finish(self, job: Job) -> torch.Tensor:
@@ -187,9 +192,7 @@ class GatherBroadcast(Scheme):
     name = "gather"
 
     def start(self, job: Job) -> None:
-        compressed = job.compressor.compress(self.shaped(job), job.name)
-        job.local = job.compressor.decompress(compressed).reshape(-1)
-        message = wire.pack(compressed.payload)
+        compressed, message = _compress_whole(self, job)
         sizes = _sizes(job, message)
         padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gather takes equal sizes: pad, charged
         padded[: message.numel()] = message
