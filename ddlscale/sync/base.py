@@ -15,6 +15,7 @@ handles parameters whose hook never fired this step (unused parameters) on every
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -139,6 +140,25 @@ class GradSync:
         self.on_backward_order()
 
     # -- helpers -------------------------------------------------------------------------------
+    def machine_communicators(self, local_size: int | None) -> tuple[int, Communicator, Communicator]:
+        """(k, intra, inter) for hierarchical schemes: this rank's machine (ranks r*k .. r*k+k-1) and
+        the ranks holding the same local position on every machine. ``local_size`` None reads
+        ``LOCAL_WORLD_SIZE`` (torchrun, Lightning). Every rank creates every group, as new_group
+        requires; both share this backend's ledger."""
+        k = local_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if self.world_size % k:
+            raise ValueError(f"sync.local_size={k} does not divide the {self.world_size} ranks")
+        intra = inter = None
+        for m in range(self.world_size // k):
+            group = dist.new_group(list(range(m * k, (m + 1) * k)))
+            if self.rank // k == m:
+                intra = Communicator(group, self.ledger)
+        for j in range(k):
+            group = dist.new_group(list(range(j, self.world_size, k)))
+            if self.rank % k == j:
+                inter = Communicator(group, self.ledger)
+        return k, intra, inter
+
     def _adopt_backward_order(self) -> None:
         """Take rank 0's observed order, so every rank fuses and launches identically."""
         seen = list(dict.fromkeys(self._ready_log))

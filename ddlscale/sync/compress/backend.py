@@ -14,14 +14,11 @@ ranks), run the scheme across machines on this rank's chunk, then allgather insi
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from ddlscale.comm import Communicator
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
@@ -94,25 +91,10 @@ class CompressSync(DenseAllreduce):
         if not hasattr(self, "intra"):
             self.intra = self.inter = None
             if self.world_size > 1 and any(c.hierarchical for c in [self.plan.default, *self.plan.tensors.values()]):
-                self._build_machine_groups()
+                self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
         super().on_setup()
         self._flights: list[_Flight | None] = [None] * len(self.buckets)
         self._choices = [self.plan.for_group([self.names[i] for i in b.members]) for b in self.buckets]
-
-    def _build_machine_groups(self) -> None:
-        """One group per machine and one per local rank across machines (every rank creates all)."""
-        k = self.local_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.world_size % k:
-            raise ValueError(f"sync.local_size={k} does not divide the {self.world_size} ranks")
-        self.local_size = k
-        for m in range(self.world_size // k):
-            group = dist.new_group(list(range(m * k, (m + 1) * k)))
-            if self.rank // k == m:
-                self.intra = Communicator(group, self.ledger)
-        for j in range(k):
-            group = dist.new_group(list(range(j, self.world_size, k)))
-            if self.rank % k == j:
-                self.inter = Communicator(group, self.ledger)
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         restored = getattr(self, "_restored_groups", None)

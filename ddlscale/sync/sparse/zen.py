@@ -21,11 +21,9 @@ completes the tensor. The plan is made for the machine-level density gamma_k d o
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ddlscale.comm import Communicator
 from ddlscale.comm.cost import zen_hierarchical_centralization_time
@@ -94,26 +92,9 @@ class ZenSync(SparseSync):
             self.partitioner.verify_agreement(self.comm.group)
             self.intra = self.inter = None
             if self.hierarchical and self.world_size > 1:
-                self._build_machine_groups(seed)
+                self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
+                self.inter_partitioner = HashPartitioner(self.world_size // self.local_size, seed)
         super().on_setup()
-
-    def _build_machine_groups(self, seed: int) -> None:
-        """One group per machine and one per local rank across machines (every rank creates all)."""
-        k = self.local_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.world_size % k:
-            raise ValueError(f"sync.local_size={k} does not divide the {self.world_size} ranks")
-        machines = self.world_size // k
-        self.local_size = k
-        ledger = self.comm.ledger  # intra and inter traffic land in the same accounts
-        for m in range(machines):
-            group = dist.new_group(list(range(m * k, (m + 1) * k)))
-            if self.rank // k == m:
-                self.intra = Communicator(group, ledger)
-        for j in range(k):
-            group = dist.new_group(list(range(j, self.world_size, k)))
-            if self.rank % k == j:
-                self.inter = Communicator(group, ledger)
-        self.inter_partitioner = HashPartitioner(machines, seed)
 
     # -- the per-tensor plan: hc, bp-coo or bp-bitmap ---------------------------------------------
     def sparsity(self, index: int) -> Sparsity:
