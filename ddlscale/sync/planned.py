@@ -112,7 +112,7 @@ class PlannedSync(CompressSync):
         if not hasattr(self, "intra"):
             self.intra = self.inter = None
             if self._hierarchical_possible():  # every rank, once: plans may use them later
-                self._build_machine_groups()
+                self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
         super().on_setup()
 
     def _assign(self, order: list[int]) -> list[list[int]]:
