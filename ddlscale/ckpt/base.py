@@ -69,6 +69,11 @@ class Checkpointer(pl.Callback):
         """What ``trainer.fit(ckpt_path=)`` should load, decided before workers start (None: fresh)."""
         return None
 
+    def load_path(self, path: str) -> dict[str, Any] | None:
+        """This rank's restorable dict for a tier-specific ``path`` (in the workers, process group up);
+        None for paths the tier does not own (manifests on disk are loaded for every tier)."""
+        return None
+
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Tier-specific summary figures (every rank calls this; collectives allowed)."""
         return {}
@@ -96,7 +101,7 @@ class Checkpointer(pl.Callback):
         # repositions the loader, so the warning would mislead.
         warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
         if not isinstance(strategy.checkpoint_io, ManifestCheckpointIO):
-            strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank)
+            strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank, self.load_path)
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_local = checkpoint.get(RANK_STATE_KEY)

@@ -2,12 +2,14 @@
 
 ``trainer.fit(ckpt_path=<manifest>)`` makes every rank call ``strategy.load_checkpoint(path)``; this
 plugin answers with that rank's assembled state (the shared part from the shared shard, the local
-part from its own shard, both checksum-verified). Any other path goes to the wrapped plugin, so
-ordinary ``.ckpt`` files keep working.
+part from its own shard, both checksum-verified). A tier that keeps no files (Gemini's peer memory)
+answers its own paths through ``loader``. Any other path goes to the wrapped plugin, so ordinary
+``.ckpt`` files keep working.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +36,22 @@ def load_version(manifest_path: Path, rank: int) -> dict[str, Any]:
 
 
 class ManifestCheckpointIO(CheckpointIO):
-    """Loads ``*.manifest.json`` versions for ``rank``; delegates everything else to ``inner``."""
+    """Loads ``*.manifest.json`` versions for ``rank``; delegates everything else to ``inner``.
 
-    def __init__(self, inner: CheckpointIO, rank: int) -> None:
+    ``loader(path)``: a tier's own loader, asked first; it returns None for paths that are not its.
+    """
+
+    def __init__(self, inner: CheckpointIO, rank: int, loader: Callable[[str], dict[str, Any] | None] | None = None) -> None:
         self.inner = inner
         self.rank = rank
+        self.loader = loader
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        if self.loader is not None and (loaded := self.loader(str(path))) is not None:
+            return loaded
         if str(path).endswith(SUFFIX):
             return load_version(Path(path), self.rank)
         kwargs = {} if map_location is None else {"map_location": map_location}

@@ -21,6 +21,8 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer
+from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name
+from ddlscale.ckpt.launch import local_gemini
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
@@ -152,9 +154,10 @@ def run(
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info)
-    ckpt_path = resume_path(trainer)
-    with _own_rendezvous_port():
-        trainer.fit(model, ckpt_path=ckpt_path)
+    with _gemini_infrastructure(trainer, output_dir):
+        ckpt_path = resume_path(trainer)
+        with _own_rendezvous_port():
+            trainer.fit(model, ckpt_path=ckpt_path)
     summary_path = output_dir / "summary.json"
     # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
@@ -171,6 +174,14 @@ def resume_path(trainer: pl.Trainer) -> str | None:
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
     return None
+
+
+def _gemini_infrastructure(trainer: pl.Trainer, output_dir: Path) -> contextlib.AbstractContextManager:
+    """Store and agents for ckpt=gemini when this process launches the workers and nobody else did."""
+    gemini = next((c for c in trainer.callbacks if isinstance(c, GeminiCheckpointer)), None)
+    if gemini is None or gemini.store_address or os.environ.get(STORE_ENV) or "WORLD_SIZE" in os.environ:
+        return contextlib.nullcontext()
+    return local_gemini(trainer.world_size, job_name(str(output_dir)))
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:

@@ -1,0 +1,400 @@
+"""``ckpt=gemini``: checkpoint every iteration into peers' CPU memory; recover from it in seconds.
+
+Per version v (the state after optimizer step v), on every rank:
+
+1. **capture** (training thread, at the end of step v): the whole state as a :class:`Snapshot` —
+   parameters and optimizer state referenced where they live, everything else copied;
+2. **send** (sender thread, during iteration v+1): ``BEGIN`` at every holder's agent (own machine
+   first, then its placement peers), chunks in the profiled idle spans, the rest at the deadline —
+   the optimizer step of v+1, which the training thread enters only once every chunk of v is out;
+   ``END`` with the stream's sha256, which each agent checks against what it holds;
+3. **commit**: each rank adds its verified replicas to the version's count in the store; rank 0 waits
+   for world size x m of them and publishes the manifest (version, world size, placement, sizes,
+   hashes) as one key. The next version's BEGIN waits for that outcome, and agents never overwrite
+   the committed version's buffer, so a committed version is never lost.
+
+Recovery (``resume=auto``, before workers start): the committed manifest in the store names the
+version; every rank fetches its own replica — from its machine's agent (software failure), else from
+a live holder (machine failure, the replacement took the rank) — and checks its hash. All ranks
+agree by one collective: if any rank found no intact replica (whole group lost, checksum mismatch),
+everyone loads the newest persistent checkpoint instead.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.base import Checkpointer
+from ddlscale.ckpt.data import DataPosition
+from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable
+from ddlscale.ckpt.interleave import MODES, ReplicaSender, Transfer, idle_spans, is_stable, schedule
+from ddlscale.ckpt.io import load_version
+from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, sha256
+from ddlscale.ckpt.placement import KINDS, PlacementPlan
+from ddlscale.ckpt.replica import NO_VERSION, AgentClient, ReplicaError
+from ddlscale.ckpt.snapshot import capture, rebuild
+from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture_shared
+
+PATH_PREFIX = "gemini:"
+STORE_ENV, MACHINE_ENV, MACHINES_ENV, JOB_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES", "DDLSCALE_JOB"
+
+
+def job_name(run_dir: str | None) -> str:
+    """A job id every rank derives alike: the launcher's, else one from the run directory."""
+    if os.environ.get(JOB_ENV):
+        return os.environ[JOB_ENV]
+    where = str(Path(run_dir).resolve()) if run_dir else "default"
+    return f"{Path(where).name}-{zlib.crc32(where.encode()):08x}"
+
+
+def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ckpt.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class GeminiCheckpointer(Checkpointer):
+    """In-memory checkpoints replicated to peers' agents, with a rare persistent tier behind them.
+
+    Args:
+        every: optimizer steps between in-memory checkpoints (1: every iteration).
+        replicas: m, copies of each machine's checkpoint (its own included).
+        placement: ``mixed`` (Gemini's: groups, the last one a ring), ``group`` or ``ring``.
+        mode: ``gemini`` (interleaved, pipelined), ``unpipelined`` (interleaved, one sub-buffer) or
+            ``blocking`` (sent whole at the end of the step, for comparison).
+        chunk_kib, subbuffers: staging buffer of ``subbuffers`` chunks of ``chunk_kib`` KiB.
+        mu: fraction of each idle span the chunks may fill.
+        profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
+        persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
+        persist_dir, persist_bandwidth: the persistent tier's directory and write-rate emulation.
+        store: ``HOST:PORT`` of the job's TCPStore; null: ``$DDLSCALE_STORE`` (set by the launchers).
+        commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
+        resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
+    """
+
+    def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
+                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, profile_steps: int = 20,
+                 persist_every: int | None = None, persist_dir: str | None = None,
+                 persist_bandwidth: str | float | None = None, store: str | None = None,
+                 commit_timeout_s: float = 60.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
+        if every == "highfreq":
+            raise ValueError("ckpt.every: gemini checkpoints every K steps (1 by default); highfreq is for ckpt=disk")
+        super().__init__(every=every, resume=resume)
+        if resume not in (None, "auto"):
+            raise ValueError(f"ckpt.resume for gemini must be 'auto' or null, got {resume!r}")
+        self.replicas = _positive_int("replicas", replicas)
+        if placement not in KINDS:
+            raise ValueError(f"ckpt.placement must be one of {', '.join(KINDS)}, got {placement!r}")
+        if mode not in MODES:
+            raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.placement, self.mode = placement, mode
+        self.chunk_bytes = _positive_int("chunk_kib", chunk_kib) * 1024
+        self.subbuffers = _positive_int("subbuffers", subbuffers)
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu <= 1:
+            raise ValueError(f"ckpt.mu must be in (0, 1], got {mu!r}")
+        self.mu = float(mu)
+        self.profile_steps = _positive_int("profile_steps", profile_steps)
+        self.store_address = store
+        self.commit_timeout_s = float(commit_timeout_s)
+        self.run_dir = run_dir
+        self.persistent: DiskCheckpointer | None = None
+        if persist_every is not None:
+            self.persistent = DiskCheckpointer(
+                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=persist_bandwidth,
+                dir=persist_dir if persist_dir is not None else (str(Path(run_dir) / DEFAULT_SUBDIR) if run_dir else None),
+                resume=None, run_dir=run_dir)
+        # Set in setup (workers).
+        self.store: Any = None
+        self.keys: kvstore.Keys | None = None
+        self.sender: ReplicaSender | None = None
+        self.plan: PlacementPlan | None = None
+        self.machine_of: list[int] = []
+        self.incarnation = 0
+        self.previous: Transfer | None = None
+        self.transfers: list[Transfer] = []
+        self.stalls: list[float] = []  # training-thread seconds per checkpoint: capture + deadline wait
+        self.committed: list[int] = []
+        self.recovery: dict[str, Any] = {}
+        self._profile: tuple[list[list[tuple[float, float]]], list[float]] = ([], [])
+        self._iteration_start: float | None = None
+        self._interleave: dict[str, Any] = {}
+
+    # -- where things are ---------------------------------------------------------------------------
+    def _store_address(self) -> str:
+        address = self.store_address or os.environ.get(STORE_ENV)
+        if not address:
+            raise ValueError(
+                "ckpt=gemini needs the job's key-value store: set ckpt.store=HOST:PORT or $DDLSCALE_STORE "
+                "(cluster=local and cluster=emulated start one for you)"
+            )
+        return address
+
+    def _connect(self) -> None:
+        if self.store is None:
+            self.store = kvstore.connect(self._store_address())
+            self.keys = kvstore.Keys(job_name(self.run_dir))
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning's spawn launcher pickles callbacks into the workers: connections stay behind.
+        state = dict(self.__dict__)
+        state.update(store=None, sender=None)
+        return state
+
+    def _agent(self, machine: int, timeout_s: float = 30.0) -> AgentClient:
+        key = self.keys.agent(machine)
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise ReplicaError(f"no replica agent registered for machine {machine} after {timeout_s:g} s")
+            time.sleep(0.05)
+        return AgentClient(self.store.get(key).decode())
+
+    def committed_manifest(self) -> Manifest | None:
+        text = self.store.get(self.keys.manifest).decode() if self.store.check([self.keys.manifest]) else None
+        return Manifest.from_json(text, "gemini manifest") if text else None
+
+    # -- before workers start -----------------------------------------------------------------------
+    def resume_path(self, world_size: int) -> str | None:
+        if self.resume is None:
+            return None
+        self._connect()
+        manifest = self.committed_manifest()
+        if manifest is not None and manifest.world_size == world_size:
+            return f"{PATH_PREFIX}{manifest.step}"
+        return self._persistent_path(world_size)
+
+    def _persistent_path(self, world_size: int) -> str | None:
+        if self.persistent is None or self.persistent.dir is None or not self.persistent.dir.exists():
+            return None
+        found = find_resumable(self.persistent.dir, world_size, set_aside=False)
+        return str(found) if found is not None else None
+
+    # -- set-up in the workers ----------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.persistent is not None:
+            self.persistent.setup(trainer, pl_module, stage)
+        self._connect()
+        world, rank = trainer.world_size, trainer.global_rank
+        machine = int(os.environ.get(MACHINE_ENV, rank))
+        machines = int(os.environ.get(MACHINES_ENV, world))
+        self.plan = PlacementPlan(machines, self.replicas, self.placement)
+        self.machine_of = [machine]
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, machine)
+            self.machine_of = [int(m) for m in gathered]
+        if rank == 0:
+            self.incarnation = int(self.store.add(self.keys.incarnation, 1))
+        self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
+        holders = self.plan.holders_of(machine)
+        self.sender = ReplicaSender(rank, [self._agent(h) for h in holders], self.chunk_bytes, self.subbuffers,
+                                    self.mode, keep_for=self._keep_for, on_done=self._on_sent,
+                                    device=trainer.strategy.root_device)
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        start = time.perf_counter()
+        payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
+                   "shared": capture_shared(trainer)}
+        position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
+        transfer = Transfer(trainer.global_step, capture(payload, _unchanged_until_step(trainer)), position=position)
+        self.transfers.append(transfer)
+        self.sender.submit(transfer)  # blocking mode: sent and checked before this returns
+        self.stalls.append(time.perf_counter() - start)
+        if self.persistent is not None and self.persistent.due(trainer.global_step):
+            self.persistent.save(trainer, batch_idx)
+
+    def _keep_for(self, transfer: Transfer) -> int:
+        """Wait for the previous version's outcome; keep whatever is committed then."""
+        previous, self.previous = self.previous, transfer
+        if previous is not None:
+            self.store.wait([self._outcome_key(previous.version)])
+        manifest = self.committed_manifest()
+        return manifest.step if manifest is not None else NO_VERSION
+
+    def _outcome_key(self, version: int) -> str:
+        return f"{self.keys.acks(self.incarnation, version)}/outcome"
+
+    def _on_sent(self, transfer: Transfer) -> None:
+        """Report this rank's verified replicas; rank 0 commits once all are in."""
+        rank = self.sender.owner
+        if transfer.error is not None:
+            warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
+                          stacklevel=2)
+        record = ShardRecord(rank, f"memory:rank{rank}", transfer.snapshot.nbytes, transfer.sha256)
+        kvstore.set_json(self.store, self.keys.shard(self.incarnation, transfer.version, rank), record.__dict__)
+        self.store.add(self.keys.acks(self.incarnation, transfer.version), transfer.verified)
+        if rank == 0:
+            self._commit(transfer)
+
+    def _commit(self, transfer: Transfer) -> None:
+        version, world = transfer.version, len(self.machine_of)
+        expected = world * self.replicas
+        acks_key = self.keys.acks(self.incarnation, version)
+        deadline = time.monotonic() + self.commit_timeout_s
+        while (acks := int(self.store.add(acks_key, 0))) < expected and time.monotonic() < deadline:
+            time.sleep(0.002)
+        outcome = "failed"
+        if acks >= expected:
+            shards = tuple(ShardRecord(**kvstore.get_json(self.store, self.keys.shard(self.incarnation, version, r)))
+                           for r in range(world))
+            position = transfer.position
+            holders = {str(r): list(self.plan.holders_of(m)) for r, m in enumerate(self.machine_of)}
+            manifest = Manifest(step=version, world_size=world, shards=shards, epoch=position.epoch,
+                                batch=position.batch, tier="memory",
+                                placement={"kind": self.placement, "machines": self.plan.machines,
+                                           "replicas": self.replicas, "machine_of": self.machine_of,
+                                           "holders": holders, "incarnation": self.incarnation})
+            self.store.set(self.keys.manifest, manifest.to_json())  # one key: the version now exists
+            self.committed.append(version)
+            outcome = "committed"
+        else:
+            warnings.warn(f"gemini: version {version} not committed ({acks} of {expected} replicas verified)",
+                          stacklevel=2)
+        self.store.set(self._outcome_key(version), outcome)
+
+    # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._iteration_start is None:
+            self._iteration_start = time.perf_counter()
+            if self.sender is not None:
+                self.sender.iteration_started()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        start, self._iteration_start = self._iteration_start, None
+        if self.sender is None:
+            return
+        if start is not None and self.mode != "blocking" and self.sender.plan is None:
+            self._record_profile(trainer, start)
+        waited = self.sender.deadline()
+        if waited and self.stalls:
+            self.stalls[-1] += waited
+
+    def _record_profile(self, trainer: pl.Trainer, start: float) -> None:
+        sync = getattr(trainer.strategy, "sync", None)
+        now = time.perf_counter()
+        records = sync.last_stats.collectives if sync is not None else []
+        busy = [(r.start - start, (r.end if r.end is not None else now) - start) for r in records]
+        spans, horizons = self._profile
+        spans.append(busy)
+        horizons.append(now - start)
+        chunk_s = self.sender.chunk_seconds()
+        enough = len(horizons) >= self.profile_steps and chunk_s is not None
+        if enough and (is_stable(horizons[-self.profile_steps:]) or len(horizons) >= 3 * self.profile_steps):
+            recent = slice(-self.profile_steps, None)
+            idle = idle_spans(spans[recent], horizons[recent])
+            self.sender.plan = schedule(idle, chunk_s, self.mu)
+            self._interleave = {"profiled_steps": len(horizons), "stable": is_stable(horizons[recent]),
+                                "idle_spans": len(idle), "idle_s": sum(e - s for s, e in idle),
+                                "horizon_s": statistics.median(horizons[recent]), "chunk_s": chunk_s,
+                                "planned_chunks": sum(n for _, n in self.sender.plan)}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sender is not None:
+            self.sender.deadline()  # the last version goes out before the summary
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+    # -- recovery ----------------------------------------------------------------------------------
+    def load_path(self, path: str) -> dict[str, Any] | None:
+        if not path.startswith(PATH_PREFIX):
+            return None
+        self._connect()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        start = time.perf_counter()
+        data, source = self._fetch(int(path[len(PATH_PREFIX):]), rank)
+        ok = torch.tensor([1 if data is not None else 0])
+        if dist.is_initialized():
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank restores the same version, or none does
+        if int(ok) == 1:
+            payload = rebuild(data)
+            self.recovery = {"source": source, "retrieve_s": time.perf_counter() - start, "tier": "memory"}
+            return assemble(payload, payload)
+        return self._fall_back(rank, start)
+
+    def _fetch(self, step: int, rank: int) -> tuple[bytearray | None, str]:
+        """This rank's replica of ``step``, checksum-verified: own machine's agent first, then live holders."""
+        manifest = self.committed_manifest()
+        if manifest is None or manifest.step != step:
+            warnings.warn(f"gemini: version {step} is no longer the committed one", stacklevel=2)
+            return None, "none"
+        record = manifest.shard(rank)
+        machine = int(os.environ.get(MACHINE_ENV, rank))
+        holders = [int(h) for h in manifest.placement["holders"][str(rank)]]
+        alive = kvstore.get_json(self.store, self.keys.alive, list(range(manifest.placement["machines"])))
+        order = ([machine] if machine in holders else []) + [h for h in holders if h != machine and h in alive]
+        for holder in order:
+            try:
+                with self._agent(holder, timeout_s=5.0) as client:
+                    data = client.get(step, rank)
+            except (ReplicaError, OSError) as exc:
+                warnings.warn(f"gemini: rank {rank} cannot read its replica on machine {holder}: {exc}", stacklevel=2)
+                continue
+            if sha256(bytes(data)) != record.sha256:
+                warnings.warn(f"gemini: replica of rank {rank} on machine {holder} fails its checksum", stacklevel=2)
+                continue
+            return data, "local" if holder == machine else f"peer:{holder}"
+        return None, "none"
+
+    def _fall_back(self, rank: int, start: float) -> dict[str, Any]:
+        """No intact in-memory copy for some rank: everyone loads the newest persistent version."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        choice = [self._persistent_path(world) if rank == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        if choice[0] is None:
+            raise RuntimeError(
+                "gemini: the committed version cannot be restored (a whole placement group is lost or its "
+                "replicas fail their checksums) and there is no persistent checkpoint: set ckpt.persist_every"
+            )
+        warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
+        try:
+            loaded = load_version(Path(choice[0]), rank)
+        except ManifestError as exc:
+            raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
+        self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+        return loaded
+
+    # -- figures -----------------------------------------------------------------------------------
+    def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
+        figures = {
+            "ckpt_mode": self.mode,
+            "ckpt_replicas": self.replicas,
+            "ckpt_bytes": self.transfers[-1].snapshot.nbytes if self.transfers else None,
+            "ckpt_stall_s": statistics.median(self.stalls[1:] or self.stalls) if self.stalls else None,
+            "ckpt_complete_s": statistics.median(complete) if complete else None,
+            "ckpt_committed": len(self.committed) if trainer.is_global_zero else None,
+            "ckpt_last_committed": self.committed[-1] if self.committed else None,
+            "ckpt_recovery": self.recovery or None,
+        }
+        figures.update({f"ckpt_interleave_{k}": v for k, v in self._interleave.items()})
+        if self.persistent is not None:
+            figures["ckpt_persistent_count"] = len(self.persistent.bytes_written)
+        return figures
+
+
+def _unchanged_until_step(trainer: pl.Trainer) -> set[int]:
+    """Storage of tensors only the optimizer step changes: parameters and optimizer state."""
+    live = {p.data_ptr() for p in trainer.lightning_module.parameters()}
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            live.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    return live

@@ -1,0 +1,113 @@
+"""The replica protocol: how trainers put checkpoint bytes into a machine's agent and get them back.
+
+One TCP connection per (sender, agent). Every request is a fixed header ``(op, version, owner, a, b)``;
+``owner`` is the rank whose state the bytes are. A version is written as ``BEGIN`` (its size and the
+version the agent must keep), any number of ``DATA`` chunks (no reply, so chunks stream), and
+``END`` with the sender's sha256 — the agent hashes what it holds and answers whether they match.
+Only then is the replica complete. ``GET`` returns a complete replica; ``VERIFY`` re-hashes one;
+``STAT`` lists what an agent holds; ``CORRUPT`` flips one byte (fault injection for tests).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+REQUEST = struct.Struct("<4sBqiqq")  # magic, op, version, owner, a, b
+REPLY = struct.Struct("<Bq")  # status, payload length
+MAGIC = b"GMNI"
+OK, FAILED = 0, 1
+BEGIN, DATA, END, GET, VERIFY, STAT, CORRUPT = range(1, 8)
+NO_VERSION = -1
+
+
+class ReplicaError(RuntimeError):
+    """An agent refused a request or could not be reached; the message says which and why."""
+
+
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock`` (straight into the caller's memory: no intermediate copy)."""
+    while view:
+        got = sock.recv_into(view)
+        if got == 0:
+            raise ConnectionError("connection closed mid-message")
+        view = view[got:]
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytearray:
+    out = bytearray(n)
+    recv_exactly(sock, memoryview(out))
+    return out
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"agent address must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+class AgentClient:
+    """A connection to one machine's replica agent."""
+
+    def __init__(self, address: str, timeout_s: float = 30.0) -> None:
+        self.address = address
+        host, port = parse_address(address)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as exc:
+            raise ReplicaError(f"replica agent {address} unreachable: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _request(self, op: int, version: int, owner: int, a: int = 0, b: int = 0, payload: bytes = b"") -> None:
+        self.sock.sendall(REQUEST.pack(MAGIC, op, version, owner, a, b) + payload)
+
+    def _reply(self) -> bytearray:
+        status, length = REPLY.unpack(recv_bytes(self.sock, REPLY.size))
+        body = recv_bytes(self.sock, length)
+        if status != OK:
+            raise ReplicaError(f"agent {self.address}: {body.decode(errors='replace')}")
+        return body
+
+    def begin(self, version: int, owner: int, nbytes: int, keep: int = NO_VERSION) -> None:
+        self._request(BEGIN, version, owner, nbytes, keep)
+        self._reply()
+
+    def data(self, version: int, owner: int, offset: int, pieces: list[memoryview]) -> None:
+        """Send bytes at ``offset`` of the version; ``pieces`` are sent back to back (no reply)."""
+        length = sum(len(p) for p in pieces)
+        self._request(DATA, version, owner, offset, length)
+        for piece in pieces:
+            self.sock.sendall(piece)
+
+    def end(self, version: int, owner: int, sha256: str) -> None:
+        """Close a version; raises :class:`ReplicaError` when the agent's hash differs."""
+        self._request(END, version, owner, payload=sha256.encode())
+        self._reply()
+
+    def get(self, version: int, owner: int) -> bytearray:
+        self._request(GET, version, owner)
+        return self._reply()
+
+    def verify(self, version: int, owner: int, sha256: str) -> None:
+        self._request(VERIFY, version, owner, payload=sha256.encode())
+        self._reply()
+
+    def stat(self) -> dict[str, Any]:
+        self._request(STAT, NO_VERSION, -1)
+        return json.loads(self._reply())
+
+    def corrupt(self, version: int, owner: int, offset: int) -> None:
+        self._request(CORRUPT, version, owner, offset)
+        self._reply()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
