@@ -240,7 +240,8 @@ class Agent:
                     count = int(store.get(key)) if store.check([key]) else 0
                     if m not in seen or seen[m][0] != count:
                         seen[m] = (count, now)
-                stale = {m for m, (_, t) in seen.items() if now - t > self.failure_timeout_s}
+                # A machine whose agent never heartbeated is not up yet, not failed.
+                stale = {m for m, (count, t) in seen.items() if count > 0 and now - t > self.failure_timeout_s}
                 was_root = self.is_root
                 self._elect(store, stale)
                 if self.is_root and not was_root:  # a new root starts from what the old one recorded

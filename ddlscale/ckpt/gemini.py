@@ -38,7 +38,17 @@ from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.base import Checkpointer
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable
-from ddlscale.ckpt.interleave import MODES, ReplicaSender, Transfer, idle_spans, is_stable, schedule
+from ddlscale.ckpt.interleave import (
+    MODES,
+    ReplicaSender,
+    Transfer,
+    Wire,
+    busy_periods,
+    chunks_per_gap,
+    gaps,
+    is_stable,
+    profile_gaps,
+)
 from ddlscale.ckpt.io import load_version
 from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, sha256
 from ddlscale.ckpt.placement import KINDS, PlacementPlan
@@ -87,7 +97,7 @@ class GeminiCheckpointer(Checkpointer):
                  chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, profile_steps: int = 20,
                  persist_every: int | None = None, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
-                 commit_timeout_s: float = 60.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
+                 commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
         if every == "highfreq":
             raise ValueError("ckpt.every: gemini checkpoints every K steps (1 by default); highfreq is for ckpt=disk")
         super().__init__(every=every, resume=resume)
@@ -126,8 +136,10 @@ class GeminiCheckpointer(Checkpointer):
         self.stalls: list[float] = []  # training-thread seconds per checkpoint: capture + deadline wait
         self.committed: list[int] = []
         self.recovery: dict[str, Any] = {}
-        self._profile: tuple[list[list[tuple[float, float]]], list[float]] = ([], [])
+        self._profile: tuple[list[list[float]], list[float]] = ([], [])  # gaps and horizon per iteration
         self._iteration_start: float | None = None
+        self._sync: Any = None
+        self._sync_steps_at_start = 0
         self._interleave: dict[str, Any] = {}
 
     # -- where things are ---------------------------------------------------------------------------
@@ -140,10 +152,10 @@ class GeminiCheckpointer(Checkpointer):
             )
         return address
 
-    def _connect(self) -> None:
-        if self.store is None:
-            self.store = kvstore.connect(self._store_address())
-            self.keys = kvstore.Keys(job_name(self.run_dir))
+    def _connect(self) -> Any:
+        """A new store connection (one per process: a connection inherited through fork is shared)."""
+        self.keys = kvstore.Keys(job_name(self.run_dir))
+        return kvstore.connect(self._store_address())
 
     def __getstate__(self) -> dict[str, Any]:
         # Lightning's spawn launcher pickles callbacks into the workers: connections stay behind.
@@ -160,16 +172,16 @@ class GeminiCheckpointer(Checkpointer):
             time.sleep(0.05)
         return AgentClient(self.store.get(key).decode())
 
-    def committed_manifest(self) -> Manifest | None:
-        text = self.store.get(self.keys.manifest).decode() if self.store.check([self.keys.manifest]) else None
+    def committed_manifest(self, store: Any = None) -> Manifest | None:
+        store = store if store is not None else self.store
+        text = store.get(self.keys.manifest).decode() if store.check([self.keys.manifest]) else None
         return Manifest.from_json(text, "gemini manifest") if text else None
 
     # -- before workers start -----------------------------------------------------------------------
     def resume_path(self, world_size: int) -> str | None:
         if self.resume is None:
             return None
-        self._connect()
-        manifest = self.committed_manifest()
+        manifest = self.committed_manifest(self._connect())
         if manifest is not None and manifest.world_size == world_size:
             return f"{PATH_PREFIX}{manifest.step}"
         return self._persistent_path(world_size)
@@ -185,7 +197,7 @@ class GeminiCheckpointer(Checkpointer):
         super().setup(trainer, pl_module, stage)
         if self.persistent is not None:
             self.persistent.setup(trainer, pl_module, stage)
-        self._connect()
+        self.store = self._connect()
         world, rank = trainer.world_size, trainer.global_rank
         machine = int(os.environ.get(MACHINE_ENV, rank))
         machines = int(os.environ.get(MACHINES_ENV, world))
@@ -200,8 +212,9 @@ class GeminiCheckpointer(Checkpointer):
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
         holders = self.plan.holders_of(machine)
         self.sender = ReplicaSender(rank, [self._agent(h) for h in holders], self.chunk_bytes, self.subbuffers,
-                                    self.mode, keep_for=self._keep_for, on_done=self._on_sent,
+                                    self.mode, keep_for=self._keep_for, on_done=self._on_sent, wire=self._wire,
                                     device=trainer.strategy.root_device)
+        self._sync = getattr(trainer.strategy, "sync", None)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
@@ -271,41 +284,53 @@ class GeminiCheckpointer(Checkpointer):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._iteration_start is None:
             self._iteration_start = time.perf_counter()
+            self._sync_steps_at_start = self._sync.steps if self._sync is not None else 0
             if self.sender is not None:
                 self.sender.iteration_started()
+
+    def _wire(self) -> Wire:
+        """The training communication now (the sender thread polls this)."""
+        if self._sync is None or self._sync.steps != self._sync_steps_at_start:
+            return Wire(completed=0, idle=True, finished=True)  # this iteration's sync is over
+        spans = [(r.start, r.end if r.end is not None else float("inf")) for r in list(self._sync.ledger.records)]
+        periods = busy_periods(spans)
+        in_flight = bool(periods) and periods[-1][1] == float("inf")
+        return Wire(completed=len(periods) - in_flight, idle=not in_flight, finished=False)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         start, self._iteration_start = self._iteration_start, None
         if self.sender is None:
             return
         if start is not None and self.mode != "blocking" and self.sender.plan is None:
-            self._record_profile(trainer, start)
+            self._record_profile(start)
         waited = self.sender.deadline()
         if waited and self.stalls:
             self.stalls[-1] += waited
 
-    def _record_profile(self, trainer: pl.Trainer, start: float) -> None:
-        sync = getattr(trainer.strategy, "sync", None)
+    def _record_profile(self, start: float) -> None:
+        """One iteration's gaps between training collectives; settle the plan once they are stable."""
         now = time.perf_counter()
-        records = sync.last_stats.collectives if sync is not None else []
+        records = self._sync.last_stats.collectives if self._sync is not None else []
         busy = [(r.start - start, (r.end if r.end is not None else now) - start) for r in records]
-        spans, horizons = self._profile
-        spans.append(busy)
+        profiled, horizons = self._profile
+        profiled.append(gaps(busy, now - start))
         horizons.append(now - start)
         chunk_s = self.sender.chunk_seconds()
-        enough = len(horizons) >= self.profile_steps and chunk_s is not None
-        if enough and (is_stable(horizons[-self.profile_steps:]) or len(horizons) >= 3 * self.profile_steps):
-            recent = slice(-self.profile_steps, None)
-            idle = idle_spans(spans[recent], horizons[recent])
-            self.sender.plan = schedule(idle, chunk_s, self.mu)
-            self._interleave = {"profiled_steps": len(horizons), "stable": is_stable(horizons[recent]),
-                                "idle_spans": len(idle), "idle_s": sum(e - s for s, e in idle),
-                                "horizon_s": statistics.median(horizons[recent]), "chunk_s": chunk_s,
-                                "planned_chunks": sum(n for _, n in self.sender.plan)}
+        recent = slice(-self.profile_steps, None)
+        if len(horizons) < self.profile_steps or chunk_s is None:
+            return
+        stable = is_stable(horizons[recent])
+        if not stable and len(horizons) < 3 * self.profile_steps:
+            return  # keep profiling; after 3x the steps, go with what there is
+        gap_s = profile_gaps(profiled[recent])
+        self.sender.plan = chunks_per_gap(gap_s, chunk_s, self.mu)
+        self._interleave = {"profiled_steps": len(horizons), "stable": stable, "gaps": len(gap_s),
+                            "idle_s": sum(gap_s), "horizon_s": statistics.median(horizons[recent]),
+                            "chunk_s": chunk_s, "planned_chunks": sum(self.sender.plan)}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sender is not None:
-            self.sender.deadline()  # the last version goes out before the summary
+            self.sender.settle()  # the last version goes out, and is committed, before the summary
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.sender is not None:
@@ -316,7 +341,8 @@ class GeminiCheckpointer(Checkpointer):
     def load_path(self, path: str) -> dict[str, Any] | None:
         if not path.startswith(PATH_PREFIX):
             return None
-        self._connect()
+        if self.store is None:
+            self.store = self._connect()
         rank = dist.get_rank() if dist.is_initialized() else 0
         start = time.perf_counter()
         data, source = self._fetch(int(path[len(PATH_PREFIX):]), rank)

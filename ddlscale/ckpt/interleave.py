@@ -2,10 +2,15 @@
 
 Over the first iterations the checkpointer records, per iteration, when training collectives were in
 flight (the sync backend's timestamps) up to the deadline — the optimizer step, which mutates the
-state being sent. :func:`idle_spans` turns that into the spans that were idle in nearly every
-profiled iteration; :func:`schedule` fits whole chunks into them (a chunk takes ``chunk_s``, measured,
-and a span is used at a fraction ``mu`` < 1 to leave slack). :class:`ReplicaSender` then ships version
-v during iteration v+1 along that plan, and whatever did not fit goes when the deadline arrives.
+state being sent. Overlapping collectives merge into busy periods; the gaps between them are
+G_0 (iteration start to the first period), G_1 ... and G_n (the last period to the deadline).
+:func:`profile_gaps` takes each gap's median over the profiled iterations and :func:`chunks_per_gap`
+fits whole chunks into a fraction ``mu`` < 1 of it (a chunk takes ``chunk_s``, measured).
+
+Gaps are anchored to communication events, not to clock offsets from the iteration start: on a
+shared host compute time jitters by tens of percent, and a schedule in absolute time would land
+chunks on top of collectives. At run time the sender watches the ledger: in gap j it sends up to
+the planned count while the wire stays idle; what did not fit goes when the deadline arrives.
 
 Chunks leave through a small staging buffer of ``p`` sub-buffers: a copier fills sub-buffer i+1 from
 the live tensors (a device-to-host copy on a GPU) while the sender puts sub-buffer i on the wire.
@@ -15,11 +20,11 @@ With ``p = 1`` copy and send alternate — the "unpipelined" mode of the compari
 from __future__ import annotations
 
 import hashlib
-import math
 import queue
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,56 +35,64 @@ from ddlscale.ckpt.replica import AgentClient, ReplicaError
 from ddlscale.ckpt.snapshot import Snapshot
 
 MODES = ("gemini", "unpipelined", "blocking")
+POLL_S = 0.001  # how often the sender looks at the wire while it waits for a gap
 
 
-def idle_spans(busy: Sequence[Sequence[tuple[float, float]]], horizons: Sequence[float], resolution_s: float = 1e-3,
-               quorum: float = 0.9) -> list[tuple[float, float]]:
-    """Spans of ``[0, median horizon)`` with no collective in flight in at least ``quorum`` of iterations.
+def busy_periods(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merge overlapping (start, end) intervals into disjoint busy periods, in time order."""
+    periods: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if periods and start <= periods[-1][1]:
+            periods[-1][1] = max(periods[-1][1], end)
+        else:
+            periods.append([start, end])
+    return [(a, b) for a, b in periods]
 
-    ``busy[i]``: (start, end) of iteration i's collectives, seconds from its start; ``horizons[i]``: its
-    deadline. A bin of ``resolution_s`` is idle in an iteration when no interval touches it.
-    """
-    if not busy or len(busy) != len(horizons):
-        raise ValueError("idle_spans needs one busy list and one horizon per profiled iteration")
-    horizon = statistics.median(horizons)
-    bins = max(1, int(horizon / resolution_s))
-    idle_count = [0] * bins
-    for intervals, own_horizon in zip(busy, horizons, strict=True):
-        taken = [False] * bins
-        for start, end in intervals:
-            for b in range(max(0, int(start / resolution_s)), min(bins, int(math.ceil(end / resolution_s)))):
-                taken[b] = True
-        for b in range(min(bins, int(own_horizon / resolution_s))):
-            idle_count[b] += not taken[b]
-    need = quorum * len(busy)
-    spans: list[tuple[float, float]] = []
-    start: int | None = None
-    for b in range(bins + 1):
-        idle = b < bins and idle_count[b] >= need
-        if idle and start is None:
-            start = b
-        elif not idle and start is not None:
-            spans.append((start * resolution_s, b * resolution_s))
-            start = None
-    return spans
+
+def gaps(intervals: Sequence[tuple[float, float]], horizon: float) -> list[float]:
+    """Idle time before each busy period and after the last one, up to ``horizon``: G_0 ... G_n."""
+    out, previous_end = [], 0.0
+    for start, end in busy_periods(intervals):
+        out.append(max(0.0, start - previous_end))
+        previous_end = end
+    out.append(max(0.0, horizon - previous_end))
+    return out
+
+
+def profile_gaps(profiled: Sequence[Sequence[float]]) -> list[float]:
+    """Median of each gap over the iterations that have the most common number of gaps."""
+    if not profiled:
+        raise ValueError("profile_gaps needs at least one profiled iteration")
+    count = Counter(len(g) for g in profiled).most_common(1)[0][0]
+    same = [g for g in profiled if len(g) == count]
+    return [statistics.median(g[i] for g in same) for i in range(count)]
 
 
 def is_stable(horizons: Sequence[float], tolerance: float = 0.1) -> bool:
-    """Whether every profiled iteration is within ``tolerance`` of the median (the paper's < 10%)."""
-    middle = statistics.median(horizons)
-    return middle > 0 and all(abs(h - middle) <= tolerance * middle for h in horizons)
+    """Whether the profiled iterations stay within ``tolerance`` of their median (the paper's < 10%),
+    judged on the middle 80% so one outlier iteration does not reset the profile."""
+    ordered = sorted(horizons)
+    trim = len(ordered) // 10
+    middle = statistics.median(ordered)
+    kept = ordered[trim:len(ordered) - trim]
+    return middle > 0 and all(abs(h - middle) <= tolerance * middle for h in kept)
 
 
-def schedule(spans: Sequence[tuple[float, float]], chunk_s: float, mu: float = 0.8) -> list[tuple[float, int]]:
-    """``(start, chunks)`` per span: as many whole chunks as fit in ``mu`` of the span."""
+def chunks_per_gap(gap_s: Sequence[float], chunk_s: float, mu: float = 0.8) -> list[int]:
+    """Whole chunks that fit in ``mu`` of each gap."""
     if chunk_s <= 0:
         raise ValueError(f"chunk time must be > 0, got {chunk_s}")
-    plan = []
-    for start, end in spans:
-        n = int(mu * (end - start) / chunk_s)
-        if n > 0:
-            plan.append((start, n))
-    return plan
+    return [int(mu * g / chunk_s) for g in gap_s]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What the training communication is doing now: busy periods completed this iteration, whether
+    one is in flight, and whether the iteration's communication is over (in the last gap)."""
+
+    completed: int
+    idle: bool
+    finished: bool
 
 
 @dataclass
@@ -94,7 +107,8 @@ class Transfer:
     sha256: str = ""
     error: str | None = None
     verified: int = 0  # holders whose END check passed
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
+    settled: threading.Event = field(default_factory=threading.Event)  # commit bookkeeping finished too
     finished: float | None = None
 
 
@@ -109,10 +123,12 @@ class ReplicaSender:
         keep_for: called before a version's BEGIN; returns the version the agents must keep (it may
             wait for the previous version's commit outcome).
         on_done: called after each version's END round (commit bookkeeping).
+        wire: the training communication's state now (see :class:`Wire`); needed once ``plan`` is set.
     """
 
     def __init__(self, owner: int, destinations: list[AgentClient], chunk_bytes: int, subbuffers: int, mode: str,
-                 keep_for: Callable[[Transfer], int], on_done: Callable[[Transfer], None], device: torch.device | None = None) -> None:
+                 keep_for: Callable[[Transfer], int], on_done: Callable[[Transfer], None],
+                 wire: Callable[[], Wire] | None = None, device: torch.device | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.owner, self.destinations, self.mode = owner, destinations, mode
@@ -121,7 +137,8 @@ class ReplicaSender:
         pin = device is not None and device.type == "cuda"
         self.staging = torch.empty((self.subbuffers, chunk_bytes), dtype=torch.uint8, pin_memory=pin)
         self.keep_for, self.on_done = keep_for, on_done
-        self.plan: list[tuple[float, int]] | None = None  # set once profiling settles
+        self.wire = wire
+        self.plan: list[int] | None = None  # chunks per gap, set once profiling settles
         self.chunk_times: list[float] = []  # seconds per chunk to all holders, measured
         self._jobs: queue.Queue[Transfer | None] = queue.Queue()
         self._iteration = threading.Condition()
@@ -136,7 +153,7 @@ class ReplicaSender:
     # -- the training thread's side ---------------------------------------------------------------
     def submit(self, transfer: Transfer) -> None:
         if self.mode == "blocking":
-            self._send(transfer, plan=None, iteration_start=None)
+            self._send(transfer, plan=None)
             return
         self._deadline.clear()
         self._current = transfer
@@ -162,8 +179,15 @@ class ReplicaSender:
         self._current = None
         return time.perf_counter() - start
 
-    def close(self) -> None:
+    def settle(self) -> None:
+        """Block until the last version is sent and its commit decided (end of training)."""
+        transfer = self._current
         self.deadline()
+        if transfer is not None:
+            transfer.settled.wait()
+
+    def close(self) -> None:
+        self.settle()
         if self._thread is not None:
             self._jobs.put(None)
             self._thread.join(timeout=30)
@@ -178,10 +202,9 @@ class ReplicaSender:
                 return
             with self._iteration:  # version v goes out during iteration v + 1
                 self._iteration.wait_for(lambda: self._iteration_start is not None or self._deadline.is_set())
-                start = self._iteration_start
-            self._send(transfer, self.plan, start)
+            self._send(transfer, self.plan)
 
-    def _send(self, transfer: Transfer, plan: list[tuple[float, int]] | None, iteration_start: float | None) -> None:
+    def _send(self, transfer: Transfer, plan: list[int] | None) -> None:
         snapshot = transfer.snapshot
         digest = hashlib.sha256()
         try:
@@ -189,12 +212,8 @@ class ReplicaSender:
             for client in self.destinations:
                 client.begin(transfer.version, self.owner, snapshot.nbytes, transfer.keep)
             chunks = self._staged_chunks(snapshot)
-            for start, count in (plan or []) if iteration_start is not None else []:
-                wait = iteration_start + start - time.perf_counter()
-                if wait > 0 and self._deadline.wait(wait):
-                    break  # the deadline came first: everything left goes now
-                if not self._send_chunks(transfer, chunks, digest, count):
-                    break
+            if plan is not None and self.wire is not None and not self._deadline.is_set():
+                self._send_in_gaps(transfer, chunks, digest, plan)
             self._send_chunks(transfer, chunks, digest, None)
             transfer.sha256 = digest.hexdigest()
             for client in self.destinations:
@@ -206,10 +225,24 @@ class ReplicaSender:
         except (OSError, ReplicaError, RuntimeError) as exc:
             transfer.error = f"sending version {transfer.version}: {exc}"
         transfer.finished = time.perf_counter()
+        transfer.done.set()  # the training thread may step now; the commit needs no more of our state
         try:
             self.on_done(transfer)
         finally:
-            transfer.done.set()
+            transfer.settled.set()
+
+    def _send_in_gaps(self, transfer: Transfer, chunks, digest, plan: list[int]) -> None:
+        """Up to ``plan[j]`` chunks in gap j, each only while the wire is idle, until the deadline."""
+        sent = [0] * len(plan)
+        while not self._deadline.is_set():
+            wire = self.wire()
+            gap = len(plan) - 1 if wire.finished else wire.completed
+            if wire.idle and gap < len(plan) and sent[gap] < plan[gap]:
+                if not self._send_chunks(transfer, chunks, digest, 1):
+                    return
+                sent[gap] += 1
+            else:
+                self._deadline.wait(POLL_S)
 
     def _staged_chunks(self, snapshot: Snapshot):
         """Yield ``(offset, staged bytes)``; with p > 1 a copier thread stages ahead of the sender."""

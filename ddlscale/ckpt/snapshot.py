@@ -136,6 +136,8 @@ def rebuild(data: bytes | bytearray | memoryview) -> Any:
             n = torch.Size(obj.shape).numel() * torch.empty((), dtype=obj.dtype).element_size()
             lo = position[0]
             position[0] += n
+            if position[0] > len(view):
+                raise ValueError(f"snapshot stream truncated: {len(view)} bytes, its skeleton needs more")
             raw = torch.frombuffer(bytearray(view[lo:lo + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
             return raw.view(obj.dtype).reshape(obj.shape)
         if isinstance(obj, dict):

@@ -240,7 +240,11 @@ class EmulatedCluster:
             f"--local-addr={self.address(machine)}", f"--max-restarts={max_restarts}",
             str(script), *script_args,
         ]
-        return self.popen(machine, argv, **popen_kwargs)
+        # Workers' process-group store: a fresh one per rendezvous round, hosted by that round's rank 0.
+        # The shared agent store outlives rounds, and after a restart whose agents disagree on the
+        # restart count the workers read the previous round's addresses and fail to connect.
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(popen_kwargs.pop("env", None) or {})}
+        return self.popen(machine, argv, env=env, **popen_kwargs)
 
 
 _SIGTERM_INSTALLED = False

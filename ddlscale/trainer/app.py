@@ -20,9 +20,9 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from ddlscale.ckpt import Checkpointer
+from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name
-from ddlscale.ckpt.launch import local_gemini
+from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agent
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
@@ -58,7 +58,19 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
     _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
-        _build("ckpt", cfg.ckpt)  # the checkpointer checks its own keys (ckpt.every, ckpt.keep...)
+        checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
+        if isinstance(checkpointer, GeminiCheckpointer):
+            _check_placement(cfg, checkpointer, kind)
+
+
+def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
+    """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker."""
+    machines = {"emulated": cfg.cluster.get("nodes", 1), "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(
+        kind, cfg.trainer.num_nodes)
+    try:
+        PlacementPlan(int(machines), gemini.replicas, gemini.placement)
+    except ValueError as exc:
+        raise ConfigError(f"ckpt.replicas / ckpt.placement: {exc}") from None
 
 
 def _sync_components(cfg: DictConfig) -> dict[str, Any]:
@@ -239,8 +251,17 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
               f"{cfg.cluster.bandwidth} NICs", flush=True)
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
-        cluster.start_rendezvous_store(int(cfg.cluster.port))
-        agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=int(cfg.cluster.port), env=threads)
+        port = int(cfg.cluster.port)
+        cluster.start_rendezvous_store(port)
+        gemini = OmegaConf.select(cfg, "ckpt._target_") == f"{GeminiCheckpointer.__module__}.GeminiCheckpointer"
+        envs = [dict(threads) for _ in range(nodes)]
+        if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
+            job = job_name(str(output_dir))
+            for i in range(nodes):
+                start_emulated_agent(cluster, i, port, job)
+                envs[i].update(emulated_env(cluster, i, port, job))
+        agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port, env=envs[i],
+                                   max_restarts=int(cfg.cluster.get("max_restarts", 0)))
                   for i in range(nodes)]
         codes = _wait_all_or_first_failure(agents)
     if any(codes):

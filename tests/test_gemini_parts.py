@@ -1,0 +1,283 @@
+"""Gemini's parts on their own: snapshot streams, the replica agent's buffers, the interleaving plan."""
+
+import collections
+import hashlib
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.agent import Agent
+from ddlscale.ckpt.interleave import (
+    ReplicaSender,
+    Transfer,
+    Wire,
+    busy_periods,
+    chunks_per_gap,
+    gaps,
+    is_stable,
+    profile_gaps,
+)
+from ddlscale.ckpt.replica import NO_VERSION, AgentClient, ReplicaError
+from ddlscale.ckpt.snapshot import capture, rebuild
+
+
+# -- snapshots ------------------------------------------------------------------------------------
+def _payload():
+    torch.manual_seed(0)
+    weight, moment = torch.randn(64, 32), torch.randn(64, 32)
+    payload = {
+        "state_dict": collections.OrderedDict(weight=weight, bias=torch.zeros(3)),
+        "optimizer": {"state": {0: {"exp_avg": moment, "step": torch.tensor(7.0)}}},
+        "buffer": torch.arange(4096, dtype=torch.float64),
+        "strided": torch.randn(64, 64).t(),
+        "other": ("text", 3, [torch.ones(2)]),
+    }
+    return payload, {weight.data_ptr(), moment.data_ptr()}
+
+
+def test_snapshot_round_trip_is_bit_exact_and_keeps_container_types():
+    payload, live = _payload()
+    out = rebuild(capture(payload, live).to_bytes())
+    assert type(out["state_dict"]) is collections.OrderedDict
+    assert torch.equal(out["state_dict"]["weight"], payload["state_dict"]["weight"])
+    assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], payload["optimizer"]["state"][0]["exp_avg"])
+    assert torch.equal(out["strided"], payload["strided"]) and out["other"][:2] == ("text", 3)
+    assert out["buffer"].dtype == torch.float64 and torch.equal(out["buffer"], payload["buffer"])
+
+
+def test_snapshot_references_live_tensors_and_copies_the_rest():
+    payload, live = _payload()
+    snapshot = capture(payload, live)
+    before = snapshot.to_bytes()
+    payload["buffer"].add_(1)  # mutated before the step (a BatchNorm statistic, say): must not show
+    assert snapshot.to_bytes() == before
+    payload["state_dict"]["weight"].add_(1)  # a parameter: sent from where it lives (no copy)
+    assert snapshot.to_bytes() != before
+
+
+def test_snapshot_pieces_cover_any_byte_range():
+    payload, live = _payload()
+    snapshot = capture(payload, live)
+    whole = snapshot.to_bytes()
+    for offset, length in [(0, 10), (5, 9000), (snapshot.nbytes - 7, 7), (100, snapshot.nbytes - 100)]:
+        got = b"".join(p.numpy().tobytes() for p in snapshot.pieces(offset, length))
+        assert got == whole[offset:offset + length]
+
+
+def test_rebuild_rejects_foreign_and_truncated_streams():
+    payload, live = _payload()
+    data = capture(payload, live).to_bytes()
+    with pytest.raises(ValueError, match="not a ddlscale snapshot"):
+        rebuild(b"X" * len(data))
+    with pytest.raises(ValueError):
+        rebuild(data[:-5])
+
+
+# -- the agent ------------------------------------------------------------------------------------
+@pytest.fixture
+def agent():
+    running = Agent(0, 1, "127.0.0.1:0").start()
+    yield running
+    running.stop()
+
+
+def _put(client, version, data, keep=NO_VERSION, sha=None, chunk=1000):
+    client.begin(version, 0, len(data), keep)
+    for offset in range(0, len(data), chunk):
+        client.data(version, 0, offset, [memoryview(data)[offset:offset + chunk]])
+    client.end(version, 0, sha or hashlib.sha256(data).hexdigest())
+
+
+def test_agent_stores_verifies_and_returns_a_replica(agent):
+    data = bytes(range(256)) * 40
+    with AgentClient(agent.address) as client:
+        _put(client, 1, data)
+        assert bytes(client.get(1, 0)) == data
+        client.verify(1, 0, hashlib.sha256(data).hexdigest())
+        assert client.stat() == {"0": [{"version": 1, "bytes": len(data), "complete": True}]}
+
+
+def test_a_checksum_mismatch_never_completes_and_the_previous_version_stays(agent):
+    good, bad = b"a" * 5000, b"b" * 5000
+    with AgentClient(agent.address) as client:
+        _put(client, 1, good)
+        with pytest.raises(ReplicaError, match="checksum mismatch"):
+            _put(client, 2, bad, keep=1, sha=hashlib.sha256(b"something else").hexdigest())
+        with pytest.raises(ReplicaError, match="no complete version 2"):
+            client.get(2, 0)
+        assert bytes(client.get(1, 0)) == good
+
+
+def test_the_committed_version_survives_any_number_of_newer_writes(agent):
+    """Two buffers per owner: v1 committed, v2 complete but not; v3 must overwrite v2, never v1."""
+    versions = {v: bytes([v]) * 3000 for v in (1, 2, 3, 4)}
+    with AgentClient(agent.address) as client:
+        _put(client, 1, versions[1])
+        _put(client, 2, versions[2], keep=1)
+        _put(client, 3, versions[3], keep=1)
+        assert bytes(client.get(1, 0)) == versions[1] and bytes(client.get(3, 0)) == versions[3]
+        with pytest.raises(ReplicaError):
+            client.get(2, 0)
+        _put(client, 4, versions[4], keep=3)  # now 3 is committed: 1 may go
+        assert bytes(client.get(3, 0)) == versions[3] and bytes(client.get(4, 0)) == versions[4]
+    first, second = agent.replicas.slots[0]
+    assert first.buf is not second.buf  # the two buffers never alias
+
+
+def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(agent):
+    committed = b"c" * 4000
+    with AgentClient(agent.address) as client:
+        _put(client, 1, committed)
+    dying = AgentClient(agent.address)
+    dying.begin(2, 0, 4000, 1)
+    dying.data(2, 0, 0, [memoryview(b"x" * 1000)])
+    dying.sock.shutdown(socket.SHUT_RDWR)
+    dying.close()
+    time.sleep(0.1)
+    with AgentClient(agent.address) as client:
+        assert bytes(client.get(1, 0)) == committed
+        assert bytes(client.get(NO_VERSION, 0)) == committed  # the newest complete one
+        with pytest.raises(ReplicaError):
+            client.get(2, 0)
+
+
+def test_corruption_is_caught_by_verify(agent):
+    data = b"z" * 4000
+    with AgentClient(agent.address) as client:
+        _put(client, 1, data)
+        client.corrupt(1, 0, 1234)
+        with pytest.raises(ReplicaError, match="missing or corrupt"):
+            client.verify(1, 0, hashlib.sha256(data).hexdigest())
+
+
+def test_unreachable_agent_and_store_fail_clearly():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(ReplicaError, match=f"127.0.0.1:{port} unreachable"):
+        AgentClient(f"127.0.0.1:{port}", timeout_s=1)
+    with pytest.raises(ConnectionError, match=f"ckpt.store 127.0.0.1:{port}: key-value store unreachable"):
+        kvstore.connect(f"127.0.0.1:{port}", timeout_s=1)
+    with pytest.raises(ValueError, match="ckpt.store must be HOST:PORT"):
+        kvstore.connect("nowhere")
+
+
+def test_agents_elect_one_root_that_reports_a_dead_machine():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    store = kvstore.serve(f"127.0.0.1:{port}")
+    keys = kvstore.Keys("election")
+    agents = [Agent(m, 3, "127.0.0.1:0", f"127.0.0.1:{port}", "election", heartbeat_s=0.1,
+                    failure_timeout_s=0.6).start() for m in range(3)]
+    try:
+        time.sleep(0.5)
+        assert sum(a.is_root for a in agents) == 1
+        root = next(a for a in agents if a.is_root)
+        root.stop()  # the root's machine dies: another agent must take over and report it
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not store.check([keys.failed(root.machine)]):
+            time.sleep(0.1)
+        assert store.check([keys.failed(root.machine)])
+        survivors = [a for a in agents if a is not root]
+        assert sum(a.is_root for a in survivors) == 1
+        events = kvstore.get_json(store, keys.events)
+        assert {"event": "failed", "machine": root.machine} in [{k: e[k] for k in ("event", "machine")} for e in events]
+        assert root.machine not in kvstore.get_json(store, keys.alive)
+    finally:
+        for a in agents:
+            if not a.stopped.is_set():
+                a.stop()
+
+
+# -- interleaving ---------------------------------------------------------------------------------
+def test_gaps_between_merged_busy_periods():
+    assert busy_periods([(5, 6), (1, 3), (2, 4)]) == [(1, 4), (5, 6)]
+    assert gaps([(1, 3), (2, 4), (5, 6)], horizon=10) == [1, 1, 4]
+    assert gaps([], horizon=2.5) == [2.5]
+    assert profile_gaps([[1, 2, 3], [3, 2, 1], [2, 2, 2], [9, 9]]) == [2, 2, 2]  # modal length, median
+    assert chunks_per_gap([0.1, 0.05, 0.0], chunk_s=0.01, mu=0.8) == [8, 4, 0]
+    assert is_stable([1.0] * 9 + [5.0]) and not is_stable([1.0, 1.5, 2.0, 1.0])
+
+
+class _Recorder:
+    """Stands in for an agent connection; records when each chunk went and what the wire was doing."""
+
+    def __init__(self, wire):
+        self.wire, self.sent, self.data_bytes = wire, [], bytearray()
+        self.address = "fake"
+
+    def begin(self, version, owner, nbytes, keep):
+        self.data_bytes = bytearray(nbytes)
+
+    def data(self, version, owner, offset, pieces):
+        self.sent.append(self.wire())
+        blob = b"".join(bytes(p) for p in pieces)
+        self.data_bytes[offset:offset + len(blob)] = blob
+
+    def end(self, version, owner, sha256):
+        if hashlib.sha256(self.data_bytes).hexdigest() != sha256:
+            raise ReplicaError("checksum mismatch")
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["gemini", "unpipelined"])
+def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline(mode):
+    state = {"wire": Wire(completed=0, idle=True, finished=False)}
+    recorder = _Recorder(lambda: state["wire"])
+    done = []
+    sender = ReplicaSender(0, [recorder], chunk_bytes=1024, subbuffers=3, mode=mode,
+                           keep_for=lambda t: NO_VERSION, on_done=done.append, wire=lambda: state["wire"])
+    sender.plan = [2, 0, 1]  # gap 0: two chunks, gap 1: none, last gap: one
+    data = torch.randint(0, 255, (40 * 1024,), dtype=torch.uint8)
+    snapshot = capture({"x": data}, set())
+    sender.submit(Transfer(5, snapshot))
+    sender.iteration_started()
+    time.sleep(0.1)
+    assert len(recorder.sent) == 2  # gap 0's quota
+    state["wire"] = Wire(completed=0, idle=False, finished=False)  # a collective in flight
+    time.sleep(0.05)
+    state["wire"] = Wire(completed=1, idle=True, finished=False)  # gap 1: nothing planned
+    time.sleep(0.05)
+    assert len(recorder.sent) == 2
+    state["wire"] = Wire(completed=0, idle=True, finished=True)  # after the last collective
+    time.sleep(0.1)
+    assert len(recorder.sent) == 3
+    assert all(w.idle for w in recorder.sent)
+    sender.deadline()  # everything left goes now, and is checked
+    assert bytes(recorder.data_bytes) == snapshot.to_bytes()
+    assert done and done[0].verified == 1 and done[0].error is None
+    sender.close()
+
+
+def test_blocking_mode_sends_everything_before_submit_returns():
+    recorder = _Recorder(lambda: None)
+    sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="blocking",
+                           keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
+    snapshot = capture({"x": torch.arange(10_000)}, set())
+    transfer = Transfer(1, snapshot)
+    sender.submit(transfer)
+    assert transfer.done.is_set() and bytes(recorder.data_bytes) == snapshot.to_bytes()
+    with pytest.raises(ValueError, match="ckpt.mode must be one of"):
+        ReplicaSender(0, [], 1024, 1, "eager", keep_for=lambda t: 0, on_done=lambda t: None)
+
+
+def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
+    client = AgentClient(agent.address)
+    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=4, mode="gemini",
+                           keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
+    snapshot = capture({"x": torch.randn(50_000)}, set())
+    transfer = Transfer(3, snapshot)
+    sender.submit(transfer)
+    threading.Timer(0.01, sender.iteration_started).start()
+    sender.deadline()
+    assert transfer.error is None and transfer.verified == 1
+    with AgentClient(agent.address) as reader:
+        assert bytes(reader.get(3, 0)) == snapshot.to_bytes()
+    sender.close()
