@@ -150,10 +150,18 @@ class GeminiDrill:
     def replace(self, machine: int) -> None:
         self._start_machine(machine)
 
-    def corrupt(self, rank: int, machine: int) -> dict[str, Any]:
-        self._control.stdin.write(f"corrupt {rank} {machine}\n")
+    def _command(self, line: str, answer: str) -> Any:
+        self._control.stdin.write(line + "\n")
         self._control.stdin.flush()
-        record = self.wait_for(lambda r: "corrupted" in r or "error" in r, timeout_s=30)
+        record = self.wait_for(lambda r: answer in r or "error" in r, timeout_s=30)
         if "error" in record:
-            raise RuntimeError(f"drill: corrupt failed: {record['error']}")
-        return record["corrupted"]
+            raise RuntimeError(f"drill: {line!r} failed: {record['error']}")
+        return record[answer]
+
+    def corrupt(self, rank: int, machine: int) -> dict[str, Any]:
+        """Flip a byte of ``rank``'s committed replica on ``machine``."""
+        return self._command(f"corrupt {rank} {machine}", "corrupted")
+
+    def stat(self, machine: int) -> dict[str, Any]:
+        """What ``machine``'s agent holds: {owner rank: [{version, bytes, complete}, ...]}."""
+        return self._command(f"stat {machine}", "stat")["holds"]

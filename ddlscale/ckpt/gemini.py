@@ -401,6 +401,10 @@ class GeminiCheckpointer(Checkpointer):
     # -- figures -----------------------------------------------------------------------------------
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
+        sources: list[Any] = [self.recovery.get("source")]
+        if dist.is_initialized() and trainer.world_size > 1:
+            sources = [None] * trainer.world_size
+            dist.all_gather_object(sources, self.recovery.get("source"))
         figures = {
             "ckpt_mode": self.mode,
             "ckpt_replicas": self.replicas,
@@ -409,7 +413,8 @@ class GeminiCheckpointer(Checkpointer):
             "ckpt_complete_s": statistics.median(complete) if complete else None,
             "ckpt_committed": len(self.committed) if trainer.is_global_zero else None,
             "ckpt_last_committed": self.committed[-1] if self.committed else None,
-            "ckpt_recovery": self.recovery or None,
+            "ckpt_recovery": self.recovery or None,  # rank 0's
+            "ckpt_recovery_sources": sources if any(sources) else None,  # per rank: local, peer:<m>, persistent
         }
         figures.update({f"ckpt_interleave_{k}": v for k, v in self._interleave.items()})
         if self.persistent is not None:

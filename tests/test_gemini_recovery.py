@@ -1,0 +1,104 @@
+"""ckpt=gemini end to end: versions restored from local or peer memory, or the persistent tier, continue
+training bit-identically. Local-mode tests run in the default suite; the failure drills with real
+process kills on the emulated cluster are marked slow."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.launch import local_gemini
+from ddlscale.ckpt.manifest import Manifest
+from ddlscale.ckpt.replica import AgentClient
+
+ROOT = Path(__file__).resolve().parents[1]
+CNN = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=8", "model.num_samples=192",
+       "model.optimizer=sgd", "model.momentum=0.9", "trainer.enable_progress_bar=false"]
+GEMINI = ["ckpt=gemini", "ckpt.profile_steps=2"]
+
+
+def _train(*overrides, timeout=300):
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def _losses(run):
+    with open(run / "metrics.csv") as file:
+        return {int(row["step"]): row["train_loss"] for row in csv.DictReader(file)}
+
+
+def _assert_continues(straight, resumed, from_step):
+    """Same loss at every step from ``from_step`` on, and the same final parameters."""
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(b) == [s for s in sorted(a) if s >= from_step]
+    assert {s: a[s] for s in b} == b
+    assert _summary(resumed)["param_sha256"] == _summary(straight)["param_sha256"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    run = tmp_path_factory.mktemp("gemini") / "straight"
+    _train(*CNN, "trainer.devices=2", "trainer.max_steps=8", f"hydra.run.dir={run}")
+    return run
+
+
+def _corrupt(env, rank, machine):
+    store = kvstore.connect(env["DDLSCALE_STORE"])
+    keys = kvstore.Keys(env["DDLSCALE_JOB"])
+    manifest = Manifest.from_json(store.get(keys.manifest).decode())
+    with AgentClient(store.get(keys.agent(machine)).decode()) as client:
+        client.corrupt(manifest.step, rank, manifest.shard(rank).bytes // 2)
+
+
+@pytest.mark.parametrize("corrupt, source, from_step", [
+    ([], ["local", "local"], 4),  # a restart: every rank reloads its machine's replica
+    ([(0, 0)], ["peer:1", "local"], 4),  # rank 0's own copy is corrupt: its peer's copy is used
+    ([(1, 1), (1, 0)], ["persistent", "persistent"], 3),  # every copy of rank 1 corrupt: disk, step 3
+])
+def test_restart_restores_from_memory_or_falls_back(straight, tmp_path, corrupt, source, from_step):
+    common = [*CNN, *GEMINI, "trainer.devices=2", "ckpt.persist_every=3", f"ckpt.persist_dir={tmp_path / 'disk'}"]
+    with local_gemini(2, f"t{tmp_path.name}") as env:
+        _train(*common, "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'first'}")
+        first = _summary(tmp_path / "first")
+        assert first["ckpt_committed"] == 4 and first["ckpt_last_committed"] == 4
+        for rank, machine in corrupt:
+            _corrupt(env, rank, machine)
+        _train(*common, "trainer.max_steps=8", f"hydra.run.dir={tmp_path / 'resumed'}")
+    resumed = tmp_path / "resumed"
+    summary = _summary(resumed)
+    assert summary["ckpt_recovery_sources"] == source
+    assert summary["ckpt_resumed_step"] == from_step
+    _assert_continues(straight, resumed, from_step)
+
+
+def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
+    with local_gemini(2, f"t{tmp_path.name}") as env:
+        _train(*CNN, *GEMINI, "trainer.devices=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'a'}")
+        _corrupt(env, 1, 1)
+        _corrupt(env, 1, 0)
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *CNN, *GEMINI, "trainer.devices=2",
+                                 "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'b'}"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "there is no persistent checkpoint: set ckpt.persist_every" in result.stderr
+
+
+def test_gemini_interleaves_after_profiling_and_commits_every_step(tmp_path):
+    run = tmp_path / "run"
+    _train(*CNN, "ckpt=gemini", "ckpt.profile_steps=3", "trainer.devices=2", "trainer.max_steps=24",
+           f"hydra.run.dir={run}")
+    summary = _summary(run)
+    assert summary["ckpt_committed"] == 24 and summary["ckpt_last_committed"] == 24
+    assert summary["ckpt_mode"] == "gemini" and summary["ckpt_bytes"] > 0
+    assert summary["ckpt_interleave_gaps"] >= 2 and summary["ckpt_interleave_chunk_s"] > 0
+    assert summary["ckpt_complete_s"] >= 0 and summary["ckpt_stall_s"] >= 0
