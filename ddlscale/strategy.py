@@ -169,10 +169,13 @@ class DDLStrategy(DDPStrategy):
             handle.remove()
         self._hook_handles = []
         super().teardown()
-        if isinstance(self._launcher, _MultiProcessingLauncher) and dist.is_initialized():
-            # This worker process ends right after fit: shut gloo's threads down in order here. Left to
-            # interpreter exit, a collective's completion callback can outlive them and abort the
-            # process ("terminate called without an active exception").
+        ends_after_fit = isinstance(self._launcher, _MultiProcessingLauncher) or (
+            self.cluster_environment is not None and self.cluster_environment.creates_processes_externally)
+        if ends_after_fit and dist.is_initialized():
+            # This worker process (spawned, or started by torchrun/SLURM) ends right after fit: shut
+            # gloo's threads down in order here. Left to interpreter exit, a collective's completion
+            # callback can outlive them and abort the process ("terminate called without an active
+            # exception").
             dist.destroy_process_group()
 
     @classmethod

@@ -5,6 +5,7 @@ import hashlib
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -281,3 +282,54 @@ def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     with AgentClient(agent.address) as reader:
         assert bytes(reader.get(3, 0)) == snapshot.to_bytes()
     sender.close()
+
+
+# -- configuration ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster=emulated", "cluster.nodes=2", "ckpt.replicas=3"], "m \\(replicas\\) must be <= N \\(machines\\) = 2"),
+    (["ckpt.replicas=0"], "ckpt.replicas must be an integer >= 1"),
+    (["trainer.devices=3", "ckpt.placement=group"], "group placement needs m \\(replicas\\) to divide N"),
+    (["ckpt.placement=star"], "ckpt.placement must be one of"),
+    (["ckpt.mode=eager"], "ckpt.mode must be one of"),
+    (["ckpt.mu=0"], "ckpt.mu must be in"),
+    (["ckpt.every=highfreq"], "highfreq is for ckpt=disk"),
+])
+def test_bad_gemini_values_name_the_key(overrides, message):
+    from hydra import compose, initialize_config_dir
+
+    from ddlscale.trainer import ConfigError, check_config
+
+    with initialize_config_dir(config_dir=str(__import__("pathlib").Path(__file__).resolve().parents[1] / "conf"),
+                               version_base="1.3"):
+        cfg = compose("config", overrides=["ckpt=gemini", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
+
+
+def test_own_machine_writes_go_straight_into_the_agents_shared_memory(agent):
+    from ddlscale.ckpt.replica import LocalAgentClient
+
+    data = bytes(range(200)) * 100
+    with LocalAgentClient(agent.address) as local:
+        path = local.begin(1, 0, len(data))
+        local.data(1, 0, 0, [memoryview(data)[:5000], memoryview(data)[5000:]])
+        local.end(1, 0, hashlib.sha256(data).hexdigest())
+        assert Path(path).read_bytes()[:len(data)] == data  # the replica is the shared-memory file
+    with AgentClient(agent.address) as reader:
+        assert bytes(reader.get(1, 0)) == data
+
+
+def test_a_replacement_agent_starts_empty_and_stopping_frees_the_memory(agent):
+    from ddlscale.ckpt.agent import ReplicaStore, shm_dir
+
+    store = ReplicaStore("ddl-test-leftover-m0")
+    slot = store.begin(0, 1, 4096, NO_VERSION)
+    assert slot.path.exists()
+    ReplicaStore("ddl-test-leftover-m0")  # a new agent of that machine: the old memory is gone
+    assert not slot.path.exists()
+    with AgentClient(agent.address) as client:
+        _put(client, 1, b"q" * 3000)
+    files = list(shm_dir().glob(f"{agent.replicas.prefix}-*"))
+    assert files
+    agent.stop()
+    assert not any(f.exists() for f in files)

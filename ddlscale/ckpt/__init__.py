@@ -29,16 +29,25 @@ Modules, one job each:
   ``holders_of(shard)``, ``replicas_of(machine)``, ``peers_of``, ``recovery_source``; exact
   recovery probability, Gemini's bound, Monte-Carlo.
 
-A peer-memory tier reuses all of it: every rank calls ``capture_shard(..., with_shared=True)`` (so
-any holder can restore any rank), ships ``Shard.data`` to ``plan.peers_of(machine)``, and, once every
-replica is checksum-verified, publishes a ``Manifest(tier="memory", placement=...)``; on recovery it
-hands each rank ``assemble(decode(shared), decode(own))`` the way ``load_version`` does, and the
-Checkpointer base restores RNG and data position as for disk.
+Gemini (``ckpt=gemini``), the peer-memory tier, adds:
+
+* :mod:`~ddlscale.ckpt.snapshot` — the state as a byte stream sent straight from live tensors
+  (parameters and optimizer state; the rest copied at capture), rebuilt bit for bit.
+* :mod:`~ddlscale.ckpt.replica` — the agent wire protocol and its client; :mod:`~ddlscale.ckpt.agent`
+  — the per-machine agent: two buffers per owner, checksum on END, heartbeats, root election.
+* :mod:`~ddlscale.ckpt.interleave` — gaps between training collectives, the chunk plan, the sender
+  with its staging sub-buffers (modes gemini / unpipelined / blocking).
+* :mod:`~ddlscale.ckpt.kvstore` — the job's keys in torch's TCPStore; the manifest is one key.
+* :mod:`~ddlscale.ckpt.gemini` — ``GeminiCheckpointer``: capture, commit, recovery (local, peer,
+  persistent fallback agreed by all ranks).
+* :mod:`~ddlscale.ckpt.launch` — store and agents for cluster=local / emulated;
+  :mod:`~ddlscale.ckpt.control` and :mod:`~ddlscale.ckpt.drill` — watching a job and failure drills.
 """
 
 from ddlscale.ckpt.base import HIGHFREQ, Checkpointer
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.disk import DiskCheckpointer, find_resumable
+from ddlscale.ckpt.gemini import GeminiCheckpointer
 from ddlscale.ckpt.io import ManifestCheckpointIO, load_version
 from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, read_manifest, verify
 from ddlscale.ckpt.placement import PlacementPlan, monte_carlo, paper_bound, recovery_probability
@@ -59,6 +68,7 @@ __all__ = [
     "Checkpointer",
     "DataPosition",
     "DiskCheckpointer",
+    "GeminiCheckpointer",
     "Manifest",
     "ManifestCheckpointIO",
     "ManifestError",

@@ -22,13 +22,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
+import os
+import re
 import signal
 import socket
 import socketserver
 import sys
+import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddlscale.ckpt import kvstore
@@ -54,30 +59,75 @@ from ddlscale.ckpt.replica import (
 SHA_HEX = 64
 
 
+def shm_dir() -> Path:
+    """Where replica buffers live: RAM-backed /dev/shm where there is one."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+def file_prefix(job: str, machine: int) -> str:
+    return f"ddl-{re.sub(r'[^A-Za-z0-9_.-]', '_', job)}-m{machine}"
+
+
+def remove_replicas(job: str) -> None:
+    """Delete every shared-memory replica file of ``job`` (after its agents were killed)."""
+    for path in shm_dir().glob(f"{file_prefix(job, 0)[:-3]}-m*"):
+        path.unlink(missing_ok=True)
+
+
 @dataclass
 class Slot:
-    """One replica buffer. Each slot owns its bytearray: the two never alias."""
+    """One replica buffer: a file in shared memory, mapped. Each slot owns its file: the two never alias.
 
+    Shared memory lets the machine's own trainers write their replica with one memcpy instead of a
+    trip through the TCP stack; remote senders' bytes are received straight into the same mapping.
+    """
+
+    path: Path
     version: int = NO_VERSION
     nbytes: int = 0
     complete: bool = False
     sha256: str | None = None
-    buf: bytearray = field(default_factory=bytearray)
+    buf: mmap.mmap | None = None
 
     def view(self) -> memoryview:
         return memoryview(self.buf)[: self.nbytes]
 
+    def reserve(self, nbytes: int) -> None:
+        if self.buf is not None and len(self.buf) >= nbytes:
+            return
+        if self.buf is not None:
+            self.buf.close()
+        with open(self.path, "a+b") as file:
+            file.truncate(nbytes)
+            self.buf = mmap.mmap(file.fileno(), nbytes)
+
+    def release(self) -> None:
+        if self.buf is not None:
+            self.buf.close()
+            self.buf = None
+        self.path.unlink(missing_ok=True)
+
 
 class ReplicaStore:
-    """Two slots per owner rank, and the rules for which one a new version may overwrite."""
+    """Two slots per owner rank, and the rules for which one a new version may overwrite.
 
-    def __init__(self) -> None:
+    ``prefix`` names this agent's shared-memory files; whatever an earlier agent of the same machine
+    left there (it was killed with its machine) is removed first: a replacement starts empty.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
         self.slots: dict[int, tuple[Slot, Slot]] = {}
         self.lock = threading.Lock()
+        for leftover in shm_dir().glob(f"{prefix}-*"):
+            leftover.unlink(missing_ok=True)
 
     def begin(self, owner: int, version: int, nbytes: int, keep: int) -> Slot:
         with self.lock:
-            pair = self.slots.setdefault(owner, (Slot(), Slot()))
+            pair = self.slots.get(owner)
+            if pair is None:
+                pair = self.slots[owner] = tuple(Slot(shm_dir() / f"{self.prefix}-o{owner}-s{i}") for i in (0, 1))
             same = [s for s in pair if s.version == version]
             if same:
                 slot = same[0]
@@ -85,8 +135,7 @@ class ReplicaStore:
                 # Never the kept (committed) version; otherwise an unfinished slot, else the older one.
                 free = [s for s in pair if keep == NO_VERSION or s.version != keep]
                 slot = min(free, key=lambda s: (s.complete, s.version))
-            if len(slot.buf) < nbytes:
-                slot.buf = bytearray(nbytes)
+            slot.reserve(nbytes)
             slot.version, slot.nbytes, slot.complete, slot.sha256 = version, nbytes, False, None
             return slot
 
@@ -107,6 +156,13 @@ class ReplicaStore:
             return {str(owner): [{"version": s.version, "bytes": s.nbytes, "complete": s.complete}
                                  for s in pair if s.version != NO_VERSION]
                     for owner, pair in self.slots.items()}
+
+    def release(self) -> None:
+        with self.lock:
+            for pair in self.slots.values():
+                for slot in pair:
+                    slot.release()
+            self.slots.clear()
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -137,8 +193,8 @@ class _Handler(socketserver.BaseRequestHandler):
     def dispatch(self, sock: socket.socket, op: int, version: int, owner: int, a: int, b: int) -> None:
         store = self.server.replicas
         if op == BEGIN:
-            store.begin(owner, version, nbytes=a, keep=b)
-            self.reply(sock, OK)
+            slot = store.begin(owner, version, nbytes=a, keep=b)
+            self.reply(sock, OK, str(slot.path).encode())  # a sender on this machine writes there itself
         elif op == DATA:
             slot = store.writing(owner, version)
             if slot is None or a < 0 or a + b > slot.nbytes:
@@ -188,9 +244,9 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int]) -> None:
+    def __init__(self, address: tuple[str, int], prefix: str) -> None:
         super().__init__(address, _Handler)
-        self.replicas = ReplicaStore()
+        self.replicas = ReplicaStore(prefix)
 
 
 class Agent:
@@ -199,7 +255,8 @@ class Agent:
     def __init__(self, machine: int, machines: int, bind: str, store: str | None = None, job: str = "default",
                  heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0) -> None:
         self.machine, self.machines = machine, machines
-        self.server = _Server(parse_address(bind))
+        host, port = parse_address(bind)
+        self.server = _Server((host, port), file_prefix(job, machine) + (f"-p{os.getpid()}" if port == 0 else ""))
         self.address = f"{parse_address(bind)[0]}:{self.server.server_address[1]}"
         self.store_address, self.keys = store, kvstore.Keys(job)
         self.heartbeat_s, self.failure_timeout_s = heartbeat_s, failure_timeout_s
@@ -223,6 +280,7 @@ class Agent:
         self.stopped.set()
         self.server.shutdown()
         self.server.server_close()
+        self.replicas.release()
 
     # -- heartbeats and the root role ------------------------------------------------------------
     def _monitor(self) -> None:
@@ -299,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
             pass
     except KeyboardInterrupt:
         pass
+    agent.stop()  # the replicas' shared memory goes with the agent
     sys.exit(0)
 
 

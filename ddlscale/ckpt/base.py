@@ -16,6 +16,7 @@ import math
 import statistics
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
@@ -25,6 +26,7 @@ from ddlscale.ckpt.io import ManifestCheckpointIO
 from ddlscale.ckpt.state import RANK_STATE_KEY, restore_local
 
 HIGHFREQ = "highfreq"
+PROGRESS_FILE = "ckpt_progress.log"  # in the run directory
 # HighFreq's probe: the first checkpoint, after two steps whose time is not warm-up.
 HIGHFREQ_PROBE_STEP = 3
 
@@ -59,6 +61,10 @@ class Checkpointer(pl.Callback):
         self._batch_start: float | None = None
         self._last_step = 0
         self._pending_local: dict[str, Any] | None = None
+        self.recovery: dict[str, Any] = {}  # how the resumed state was retrieved (source, seconds)
+        # Rank 0 appends "step N unix" per step and "start|resumed N unix retrieve_s" per (re)start:
+        # where a failure left training, and how long getting back took, survive the processes.
+        self.progress_path: Path | None = None
 
     # -- to implement --------------------------------------------------------------------------
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
@@ -112,6 +118,15 @@ class Checkpointer(pl.Callback):
             self._pending_local = None
             self.resumed_step = trainer.global_step
         self._last_step = trainer.global_step
+        if self.resumed_step is not None:
+            self._progress(trainer, f"resumed {trainer.global_step} {time.time():.3f} {self.recovery.get('retrieve_s', 0):.4f}")
+        else:
+            self._progress(trainer, f"start {trainer.global_step} {time.time():.3f}")
+
+    def _progress(self, trainer: pl.Trainer, line: str) -> None:
+        if self.progress_path is not None and trainer.is_global_zero:
+            with open(self.progress_path, "a") as file:
+                file.write(line + "\n")
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._batch_start is None:
@@ -126,6 +141,7 @@ class Checkpointer(pl.Callback):
         if self._batch_start is not None:
             self._step_times.append(time.perf_counter() - self._batch_start)
         self._batch_start = None
+        self._progress(trainer, f"step {step} {time.time():.3f}")
         if not self.due(step):
             return
         start = time.perf_counter()
@@ -156,6 +172,7 @@ class Checkpointer(pl.Callback):
             "ckpt_times_s": per_ckpt,
             "ckpt_interval": self.interval,
             "ckpt_resumed_step": self.resumed_step,
+            "ckpt_retrieve_s": self.recovery.get("retrieve_s"),
         }
         figures.update(self.figures(trainer))
         return figures

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -25,10 +26,12 @@ from typing import Any
 import pytorch_lightning as pl
 import torch.distributed as dist
 
-from ddlscale.ckpt.base import Checkpointer
+from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.data import DataPosition
+from ddlscale.ckpt.io import load_version
 from ddlscale.ckpt.manifest import (
     REJECTED_SUFFIX,
+    SUFFIX,
     Manifest,
     ManifestError,
     ShardRecord,
@@ -99,8 +102,11 @@ class DiskCheckpointer(Checkpointer):
             self.dir: Path | None = None  # only validating a config: no run yet
         else:
             self.dir = Path(dir) if dir is not None else Path(run_dir) / DEFAULT_SUBDIR
+        if run_dir is not None:
+            self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.bytes_written: list[int] = []
         self._token: str | None = None
+        self._rank = 0
 
     # -- before workers start ------------------------------------------------------------------
     def resume_path(self, world_size: int) -> str | None:
@@ -150,6 +156,7 @@ class DiskCheckpointer(Checkpointer):
         # One token per run, the same on every rank: this run's shard files never collide with
         # files an existing manifest names.
         self._token = trainer.strategy.broadcast(uuid.uuid4().hex[:8], src=0)
+        self._rank = trainer.global_rank
 
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
         directory = self._directory()
@@ -172,6 +179,15 @@ class DiskCheckpointer(Checkpointer):
                             epoch=position.epoch, batch=position.batch)
         write_manifest(directory, manifest)
         self.prune()
+
+    def load_path(self, path: str) -> dict[str, Any] | None:
+        """Manifests read back at ``bandwidth`` (remote storage is slow both ways); timed for the summary."""
+        if not path.endswith(SUFFIX):
+            return None
+        start = time.perf_counter()
+        loaded = load_version(Path(path), self._rank, self.bandwidth_bps)
+        self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+        return loaded
 
     def prune(self) -> None:
         """Keep the newest ``keep`` versions; delete older ones and files no manifest names."""

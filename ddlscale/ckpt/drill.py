@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import job_name
 from ddlscale.ckpt.launch import emulated_env, start_emulated_agent
 from ddlscale.cluster.emulated import EmulatedCluster
@@ -63,12 +64,13 @@ class GeminiDrill:
             for machine in range(self.nodes):
                 self._start_machine(machine)
         except BaseException:
-            self.cluster.down()
+            self.__exit__()
             raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.cluster.down()
+        remove_replicas(self.job)  # the killed agents' shared memory
 
     def _start_machine(self, machine: int) -> None:
         self.agents[machine] = start_emulated_agent(self.cluster, machine, self.port, self.job)

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.ckpt import kvstore
-from ddlscale.ckpt.base import Checkpointer
+from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable
 from ddlscale.ckpt.interleave import (
@@ -52,7 +52,7 @@ from ddlscale.ckpt.interleave import (
 from ddlscale.ckpt.io import load_version
 from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, sha256
 from ddlscale.ckpt.placement import KINDS, PlacementPlan
-from ddlscale.ckpt.replica import NO_VERSION, AgentClient, ReplicaError
+from ddlscale.ckpt.replica import NO_VERSION, AgentClient, LocalAgentClient, ReplicaError
 from ddlscale.ckpt.snapshot import capture, rebuild
 from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture_shared
 
@@ -135,7 +135,8 @@ class GeminiCheckpointer(Checkpointer):
         self.transfers: list[Transfer] = []
         self.stalls: list[float] = []  # training-thread seconds per checkpoint: capture + deadline wait
         self.committed: list[int] = []
-        self.recovery: dict[str, Any] = {}
+        if run_dir is not None:
+            self.progress_path = Path(run_dir) / PROGRESS_FILE
         self._profile: tuple[list[list[float]], list[float]] = ([], [])  # gaps and horizon per iteration
         self._iteration_start: float | None = None
         self._sync: Any = None
@@ -163,14 +164,14 @@ class GeminiCheckpointer(Checkpointer):
         state.update(store=None, sender=None)
         return state
 
-    def _agent(self, machine: int, timeout_s: float = 30.0) -> AgentClient:
+    def _agent(self, machine: int, timeout_s: float = 30.0, local: bool = False) -> AgentClient:
         key = self.keys.agent(machine)
         deadline = time.monotonic() + timeout_s
         while not self.store.check([key]):
             if time.monotonic() > deadline:
                 raise ReplicaError(f"no replica agent registered for machine {machine} after {timeout_s:g} s")
             time.sleep(0.05)
-        return AgentClient(self.store.get(key).decode())
+        return (LocalAgentClient if local else AgentClient)(self.store.get(key).decode())
 
     def committed_manifest(self, store: Any = None) -> Manifest | None:
         store = store if store is not None else self.store
@@ -211,7 +212,8 @@ class GeminiCheckpointer(Checkpointer):
             self.incarnation = int(self.store.add(self.keys.incarnation, 1))
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
         holders = self.plan.holders_of(machine)
-        self.sender = ReplicaSender(rank, [self._agent(h) for h in holders], self.chunk_bytes, self.subbuffers,
+        destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
+        self.sender = ReplicaSender(rank, destinations, self.chunk_bytes, self.subbuffers,
                                     self.mode, keep_for=self._keep_for, on_done=self._on_sent, wire=self._wire,
                                     device=trainer.strategy.root_device)
         self._sync = getattr(trainer.strategy, "sync", None)
@@ -392,7 +394,7 @@ class GeminiCheckpointer(Checkpointer):
             )
         warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
         try:
-            loaded = load_version(Path(choice[0]), rank)
+            loaded = load_version(Path(choice[0]), rank, self.persistent.bandwidth_bps)
         except ManifestError as exc:
             raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
         self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}

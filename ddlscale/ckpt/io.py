@@ -9,6 +9,7 @@ answers its own paths through ``loader``. Any other path goes to the wrapped plu
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,13 @@ from lightning_fabric.plugins import CheckpointIO
 
 from ddlscale.ckpt.manifest import SUFFIX, read_manifest, read_shard
 from ddlscale.ckpt.state import assemble, decode
+from ddlscale.ckpt.storage import pace
 
 
-def load_version(manifest_path: Path, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s restorable checkpoint dict from the version ``manifest_path`` commits."""
+def load_version(manifest_path: Path, rank: int, bandwidth_bps: float | None = None) -> dict[str, Any]:
+    """Rank ``rank``'s restorable checkpoint dict from the version ``manifest_path`` commits, read at
+    most at ``bandwidth_bps`` when given (emulated remote storage)."""
+    start = time.perf_counter()
     manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path)
     if not 0 <= rank < manifest.world_size:
@@ -32,6 +36,7 @@ def load_version(manifest_path: Path, rank: int) -> dict[str, Any]:
     records = {r: manifest.shard(r) for r in {rank, manifest.shared_rank}}
     payloads = {r: decode(read_shard(directory, rec), rec.sha256, str(directory / rec.file))
                 for r, rec in records.items()}
+    pace(sum(rec.bytes for rec in records.values()), bandwidth_bps, start)
     return assemble(payloads[manifest.shared_rank], payloads[rank])
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import JOB_ENV, MACHINE_ENV, MACHINES_ENV, STORE_ENV
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
@@ -67,6 +68,7 @@ def local_gemini(machines: int, job: str) -> Iterator[dict[str, str]]:
         for agent in agents:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 agent.wait(timeout=10)
+        remove_replicas(job)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

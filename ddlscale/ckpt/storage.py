@@ -55,3 +55,12 @@ def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) ->
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def pace(nbytes: int, bandwidth_bps: float | None, since: float) -> None:
+    """Sleep until ``nbytes`` moved since ``since`` would have crossed a ``bandwidth_bps`` link (reads
+    from emulated remote storage)."""
+    if bandwidth_bps:
+        delay = since + nbytes * 8 / bandwidth_bps - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)

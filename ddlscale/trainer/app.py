@@ -21,6 +21,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
+from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name
 from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agent
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
@@ -263,7 +264,12 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port, env=envs[i],
                                    max_restarts=int(cfg.cluster.get("max_restarts", 0)))
                   for i in range(nodes)]
-        codes = _wait_all_or_first_failure(agents)
+        try:
+            codes = _wait_all_or_first_failure(agents)
+        finally:
+            cluster.down()
+            if gemini:
+                remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
     if any(codes):
         raise RuntimeError(f"emulated-cluster agents exited with codes {codes}; see the output above")
     summary_path = output_dir / "summary.json"
