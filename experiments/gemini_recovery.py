@@ -76,12 +76,13 @@ def split_failure(rows: list[tuple[str, int, float, float]], t_kill: float) -> d
             "lost_progress_s": t_back - t_resumed, "wasted_s": t_back - t_kill}
 
 
-def _steps_since_start(path: Path) -> int:
+def _running(path: Path) -> tuple[int, int]:
+    """(how many times training started, steps since the latest start) from the progress log."""
     if not path.exists():
-        return 0
+        return 0, 0
     rows = read_progress(path)
     starts = [i for i, r in enumerate(rows) if r[0] in ("start", "resumed")]
-    return len([r for r in rows[starts[-1]:] if r[0] == "step"]) if starts else 0
+    return len(starts), len([r for r in rows[starts[-1]:] if r[0] == "step"]) if starts else 0
 
 
 def run_strategy(strategy: str, args: argparse.Namespace, rng: random.Random) -> list[dict[str, float]]:
@@ -92,14 +93,13 @@ def run_strategy(strategy: str, args: argparse.Namespace, rng: random.Random) ->
         progress = run / PROGRESS_FILE
         kills = []
         with GeminiDrill(args.nodes, overrides, run, bandwidth=args.bandwidth, max_restarts=args.failures + 2) as drill:
-            for _ in range(args.failures):
-                # A random moment once training has run a while since the last (re)start.
-                while _steps_since_start(progress) < args.warmup_steps:
+            for failure in range(args.failures):
+                # A random moment once training has run a while since its latest (re)start.
+                while (state := _running(progress))[0] <= failure or state[1] < args.warmup_steps:
                     time.sleep(0.05)
                 time.sleep(rng.uniform(0, args.window_s))
                 kills.append(time.time())
                 drill.kill_trainer(rng.randrange(args.nodes))
-                time.sleep(1.0)
             drill.finish(timeout_s=1800)
         rows = read_progress(progress)
     steps = [b[2] - a[2] for a, b in zip(rows, rows[1:], strict=False) if a[0] == b[0] == "step" and b[1] == a[1] + 1]
