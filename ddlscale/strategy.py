@@ -17,6 +17,7 @@ per-parameter post-accumulate-grad hooks:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -45,6 +46,9 @@ class DDLStrategy(DDPStrategy):
             interpreters without re-running the command line, so Hydra sweeps work; ``"popen"`` is
             Lightning's script re-execution. Under torchrun or SLURM nothing is started here.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default gloo on CPU and nccl on CUDA.
+        device_time_s: seconds each training step idles before its forward pass, emulating an
+            accelerator computing while the host CPU is free (0: off). For CPU-only emulations of
+            GPU clusters, where otherwise every byte of host work competes with the training compute.
     """
 
     strategy_name = "ddlscale"
@@ -61,11 +65,14 @@ class DDLStrategy(DDPStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        device_time_s: float = 0.0,
     ) -> None:
         if start_method not in ("spawn", "popen", "fork", "forkserver"):
             raise ValueError(
                 f"strategy.start_method must be one of spawn, popen, fork, forkserver; got {start_method!r}"
             )
+        if isinstance(device_time_s, bool) or not isinstance(device_time_s, (int, float)) or device_time_s < 0:
+            raise ValueError(f"strategy.device_time_s must be a number >= 0, got {device_time_s!r}")
         if sync is not None and not isinstance(sync, GradSync):
             raise TypeError(f"sync must be a ddlscale.sync.GradSync, got {type(sync).__name__}")
         super().__init__(
@@ -80,6 +87,7 @@ class DDLStrategy(DDPStrategy):
         )
         self.sync = sync if sync is not None else DenseAllreduce()
         self.broadcast_buffers = broadcast_buffers
+        self.device_time_s = float(device_time_s)
         self._sync_paused = False
         self._hook_handles: list[Any] = []
         self._pending_sync_state: dict[str, Any] | None = None
@@ -117,6 +125,8 @@ class DDLStrategy(DDPStrategy):
 
     # -- per step ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.device_time_s:
+            time.sleep(self.device_time_s)
         if self.broadcast_buffers and self.sync.world_size > 1:
             self._broadcast_buffers()
         return super().training_step(*args, **kwargs)
