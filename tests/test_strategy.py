@@ -81,3 +81,24 @@ def test_bad_arguments_are_named():
         DDLStrategy(start_method="threads")
     with pytest.raises(TypeError, match="GradSync"):
         DDLStrategy(sync="dense")
+    with pytest.raises(ValueError, match="strategy.device_time_s must be a number >= 0"):
+        DDLStrategy(device_time_s=-0.1)
+
+
+def test_device_time_idles_each_step_without_changing_training():
+    import time
+
+    def fit(device_time):
+        pl.seed_everything(0)
+        model = BoringModel()
+        trainer = pl.Trainer(max_steps=4, strategy=DDLStrategy(device_time_s=device_time), devices=1,
+                             accelerator="cpu", logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        start = time.perf_counter()
+        trainer.fit(model)
+        return time.perf_counter() - start, [p.detach().clone() for p in model.parameters()]
+
+    quick, quick_params = fit(0.0)
+    slow, slow_params = fit(0.25)
+    assert slow - quick >= 4 * 0.25 * 0.9
+    assert all(torch.equal(a, b) for a, b in zip(quick_params, slow_params, strict=True))

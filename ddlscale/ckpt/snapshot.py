@@ -25,8 +25,9 @@ import torch
 
 MAGIC = b"DDLSNAP1"
 _HEADER = struct.Struct("<8sQ")  # magic, skeleton length
-# Tensors smaller than this stay inside the skeleton: not worth a segment of their own.
-INLINE_BYTES = 4096
+# Tensors smaller than this (scalars: step counters) stay inside the pickled skeleton; anything larger is a
+# segment, since pickling tensor data into the skeleton costs more on every capture than the segment.
+INLINE_BYTES = 64
 
 
 @dataclass(frozen=True)
