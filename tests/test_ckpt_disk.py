@@ -1,24 +1,22 @@
 """ckpt=disk: interrupted and resumed runs continue bit-identically; corruption and crashes are survived."""
 
-import csv
-import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from ckpt_runs import QUIET, ROOT, assert_continues
+from ckpt_runs import summary as _summary
+from ckpt_runs import train as _train
 from hydra import compose, initialize_config_dir
 
 from ddlscale.ckpt import find_resumable, read_manifest, verify
 from ddlscale.ckpt.manifest import REJECTED_SUFFIX, list_manifests
 from ddlscale.trainer import ConfigError, check_config
 
-ROOT = Path(__file__).resolve().parents[1]
-QUIET = ["trainer.enable_progress_bar=false"]
 # Epochs of 3 steps (192 samples / (32 x 2 workers)): resumes land mid-epoch and on epoch boundaries.
 CNN = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=8", "model.num_samples=192",
        "model.optimizer=sgd", "model.momentum=0.9"]
@@ -30,27 +28,9 @@ def _cmd(*overrides):
     return [sys.executable, str(ROOT / "train.py"), *overrides, *QUIET]
 
 
-def _train(*overrides, timeout=240):
-    result = subprocess.run(_cmd(*overrides), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def _summary(run):
-    return json.loads((run / "summary.json").read_text())
-
-
-def _losses(run):
-    with open(run / "metrics.csv") as file:
-        return {int(row["step"]): (row["train_loss"], row["bytes_sent"]) for row in csv.DictReader(file)}
-
-
 def _assert_continues(straight, resumed, from_step):
-    """Same loss (and bytes) at every step from ``from_step`` on, and the same final parameters."""
-    a, b = _losses(straight), _losses(resumed)
-    assert sorted(b) == [s for s in sorted(a) if s >= from_step]
-    assert {s: a[s] for s in b} == b
-    assert _summary(resumed)["param_sha256"] == _summary(straight)["param_sha256"]
+    """Same loss and bytes at every step from ``from_step`` on, and the same final parameters."""
+    assert_continues(straight, resumed, from_step, columns=("train_loss", "bytes_sent"))
 
 
 @pytest.fixture(scope="module")

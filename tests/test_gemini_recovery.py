@@ -2,47 +2,22 @@
 training bit-identically. Local-mode tests run in the default suite; the failure drills with real
 process kills on the emulated cluster are marked slow."""
 
-import csv
-import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from ckpt_runs import QUIET, ROOT, assert_continues
+from ckpt_runs import summary as _summary
+from ckpt_runs import train as _train
 
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.launch import local_gemini
 from ddlscale.ckpt.manifest import Manifest
 from ddlscale.ckpt.replica import AgentClient
 
-ROOT = Path(__file__).resolve().parents[1]
 CNN = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=8", "model.num_samples=192",
-       "model.optimizer=sgd", "model.momentum=0.9", "trainer.enable_progress_bar=false"]
+       "model.optimizer=sgd", "model.momentum=0.9"]
 GEMINI = ["ckpt=gemini", "ckpt.profile_steps=2"]
-
-
-def _train(*overrides, timeout=300):
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
-
-
-def _summary(run):
-    return json.loads((run / "summary.json").read_text())
-
-
-def _losses(run):
-    with open(run / "metrics.csv") as file:
-        return {int(row["step"]): row["train_loss"] for row in csv.DictReader(file)}
-
-
-def _assert_continues(straight, resumed, from_step):
-    """Same loss at every step from ``from_step`` on, and the same final parameters."""
-    a, b = _losses(straight), _losses(resumed)
-    assert sorted(b) == [s for s in sorted(a) if s >= from_step]
-    assert {s: a[s] for s in b} == b
-    assert _summary(resumed)["param_sha256"] == _summary(straight)["param_sha256"]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +53,7 @@ def test_restart_restores_from_memory_or_falls_back(straight, tmp_path, corrupt,
     summary = _summary(resumed)
     assert summary["ckpt_recovery_sources"] == source
     assert summary["ckpt_resumed_step"] == from_step
-    _assert_continues(straight, resumed, from_step)
+    assert_continues(straight, resumed, from_step)
 
 
 def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
@@ -87,7 +62,7 @@ def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
         _corrupt(env, 1, 1)
         _corrupt(env, 1, 0)
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), *CNN, *GEMINI, "trainer.devices=2",
-                                 "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'b'}"],
+                                 "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'b'}", *QUIET],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "there is no persistent checkpoint: set ckpt.persist_every" in result.stderr

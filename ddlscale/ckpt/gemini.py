@@ -129,6 +129,7 @@ class GeminiCheckpointer(Checkpointer):
         self.keys: kvstore.Keys | None = None
         self.sender: ReplicaSender | None = None
         self.plan: PlacementPlan | None = None
+        self.machine = 0  # this rank's machine (placement id)
         self.machine_of: list[int] = []
         self.incarnation = 0
         self.previous: Transfer | None = None
@@ -200,7 +201,7 @@ class GeminiCheckpointer(Checkpointer):
             self.persistent.setup(trainer, pl_module, stage)
         self.store = self._connect()
         world, rank = trainer.world_size, trainer.global_rank
-        machine = int(os.environ.get(MACHINE_ENV, rank))
+        self.machine = machine = int(os.environ.get(MACHINE_ENV, rank))
         machines = int(os.environ.get(MACHINES_ENV, world))
         self.plan = PlacementPlan(machines, self.replicas, self.placement)
         self.machine_of = [machine]
@@ -235,12 +236,9 @@ class GeminiCheckpointer(Checkpointer):
         """Wait for the previous version's outcome; keep whatever is committed then."""
         previous, self.previous = self.previous, transfer
         if previous is not None:
-            self.store.wait([self._outcome_key(previous.version)])
+            self.store.wait([self.keys.outcome(self.incarnation, previous.version)])
         manifest = self.committed_manifest()
         return manifest.step if manifest is not None else NO_VERSION
-
-    def _outcome_key(self, version: int) -> str:
-        return f"{self.keys.acks(self.incarnation, version)}/outcome"
 
     def _on_sent(self, transfer: Transfer) -> None:
         """Report this rank's verified replicas; rank 0 commits once all are in."""
@@ -278,7 +276,7 @@ class GeminiCheckpointer(Checkpointer):
         else:
             warnings.warn(f"gemini: version {version} not committed ({acks} of {expected} replicas verified)",
                           stacklevel=2)
-        self.store.set(self._outcome_key(version), outcome)
+        self.store.set(self.keys.outcome(self.incarnation, version), outcome)
 
     # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -364,7 +362,7 @@ class GeminiCheckpointer(Checkpointer):
             warnings.warn(f"gemini: version {step} is no longer the committed one", stacklevel=2)
             return None, "none"
         record = manifest.shard(rank)
-        machine = int(os.environ.get(MACHINE_ENV, rank))
+        machine = self.machine
         holders = [int(h) for h in manifest.placement["holders"][str(rank)]]
         alive = kvstore.get_json(self.store, self.keys.alive, list(range(manifest.placement["machines"])))
         order = ([machine] if machine in holders else []) + [h for h in holders if h != machine and h in alive]

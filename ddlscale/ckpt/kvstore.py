@@ -72,6 +72,9 @@ class Keys:
     def acks(self, incarnation: int, version: int) -> str:
         return f"{self.prefix}/i{incarnation}/v{version}/acks"  # verified replicas of the version
 
+    def outcome(self, incarnation: int, version: int) -> str:
+        return f"{self.prefix}/i{incarnation}/v{version}/outcome"  # "committed" or "failed", set by rank 0
+
     def shard(self, incarnation: int, version: int, rank: int) -> str:
         return f"{self.prefix}/i{incarnation}/v{version}/rank{rank}"
 

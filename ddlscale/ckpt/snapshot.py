@@ -76,12 +76,19 @@ class Snapshot:
         return bytes(out)
 
 
-def _map_dict(obj: dict, fn: Any) -> dict:
-    """``obj`` with ``fn`` applied to its values, keeping its type (OrderedDict, defaultdict...)."""
-    out = copy.copy(obj)
-    for key, value in obj.items():
-        out[key] = fn(value)
-    return out
+def _map_leaves(obj: Any, fn: Any) -> Any:
+    """``obj`` with ``fn`` applied to every leaf inside dicts, lists and plain tuples, keeping each
+    container's type (OrderedDict, defaultdict...); named tuples and other objects are leaves."""
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _map_leaves(value, fn)
+        return out
+    if isinstance(obj, list):
+        return [_map_leaves(v, fn) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_leaves(v, fn) for v in obj)
+    return fn(obj)
 
 
 def capture(payload: Any, live: set[int]) -> Snapshot:
@@ -93,25 +100,19 @@ def capture(payload: Any, live: set[int]) -> Snapshot:
     tensors: list[torch.Tensor] = []
 
     def strip(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided or obj.numel() * obj.element_size() < INLINE_BYTES:
-                return obj.detach().clone()
-            data = obj.detach()
-            if data.data_ptr() not in live:
-                data = data.clone(memory_format=torch.contiguous_format)
-            elif not data.is_contiguous():
-                data = data.contiguous()
-            tensors.append(data)
-            return TensorSlot(len(tensors) - 1, data.dtype, tuple(data.shape))
-        if isinstance(obj, dict):
-            return _map_dict(obj, strip)
-        if isinstance(obj, list):
-            return [strip(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(strip(v) for v in obj)
-        return obj
+        if not isinstance(obj, torch.Tensor):
+            return obj
+        if obj.layout != torch.strided or obj.numel() * obj.element_size() < INLINE_BYTES:
+            return obj.detach().clone()
+        data = obj.detach()
+        if data.data_ptr() not in live:
+            data = data.clone(memory_format=torch.contiguous_format)
+        elif not data.is_contiguous():
+            data = data.contiguous()
+        tensors.append(data)
+        return TensorSlot(len(tensors) - 1, data.dtype, tuple(data.shape))
 
-    skeleton = strip(payload)
+    skeleton = _map_leaves(payload, strip)
     buffer = io.BytesIO()
     torch.save(skeleton, buffer)
     return Snapshot(buffer.getvalue(), tensors)
@@ -133,23 +134,17 @@ def rebuild(data: bytes | bytearray | memoryview) -> Any:
     position = [start]
 
     def fill(obj: Any) -> Any:
-        if isinstance(obj, TensorSlot):
-            n = torch.Size(obj.shape).numel() * torch.empty((), dtype=obj.dtype).element_size()
-            lo = position[0]
-            position[0] += n
-            if position[0] > len(view):
-                raise ValueError(f"snapshot stream truncated: {len(view)} bytes, its skeleton needs more")
-            raw = torch.frombuffer(bytearray(view[lo:lo + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-            return raw.view(obj.dtype).reshape(obj.shape)
-        if isinstance(obj, dict):
-            return _map_dict(obj, fill)
-        if isinstance(obj, list):
-            return [fill(v) for v in obj]
-        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-            return tuple(fill(v) for v in obj)
-        return obj
+        if not isinstance(obj, TensorSlot):
+            return obj
+        n = torch.Size(obj.shape).numel() * torch.empty((), dtype=obj.dtype).element_size()
+        lo = position[0]
+        position[0] += n
+        if position[0] > len(view):
+            raise ValueError(f"snapshot stream truncated: {len(view)} bytes, its skeleton needs more")
+        raw = torch.frombuffer(bytearray(view[lo:lo + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        return raw.view(obj.dtype).reshape(obj.shape)
 
-    payload = fill(skeleton)
+    payload = _map_leaves(skeleton, fill)
     if position[0] != len(view):
         raise ValueError(f"snapshot stream holds {len(view)} bytes, its skeleton describes {position[0]}")
     return payload

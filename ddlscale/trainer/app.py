@@ -254,7 +254,8 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cfg.cluster.port)
         cluster.start_rendezvous_store(port)
-        gemini = OmegaConf.select(cfg, "ckpt._target_") == f"{GeminiCheckpointer.__module__}.GeminiCheckpointer"
+        target = OmegaConf.select(cfg, "ckpt._target_")
+        gemini = target is not None and issubclass(get_class(target), GeminiCheckpointer)
         envs = [dict(threads) for _ in range(nodes)]
         if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
             job = job_name(str(output_dir))
