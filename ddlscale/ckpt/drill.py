@@ -103,6 +103,17 @@ class GeminiDrill:
                 return record
         raise TimeoutError(f"drill: nothing matched within {timeout_s:g} s")
 
+    def wait_failed(self, machines: list[int], timeout_s: float = 60.0) -> None:
+        """Until the root agent has reported every one of ``machines`` failed, in whatever order."""
+        missing = set(machines)
+
+        def reported(record: dict[str, Any]) -> bool:
+            if record.get("event") == "failed":
+                missing.discard(record.get("machine"))
+            return not missing
+
+        self.wait_for(reported, timeout_s)
+
     def wait_committed(self, step: int, timeout_s: float = 300.0) -> int:
         if self.committed and self.committed[-1][0] >= step:
             return self.committed[-1][0]
