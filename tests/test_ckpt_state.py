@@ -111,8 +111,8 @@ def test_write_atomic_is_all_or_nothing_and_paced(tmp_path, monkeypatch):
 def test_shards_and_manifests_refuse_corruption(tmp_path):
     shard = Shard.encode(0, {"format": "ddlscale-training-state/1", "local": {}, "shared": None})
     assert shard.decode()["local"] == {}
-    with pytest.raises(ValueError, match="sha256"):
-        decode(shard.data[:-1] + bytes([shard.data[-1] ^ 1]), shard.sha256)
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        decode(shard.data[:-1] + bytes([shard.data[-1] ^ 1]), shard.checksum)
     manifest = Manifest(step=1, world_size=2, shards=(ShardRecord(0, "a", 1, "0" * 64),))
     with pytest.raises(ManifestError, match="ranks 0..1"):
         Manifest.from_json(manifest.to_json())

@@ -1,7 +1,6 @@
 """Gemini's parts on their own: snapshot streams, the replica agent's buffers, the interleaving plan."""
 
 import collections
-import hashlib
 import socket
 import threading
 import time
@@ -12,6 +11,7 @@ import torch
 
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.agent import Agent
+from ddlscale.ckpt.checksum import Checksum, checksum, matches
 from ddlscale.ckpt.interleave import (
     ReplicaSender,
     Transfer,
@@ -48,6 +48,11 @@ def test_snapshot_round_trip_is_bit_exact_and_keeps_container_types():
     assert torch.equal(out["optimizer"]["state"][0]["exp_avg"], payload["optimizer"]["state"][0]["exp_avg"])
     assert torch.equal(out["strided"], payload["strided"]) and out["other"][:2] == ("text", 3)
     assert out["buffer"].dtype == torch.float64 and torch.equal(out["buffer"], payload["buffer"])
+    small = {"bool": torch.tensor([True, False]), "bf16": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+             "int": torch.tensor(2**40), "empty": torch.empty(0, 3), "step": torch.tensor(7.0)}
+    out = rebuild(capture(small, set()).to_bytes())  # all inline in the skeleton
+    for key, tensor in small.items():
+        assert out[key].dtype == tensor.dtype and out[key].shape == tensor.shape and torch.equal(out[key], tensor)
 
 
 def test_snapshot_references_live_tensors_and_copies_the_rest():
@@ -90,7 +95,7 @@ def _put(client, version, data, keep=NO_VERSION, sha=None, chunk=1000):
     client.begin(version, 0, len(data), keep)
     for offset in range(0, len(data), chunk):
         client.data(version, 0, offset, [memoryview(data)[offset:offset + chunk]])
-    client.end(version, 0, sha or hashlib.sha256(data).hexdigest())
+    client.end(version, 0, sha or checksum(data, "crc32"))
 
 
 def test_agent_stores_verifies_and_returns_a_replica(agent):
@@ -98,7 +103,8 @@ def test_agent_stores_verifies_and_returns_a_replica(agent):
     with AgentClient(agent.address) as client:
         _put(client, 1, data)
         assert bytes(client.get(1, 0)) == data
-        client.verify(1, 0, hashlib.sha256(data).hexdigest())
+        client.verify(1, 0, checksum(data, "crc32"))
+        client.verify(1, 0, checksum(data, "sha256"))  # either algorithm, named in the text
         assert client.stat() == {"0": [{"version": 1, "bytes": len(data), "complete": True}]}
 
 
@@ -107,7 +113,7 @@ def test_a_checksum_mismatch_never_completes_and_the_previous_version_stays(agen
     with AgentClient(agent.address) as client:
         _put(client, 1, good)
         with pytest.raises(ReplicaError, match="checksum mismatch"):
-            _put(client, 2, bad, keep=1, sha=hashlib.sha256(b"something else").hexdigest())
+            _put(client, 2, bad, keep=1, sha=checksum(b"something else", "crc32"))
         with pytest.raises(ReplicaError, match="no complete version 2"):
             client.get(2, 0)
         assert bytes(client.get(1, 0)) == good
@@ -146,13 +152,39 @@ def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(agent):
             client.get(2, 0)
 
 
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_a_checksum_catches_every_single_bit_flip_and_streams_like_one_shot(algorithm):
+    data = bytearray(torch.randint(0, 256, (3000,), dtype=torch.uint8).numpy().tobytes())
+    expected = checksum(data, algorithm)
+    assert expected.startswith(f"{algorithm}:") and matches(data, expected)
+    streamed = Checksum(algorithm)
+    for offset in range(0, len(data), 700):
+        streamed.update(memoryview(data)[offset:offset + 700])
+    assert streamed.text() == expected
+    for bit in range(0, len(data) * 8, 37):
+        data[bit // 8] ^= 1 << bit % 8
+        assert not matches(data, expected)
+        data[bit // 8] ^= 1 << bit % 8
+    with pytest.raises(ValueError, match="md5"):
+        Checksum("md5")
+    with pytest.raises(ValueError, match="not a checksum"):
+        matches(data, "md5:00")
+
+
+def test_an_unknown_checksum_algorithm_never_completes_a_replica(agent):
+    with AgentClient(agent.address) as client:
+        with pytest.raises(ReplicaError, match="checksum mismatch"):
+            _put(client, 1, b"q" * 100, sha="md5:0123")
+        client.stat()  # the connection is still in step
+
+
 def test_corruption_is_caught_by_verify(agent):
     data = b"z" * 4000
     with AgentClient(agent.address) as client:
         _put(client, 1, data)
         client.corrupt(1, 0, 1234)
         with pytest.raises(ReplicaError, match="missing or corrupt"):
-            client.verify(1, 0, hashlib.sha256(data).hexdigest())
+            client.verify(1, 0, checksum(data, "crc32"))
 
 
 def test_unreachable_agent_and_store_fail_clearly():
@@ -220,8 +252,8 @@ class _Recorder:
         blob = b"".join(bytes(p) for p in pieces)
         self.data_bytes[offset:offset + len(blob)] = blob
 
-    def end(self, version, owner, sha256):
-        if hashlib.sha256(self.data_bytes).hexdigest() != sha256:
+    def end(self, version, owner, expected):
+        if not matches(self.data_bytes, expected):
             raise ReplicaError("checksum mismatch")
 
     def close(self):
@@ -233,7 +265,7 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     state = {"wire": Wire(completed=0, idle=True, finished=False)}
     recorder = _Recorder(lambda: state["wire"])
     done = []
-    sender = ReplicaSender(0, [recorder], chunk_bytes=1024, subbuffers=3, mode=mode,
+    sender = ReplicaSender(0, [recorder], chunk_bytes=1024, subbuffers=3, mode=mode, checksum="crc32",
                            keep_for=lambda t: NO_VERSION, on_done=done.append, wire=lambda: state["wire"])
     sender.plan = [2, 0, 1]  # gap 0: two chunks, gap 1: none, last gap: one
     data = torch.randint(0, 255, (40 * 1024,), dtype=torch.uint8)
@@ -259,19 +291,19 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
 
 def test_blocking_mode_sends_everything_before_submit_returns():
     recorder = _Recorder(lambda: None)
-    sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="blocking",
+    sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="blocking", checksum="sha256",
                            keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
     snapshot = capture({"x": torch.arange(10_000)}, set())
     transfer = Transfer(1, snapshot)
     sender.submit(transfer)
     assert transfer.done.is_set() and bytes(recorder.data_bytes) == snapshot.to_bytes()
     with pytest.raises(ValueError, match="ckpt.mode must be one of"):
-        ReplicaSender(0, [], 1024, 1, "eager", keep_for=lambda t: 0, on_done=lambda t: None)
+        ReplicaSender(0, [], 1024, 1, "eager", "crc32", keep_for=lambda t: 0, on_done=lambda t: None)
 
 
 def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     client = AgentClient(agent.address)
-    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=4, mode="gemini",
+    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=4, mode="gemini", checksum="crc32",
                            keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
     snapshot = capture({"x": torch.randn(50_000)}, set())
     transfer = Transfer(3, snapshot)
@@ -292,6 +324,7 @@ def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     (["ckpt.placement=star"], "ckpt.placement must be one of"),
     (["ckpt.mode=eager"], "ckpt.mode must be one of"),
     (["ckpt.mu=0"], "ckpt.mu must be in"),
+    (["ckpt.checksum=md5"], "ckpt.checksum must be one of"),
     (["ckpt.every=highfreq"], "highfreq is for ckpt=disk"),
 ])
 def test_bad_gemini_values_name_the_key(overrides, message):
@@ -313,7 +346,7 @@ def test_own_machine_writes_go_straight_into_the_agents_shared_memory(agent):
     with LocalAgentClient(agent.address) as local:
         path = local.begin(1, 0, len(data))
         local.data(1, 0, 0, [memoryview(data)[:5000], memoryview(data)[5000:]])
-        local.end(1, 0, hashlib.sha256(data).hexdigest())
+        local.end(1, 0, checksum(data, "sha256"))
         assert Path(path).read_bytes()[:len(data)] == data  # the replica is the shared-memory file
     with AgentClient(agent.address) as reader:
         assert bytes(reader.get(1, 0)) == data

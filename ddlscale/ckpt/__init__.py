@@ -6,14 +6,14 @@ the config and, when the tier names a version to resume from, passes it to ``tra
 Modules, one job each:
 
 * :mod:`~ddlscale.ckpt.state` — what a rank's state is, as bytes. ``capture_shard(trainer,
-  batch_idx, with_shared)`` -> :class:`Shard` (``rank``, immutable ``data`` bytes, ``sha256``),
-  taken at ``on_train_batch_end``; ``decode(bytes, sha256)`` -> payload; ``assemble(shared_payload,
+  batch_idx, with_shared)`` -> :class:`Shard` (``rank``, immutable ``data`` bytes, ``checksum``),
+  taken at ``on_train_batch_end``; ``decode(bytes, checksum)`` -> payload; ``assemble(shared_payload,
   own_payload)`` -> the dict Lightning restores; ``restore_local(trainer, local)`` at train start.
   The shared part (Lightning's checkpoint: parameters, optimizer state with step counters, LR
   schedulers, loop progress, callback states) is identical on all data-parallel ranks, so one
   rank's copy suffices; the local part (RNG streams, data position, sync-backend state) is per rank.
 * :mod:`~ddlscale.ckpt.manifest` — the commit record of a version: ``Manifest(step, world_size,
-  shards=(ShardRecord(rank, file, bytes, sha256), ...), shared_rank, tier, placement)``, written
+  shards=(ShardRecord(rank, file, bytes, checksum), ...), shared_rank, tier, placement)``, written
   last and atomically; ``verify`` re-hashes every shard. The ``tier`` and ``placement`` fields are
   for tiers that do not keep files (a peer-memory tier records where the replicas live there).
 * :mod:`~ddlscale.ckpt.io` — ``ManifestCheckpointIO``: Lightning loads a version through its

@@ -4,7 +4,7 @@ It outlives the training processes of its machine (a trainer crash loses nothing
 machine. For every owner rank it holds two separate buffers — the newest complete replica and the one
 being written — and a new version never goes into the buffer holding the version the sender says is
 committed, so the last committed version survives any failure mid-transfer. Bytes arrive straight
-into the replica buffer; ``END`` hashes them against the sender's sha256 before the replica counts.
+into the replica buffer; ``END`` checks them against the sender's checksum before the replica counts.
 
 With a store it also heartbeats (a counter in the store, so clocks need not agree) and takes part in
 root election: the root agent watches every machine's heartbeat, records failures and replacements
@@ -20,7 +20,6 @@ Run one per machine::
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import mmap
 import os
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.checksum import matches
 from ddlscale.ckpt.replica import (
     BEGIN,
     CORRUPT,
@@ -56,7 +56,7 @@ from ddlscale.ckpt.replica import (
     recv_exactly,
 )
 
-SHA_HEX = 64
+MAX_CHECKSUM_TEXT = 128  # "sha256:" + 64 hex digits fits
 
 
 def shm_dir() -> Path:
@@ -87,7 +87,7 @@ class Slot:
     version: int = NO_VERSION
     nbytes: int = 0
     complete: bool = False
-    sha256: str | None = None
+    checksum: str | None = None
     buf: mmap.mmap | None = None
 
     def view(self) -> memoryview:
@@ -136,7 +136,7 @@ class ReplicaStore:
                 free = [s for s in pair if keep == NO_VERSION or s.version != keep]
                 slot = min(free, key=lambda s: (s.complete, s.version))
             slot.reserve(nbytes)
-            slot.version, slot.nbytes, slot.complete, slot.sha256 = version, nbytes, False, None
+            slot.version, slot.nbytes, slot.complete, slot.checksum = version, nbytes, False, None
             return slot
 
     def writing(self, owner: int, version: int) -> Slot | None:
@@ -190,6 +190,19 @@ class _Handler(socketserver.BaseRequestHandler):
         if len(body):
             sock.sendall(body)
 
+    @staticmethod
+    def checksum_text(sock: socket.socket, length: int) -> str:
+        if not 0 < length <= MAX_CHECKSUM_TEXT:
+            raise ConnectionError(f"checksum of {length} bytes")  # out of step with the protocol: drop
+        return recv_bytes(sock, length).decode(errors="replace")
+
+    @staticmethod
+    def holds(slot: Slot, expected: str) -> bool:
+        try:
+            return matches(slot.view(), expected)
+        except ValueError:  # an algorithm this agent does not know
+            return False
+
     def dispatch(self, sock: socket.socket, op: int, version: int, owner: int, a: int, b: int) -> None:
         store = self.server.replicas
         if op == BEGIN:
@@ -202,17 +215,16 @@ class _Handler(socketserver.BaseRequestHandler):
                 return
             recv_exactly(sock, memoryview(slot.buf)[a:a + b])
         elif op == END:
-            sha = recv_bytes(sock, SHA_HEX).decode()
+            expected = self.checksum_text(sock, a)
             slot = store.writing(owner, version)
             if slot is None:
                 self.reply(sock, FAILED, f"no version {version} of rank {owner} in progress".encode())
                 return
-            actual = hashlib.sha256(slot.view()).hexdigest()
-            if actual != sha:
+            if not self.holds(slot, expected):
                 self.reply(sock, FAILED, f"checksum mismatch for version {version} of rank {owner}".encode())
                 return
             with store.lock:
-                slot.complete, slot.sha256 = True, sha
+                slot.complete, slot.checksum = True, expected
             self.reply(sock, OK)
         elif op == GET:
             slot = store.complete(owner, version)
@@ -221,9 +233,9 @@ class _Handler(socketserver.BaseRequestHandler):
             else:
                 self.reply(sock, OK, slot.view())
         elif op == VERIFY:
-            sha = recv_bytes(sock, SHA_HEX).decode()
+            expected = self.checksum_text(sock, a)
             slot = store.complete(owner, version)
-            if slot is None or hashlib.sha256(slot.view()).hexdigest() != sha:
+            if slot is None or not self.holds(slot, expected):
                 self.reply(sock, FAILED, f"version {version} of rank {owner} missing or corrupt".encode())
             else:
                 self.reply(sock, OK)

@@ -4,7 +4,7 @@ One version, step s:
 
 1. every rank serializes its state (:func:`~ddlscale.ckpt.state.capture_shard`; rank 0 adds the
    rank-shared part) and writes ``step_s.<token>/rank_r.ckpt`` atomically, at ``bandwidth`` if set;
-2. the ranks exchange (file, size, sha256);
+2. the ranks exchange (file, size, checksum);
 3. rank 0 writes the manifest atomically — the version now exists — and prunes all but the newest
    ``keep`` versions (and files no manifest names: leftovers of crashed writes).
 
@@ -164,7 +164,7 @@ class DiskCheckpointer(Checkpointer):
         shard = capture_shard(trainer, batch_idx, with_shared=rank == 0)
         shard_dir = f"step_{step:09d}.{self._token}"
         (directory / shard_dir).mkdir(exist_ok=True)
-        record = ShardRecord(rank, f"{shard_dir}/rank_{rank:05d}.ckpt", len(shard.data), shard.sha256)
+        record = ShardRecord(rank, f"{shard_dir}/rank_{rank:05d}.ckpt", len(shard.data), shard.checksum)
         write_atomic(directory / record.file, shard.data, self.bandwidth_bps)
         records = [record]
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:

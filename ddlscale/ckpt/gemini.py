@@ -7,7 +7,7 @@ Per version v (the state after optimizer step v), on every rank:
 2. **send** (sender thread, during iteration v+1): ``BEGIN`` at every holder's agent (own machine
    first, then its placement peers), chunks in the profiled idle spans, the rest at the deadline —
    the optimizer step of v+1, which the training thread enters only once every chunk of v is out;
-   ``END`` with the stream's sha256, which each agent checks against what it holds;
+   ``END`` with the stream's checksum, which each agent checks against what it holds;
 3. **commit**: each rank adds its verified replicas to the version's count in the store; rank 0 waits
    for world size x m of them and publishes the manifest (version, world size, placement, sizes,
    hashes) as one key. The next version's BEGIN waits for that outcome, and agents never overwrite
@@ -15,7 +15,7 @@ Per version v (the state after optimizer step v), on every rank:
 
 Recovery (``resume=auto``, before workers start): the committed manifest in the store names the
 version; every rank fetches its own replica — from its machine's agent (software failure), else from
-a live holder (machine failure, the replacement took the rank) — and checks its hash. All ranks
+a live holder (machine failure, the replacement took the rank) — and checks its checksum. All ranks
 agree by one collective: if any rank found no intact replica (whole group lost, checksum mismatch),
 everyone loads the newest persistent checkpoint instead.
 """
@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.checksum import ALGORITHMS, matches
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable
 from ddlscale.ckpt.interleave import (
@@ -50,7 +51,7 @@ from ddlscale.ckpt.interleave import (
     profile_gaps,
 )
 from ddlscale.ckpt.io import load_version
-from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, sha256
+from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord
 from ddlscale.ckpt.placement import KINDS, PlacementPlan
 from ddlscale.ckpt.replica import NO_VERSION, AgentClient, LocalAgentClient, ReplicaError
 from ddlscale.ckpt.snapshot import capture, rebuild
@@ -85,6 +86,7 @@ class GeminiCheckpointer(Checkpointer):
             ``blocking`` (sent whole at the end of the step, for comparison).
         chunk_kib, subbuffers: staging buffer of ``subbuffers`` chunks of ``chunk_kib`` KiB.
         mu: fraction of each idle span the chunks may fill.
+        checksum: ``crc32`` or ``sha256``, computed by the sender and checked by every holder at END.
         profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
         persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
         persist_dir, persist_bandwidth: the persistent tier's directory and write-rate emulation.
@@ -94,7 +96,8 @@ class GeminiCheckpointer(Checkpointer):
     """
 
     def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
-                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, profile_steps: int = 20,
+                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "crc32",
+                 profile_steps: int = 20,
                  persist_every: int | None = None, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
                  commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
@@ -114,6 +117,9 @@ class GeminiCheckpointer(Checkpointer):
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu <= 1:
             raise ValueError(f"ckpt.mu must be in (0, 1], got {mu!r}")
         self.mu = float(mu)
+        if checksum not in ALGORITHMS:
+            raise ValueError(f"ckpt.checksum must be one of {', '.join(ALGORITHMS)}, got {checksum!r}")
+        self.checksum = checksum
         self.profile_steps = _positive_int("profile_steps", profile_steps)
         self.store_address = store
         self.commit_timeout_s = float(commit_timeout_s)
@@ -215,7 +221,7 @@ class GeminiCheckpointer(Checkpointer):
         holders = self.plan.holders_of(machine)
         destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
         self.sender = ReplicaSender(rank, destinations, self.chunk_bytes, self.subbuffers,
-                                    self.mode, keep_for=self._keep_for, on_done=self._on_sent, wire=self._wire,
+                                    self.mode, self.checksum, keep_for=self._keep_for, on_done=self._on_sent, wire=self._wire,
                                     device=trainer.strategy.root_device)
         self._sync = getattr(trainer.strategy, "sync", None)
 
@@ -246,7 +252,7 @@ class GeminiCheckpointer(Checkpointer):
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
-        record = ShardRecord(rank, f"memory:rank{rank}", transfer.snapshot.nbytes, transfer.sha256)
+        record = ShardRecord(rank, f"memory:rank{rank}", transfer.snapshot.nbytes, transfer.checksum)
         kvstore.set_json(self.store, self.keys.shard(self.incarnation, transfer.version, rank), record.__dict__)
         self.store.add(self.keys.acks(self.incarnation, transfer.version), transfer.verified)
         if rank == 0:
@@ -373,7 +379,7 @@ class GeminiCheckpointer(Checkpointer):
             except (ReplicaError, OSError) as exc:
                 warnings.warn(f"gemini: rank {rank} cannot read its replica on machine {holder}: {exc}", stacklevel=2)
                 continue
-            if sha256(bytes(data)) != record.sha256:
+            if not matches(data, record.checksum):
                 warnings.warn(f"gemini: replica of rank {rank} on machine {holder} fails its checksum", stacklevel=2)
                 continue
             return data, "local" if holder == machine else f"peer:{holder}"

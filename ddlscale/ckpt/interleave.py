@@ -19,7 +19,6 @@ With ``p = 1`` copy and send alternate — the "unpipelined" mode of the compari
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import statistics
 import threading
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ddlscale.ckpt.checksum import Checksum
 from ddlscale.ckpt.replica import AgentClient, ReplicaError
 from ddlscale.ckpt.snapshot import Snapshot
 
@@ -104,7 +104,7 @@ class Transfer:
     keep: int = -1  # the committed version the agents must not overwrite; resolved before BEGIN
     position: Any = None  # where in the data the version is (for the manifest)
     captured: float = field(default_factory=time.perf_counter)
-    sha256: str = ""
+    checksum: str = ""  # of the whole stream, "<algorithm>:<hex>"
     error: str | None = None
     verified: int = 0  # holders whose END check passed
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
@@ -120,6 +120,7 @@ class ReplicaSender:
         destinations: connections to every holder's agent, own machine first.
         chunk_bytes, subbuffers: staging layout (p sub-buffers of one chunk each).
         mode: ``"gemini"``, ``"unpipelined"`` (p = 1) or ``"blocking"`` (all at once on the caller).
+        checksum: the algorithm of the stream's checksum sent at END (:mod:`ddlscale.ckpt.checksum`).
         keep_for: called before a version's BEGIN; returns the version the agents must keep (it may
             wait for the previous version's commit outcome).
         on_done: called after each version's END round (commit bookkeeping).
@@ -127,12 +128,12 @@ class ReplicaSender:
     """
 
     def __init__(self, owner: int, destinations: list[AgentClient], chunk_bytes: int, subbuffers: int, mode: str,
-                 keep_for: Callable[[Transfer], int], on_done: Callable[[Transfer], None],
+                 checksum: str, keep_for: Callable[[Transfer], int], on_done: Callable[[Transfer], None],
                  wire: Callable[[], Wire] | None = None, device: torch.device | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
         self.owner, self.destinations, self.mode = owner, destinations, mode
-        self.chunk_bytes = chunk_bytes
+        self.chunk_bytes, self.checksum = chunk_bytes, checksum
         self.subbuffers = 1 if mode == "unpipelined" else subbuffers
         pin = device is not None and device.type == "cuda"
         self.staging = torch.empty((self.subbuffers, chunk_bytes), dtype=torch.uint8, pin_memory=pin)
@@ -206,7 +207,7 @@ class ReplicaSender:
 
     def _send(self, transfer: Transfer, plan: list[int] | None) -> None:
         snapshot = transfer.snapshot
-        digest = hashlib.sha256()
+        digest = Checksum(self.checksum)
         try:
             transfer.keep = self.keep_for(transfer)
             for client in self.destinations:
@@ -215,10 +216,10 @@ class ReplicaSender:
             if plan is not None and self.wire is not None and not self._deadline.is_set():
                 self._send_in_gaps(transfer, chunks, digest, plan)
             self._send_chunks(transfer, chunks, digest, None)
-            transfer.sha256 = digest.hexdigest()
+            transfer.checksum = digest.text()
             for client in self.destinations:
                 try:
-                    client.end(transfer.version, self.owner, transfer.sha256)
+                    client.end(transfer.version, self.owner, transfer.checksum)
                     transfer.verified += 1
                 except ReplicaError as exc:
                     transfer.error = str(exc)

@@ -34,7 +34,7 @@ def load_version(manifest_path: Path, rank: int, bandwidth_bps: float | None = N
         )
     directory = manifest_path.parent
     records = {r: manifest.shard(r) for r in {rank, manifest.shared_rank}}
-    payloads = {r: decode(read_shard(directory, rec), rec.sha256, str(directory / rec.file))
+    payloads = {r: decode(read_shard(directory, rec), where=str(directory / rec.file))  # read_shard verified it
                 for r, rec in records.items()}
     pace(sum(rec.bytes for rec in records.values()), bandwidth_bps, start)
     return assemble(payloads[manifest.shared_rank], payloads[rank])

@@ -2,7 +2,7 @@
 
 A version exists only once its manifest exists. Shards are written first (each atomically), the
 manifest last and atomically, so a manifest never names a partial file; a reader still verifies
-every shard's sha256, which also catches later corruption of the storage.
+every shard's checksum, which also catches later corruption of the storage.
 
 Layout of a checkpoint directory (the step is the version)::
 
@@ -19,7 +19,6 @@ The same record (with ``tier`` and ``placement`` set) describes a version held i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import time
@@ -27,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddlscale.ckpt.checksum import matches
 from ddlscale.ckpt.storage import write_atomic
 
 FORMAT = "ddlscale-ckpt-manifest/1"
@@ -44,7 +44,7 @@ class ShardRecord:
     rank: int
     file: str  # relative to the checkpoint directory
     bytes: int
-    sha256: str
+    checksum: str  # "<algorithm>:<hex>" (ddlscale.ckpt.checksum)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class Manifest:
             raw = json.loads(text)
             if raw.get("format") != FORMAT:
                 raise ManifestError(f"{where}: unknown format {raw.get('format')!r}, expected {FORMAT}")
-            shards = tuple(ShardRecord(int(s["rank"]), str(s["file"]), int(s["bytes"]), str(s["sha256"]))
+            shards = tuple(ShardRecord(int(s["rank"]), str(s["file"]), int(s["bytes"]), str(s["checksum"]))
                            for s in raw["shards"])
             manifest = cls(**{**raw, "shards": shards})
         except ManifestError:
@@ -127,10 +127,6 @@ def write_manifest(directory: Path, manifest: Manifest) -> Path:
     return path
 
 
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def read_shard(directory: Path, record: ShardRecord) -> bytes:
     """A shard's bytes, checked against its record; ManifestError naming the file otherwise."""
     path = Path(directory) / record.file
@@ -140,8 +136,8 @@ def read_shard(directory: Path, record: ShardRecord) -> bytes:
         raise ManifestError(f"{path}: cannot read shard ({exc})") from exc
     if len(data) != record.bytes:
         raise ManifestError(f"{path}: {len(data)} bytes, manifest says {record.bytes}")
-    if sha256(data) != record.sha256:
-        raise ManifestError(f"{path}: sha256 mismatch (corrupt shard)")
+    if not matches(data, record.checksum):
+        raise ManifestError(f"{path}: checksum mismatch (corrupt shard)")
     return data
 
 

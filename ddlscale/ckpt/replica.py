@@ -3,7 +3,8 @@
 One TCP connection per (sender, agent). Every request is a fixed header ``(op, version, owner, a, b)``;
 ``owner`` is the rank whose state the bytes are. A version is written as ``BEGIN`` (its size and the
 version the agent must keep), any number of ``DATA`` chunks (no reply, so chunks stream), and
-``END`` with the sender's sha256 — the agent hashes what it holds and answers whether they match.
+``END`` with the sender's checksum (``"crc32:..."``) — the agent checks what it holds and answers
+whether they match.
 Only then is the replica complete. ``GET`` returns a complete replica; ``VERIFY`` re-hashes one;
 ``STAT`` lists what an agent holds; ``CORRUPT`` flips one byte (fault injection for tests).
 """
@@ -87,17 +88,19 @@ class AgentClient:
         for piece in pieces:
             self.sock.sendall(piece)
 
-    def end(self, version: int, owner: int, sha256: str) -> None:
-        """Close a version; raises :class:`ReplicaError` when the agent's hash differs."""
-        self._request(END, version, owner, payload=sha256.encode())
+    def end(self, version: int, owner: int, checksum: str) -> None:
+        """Close a version; raises :class:`ReplicaError` when the agent's checksum differs."""
+        text = checksum.encode()
+        self._request(END, version, owner, len(text), payload=text)
         self._reply()
 
     def get(self, version: int, owner: int) -> bytearray:
         self._request(GET, version, owner)
         return self._reply()
 
-    def verify(self, version: int, owner: int, sha256: str) -> None:
-        self._request(VERIFY, version, owner, payload=sha256.encode())
+    def verify(self, version: int, owner: int, checksum: str) -> None:
+        text = checksum.encode()
+        self._request(VERIFY, version, owner, len(text), payload=text)
         self._reply()
 
     def stat(self) -> dict[str, Any]:

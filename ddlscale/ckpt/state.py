@@ -9,14 +9,13 @@ A rank's state splits in two:
   state (error feedback, Zen's profiled densities...).
 
 :func:`capture_shard` serializes both (or only the local part) into a :class:`Shard`: immutable bytes
-and their sha256, so the snapshot cannot change while it is being written or sent. :func:`assemble`
+and their sha256 checksum, so the snapshot cannot change while it is being written or sent. :func:`assemble`
 turns a shared and a local payload back into one dict that Lightning restores on ``fit(ckpt_path=)``;
 :func:`restore_local` then applies what Lightning does not know about at train start.
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from ddlscale.ckpt.checksum import checksum, matches
 from ddlscale.ckpt.data import DataPosition, position_loader
 from ddlscale.ckpt.rng import capture_rng, restore_rng
 
@@ -40,23 +40,23 @@ class Shard:
 
     rank: int
     data: bytes
-    sha256: str
+    checksum: str  # "sha256:<hex>"
 
     @classmethod
     def encode(cls, rank: int, payload: dict[str, Any]) -> Shard:
         buffer = io.BytesIO()
         torch.save(payload, buffer)
         data = buffer.getvalue()
-        return cls(rank, data, hashlib.sha256(data).hexdigest())
+        return cls(rank, data, checksum(data, "sha256"))
 
     def decode(self) -> dict[str, Any]:
-        return decode(self.data, self.sha256, f"shard of rank {self.rank}")
+        return decode(self.data, self.checksum, f"shard of rank {self.rank}")
 
 
-def decode(data: bytes, expected_sha256: str | None = None, where: str = "shard") -> dict[str, Any]:
-    """The payload inside shard bytes, after checking them against ``expected_sha256`` when given."""
-    if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise ValueError(f"{where}: sha256 mismatch (corrupt shard)")
+def decode(data: bytes, expected_checksum: str | None = None, where: str = "shard") -> dict[str, Any]:
+    """The payload inside shard bytes, after checking them against ``expected_checksum`` when given."""
+    if expected_checksum is not None and not matches(data, expected_checksum):
+        raise ValueError(f"{where}: checksum mismatch (corrupt shard)")
     # Our own files: the payload holds python objects (RNG tuples, hyper-parameters), not only tensors.
     payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
