@@ -9,10 +9,12 @@ Per (bandwidth, workload) the methods alternate, rotating which goes first: dens
 error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
 machine. Measured: rank 0's median step time over the steps after the plan took effect (the planned
 syncs profile dense for the first steps), the same steps for every method. The planners are told
-the emulated network (the NIC's TCP payload rate and the alpha the cluster's cost model uses);
-their predicted iteration time is read from each run's ``plan.json``. From every saved
-``plan_profile.json`` the same cost model prices all four methods at --nodes workers (dense: DDP's
-buckets) and at 64. Before training, every machine streams TCP to the next one at once (a ring, as
+the NIC's TCP payload rate and measure the per-message latency themselves
+(``sync.network_latency=measured``: small collectives timed on the sync group before planning, which
+on emulated machines sharing 2 cores is mostly process scheduling); their predicted iteration time
+is read from each run's ``plan.json``. From every saved ``plan_profile.json`` the same cost model
+prices all four methods at --nodes workers (dense: DDP's buckets) and at 64 (there with the emulated
+cluster's configured alpha: real machines do not share cores). Before training, every machine streams TCP to the next one at once (a ring, as
 the allreduce does) to show whether this host sustains each rate. Needs root (network namespaces).
 """
 
@@ -31,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ddlscale.comm.cost import parse_time
 from experiments.harness import Results, alternating, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
@@ -89,11 +92,11 @@ def probe_rate(nodes: int, bandwidth: str) -> list[float]:
 
 
 def planner_network(bandwidth: str) -> tuple[str, str]:
-    """(sync.network_bandwidth, sync.network_latency): what the emulated cluster's own cost model uses."""
-    from ddlscale.cluster.emulated import ALPHA, TCP_PAYLOAD_FRACTION
+    """(sync.network_bandwidth, sync.network_latency): the NIC's TCP payload rate; latency measured by the planner."""
+    from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
     from ddlscale.comm.cost import parse_bandwidth
 
-    return str(int(parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)), ALPHA
+    return str(int(parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)), "measured"
 
 
 def scheme_of(compressor: str) -> str:
@@ -150,14 +153,15 @@ def ddp_buckets(units: list, first_bytes: float = 1 << 20, bucket_bytes: float =
 
 def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
     """Predicted iteration time of each method from a saved profile (optionally at another size)."""
+    from ddlscale.cluster.emulated import ALPHA
     from ddlscale.plan.cost import DENSE, units_of
     from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import uniform_time
 
     profile = Profile.load(profile_path)
-    if workers is not None:
-        profile = replace(profile, world_size=workers, step_s=None)
+    if workers is not None:  # real machines: their own cores, the configured alpha
+        profile = replace(profile, world_size=workers, step_s=None, network={**profile.network, "latency": ALPHA})
     model = cost_model(profile)
     option = configured_option(model, comm)
     units, end, rest = units_of(profile), profile.backward_end_s, profile.rest_s
@@ -231,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
                            "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
-                           "profile_dense_step_ms": ""}
+                           "profile_dense_step_ms": "", "planner_alpha_us": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -241,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
                                    plan_options=" ".join(f"{k}x{labels.count(k)}" for k in sorted(set(labels))),
                                    profile_dense_step_ms=(plan["context"].get("measured_dense_step_s") or 0) * 1e3)
                         profile = run_dir / "plan_profile.json"
+                        row["planner_alpha_us"] = parse_time(json.loads(profile.read_text())["network"]["latency"]) * 1e6
                         model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
                         model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
                     rows.append(row)
@@ -304,8 +309,11 @@ def main(argv: list[str] | None = None) -> None:
                            f"({', '.join(f'{a:.2f}' for a in p['achieved_gbps'])} Gbit/s per machine)"
                            + (" - this host cannot sustain it" if p["fraction"] < 0.9 else "")
                            for bw, p in probes.items())
-    planner = ", ".join(f"{bw}: {int(b) / 1e9:.3f} Gbit/s, alpha {lat}"
-                        for bw, (b, lat) in ((bw, planner_network(bw)) for bw in bandwidths))
+    alphas = {bw: [r["planner_alpha_us"] for r in rows if r["bandwidth"] == bw and r["planner_alpha_us"] != ""]
+              for bw in bandwidths}
+    planner = ", ".join(f"{bw}: {int(planner_network(bw)[0]) / 1e9:.3f} Gbit/s, measured alpha "
+                        f"{statistics.median(a) if a else float('nan'):.0f} us (runs {min(a or [0]):.0f}-{max(a or [0]):.0f})"
+                        for bw, a in alphas.items())
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
@@ -316,7 +324,7 @@ compressed alone). Speed-ups are against the dense median of the same bandwidth 
 
 *predicted*: for cupcake/espresso the plan's own predicted iteration time (plan.json), for dense and
 layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
-The planners were told the emulated network: {planner}. The model leaves out that all emulated
+The planners assumed: {planner}. The model leaves out that all emulated
 machines share this host's cores (messages cost host CPU), and a profile comes from one rank's few dense
 steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
 host's compute and compression speed, so it says what the plans do with more workers, not what a GPU

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
 from ddlscale.compress import FP16, NoCompression, TopK
 from ddlscale.plan.cost import DENSE, CostModel, Option, units_of
@@ -198,9 +198,10 @@ def test_plan_tool_profiles_a_model():
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 
 
-def _espresso_steps(rank, world, bandwidth):
+def _espresso_steps(rank, world, bandwidth, latency="100us"):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth, run_dir=None)
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
+                        network_latency=latency, run_dir=None)
     sync.setup(params)
     exact = []
     for step in range(4):
@@ -214,14 +215,27 @@ def _espresso_steps(rank, world, bandwidth):
             grads[name] *= 1.0 / world
             dist.all_reduce(grads[name])
         exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
-    return sync.computed.to_dict(), exact, sync.state_dict()["planned"]
+    return sync.computed.to_dict(), exact, sync.state_dict()["planned"], sync.build_profile().network
 
 
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
 def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
-    (plan0, exact, state), (plan1, exact1, _) = run_workers(_espresso_steps, 2, bandwidth)
+    (plan0, exact, state, _), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, bandwidth)
     assert plan0 == plan1 == state
     assert all(exact) and all(exact1)
+
+
+def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():
+    (plan0, exact, _, network), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, "1gbit", "measured")
+    assert plan0 == plan1 and all(exact) and all(exact1)
+    probe = network["latency_probe"]
+    assert probe["calls"] > 0 and probe["allgather_s"] > 0 and probe["allreduce_s"] > 0
+    alpha = parse_time(network["latency"])
+    assert alpha == pytest.approx(probe["alpha_s"], rel=1e-3, abs=1e-7)
+    # One alpha for both collectives: the model over-predicts one of them at most as much as it under-predicts the other.
+    model = NetworkModel(parse_bandwidth("1gbit"), probe["alpha_s"], 1)
+    errors = [model.allgather(4, 2, "ring") - probe["allgather_s"], model.allreduce(4, 2) - probe["allreduce_s"]]
+    assert min(errors) <= 1e-7 and max(errors) >= -1e-7
 
 
 def _hierarchical_steps(rank, world):
@@ -258,6 +272,7 @@ def test_bad_config_names_the_key():
         EspressoSync(TopK(), offload="yes")
     with pytest.raises(ValueError, match="sync.network_latency"):
         EspressoSync(TopK(), network_latency="soon")
+    EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
 
 
 def test_train_py_with_espresso_and_topk(tmp_path):

@@ -3,7 +3,9 @@
 1. For ``profile_steps`` steps after one warm-up step the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
    fired, when backward ended and how long the step was.
-2. Then rank 0 measures the configured compressor's encode/decode cost on this device, builds the
+2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
+   which gives the per-message latency the cost model's alpha stands for on this cluster, and rank 0
+   measures the configured compressor's encode/decode cost on this device, builds the
    :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddlscale.comm.cost import parse_bandwidth, parse_time
+from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
@@ -33,6 +36,37 @@ from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.dense import DenseAllreduce
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT = "plan_profile.json", "plan.json", "plan.txt"
+MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
+PROBE_CALLS = 20
+
+
+def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int = PROBE_CALLS) -> dict[str, Any]:
+    """The alpha that makes the cost model predict small collectives as they run on ``group`` (every rank calls).
+
+    Times ``calls`` back-to-back allgathers and allreduces of one float — what a fusion group's size
+    exchange and a small group's payload cost — and divides each by its message steps in the model
+    ((n-1) for the ring allgather, 2(n-1) for the ring allreduce). On a real cluster that is the wire
+    latency plus the library's per-message overhead; on emulated machines sharing a host it also holds
+    the scheduling of their processes, which no configured alpha knows.
+    """
+    if world_size < 2:
+        return {"alpha_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0, "calls": 0}
+    one = torch.zeros(1)
+    gathered = [torch.zeros(1) for _ in range(world_size)]
+    timed = {}
+    for name, call in (("allgather", lambda: dist.all_gather(gathered, one, group=group)),
+                       ("allreduce", lambda: dist.all_reduce(one, group=group))):
+        call()  # warm
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        timed[name] = (time.perf_counter() - start) / calls
+    predict = {"allgather": lambda m: m.allgather(4, world_size, "ring"), "allreduce": lambda m: m.allreduce(4, world_size)}
+    zero, unit = (NetworkModel(bandwidth_bps, alpha, 1) for alpha in (0.0, 1.0))  # unit: per message step
+    alphas = [(timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero)) for k in timed]
+    return {"alpha_s": max(0.0, sum(alphas) / len(alphas)), "allgather_s": timed["allgather"],
+            "allreduce_s": timed["allreduce"], "calls": calls}
 
 
 def _hydra_run_dir() -> str | None:
@@ -54,7 +88,8 @@ class PlannedSync(CompressSync):
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
     profile_steps: dense steps measured before planning (after one warm-up step).
     network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
-        as the sparse backends take them.
+        as the sparse backends take them; ``network_latency: measured`` times small collectives on
+        the sync group before planning and takes the alpha that explains them (:func:`probe_latency`).
     gpus_per_machine: ranks per machine; above 1 hierarchical options exist (and machine groups
         are built at set-up).
     run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
@@ -78,6 +113,8 @@ class PlannedSync(CompressSync):
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         for key, value, parse in (("sync.network_bandwidth", network_bandwidth, parse_bandwidth),
                                   ("sync.network_latency", network_latency, parse_time)):
+            if value == MEASURED and key == "sync.network_latency":
+                continue
             try:
                 parse(value)
             except ValueError as exc:
@@ -90,6 +127,7 @@ class PlannedSync(CompressSync):
         self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
+        self.latency_requested = network_latency
         self.run_dir = run_dir if run_dir is not None else _hydra_run_dir()
         self.bench_budget_s = float(bench_budget_s)
         self.recorder = StepRecorder()
@@ -143,6 +181,8 @@ class PlannedSync(CompressSync):
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
+        if self.latency_requested == MEASURED:
+            self._measure_latency()
         message: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -168,6 +208,11 @@ class PlannedSync(CompressSync):
         self.recorder = StepRecorder()
         if hasattr(self, "params"):
             self.on_setup()
+
+    def _measure_latency(self) -> None:
+        """Every rank: time small collectives; rank 0's figures go into the profile's network."""
+        probe = probe_latency(self.comm.group, self.world_size, parse_bandwidth(self.network_config["bandwidth"]))
+        self.network_config.update(latency=f"{probe['alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         default = self.compressors["default"]
