@@ -215,7 +215,7 @@ def _espresso_steps(rank, world, bandwidth, latency="100us"):
             grads[name] *= 1.0 / world
             dist.all_reduce(grads[name])
         exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
-    return sync.computed.to_dict(), exact, sync.state_dict()["planned"], sync.build_profile().network
+    return sync.computed.to_dict(), exact, sync.state_dict()["planned"], dict(sync.network_config)
 
 
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
