@@ -161,7 +161,8 @@ def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[s
 
     profile = Profile.load(profile_path)
     if workers is not None:  # real machines: their own cores, the configured alpha
-        profile = replace(profile, world_size=workers, step_s=None, network={**profile.network, "latency": ALPHA})
+        profile = replace(profile, world_size=workers, step_s=None, network={**profile.network, "latency": ALPHA,
+                                                                                    "exchange_latency": ALPHA})
     model = cost_model(profile)
     option = configured_option(model, comm)
     units, end, rest = units_of(profile), profile.backward_end_s, profile.rest_s
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> None:
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
                            "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
-                           "profile_dense_step_ms": "", "planner_alpha_us": ""}
+                           "profile_dense_step_ms": "", "planner_alpha_us": "",
+                           "planner_exchange_alpha_us": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -245,7 +247,9 @@ def main(argv: list[str] | None = None) -> None:
                                    plan_options=" ".join(f"{k}x{labels.count(k)}" for k in sorted(set(labels))),
                                    profile_dense_step_ms=(plan["context"].get("measured_dense_step_s") or 0) * 1e3)
                         profile = run_dir / "plan_profile.json"
-                        row["planner_alpha_us"] = parse_time(json.loads(profile.read_text())["network"]["latency"]) * 1e6
+                        network = json.loads(profile.read_text())["network"]
+                        row["planner_alpha_us"] = parse_time(network["latency"]) * 1e6
+                        row["planner_exchange_alpha_us"] = parse_time(network["exchange_latency"]) * 1e6
                         model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
                         model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
                     rows.append(row)
@@ -309,11 +313,13 @@ def main(argv: list[str] | None = None) -> None:
                            f"({', '.join(f'{a:.2f}' for a in p['achieved_gbps'])} Gbit/s per machine)"
                            + (" - this host cannot sustain it" if p["fraction"] < 0.9 else "")
                            for bw, p in probes.items())
-    alphas = {bw: [r["planner_alpha_us"] for r in rows if r["bandwidth"] == bw and r["planner_alpha_us"] != ""]
-              for bw in bandwidths}
-    planner = ", ".join(f"{bw}: {int(planner_network(bw)[0]) / 1e9:.3f} Gbit/s, measured alpha "
-                        f"{statistics.median(a) if a else float('nan'):.0f} us (runs {min(a or [0]):.0f}-{max(a or [0]):.0f})"
-                        for bw, a in alphas.items())
+    def measured(bw: str, key: str) -> str:
+        a = [r[key] for r in rows if r["bandwidth"] == bw and r[key] != ""]
+        return f"{statistics.median(a):.0f} us (runs {min(a):.0f}-{max(a):.0f})" if a else "-"
+
+    planner = ", ".join(f"{bw}: {int(planner_network(bw)[0]) / 1e9:.3f} Gbit/s, measured alpha of allreduce "
+                        f"{measured(bw, 'planner_alpha_us')}, of allgather and other exchanges "
+                        f"{measured(bw, 'planner_exchange_alpha_us')}" for bw in bandwidths)
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}

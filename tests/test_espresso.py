@@ -1,6 +1,7 @@
 """Espresso: near brute force on small instances, never worse than uniform plans, fast on 300
 tensors; the cost of an option; profiles; the plan tool; sync=espresso in a run."""
 
+import dataclasses
 import itertools
 import json
 import random
@@ -230,12 +231,24 @@ def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():
     assert plan0 == plan1 and all(exact) and all(exact1)
     probe = network["latency_probe"]
     assert probe["calls"] > 0 and probe["allgather_s"] > 0 and probe["allreduce_s"] > 0
-    alpha = parse_time(network["latency"])
-    assert alpha == pytest.approx(probe["alpha_s"], rel=1e-3, abs=1e-7)
-    # One alpha for both collectives: the model over-predicts one of them at most as much as it under-predicts the other.
-    model = NetworkModel(parse_bandwidth("1gbit"), probe["alpha_s"], 1)
-    errors = [model.allgather(4, 2, "ring") - probe["allgather_s"], model.allreduce(4, 2) - probe["allreduce_s"]]
-    assert min(errors) <= 1e-7 and max(errors) >= -1e-7
+    assert parse_time(network["latency"]) == pytest.approx(probe["allreduce_alpha_s"], rel=1e-3, abs=1e-7)
+    assert parse_time(network["exchange_latency"]) == pytest.approx(probe["exchange_alpha_s"], rel=1e-3, abs=1e-7)
+    # Each alpha makes the model reproduce its collective's measured time.
+    reduce = NetworkModel(parse_bandwidth("1gbit"), probe["allreduce_alpha_s"], 1)
+    exchange = NetworkModel(parse_bandwidth("1gbit"), probe["exchange_alpha_s"], 1)
+    assert reduce.allreduce(4, 2) == pytest.approx(probe["allreduce_s"], rel=1e-6)
+    assert exchange.allgather(4, 2, "ring") == pytest.approx(probe["allgather_s"], rel=1e-6)
+
+
+def test_an_exchange_latency_prices_allgather_and_not_allreduce():
+    profile, base = _model()
+    slow = dataclasses.replace(profile, network={**profile.network, "exchange_latency": "5ms"})
+    exchange = CostModel(slow, {"none": NoCompression(), "default": TopK(ratio=0.01)})
+    unit = units_of(profile)[0]
+    gather = Option("default", "allgather")
+    assert exchange.costs(unit, DENSE) == base.costs(unit, DENSE)
+    # direct allgather of 4 ranks: (n-1) exchange steps, each now 5 ms instead of 50 us
+    assert exchange.costs(unit, gather)[1] == pytest.approx(base.costs(unit, gather)[1] + 3 * (5e-3 - 50e-6))
 
 
 def _hierarchical_steps(rank, world):

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.cost import NetworkModel, parse_time
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
 from ddlscale.plan.fit import CostFit
@@ -124,6 +124,10 @@ class CostModel:
         # Hierarchical: k inter-machine groups run at once, one per local rank: each gets 1/k of the NIC.
         self.across = NetworkModel(self.network.bandwidth_bps / self.k, self.network.latency_s, 1,
                                    efficiency=self.network.efficiency)
+        # Allgather and the other exchanges may pay another per-message latency than allreduce does
+        # (a measured profile has both: sync.network_latency=measured).
+        exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
+        self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
         self._cache: dict[tuple, tuple[float, float, float]] = {}
 
     # -- the option space ------------------------------------------------------------------------
@@ -196,12 +200,12 @@ class CostModel:
             return 0.0, 0.0, 0.0
         dense_bytes = unit.numel * _element_size(unit.dtype)
         encode = comm = decode = 0.0
-        numel, shape, ranks, across = unit.numel, unit.shape, n, net
+        numel, shape, ranks, across = unit.numel, unit.shape, n, net if option.scheme == "allreduce" else self.exchange
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
             numel, shape, ranks = -(-unit.numel // k), None, n // k
-            across = self.across
+            across = self.across if option.scheme == "allreduce" else self.exchange_across
         enc, dec = self._fits(option)
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).

@@ -140,10 +140,11 @@ class StepRecorder:
         self._current, self._backward_end = {}, None
 
     def summary(self, order: Sequence[int], warmup: int = 1) -> dict[str, Any]:
-        """Mean ready times in ``order`` (made non-decreasing), backward end, rest of the step.
+        """Median ready times in ``order`` (made non-decreasing), backward end, rest of the step.
 
-        The first ``warmup`` steps are not averaged (allocator and thread-pool warm-up); each
-        measured step needs the previous one's end for its period. A tensor whose hook never fired
+        The first ``warmup`` steps are not measured (allocator and thread-pool warm-up); each
+        measured step needs the previous one's end for its period. Medians, not means: a few
+        profiled steps on a busy host often hold one that is several times slower. A tensor whose hook never fired
         is ready at backward end (the backend zero-fills it then).
         """
         measured = [k for k in range(max(1, warmup), len(self.steps)) if self.steps[k]["ready"]]
@@ -161,12 +162,12 @@ class StepRecorder:
             ends.append(backward)
             periods.append(period)
             rests.append(max(0.0, period - (step["end"] - start)))
-        backward_end = statistics.fmean(ends)
+        backward_end = statistics.median(ends)
         ready_s, latest = [], 0.0
         for i in order:  # backward order is the order the hooks fire: keep the times monotone
-            latest = min(backward_end, max(latest, statistics.fmean(ready[i])))
+            latest = min(backward_end, max(latest, statistics.median(ready[i])))
             ready_s.append(latest)
-        return {"ready_s": ready_s, "backward_end_s": backward_end, "rest_s": statistics.fmean(rests),
+        return {"ready_s": ready_s, "backward_end_s": backward_end, "rest_s": statistics.median(rests),
                 "step_s": statistics.median(periods), "steps": len(measured)}
 
 

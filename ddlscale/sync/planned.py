@@ -41,16 +41,19 @@ PROBE_CALLS = 20
 
 
 def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int = PROBE_CALLS) -> dict[str, Any]:
-    """The alpha that makes the cost model predict small collectives as they run on ``group`` (every rank calls).
+    """The alphas that make the cost model predict small collectives as they run on ``group`` (every rank calls).
 
-    Times ``calls`` back-to-back allgathers and allreduces of one float — what a fusion group's size
-    exchange and a small group's payload cost — and divides each by its message steps in the model
-    ((n-1) for the ring allgather, 2(n-1) for the ring allreduce). On a real cluster that is the wire
-    latency plus the library's per-message overhead; on emulated machines sharing a host it also holds
-    the scheduling of their processes, which no configured alpha knows.
+    Times ``calls`` back-to-back allreduces and allgathers of one float — a small dense bucket, and a
+    compressed group's size exchange or small payload — and divides each by its message steps in the
+    model (2(n-1) for the ring allreduce, (n-1) for the ring allgather): ``allreduce_alpha_s`` and
+    ``exchange_alpha_s`` (for allgather and the other exchanges; gloo runs a tiny allgather several
+    times slower than a tiny allreduce). On a real cluster that is the wire latency plus the library's
+    per-message overhead; on emulated machines sharing a host it also holds the scheduling of their
+    processes, which no configured alpha knows.
     """
     if world_size < 2:
-        return {"alpha_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0, "calls": 0}
+        return {"allreduce_alpha_s": 0.0, "exchange_alpha_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0,
+                "calls": 0}
     one = torch.zeros(1)
     gathered = [torch.zeros(1) for _ in range(world_size)]
     timed = {}
@@ -64,8 +67,9 @@ def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int 
         timed[name] = (time.perf_counter() - start) / calls
     predict = {"allgather": lambda m: m.allgather(4, world_size, "ring"), "allreduce": lambda m: m.allreduce(4, world_size)}
     zero, unit = (NetworkModel(bandwidth_bps, alpha, 1) for alpha in (0.0, 1.0))  # unit: per message step
-    alphas = [(timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero)) for k in timed]
-    return {"alpha_s": max(0.0, sum(alphas) / len(alphas)), "allgather_s": timed["allgather"],
+    alpha = {k: max(0.0, (timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero))) for k in timed}
+    return {"allreduce_alpha_s": alpha["allreduce"], "exchange_alpha_s": alpha["allgather"],
+            "allgather_s": timed["allgather"],
             "allreduce_s": timed["allreduce"], "calls": calls}
 
 
@@ -212,7 +216,8 @@ class PlannedSync(CompressSync):
     def _measure_latency(self) -> None:
         """Every rank: time small collectives; rank 0's figures go into the profile's network."""
         probe = probe_latency(self.comm.group, self.world_size, parse_bandwidth(self.network_config["bandwidth"]))
-        self.network_config.update(latency=f"{probe['alpha_s'] * 1e6:.1f}us", latency_probe=probe)
+        self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
+                                   exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         default = self.compressors["default"]

@@ -119,6 +119,8 @@ def _network(args: argparse.Namespace, base: dict) -> dict:
             except ValueError as exc:
                 raise ValueError(f"--{key}: {exc}") from None
             out[key] = value
+            if key == "latency":
+                out.pop("exchange_latency", None)  # a measured exchange alpha belongs to the profiled cluster
     if args.gpus_per_machine is not None:
         if args.gpus_per_machine < 1:
             raise ValueError(f"--gpus-per-machine must be >= 1, got {args.gpus_per_machine}")
