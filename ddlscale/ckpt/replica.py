@@ -5,7 +5,7 @@ One TCP connection per (sender, agent). Every request is a fixed header ``(op, v
 version the agent must keep), any number of ``DATA`` chunks (no reply, so chunks stream), and
 ``END`` with the sender's checksum (``"crc32:..."``) — the agent checks what it holds and answers
 whether they match.
-Only then is the replica complete. ``GET`` returns a complete replica; ``VERIFY`` re-hashes one;
+Only then is the replica complete. ``GET`` returns a complete replica; ``VERIFY`` checks one again;
 ``STAT`` lists what an agent holds; ``CORRUPT`` flips one byte (fault injection for tests).
 """
 

@@ -8,8 +8,8 @@ forward, error feedback in backward, RNG, loop counters) is copied at capture.
 
 A :class:`Snapshot` is therefore a small ``skeleton`` (the payload with each large tensor replaced by
 a :class:`TensorSlot` and each small one by an :class:`InlineTensor`, pickled) followed by the
-tensors' raw bytes in order. :func:`rebuild` turns the
-received stream back into the payload, bit for bit.
+tensors' raw bytes in order. :func:`rebuild` turns the received stream back into the payload, bit
+for bit.
 """
 
 from __future__ import annotations
