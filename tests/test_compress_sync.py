@@ -68,6 +68,32 @@ def test_hierarchical_and_bucketed_identity_equal_dense(comm):
                     assert torch.equal(got[name], oracle[name]), (comm, fusion, name)
 
 
+def _dense_path(rank, world):
+    params = _params()
+    plan = Plan(default=TensorPlan("none", "allreduce"), tensors={"b": TensorPlan("default", "allgather")})
+    sync = CompressSync(TopK(ratio=0.5), plan=plan, memory="residual")
+    sync.setup(params)
+    grads = _grads(rank)
+    got, stats = _sync_once(sync, params, grads)
+    oracle = {name: g * (1.0 / world) for name, g in grads.items()}
+    for t in oracle.values():
+        dist.all_reduce(t)
+    buffers = {sync.names[i]: b.buffer for b in sync.buckets for i in b.members}
+    in_place = {name: p.grad.untyped_storage().data_ptr() == buffers[name].untyped_storage().data_ptr()
+                for name, p in params}
+    return got, oracle, {name: sync.memory.residual(name) is not None for name in SHAPES}, in_place
+
+
+def test_uncompressed_allreduce_groups_take_dense_allreduces_own_path():
+    """No copies and no residual of zeros for a lossless flat allreduce group; the compressed group
+    keeps its error feedback. Results equal dense allreduce bit for bit."""
+    for got, oracle, has_residual, in_place in run_workers(_dense_path, 2):
+        for name in ("a", "c"):
+            assert torch.equal(got[name], oracle[name]), name
+        assert has_residual == {"a": False, "b": True, "c": False}
+        assert in_place == {"a": True, "b": True, "c": True}  # every gradient is a view of its bucket
+
+
 def _lossy_allgather(rank, world):
     params = _params()
     sync = CompressSync(TopK(ratio=0.1), comm="allgather", memory="none")

@@ -87,6 +87,20 @@ def test_any_ranks_context_decodes_any_ranks_payload(name):
         assert torch.equal(a.decompress(ca.with_payload(cb.payload)), b.decompress(cb)), step
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_context_without_data_decodes_like_the_senders(name):
+    """A receiver's ``context`` (no data of its own) decodes the sender's payload exactly and keeps
+    the per-name step in line with a rank that compressed."""
+    params = {"seed": 5} if name == "randomk" else {}
+    sender, receiver = make(name, **params), make(name, **params)
+    gen = torch.Generator().manual_seed(16)
+    for step in range(3):
+        sent = sender.compress(torch.randn(24, 20, generator=gen), "w")
+        ctx = receiver.context((24, 20), torch.float32, "w")
+        assert torch.equal(receiver.decompress(C.Compressed(sent.payload, ctx)), sender.decompress(sent)), step
+    assert receiver.state_dict()["steps"] == sender.state_dict()["steps"]
+
+
 # -- sparsifiers ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("n,ratio", [(1, 0.01), (7, 0.5), (1000, 0.01), (1027, 0.07), (5000, 1.0)])
 def test_topk_keeps_exactly_k_largest(n, ratio):

@@ -82,6 +82,13 @@ class Compressor:
         ctx = compressed.ctx
         return self.decode(compressed.payload, ctx).reshape(ctx.shape).to(ctx.dtype)
 
+    def context(self, shape: Shape, dtype: torch.dtype, name: str = "") -> Context:
+        """The Context any rank's :meth:`compress` of ``name`` gives at this step, without its data
+        (a receiver decoding a payload it did not compress), advancing ``name``'s step as
+        :meth:`compress` does. Compressing zeros gives it in general; a compressor whose context
+        holds no extra may answer without the work (override)."""
+        return self.compress(torch.zeros(shape, dtype=dtype), name).ctx
+
     def aggregate(self, items: Sequence[Compressed]) -> Compressed:
         """Elementwise sum of several ranks' payloads (what an allreduce would produce)."""
         if not self.summable:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from ddlscale.compress.base import (
+    Compressor,
     Context,
     Shape,
     check_ratio,
@@ -81,6 +82,8 @@ class RandomK(SparseCompressor):
             values = values * (flat.numel() / idx.numel())
         idx = idx.to(index_dtype(flat.numel()))
         return ([values], idx) if self.shared else ([values, idx], None)
+
+    context = Compressor.context  # shared indices live in the context: draw them
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
         return super().decode(payload if not self.shared else [payload[0], ctx.extra], ctx)

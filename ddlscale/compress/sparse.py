@@ -42,6 +42,12 @@ class SparseCompressor(Compressor):
         idx = self.select(flat, name)
         return [flat[idx], idx.to(index_dtype(flat.numel()))], None
 
+    def context(self, shape: Shape, dtype: torch.dtype, name: str = "") -> Context:
+        # Indices travel in the payload: the context is shape and dtype. (Selecting from zeros to
+        # learn that costs an exact top-k over the whole tensor: DGC's threshold passes everything.)
+        self._steps[name] = self._steps.get(name, 0) + 1
+        return Context(torch.Size([shape] if isinstance(shape, int) else shape), dtype, None)
+
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
         values, idx = payload
         out = values.new_zeros(ctx.numel)

@@ -25,7 +25,8 @@ The collectives are those :class:`~ddlscale.sync.compress.CompressSync` issues (
   groups, and an allgather inside the machine after backward (charged to decode).
 
 "Encode" and "decode" are the profiled per-group work of the executor (error feedback, compress,
-pack / unpack, decompress, sum), ``none`` included: an uncompressed group is not free either.
+pack / unpack, decompress, sum), ``none`` included where it is not free (hierarchical: error
+feedback on the reduced chunk); a flat uncompressed group runs as dense allreduce does, in place.
 
 Device: ``compute`` runs encode/decode on the training stream (TensorTask.encode_on_compute: GPU
 compression that delays backward; on a CPU-only host, the training thread, which is what
@@ -81,6 +82,7 @@ class Option:
 
 
 DENSE = Option("none", "allreduce")
+_FREE = CostFit()
 
 
 @dataclass(frozen=True)
@@ -206,7 +208,9 @@ class CostModel:
             decode += net.allgather(dense_bytes / k, k)
             numel, shape, ranks = -(-unit.numel // k), None, n // k
             across = self.across if option.scheme == "allreduce" else self.exchange_across
-        enc, dec = self._fits(option)
+        # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
+        # per group beyond the 1/n copy that the profiled backward already holds.
+        enc, dec = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
@@ -227,9 +231,11 @@ class CostModel:
             encode += ranks * enc(part) + sized * across.all_to_all(SIZE_BYTES, ranks)
             comm += across.all_to_all(payload, ranks)
             comm += sized * _allgather(across, SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
-            # Sum n pieces, re-encode the sum, encode zeros for each other partition's context
-            # (CompressSync's rank-independent contexts), decode the n gathered sums.
-            decode += 2 * ranks * dec(part) + ranks * enc(part)
+            # Sum n pieces, re-encode the sum, decode the n gathered sums — each other partition's
+            # with a context built without data (Compressor.context: compressing zeros, unless the
+            # compressor knows it from shape and dtype alone).
+            contexts = ranks - 1 if comp is not None and type(comp).context is Compressor.context else 0
+            decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
         elif scheme == "gather":
             payload = self._payload(unit, option, numel, shape)
             encode += enc(numel) + sized * _allgather(across, SIZE_BYTES, ranks)

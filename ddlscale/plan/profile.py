@@ -182,12 +182,13 @@ def size_grid(largest: int, smallest: int = 256, cap: int = 1 << 22) -> list[int
     return [*sizes, top]
 
 
-def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50) -> float:
-    """Median seconds per call over up to ``max_calls`` calls filling about ``budget_s``."""
+def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50, min_calls: int = 3) -> float:
+    """Median seconds per call over ``min_calls`` to ``max_calls`` calls filling about ``budget_s``
+    (at least three: one call of a large size is as likely to be an outlier as not)."""
     fn()  # warm-up
     times: list[float] = []
     deadline = time.perf_counter() + budget_s
-    while len(times) < max_calls and (not times or time.perf_counter() < deadline):
+    while len(times) < max_calls and (len(times) < min_calls or time.perf_counter() < deadline):
         start = time.perf_counter()
         fn()
         if device.type == "cuda":

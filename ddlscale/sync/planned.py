@@ -4,8 +4,9 @@
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
    fired, when backward ended and how long the step was.
 2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
-   which gives the per-message latency the cost model's alpha stands for on this cluster, and rank 0
-   measures the configured compressor's encode/decode cost on this device, builds the
+   which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
+   measures the configured compressor's encode/decode cost on its device at the same time (as they
+   compress in training, contending for whatever they share), and rank 0 builds the
    :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
@@ -30,7 +31,7 @@ from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
-from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
+from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, profile_compressor
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.dense import DenseAllreduce
@@ -187,10 +188,13 @@ class PlannedSync(CompressSync):
     def _plan_and_switch(self) -> None:
         if self.latency_requested == MEASURED:
             self._measure_latency()
+        # Every rank at once, so the measured costs carry the contention training runs under (on
+        # emulated machines sharing cores, several times the cost measured alone); rank 0's are used.
+        costs = self.profile_compressors()
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                profile = self.build_profile()
+                profile = self.build_profile(costs)
                 plan = self.compute_plan(profile, CostModel(profile, self._planning_compressors()))
                 self._save(profile, plan)
                 message = [plan.to_dict()]
@@ -224,8 +228,15 @@ class PlannedSync(CompressSync):
         return {"none": self.compressors["none"]} if default.name == "none" else {
             "none": self.compressors["none"], "default": default}
 
-    def build_profile(self) -> Profile:
-        """This rank's measurements as a Profile (measures compressor costs: call on one rank)."""
+    def profile_compressors(self) -> dict[str, CompressorProfile]:
+        """The planning compressors' per-group costs on this rank's device, up to everything fused."""
+        total = sum(p.numel() for p in self.params)  # Cupcake may fuse everything into one buffer
+        return {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.memory)
+                for key, comp in self._planning_compressors().items()}
+
+    def build_profile(self, compressors: dict[str, CompressorProfile] | None = None) -> Profile:
+        """This rank's measurements as a Profile (``compressors``: from :meth:`profile_compressors`,
+        measured now when not given)."""
         order = list(self.backward_order)
         summary = self.recorder.summary(order, warmup=1)
         default = self.compressors["default"]
@@ -241,9 +252,8 @@ class PlannedSync(CompressSync):
                 kept["default"] = probe.compress(grad, f"probe/{self.names[i]}").payload[0].numel() / max(1, p.numel())
             tensors.append(TensorProfile(self.names[i], p.numel(), tuple(p.shape), str(p.dtype),
                                          summary["ready_s"][position], kept))
-        total = sum(t.numel for t in tensors)  # Cupcake may fuse everything into one buffer
-        compressors = {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.memory)
-                       for key, comp in self._planning_compressors().items()}
+        if compressors is None:
+            compressors = self.profile_compressors()
         return Profile(tensors, summary["backward_end_s"], summary["rest_s"], self.world_size,
                        dict(self.network_config), compressors, str(self.device), summary["step_s"],
                        summary["steps"])

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
@@ -32,13 +33,15 @@ MEMORIES = {"none": Memory, "residual": ResidualMemory, "decayed": DecayedMemory
 
 @dataclass
 class _Flight:
-    """A launched group: its job, its scheme and what error feedback needs at the end."""
+    """A launched group: its job, its scheme and what error feedback needs at the end — or, for a
+    group on dense allreduce's own path, only its pending allreduce."""
 
-    job: Job
+    job: Job | None
     scheme: Any
-    compensated: torch.Tensor
+    compensated: torch.Tensor | None
     key: str
     hierarchical: bool
+    pending: Pending | None = None
 
 
 class CompressSync(DenseAllreduce):
@@ -130,9 +133,21 @@ class CompressSync(DenseAllreduce):
             bucket.pending = True  # marks "launched" for DenseAllreduce's double-ready check
             self._next_launch += 1
 
+    def _dense_path(self, b: int, key: str) -> bool:
+        """Whether group ``b`` is plain allreduce of what it holds: no compression, flat, a dtype error
+        feedback would not widen, no residual left to add. It then runs exactly as DenseAllreduce
+        does — in place in the bucket — instead of paying for a copy, a residual of zeros and a copy
+        back (measured: +15% step time on the cnn for a plan that compresses nothing)."""
+        choice, buffer = self._choices[b], self.buckets[b].buffer
+        return (isinstance(self.compressors[choice.compressor], NoCompression) and choice.scheme == "allreduce"
+                and not (choice.hierarchical and self.intra is not None)
+                and buffer.dtype in (torch.float32, torch.float64) and self.memory.residual(key) is None)
+
     def _start(self, b: int) -> _Flight:
         bucket, choice = self.buckets[b], self._choices[b]
         key = "+".join(self.names[i] for i in bucket.members)
+        if self._dense_path(b, key):
+            return _Flight(None, None, None, key, False, self.comm.allreduce(bucket.buffer))
         comm, tensor = self.comm, bucket.buffer
         hierarchical = choice.hierarchical and self.intra is not None
         with self.timed("encode"):
@@ -160,12 +175,16 @@ class CompressSync(DenseAllreduce):
         for b, bucket in enumerate(self.buckets):
             flight = self._flights[b]
             with self.timed("comm"):
-                total = flight.scheme.finish(flight.job)
-                if flight.hierarchical:
-                    total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
+                if flight.job is None:
+                    flight.pending.wait()  # the sum is in the bucket already
+                else:
+                    total = flight.scheme.finish(flight.job)
+                    if flight.hierarchical:
+                        total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
             with self.timed("decode"):
-                self.memory.update(flight.key, flight.compensated, flight.job.local)
-                bucket.buffer.copy_(total[: bucket.buffer.numel()])
+                if flight.job is not None:
+                    self.memory.update(flight.key, flight.compensated, flight.job.local)
+                    bucket.buffer.copy_(total[: bucket.buffer.numel()])
                 for slot, i in enumerate(bucket.members):
                     self._write_grad(i, bucket.views[slot])
             bucket.filled.clear()

@@ -181,8 +181,8 @@ class AllToAll(Scheme):
         sizes = volume.even_split(job.tensor.numel(), comm.size)
         out = []
         for j, piece in enumerate(gathered):
-            like = summed if j == comm.rank else _context_of(compressor, sizes[j], partial.dtype, f"{job.name}/{j}/sum")
-            out.append(compressor.decompress(like.with_payload(wire.unpack(piece))).reshape(-1))
+            ctx = summed.ctx if j == comm.rank else compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum")
+            out.append(compressor.decompress(Compressed(wire.unpack(piece), ctx)).reshape(-1))
         return torch.cat(out)
 
 
@@ -214,16 +214,9 @@ class GatherBroadcast(Scheme):
         if comm.rank != 0:
             message = torch.empty(int(size), dtype=torch.uint8)
         comm.broadcast(message, src=0).wait()
-        if comm.rank != 0:
-            summed = _context_of(compressor, self.shaped(job).shape, job.tensor.dtype, f"{job.name}/sum")
-        return compressor.decompress(summed.with_payload(wire.unpack(message))).reshape(-1)
-
-
-def _context_of(compressor: Compressor, shape, dtype: torch.dtype, name: str) -> Compressed:
-    """The context another rank used to compress ``name``: compressing zeros under the same name
-    and step gives the same rank-independent extras (shared-seed indices) and keeps this rank's
-    per-name step counters in line with the compressing rank's."""
-    return compressor.compress(torch.zeros(shape, dtype=dtype), name)
+        ctx = summed.ctx if comm.rank == 0 else compressor.context(self.shaped(job).shape, job.tensor.dtype,
+                                                                   f"{job.name}/sum")
+        return compressor.decompress(Compressed(wire.unpack(message), ctx)).reshape(-1)
 
 
 SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast)}
