@@ -1,14 +1,16 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 30]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 40]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
 ``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
 error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
-machine. Measured: rank 0's median step time over the steps after the plan took effect (the planned
-syncs profile dense for the first steps), the same steps for every method. The planners are told
+machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
+dense's run 1 + 3 steps each and the fastest on rank 0 is kept. Measured: rank 0's median step time
+over the steps after that (the planned syncs profile dense for the first steps), the same steps for
+every method. The planners are told
 the NIC's TCP payload rate and measure the per-message latency themselves
 (``sync.network_latency=measured``: small collectives timed on the sync group before planning, which
 on emulated machines sharing 2 cores is mostly process scheduling); their predicted iteration time
@@ -42,7 +44,10 @@ MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor
 PLANNED = ("cupcake", "espresso")
 METHODS = ("dense", "layerwise", *PLANNED)
 PROFILE_STEPS = 6  # 1 warm-up + 6 profiled dense steps, then the plan (3, the default, is noisy on this shared host)
-FIRST_MEASURED = PROFILE_STEPS + 2  # skip the first planned step too (it rebuilds the groups)
+TRIAL_STEPS = 3  # espresso then runs its, Cupcake's and dense's plans 1 + 3 steps each and keeps the fastest
+CANDIDATES = 3
+# Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
+FIRST_MEASURED = 1 + PROFILE_STEPS + CANDIDATES * (1 + TRIAL_STEPS) + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -118,6 +123,8 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
         bw, latency = planner_network(bandwidth)
         out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
                 f"sync.profile_steps={PROFILE_STEPS}", "sync.gpus_per_machine=1"]
+    if method == "espresso":
+        out.append(f"sync.trial_steps={TRIAL_STEPS}")
     return out
 
 
@@ -134,28 +141,11 @@ def window_median(steps: list[dict[str, float]], key: str) -> float:
 
 
 # -- the cost model's view of the four methods -------------------------------------------------------
-def ddp_buckets(units: list, first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> list:
-    """sync=dense's groups (DDP's rule): fill in backward order, close a bucket at its cap."""
-    import torch
-
-    from ddlscale.plan.cost import fuse
-
-    groups, size = [], float("inf")
-    for unit in units:
-        cap = first_bytes if len(groups) == 1 else bucket_bytes
-        if size >= cap or groups[-1][-1].dtype != unit.dtype:
-            groups.append([])
-            size = 0
-        groups[-1].append(unit)
-        size += unit.numel * torch.empty((), dtype=getattr(torch, unit.dtype.removeprefix("torch."))).element_size()
-    return [fuse(g) for g in groups]
-
-
 def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
     """Predicted iteration time of each method from a saved profile (optionally at another size)."""
     from ddlscale.cluster.emulated import ALPHA
-    from ddlscale.plan.cost import DENSE, units_of
-    from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
+    from ddlscale.plan.cost import units_of
+    from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, dense_plan, espresso_plan
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import uniform_time
 
@@ -166,7 +156,7 @@ def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[s
     model = cost_model(profile)
     option = configured_option(model, comm)
     units, end, rest = units_of(profile), profile.backward_end_s, profile.rest_s
-    return {"dense": uniform_time(ddp_buckets(units), DENSE, model, end, rest),
+    return {"dense": dense_plan(profile, model).iteration_s,
             "layerwise": uniform_time(units, option, model, end, rest),
             "cupcake": cupcake_plan(profile, model, option).iteration_s,
             "espresso": espresso_plan(profile, model, cupcake_option=option).iteration_s}
@@ -179,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     args = parser.parse_args(argv)
     if args.steps < FIRST_MEASURED + 3:
@@ -235,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
                            "bytes_sent_per_step": window_median(steps, "bytes_sent"),
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
                            "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
-                           "predicted_ms": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
+                           "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
                            "planner_exchange_alpha_us": ""}
                     if method in PLANNED:
@@ -243,6 +233,7 @@ def main(argv: list[str] | None = None) -> None:
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
                                   for o in plan["options"]]
                         row.update(predicted_ms=plan["iteration_s"] * 1e3, plan_fusion=plan["fusion"],
+                                   plan_kept=plan["context"].get("candidate", method),
                                    plan_units=len(plan["units"]),
                                    plan_options=" ".join(f"{k}x{labels.count(k)}" for k in sorted(set(labels))),
                                    profile_dense_step_ms=(plan["context"].get("measured_dense_step_s") or 0) * 1e3)
@@ -291,8 +282,10 @@ def main(argv: list[str] | None = None) -> None:
                                   record[f"projected_{PROJECT_TO}_speedup_vs_dense"]])
                 best = min(("dense", "layerwise", "cupcake"), key=lambda m: stats[m][0])
                 esp, other = stats["espresso"], stats[best]
+                kept = [r["plan_kept"] for r in runs[(bw, workload, comp, "espresso")]]
                 targets.append({
                     "case": f"{bw} {workload} {comp}", "best other": best,
+                    "espresso kept": " / ".join(k.split(" ")[0] for k in kept),
                     "espresso / best": esp[0] / other[0],
                     "espresso ok": esp[0] <= other[0] or esp[1] <= other[2],  # faster, or the ranges overlap
                     "cupcake / layer-wise": stats["cupcake"][0] / stats["layerwise"][0],
@@ -300,14 +293,14 @@ def main(argv: list[str] | None = None) -> None:
                     "pred err espresso": models["espresso"][0] / stats["espresso"][0] - 1})
     results.write_csv(summary_rows, "results.csv")
 
-    target_lines = ["| case | best other | Espresso / best | Espresso target | Cupcake / layer-wise | "
-                    "predicted vs measured: Cupcake | Espresso |", "|---|---|---|---|---|---|---|"]
+    target_lines = ["| case | best other | Espresso kept (per rep) | Espresso / best | Espresso target | Cupcake / layer-wise | "
+                    "predicted vs measured: Cupcake | Espresso |", "|---|---|---|---|---|---|---|---|"]
     for t in targets:
         cupcake = f"{t['cupcake / layer-wise']:.2f}" + (
             (" (met)" if t["cupcake / layer-wise"] < 1 else " (MISSED)") if " cnn " in f" {t['case']} " else "")
         errs = [f"{t[k]:+.0%}" + ("" if abs(t[k]) <= 0.15 else " (MISSED)") for k in ("pred err cupcake",
                                                                                     "pred err espresso")]
-        target_lines.append(f"| {t['case']} | {t['best other']} | {t['espresso / best']:.2f} | "
+        target_lines.append(f"| {t['case']} | {t['best other']} | {t['espresso kept']} | {t['espresso / best']:.2f} | "
                             f"{'met' if t['espresso ok'] else 'MISSED'} | {cupcake} | {errs[0]} | {errs[1]} |")
     probe_text = "; ".join(f"{bw}: {p['fraction']:.0%} of the {p['payload_gbps']:.2f} Gbit/s TCP payload rate "
                            f"({', '.join(f'{a:.2f}' for a in p['achieved_gbps'])} Gbit/s per machine)"
@@ -323,16 +316,18 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
-profiled steps, then plan; the first planned step rebuilds the groups), median (min-max) over {args.reps}
+profiled steps, then plan; espresso then tries up to {CANDIDATES} plans for 1 + {TRIAL_STEPS} steps each and keeps
+the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 {", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}. Layer-wise = sync=compress (every tensor
 compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.
 
-*predicted*: for cupcake/espresso the plan's own predicted iteration time (plan.json), for dense and
+*predicted*: for cupcake/espresso the kept plan's own predicted iteration time (plan.json), for dense and
 layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
-The planners assumed: {planner}. The model leaves out that all emulated
-machines share this host's cores (messages cost host CPU), and a profile comes from one rank's few dense
-steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
+The planners assumed: {planner}. Compression costs are measured on every
+rank at once, under the contention training runs in; the model still leaves out that messages cost host
+CPU and that a blocking size exchange (dgc) waits for the slowest rank, and a profile comes from one
+rank's few dense steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
 host's compute and compression speed, so it says what the plans do with more workers, not what a GPU
 cluster would run at).
 

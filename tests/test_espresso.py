@@ -240,6 +240,47 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
     assert all(exact) and all(exact1)
 
 
+def _trial_steps(rank, world, steps, state=None):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit",
+                        run_dir=None, trial_steps=2)
+    sync.setup(params)
+    if state is not None:
+        sync.load_state_dict(state)
+    exact, layouts, saved = [], [], None
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+        for name, p in reversed(params):
+            p.grad = grads[name].clone()
+            sync.grad_ready(p)
+        sync.finish_step()
+        for name in grads:
+            grads[name] *= 1.0 / world
+            dist.all_reduce(grads[name])
+        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+        layouts.append(None if sync.computed is None else sync.computed.context.get("candidate"))
+        if step == 4:
+            saved = sync.state_dict()
+    return sync.computed.to_dict(), exact, layouts, sync.trial, saved
+
+
+def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_rank():
+    (plan0, exact, layouts, trial, saved), (plan1, exact1, _, _, _) = run_workers(_trial_steps, 2, 12)
+    assert plan0 == plan1 and trial is None and all(exact) and all(exact1)
+    tried = plan0["context"]["trial_step_s"]
+    assert len(tried) >= 2 and plan0["context"]["candidate"] == min(tried, key=tried.get)
+    assert "checked on the cluster" in plan0["notes"][-1]
+    # warm-up + 1 profiled step dense, then 1 settling + 2 measured steps per candidate, in order.
+    assert layouts[:2] == [None, "espresso search"]
+    assert layouts[2:4] == ["espresso search"] * 2 and layouts[4] != "espresso search"
+    # A checkpoint taken mid-trial resumes the trial on the same candidate and finishes it.
+    assert saved["trial"] is not None and saved["trial"]["index"] == 1
+    (again, exact2, layouts2, trial2, _), _ = run_workers(_trial_steps, 2, 8, saved)
+    assert trial2 is None and all(exact2) and layouts2[0] == layouts[4]
+    assert again["context"]["candidate"] in tried and "checked on the cluster" in again["notes"][-1]
+
+
 def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():
     (plan0, exact, _, network), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, "1gbit", "measured")
     assert plan0 == plan1 and all(exact) and all(exact1)
@@ -299,6 +340,8 @@ def test_bad_config_names_the_key():
         EspressoSync(TopK(), offload="yes")
     with pytest.raises(ValueError, match="sync.network_latency"):
         EspressoSync(TopK(), network_latency="soon")
+    with pytest.raises(ValueError, match="sync.trial_steps"):
+        EspressoSync(TopK(), trial_steps=-1)
     EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
 
 

@@ -187,7 +187,7 @@ class CostModel:
     def _payload(self, unit: Unit, option: Option, numel: int, shape: tuple[int, ...] | None) -> float:
         """Bytes of one packed payload of ``numel`` elements of the unit (its real kept fraction)."""
         if not option.compressed:
-            return numel * _element_size(unit.dtype)  # the gradient itself (NoCompression's payload)
+            return numel * element_size(unit.dtype)  # the gradient itself (NoCompression's payload)
         comp = self.compressors[option.compressor]
         dtype = _dtype(unit.dtype)
         kept = None
@@ -200,7 +200,7 @@ class CostModel:
         n, k, net = self.n, self.k, self.network
         if n == 1:
             return 0.0, 0.0, 0.0
-        dense_bytes = unit.numel * _element_size(unit.dtype)
+        dense_bytes = unit.numel * element_size(unit.dtype)
         encode = comm = decode = 0.0
         numel, shape, ranks, across = unit.numel, unit.shape, n, net if option.scheme == "allreduce" else self.exchange
         if option.hierarchical:
@@ -267,7 +267,8 @@ def _dtype(name: str) -> torch.dtype:
 
 
 @functools.cache
-def _element_size(name: str) -> int:
+def element_size(name: str) -> int:
+    """Bytes per element of a dtype named as a profile names it (``torch.float32``)."""
     return torch.empty((), dtype=_dtype(name)).element_size()
 
 

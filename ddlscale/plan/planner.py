@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 
 from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
-from ddlscale.plan.cost import DENSE, CostModel, Option, units_of
+from ddlscale.plan.cost import DENSE, CostModel, Option, Unit, element_size, fuse, units_of
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
 from ddlscale.plan.profile import Profile
@@ -77,6 +78,34 @@ def _baselines(profile: Profile, model: CostModel, option: Option) -> dict[str, 
     if option.compressed:
         out[f"layer-wise {_label(model, option)}"] = uniform(option)
     return out
+
+
+def ddp_buckets(units: list[Unit], first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> list[Unit]:
+    """sync=dense's groups (DDP's rule): fill in backward order, close a bucket once it reaches its cap
+    (the first one smaller), never mix dtypes."""
+    groups: list[list[Unit]] = []
+    size = float("inf")
+    for unit in units:
+        cap = first_bytes if len(groups) == 1 else bucket_bytes
+        if size >= cap or groups[-1][-1].dtype != unit.dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append(unit)
+        size += unit.numel * element_size(unit.dtype)
+    return [fuse(g) for g in groups]
+
+
+def dense_plan(profile: Profile, model: CostModel, first_bytes: float = 1 << 20,
+               bucket_bytes: float = 25 << 20) -> CompressionPlan:
+    """Dense allreduce in DDP's buckets, as a plan: what sync=dense runs, priced by the same model."""
+    units = ddp_buckets(units_of(profile), first_bytes, bucket_bytes)
+    options = [DENSE] * len(units)
+    tasks = [model.task(u, DENSE) for u in units]
+    plan = CompressionPlan("dense", units, options, iteration_time(tasks, profile.backward_end_s, profile.rest_s),
+                           f"{len(units)} DDP buckets ({first_bytes / 2**20:g} MiB first, then "
+                           f"{bucket_bytes / 2**20:g} MiB)", [0.0] * len(units), context=_context(profile, model))
+    plan.notes = _notes(profile, plan)
+    return plan
 
 
 def cupcake_plan(profile: Profile, model: CostModel, option: Option) -> CompressionPlan:

@@ -6,6 +6,10 @@ for every tensor one option — dense allreduce, or the configured compressor un
 (runs of equal options, or Cupcake's groups of the configured option) where the model says it is
 faster. The plan, with each tensor's predicted saving, is printed and saved as ``plan.txt``.
 
+With ``trial_steps`` > 0 (the config's default: 3) the plan is checked on the cluster before it is
+kept: Espresso's plan, Cupcake's and dense allreduce run a few steps each and the fastest measured
+stays (:class:`~ddlscale.sync.planned.PlannedSync`), so a cost-model error costs those steps only.
+
 ``offload`` runs Algorithm 2 (move some compressions to the CPU side device). CompressSync
 compresses on the training thread only, so offloaded choices are predictions of what a side stream
 would give, not what runs: off by default, and the plan says so when on.
@@ -14,7 +18,7 @@ would give, not what runs: off by default, and the plan says so when on.
 from __future__ import annotations
 
 from ddlscale.plan.cost import CostModel
-from ddlscale.plan.planner import configured_option, espresso_plan
+from ddlscale.plan.planner import configured_option, cupcake_plan, dense_plan, espresso_plan
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.planned import PlannedSync
@@ -39,3 +43,15 @@ class EspressoSync(PlannedSync):
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         option = configured_option(model, self.comm_scheme, self.hierarchical)
         return espresso_plan(profile, model, cupcake_option=option, offload=self.offload, fuse=self.fuse)
+
+    def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
+        """Espresso's plan, then the others it must never lose to: Cupcake's groups of the configured
+        option and dense allreduce in DDP's buckets."""
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        plans = {"espresso search": self.compute_plan(profile, model),
+                 f"cupcake groups of {option.label({'default': model.compressors['default'].name})}":
+                     cupcake_plan(profile, model, option),
+                 "dense, DDP buckets": dense_plan(profile, model, self.first_bucket_bytes, self.bucket_bytes)}
+        for label, plan in plans.items():
+            plan.context["candidate"] = label
+        return list(plans.values())

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,11 @@ class PlannedSync(CompressSync):
     run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
+    trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
+        the model's choice first) run on the cluster in turn for one settling step and ``trial_steps``
+        measured ones, and the plan with the lowest median step on rank 0 is kept, with the measured
+        and predicted times of every candidate in its notes. The model's errors then cost a few steps,
+        not the run.
     """
 
     system = "?"
@@ -108,7 +114,7 @@ class PlannedSync(CompressSync):
                  memory: Memory | str | None = "residual", memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, trial_steps: int = 0):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
@@ -128,6 +134,10 @@ class PlannedSync(CompressSync):
             raise ValueError(f"sync.network_bandwidth must be > 0, got {network_bandwidth!r}")
         if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
             raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
+        if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 0:
+            raise ValueError(f"sync.trial_steps must be an integer >= 0, got {trial_steps!r}")
+        self.trial_steps = trial_steps
+        self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -141,6 +151,10 @@ class PlannedSync(CompressSync):
     # -- what a subclass decides -------------------------------------------------------------------
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         raise NotImplementedError
+
+    def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
+        """The plans worth trying on the cluster when ``trial_steps`` > 0, the model's choice first."""
+        return [self.compute_plan(profile, model)]
 
     # -- phases ------------------------------------------------------------------------------------
     @property
@@ -177,6 +191,8 @@ class PlannedSync(CompressSync):
     def finish(self) -> None:
         if not self.profiling:
             super().finish()
+            if self.trial is not None:
+                self._trial_step()
             return
         self.recorder.backward_end()
         DenseAllreduce.finish(self)
@@ -195,17 +211,54 @@ class PlannedSync(CompressSync):
         if self.rank == 0:
             try:
                 profile = self.build_profile(costs)
-                plan = self.compute_plan(profile, CostModel(profile, self._planning_compressors()))
-                self._save(profile, plan)
-                message = [plan.to_dict()]
+                model = CostModel(profile, self._planning_compressors())
+                plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
+                self._save(plans[0], profile)
+                message = [[plan.to_dict() for plan in _distinct(plans)]]
             except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
                 message = [{"error": f"{type(exc).__name__}: {exc}"}]
+        self._broadcast(message)
+        if "error" in message[0]:
+            raise RuntimeError(f"sync={self.system}: planning failed on rank 0: {message[0]['error']}")
+        if len(message[0]) > 1:
+            self.trial = {"plans": message[0], "index": 0, "periods": [[] for _ in message[0]], "seen": 0,
+                          "last_end": None}
+        self.adopt(CompressionPlan.from_dict(message[0][0]))
+        if self.trial is not None:
+            self.trial["last_end"] = time.perf_counter()
+
+    def _broadcast(self, message: list[Any]) -> None:
         if self.world_size > 1:
             # One-off, outside the accounted traffic, like the backward order: set-up, not sync.
             dist.broadcast_object_list(message, src=self.comm._global(0), group=self.comm.group)
-        if "error" in message[0]:
-            raise RuntimeError(f"sync={self.system}: planning failed on rank 0: {message[0]['error']}")
-        self.adopt(CompressionPlan.from_dict(message[0]))
+
+    def _trial_step(self) -> None:
+        """After each step on trial: time it, move to the next candidate, or keep the fastest."""
+        trial, now = self.trial, time.perf_counter()
+        trial["seen"] += 1
+        if trial["seen"] > 1 and trial["last_end"] is not None:  # the first step on new groups settles
+            trial["periods"][trial["index"]].append(now - trial["last_end"])
+        trial["last_end"] = now
+        if len(trial["periods"][trial["index"]]) < self.trial_steps:
+            return
+        trial["index"] += 1
+        trial["seen"] = 0
+        if trial["index"] < len(trial["plans"]):
+            self.adopt(CompressionPlan.from_dict(trial["plans"][trial["index"]]))
+            return
+        measured = [[statistics.median(p) for p in trial["periods"]]]
+        self._broadcast(measured)  # rank 0's clock decides for everyone
+        medians = measured[0]
+        plans = [CompressionPlan.from_dict(d) for d in trial["plans"]]
+        checked = ", ".join(f"{p.context.get('candidate', p.system)} {m * 1e3:.1f} ms (predicted "
+                            f"{p.iteration_s * 1e3:.1f})" for p, m in zip(plans, medians, strict=True))
+        kept = plans[min(range(len(medians)), key=medians.__getitem__)]
+        kept.notes.append(f"checked on the cluster, median of {self.trial_steps} steps each on rank 0: {checked}; "
+                          f"kept {kept.context.get('candidate', kept.system)}")
+        kept.context["trial_step_s"] = {p.context.get("candidate", p.system): m for p, m in zip(plans, medians, strict=True)}
+        self.trial = None
+        self.adopt(kept)
+        self._save(kept)
 
     def adopt(self, plan: CompressionPlan) -> None:
         """Execute ``plan`` from the next step on (rebuilds the groups)."""
@@ -258,21 +311,31 @@ class PlannedSync(CompressSync):
                        dict(self.network_config), compressors, str(self.device), summary["step_s"],
                        summary["steps"])
 
-    def _save(self, profile: Profile, plan: CompressionPlan) -> None:
+    def _save(self, plan: CompressionPlan, profile: Profile | None = None) -> None:
+        """Print ``plan`` and write it (with ``profile``, when given) into the run directory (rank 0)."""
+        if self.rank != 0:
+            return
         text = plan.describe()
-        print(f"ddlscale {self.system}: plan after {profile.steps} profiled steps\n{text}", flush=True)
+        when = f"after {profile.steps} profiled steps" if profile is not None else "kept after its trial"
+        print(f"ddlscale {self.system}: plan {when}\n{text}", flush=True)
         if self.run_dir is None:
             return
         out = Path(self.run_dir)
-        profile.save(out / PROFILE_FILE)
+        if profile is not None:
+            profile.save(out / PROFILE_FILE)
         (out / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
         (out / PLAN_TEXT).write_text(text + "\n")
 
     # -- checkpointed state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "planned": None if self.computed is None else self.computed.to_dict()}
+        trial = None if self.trial is None else {**copy.deepcopy(self.trial), "last_end": None}
+        return {**super().state_dict(), "planned": None if self.computed is None else self.computed.to_dict(),
+                "trial": trial}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        trial = state.get("trial")
+        # A resumed trial re-settles on its candidate's groups before it measures again.
+        self.trial = None if trial is None else {**copy.deepcopy(trial), "seen": 0, "last_end": None}
         saved = state.get("planned")
         if saved is not None:  # before the base rebuilds the groups for the restored order
             plan = CompressionPlan.from_dict(saved)
@@ -281,3 +344,12 @@ class PlannedSync(CompressSync):
                 self._check_choice(choice, f"plan[{name}]")
             self.computed, self.plan = plan, executable
         super().load_state_dict(state)
+
+
+def _distinct(plans: list[CompressionPlan]) -> list[CompressionPlan]:
+    """``plans`` without those that execute like an earlier one (same groups, same choices)."""
+    out: list[CompressionPlan] = []
+    for plan in plans:
+        if all(plan.to_plan() != kept.to_plan() for kept in out):
+            out.append(plan)
+    return out
