@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                 kept = [r["plan_kept"] for r in runs[(bw, workload, comp, "espresso")]]
                 targets.append({
                     "case": f"{bw} {workload} {comp}", "best other": best,
-                    "espresso kept": " / ".join(k.split(" ")[0] for k in kept),
+                    "espresso kept": " / ".join(k.split(",")[0].split(" ")[0] for k in kept),
                     "espresso / best": esp[0] / other[0],
                     "espresso ok": esp[0] <= other[0] or esp[1] <= other[2],  # faster, or the ranges overlap
                     "cupcake / layer-wise": stats["cupcake"][0] / stats["layerwise"][0],
