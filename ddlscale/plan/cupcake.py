@@ -63,10 +63,13 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
 
     ``group_cost`` must refuse every group that spans a forbidden pair, whatever its bounds.
 
-    Pruning (exact): with ``bound`` the time of a known partition (every item alone, or all in one
-    group), a point of front[i] is dropped when even the most favourable prefix — communication
-    done by the time item i-1 is ready, nothing stolen: C >= ready_{i-1}, S >= 0 — gives a time
-    above ``bound``.
+    Pruning (exact): with ``bound`` the time of a known partition, a point of front[i] is dropped
+    when even the most favourable prefix — communication done by the time item i-1 is ready, and
+    the least compute any partition of items 0..i-1 steals (a 1-D DP over the same group costs):
+    C >= ready_{i-1}, S >= stolen_i — gives a time T = max(C + alpha, S + beta) above ``bound``. The known partitions: every
+    item alone, all in one group, and the answer of a first sweep that keeps only
+    :data:`THIN_FRONT` points per front — near the optimum, so the exact sweep keeps few points
+    (superlinear compression costs otherwise grow the fronts to thousands of points).
     """
     if count == 0:
         return [], backward_end_s + optimizer_s
@@ -78,11 +81,9 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
     everything = group_cost(0, count)  # one group, where allowed: often the better bound
     if everything is not None:
         bound = min(bound, iteration_time([TensorTask("all", *everything, True)], backward_end_s, optimizer_s))
-    bound = bound * (1 + 1e-9) + 1e-12  # float slack: the known partition itself must survive
-    # front[i]: (alpha, beta, next split j, index in front[j]) of non-dominated suffix partitions.
-    front: list[tuple[np.ndarray, ...] | None] = [None] * (count + 1)
-    front[count] = (np.array([-np.inf]), np.array([float(backward_end_s)]), np.array([-1]), np.array([-1]))
-    for i in range(count - 1, -1, -1):
+    # Every group's cost once: both sweeps below read them.
+    rows: list[tuple[list[int], np.ndarray]] = []
+    for i in range(count):
         js, costs = [], []
         for j in range(i + 1, count + 1):
             cost = group_cost(i, j)
@@ -92,28 +93,71 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
             costs.append(cost)
         if not js:
             raise ValueError(f"item {i} cannot form a group on its own (group_cost({i}, {i + 1}) is None)")
+        rows.append((js, np.array(costs, dtype=float).T))
+    # A first sweep keeping only a few points per front finds a partition near the optimum; its time
+    # bounds the exact sweep, which then prunes almost every point that cannot win.
+    # stolen[i]: the least compute any partition of items 0..i-1 steals (its encodes and decodes).
+    stolen = np.full(count + 1, np.inf)
+    stolen[0] = 0.0
+    for h, (js, costs) in enumerate(rows):
+        span = slice(h + 1, h + 1 + len(js))
+        stolen[span] = np.minimum(stolen[span], stolen[h] + costs[1] + costs[3])
+    rough = _sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT)
+    rough_tasks = [TensorTask(str(i), *rows[i][1][:, j - i - 1], True) for i, j in _groups(rough, count)]
+    bound = min(bound, iteration_time(rough_tasks, backward_end_s, optimizer_s))
+    front = _sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound)
+    alpha, beta = front[0][:2]
+    best = int(np.argmin(np.maximum(alpha, beta)))
+    return _groups(front, count), float(max(alpha[best], beta[best])) + optimizer_s
+
+
+THIN_FRONT = 16  # points per front in the first, bounding sweep
+
+
+def _sweep(rows: list[tuple[list[int], np.ndarray]], singles: list, stolen: np.ndarray, backward_end_s: float,
+           optimizer_s: float, bound: float, thin: int | None = None) -> list:
+    """The suffix fronts, from the last item to the first (see the module doc); ``thin`` keeps at
+    most that many points per front (a heuristic sweep), else every non-dominated point within ``bound``."""
+    count = len(rows)
+    bound = bound * (1 + 1e-9) + 1e-12  # float slack: the known partition itself must survive
+    # front[i]: (alpha, beta, next split j, index in front[j]) of non-dominated suffix partitions.
+    front: list = [None] * (count + 1)
+    front[count] = (np.array([-np.inf]), np.array([float(backward_end_s)]), np.array([-1]), np.array([-1]))
+    for i in range(count - 1, -1, -1):
+        js, costs = rows[i]
         # Every first group [i, j) against every point of front[j], in one vectorized step.
         sizes = np.array([front[j][0].size for j in js])
-        ready, encode, comm, decode = np.repeat(np.array(costs, dtype=float).T, sizes, axis=1)
+        ready, encode, comm, decode = np.repeat(costs, sizes, axis=1)
         tail_alpha = np.concatenate([front[j][0] for j in js])
         tail_beta = np.concatenate([front[j][1] for j in js])
         alpha = comm + np.maximum(decode, tail_alpha)
         beta = np.maximum(ready + encode + alpha, encode + decode + tail_beta)
         starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
         links = np.arange(alpha.size) - starts
-        # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= 0 (C = S = 0 before item 0).
+        # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= stolen[i], so the
+        # iteration takes at least max(C + alpha, S + beta) of those.
         floor = singles[i - 1][0] if i > 0 else 0.0
-        keep = np.maximum(floor + alpha, beta) + optimizer_s <= bound
+        least = np.maximum(floor + alpha, stolen[i] + beta)
+        keep = least + optimizer_s <= bound
+        if thin is not None and not keep.any():  # thinned fronts may miss every known path: keep the best
+            keep = least == least.min()
         front[i] = _pareto(alpha[keep], beta[keep], np.repeat(js, sizes)[keep], links[keep])
-    alpha, beta, nexts, links = front[0]
+        if thin is not None and front[i][0].size > thin:
+            pick = np.unique(np.linspace(0, front[i][0].size - 1, thin).round().astype(int))
+            front[i] = tuple(a[pick] for a in front[i])
+    return front
+
+
+def _groups(front: list, count: int) -> list[tuple[int, int]]:
+    """The partition behind the best point of front[0]."""
+    alpha, beta = front[0][:2]
     best = int(np.argmin(np.maximum(alpha, beta)))
-    value = float(max(alpha[best], beta[best])) + optimizer_s
     groups, i = [], 0
     while i < count:
         j, best = int(front[i][2][best]), int(front[i][3][best])
         groups.append((i, j))
         i = j
-    return groups, value
+    return groups
 
 
 def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[np.ndarray, ...]:
