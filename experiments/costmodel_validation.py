@@ -1,6 +1,6 @@
 """Collective times on the emulated cluster vs the alpha-beta cost model, side by side.
 
-    python -m experiments.costmodel_validation [--nodes 2,4,8] [--sizes-mb 1,4,16,64,256] [--reps 3]
+    python -m experiments.costmodel_validation [--nodes 2,4,8] [--sizes-mb 1,4,16,64,256] [--reps 5]
 
 For each machine count an emulated cluster (one rank per machine, NICs of --bandwidth) runs
 allreduce, allgather and all-to-all of every size through ddlscale's accounted collectives,
@@ -14,19 +14,22 @@ time for the same call is printed beside each median; the target is within 15% f
 The emulated machines share this host's cores, and the pairwise exchanges (allgather, all-to-all)
 post one message per 256 KiB segment per peer. One measurement, the first machine count's 64 MB
 allgather, calibrates the host CPU per message; every other point is a prediction. The projection
-to 16-1024 workers leaves that term out: it models the real cluster. Needs root (namespaces).
+to 16-1024 workers leaves that term out: it models the real cluster. The full model also takes the
+per-message latency (alpha) each cluster measures before the runs, as the planners do
+(``sync.network_latency=measured``); the wire model keeps the configured alpha. Needs root (namespaces).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
 import sys
 import time
 
-from ddlscale.cluster.emulated import ALPHA, EmulatedCluster
+from ddlscale.cluster.emulated import ALPHA, TCP_PAYLOAD_FRACTION, EmulatedCluster
 from ddlscale.comm.collectives import SEGMENT_BYTES
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, SharedHost
 
@@ -35,8 +38,12 @@ PORT = 29511
 CALIBRATION = ("allgather", 64.0)  # collective and MB of the one point that calibrates host CPU
 
 
-def model_time(model: NetworkModel, collective: str, nbytes: float, n: int) -> float:
-    """The model's time for the call the workers make (allgather: direct, as on gloo)."""
+def model_time(model: NetworkModel, collective: str, nbytes: float, n: int, alphas: dict | None = None) -> float:
+    """The model's time for the call the workers make (allgather: direct, as on gloo); ``alphas``:
+    the latencies measured on the cluster (allreduce's, and the exchanges'), else the model's own."""
+    if alphas is not None:
+        key = "allreduce_alpha_s" if collective == "allreduce" else "exchange_alpha_s"
+        model = dataclasses.replace(model, latency_s=alphas[key])
     if collective == "allreduce":
         return model.allreduce(nbytes, n)
     if collective == "allgather":
@@ -61,11 +68,13 @@ def host_cpu_ticks() -> tuple[int, int]:
 
 
 # -- the worker, run once per emulated machine ---------------------------------------------------
-def worker(rank: int, world: int, sizes_mb: list[float], reps: int) -> None:
+def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: str) -> None:
     import torch
     import torch.distributed as dist
 
     from ddlscale.comm import Communicator
+    from ddlscale.comm.cost import parse_bandwidth
+    from ddlscale.sync.planned import probe_latency
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://10.213.0.1:{PORT}", rank=rank, world_size=world)
@@ -84,6 +93,8 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int) -> None:
         return lambda: comm.all_to_all(target, source)
 
     prepare("allreduce", 4096)().wait()  # warm the connections
+    # The per-message latency of this cluster, as the planners measure it: tiny collectives timed.
+    probe = probe_latency(None, world, parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)
     rows = []
     for size_mb in sizes_mb:
         nbytes = int(size_mb * 2**20)
@@ -107,7 +118,8 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int) -> None:
                              "host_cpu_busy": (busy1 - busy0) / max(1, total1 - total0)})
                 del pending, call
     if rank == 0:
-        print("RESULT " + json.dumps(rows), flush=True)
+        print("RESULT " + json.dumps([{**row, "allreduce_alpha_s": probe["allreduce_alpha_s"],
+                                       "exchange_alpha_s": probe["exchange_alpha_s"]} for row in rows]), flush=True)
     dist.destroy_process_group()
 
 
@@ -117,7 +129,7 @@ def measure(nodes: int, bandwidth: str, sizes_mb: list[float], reps: int) -> lis
         procs = [
             cluster.popen(i, [sys.executable, "-m", "experiments.costmodel_validation", "--worker", str(i),
                               "--world", str(nodes), "--sizes-mb", ",".join(map(str, sizes_mb)),
-                              "--reps", str(reps)], stdout=subprocess.PIPE, text=True)
+                              "--reps", str(reps), "--bandwidth", bandwidth], stdout=subprocess.PIPE, text=True)
             for i in range(nodes)
         ]
         outputs = [p.communicate(timeout=3600)[0] for p in procs]
@@ -131,14 +143,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", default="2,4,8")
     parser.add_argument("--sizes-mb", default="1,4,16,64,256")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes = [float(s) for s in args.sizes_mb.split(",")]
     if args.worker is not None:
-        worker(args.worker, args.world, sizes, args.reps)
+        worker(args.worker, args.world, sizes, args.reps, args.bandwidth)
         return
 
     import matplotlib
@@ -163,11 +175,14 @@ def main(argv: list[str] | None = None) -> None:
     calibration_s = statistics.median(
         r["measured_s"] for r in rows if (r["nodes"], r["collective"], r["size_mb"]) == calibration_key
     )
-    message_cpu_s = calibrate_message_cpu(wire_model, calibration_s, CALIBRATION[1] * 2**20, node_counts[0],
+    alphas = {n: next({k: r[k] for k in ("allreduce_alpha_s", "exchange_alpha_s")} for r in rows if r["nodes"] == n)
+              for n in node_counts}
+    calibrated = dataclasses.replace(wire_model, latency_s=alphas[node_counts[0]]["exchange_alpha_s"])
+    message_cpu_s = calibrate_message_cpu(calibrated, calibration_s, CALIBRATION[1] * 2**20, node_counts[0],
                                           SEGMENT_BYTES)
     model = cluster.network_model(message_cpu_s=message_cpu_s)
     for row in rows:
-        row["model_s"] = model_time(model, row["collective"], row["size_mb"] * 2**20, row["nodes"])
+        row["model_s"] = model_time(model, row["collective"], row["size_mb"] * 2**20, row["nodes"], alphas[row["nodes"]])
         row["wire_model_s"] = model_time(wire_model, row["collective"], row["size_mb"] * 2**20, row["nodes"])
     results.write_csv(rows)
 
@@ -180,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                 cpu = statistics.median(r["host_cpu_busy"] for r in same)
                 skew = statistics.median(r["start_skew_s"] for r in same)
                 med = statistics.median(times)
-                predicted = model_time(model, collective, size * 2**20, nodes)
+                predicted = model_time(model, collective, size * 2**20, nodes, alphas[nodes])
                 wire = model_time(wire_model, collective, size * 2**20, nodes)
                 error = predicted / med - 1
                 calibration = (nodes, collective, size) == calibration_key
@@ -204,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
         table,
         notes=f"Model: alpha {ALPHA}, NIC payload rate {model.bandwidth_bps / 1e9:.3f} Gbit/s (TCP framing), "
               "ring allreduce (gloo's), allgather and all-to-all as ddlscale runs them on gloo (every pair at "
-              "once in 256 KiB segments), per-NIC bottleneck ('wire model'). The emulated machines share "
+              "once in 256 KiB segments), per-NIC bottleneck ('wire model'). The full model takes the per-message "
+              "latency measured on each cluster before the runs, as sync.network_latency=measured does (20 tiny "
+              "allreduces and allgathers, ddlscale.sync.planned.probe_latency): "
+              + ", ".join(f"{n} machines: allreduce {a['allreduce_alpha_s'] * 1e6:.0f} us, exchanges "
+                          f"{a['exchange_alpha_s'] * 1e6:.0f} us" for n, a in alphas.items())
+              + ". The emulated machines share "
               f"this host's {model.shared_host.cores} cores, which post, copy and bridge every message segment: "
               f"the pairwise exchanges add {model.shared_host.message_cpu_s * 1e6:.0f} us of host CPU per "
               f"segment operation / {model.shared_host.cores} cores, calibrated on one point "
@@ -223,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
                                       if (r["nodes"], r["collective"], r["size_mb"]) == (nodes, collective, s))
                     for s in sizes]
             line = ax.plot(sizes, meds, "o", label=f"{nodes} machines, measured")[0]
-            ax.plot(sizes, [model_time(model, collective, s * 2**20, nodes) for s in sizes], "-",
+            ax.plot(sizes, [model_time(model, collective, s * 2**20, nodes, alphas[nodes]) for s in sizes], "-",
                     color=line.get_color(), label=f"{nodes} machines, model")
             ax.plot(sizes, [model_time(wire_model, collective, s * 2**20, nodes) for s in sizes], ":",
                     color=line.get_color(), label=f"{nodes} machines, wire only")
