@@ -213,6 +213,20 @@ def test_plan_tool_profiles_a_model():
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 
 
+def _exact_step(sync, params, rank, world, step):
+    """One step of integer gradients through ``sync``; whether it equals dense allreduce exactly."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
+    for name, p in reversed(params):
+        p.grad = grads[name].clone()
+        sync.grad_ready(p)
+    sync.finish_step()
+    for name in grads:
+        grads[name] *= 1.0 / world
+        dist.all_reduce(grads[name])
+    return all(torch.equal(p.grad, grads[name]) for name, p in params)
+
+
 def _espresso_steps(rank, world, bandwidth, latency="100us"):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
@@ -220,16 +234,7 @@ def _espresso_steps(rank, world, bandwidth, latency="100us"):
     sync.setup(params)
     exact = []
     for step in range(4):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
-        for name, p in reversed(params):
-            p.grad = grads[name].clone()
-            sync.grad_ready(p)
-        sync.finish_step()
-        for name in grads:
-            grads[name] *= 1.0 / world
-            dist.all_reduce(grads[name])
-        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+        exact.append(_exact_step(sync, params, rank, world, step))
     return sync.computed.to_dict(), exact, sync.state_dict()["planned"], dict(sync.network_config)
 
 
@@ -249,16 +254,7 @@ def _trial_steps(rank, world, steps, state=None):
         sync.load_state_dict(state)
     exact, layouts, saved = [], [], None
     for step in range(steps):
-        g = torch.Generator().manual_seed(100 * rank + step)
-        grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
-        for name, p in reversed(params):
-            p.grad = grads[name].clone()
-            sync.grad_ready(p)
-        sync.finish_step()
-        for name in grads:
-            grads[name] *= 1.0 / world
-            dist.all_reduce(grads[name])
-        exact.append(all(torch.equal(p.grad, grads[name]) for name, p in params))
+        exact.append(_exact_step(sync, params, rank, world, step))
         layouts.append(None if sync.computed is None else sync.computed.context.get("candidate"))
         if step == 4:
             saved = sync.state_dict()

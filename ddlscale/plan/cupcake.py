@@ -94,21 +94,19 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
         if not js:
             raise ValueError(f"item {i} cannot form a group on its own (group_cost({i}, {i + 1}) is None)")
         rows.append((js, np.array(costs, dtype=float).T))
-    # A first sweep keeping only a few points per front finds a partition near the optimum; its time
-    # bounds the exact sweep, which then prunes almost every point that cannot win.
     # stolen[i]: the least compute any partition of items 0..i-1 steals (its encodes and decodes).
     stolen = np.full(count + 1, np.inf)
     stolen[0] = 0.0
     for h, (js, costs) in enumerate(rows):
         span = slice(h + 1, h + 1 + len(js))
         stolen[span] = np.minimum(stolen[span], stolen[h] + costs[1] + costs[3])
-    rough = _sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT)
-    rough_tasks = [TensorTask(str(i), *rows[i][1][:, j - i - 1], True) for i, j in _groups(rough, count)]
+    # A first sweep keeping only a few points per front finds a partition near the optimum; its time
+    # bounds the exact sweep, which then prunes almost every point that cannot win.
+    rough, _ = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT))
+    rough_tasks = [TensorTask(str(i), *rows[i][1][:, j - i - 1], True) for i, j in rough]
     bound = min(bound, iteration_time(rough_tasks, backward_end_s, optimizer_s))
-    front = _sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound)
-    alpha, beta = front[0][:2]
-    best = int(np.argmin(np.maximum(alpha, beta)))
-    return _groups(front, count), float(max(alpha[best], beta[best])) + optimizer_s
+    groups, seconds = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound))
+    return groups, seconds + optimizer_s
 
 
 THIN_FRONT = 16  # points per front in the first, bounding sweep
@@ -148,16 +146,17 @@ def _sweep(rows: list[tuple[list[int], np.ndarray]], singles: list, stolen: np.n
     return front
 
 
-def _groups(front: list, count: int) -> list[tuple[int, int]]:
-    """The partition behind the best point of front[0]."""
+def _best(front: list) -> tuple[list[tuple[int, int]], float]:
+    """The partition behind the best point of front[0], and its time before the optimizer."""
     alpha, beta = front[0][:2]
     best = int(np.argmin(np.maximum(alpha, beta)))
+    seconds = float(max(alpha[best], beta[best]))
     groups, i = [], 0
-    while i < count:
+    while i < len(front) - 1:
         j, best = int(front[i][2][best]), int(front[i][3][best])
         groups.append((i, j))
         i = j
-    return groups
+    return groups, seconds
 
 
 def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -250,12 +250,14 @@ class PlannedSync(CompressSync):
         self._broadcast(measured)  # rank 0's clock decides for everyone
         medians = measured[0]
         plans = [CompressionPlan.from_dict(d) for d in trial["plans"]]
-        checked = ", ".join(f"{p.context.get('candidate', p.system)} {m * 1e3:.1f} ms (predicted "
-                            f"{p.iteration_s * 1e3:.1f})" for p, m in zip(plans, medians, strict=True))
-        kept = plans[min(range(len(medians)), key=medians.__getitem__)]
+        labels = [p.context.get("candidate", p.system) for p in plans]
+        checked = ", ".join(f"{label} {m * 1e3:.1f} ms (predicted {p.iteration_s * 1e3:.1f})"
+                            for label, p, m in zip(labels, plans, medians, strict=True))
+        best = min(range(len(medians)), key=medians.__getitem__)
+        kept = plans[best]
         kept.notes.append(f"checked on the cluster, median of {self.trial_steps} steps each on rank 0: {checked}; "
-                          f"kept {kept.context.get('candidate', kept.system)}")
-        kept.context["trial_step_s"] = {p.context.get("candidate", p.system): m for p, m in zip(plans, medians, strict=True)}
+                          f"kept {labels[best]}")
+        kept.context["trial_step_s"] = dict(zip(labels, medians, strict=True))
         self.trial = None
         self.adopt(kept)
         self._save(kept)
@@ -287,9 +289,8 @@ class PlannedSync(CompressSync):
         return {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.memory)
                 for key, comp in self._planning_compressors().items()}
 
-    def build_profile(self, compressors: dict[str, CompressorProfile] | None = None) -> Profile:
-        """This rank's measurements as a Profile (``compressors``: from :meth:`profile_compressors`,
-        measured now when not given)."""
+    def build_profile(self, compressors: dict[str, CompressorProfile]) -> Profile:
+        """This rank's measurements as a Profile, with ``compressors`` from :meth:`profile_compressors`."""
         order = list(self.backward_order)
         summary = self.recorder.summary(order, warmup=1)
         default = self.compressors["default"]
@@ -305,8 +306,6 @@ class PlannedSync(CompressSync):
                 kept["default"] = probe.compress(grad, f"probe/{self.names[i]}").payload[0].numel() / max(1, p.numel())
             tensors.append(TensorProfile(self.names[i], p.numel(), tuple(p.shape), str(p.dtype),
                                          summary["ready_s"][position], kept))
-        if compressors is None:
-            compressors = self.profile_compressors()
         return Profile(tensors, summary["backward_end_s"], summary["rest_s"], self.world_size,
                        dict(self.network_config), compressors, str(self.device), summary["step_s"],
                        summary["steps"])
