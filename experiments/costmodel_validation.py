@@ -74,7 +74,7 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: s
 
     from ddlscale.comm import Communicator
     from ddlscale.comm.cost import parse_bandwidth
-    from ddlscale.sync.planned import probe_latency
+    from ddlscale.comm.probe import probe_latency
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://10.213.0.1:{PORT}", rank=rank, world_size=world)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
               "ring allreduce (gloo's), allgather and all-to-all as ddlscale runs them on gloo (every pair at "
               "once in 256 KiB segments), per-NIC bottleneck ('wire model'). The full model takes the per-message "
               "latency measured on each cluster before the runs, as sync.network_latency=measured does (20 tiny "
-              "allreduces and allgathers, ddlscale.sync.planned.probe_latency): "
+              "allreduces and allgathers, ddlscale.comm.probe.probe_latency): "
               + ", ".join(f"{n} machines: allreduce {a['allreduce_alpha_s'] * 1e6:.0f} us, exchanges "
                           f"{a['exchange_alpha_s'] * 1e6:.0f} us" for n, a in alphas.items())
               + ". The emulated machines share "

@@ -82,7 +82,7 @@ def test_collectives_results_and_bytes(world):
 
         records = {}
         for op, sent, recv, _ in out["records"]:
-            records.setdefault(op, (sent, recv))  # the uneven allgather's size exchange comes later
+            records.setdefault(op, (sent, recv))
         assert all(done for *_, done in out["records"]), "every collective got a completion time"
         chunks = volume.even_split(10, n)
         assert records["allreduce"] == (2 * (10 - chunks[rank]) * 4,) * 2
@@ -94,7 +94,9 @@ def test_collectives_results_and_bytes(world):
         uneven = [op for op in out["records"] if op[0] == "allgather_uneven"][1]
         assert uneven[1:3] == ((n - 1) * (rank + 1) * 80_000, (sum(range(1, n + 1)) - rank - 1) * 80_000)
         sent_a2a = sum((j + 1) * 4 for j in range(n) if j != rank)
-        assert records["all_to_all"] == (sent_a2a, (n - 1) * (rank + 1) * 4)
+        exchanges = [op[1:3] for op in out["records"] if op[0] == "all_to_all"]
+        assert exchanges[0] == ((n - 1) * 8, (n - 1) * 8)  # the uneven allgather's sizes: one int64 to each peer
+        assert exchanges[1:] == [(sent_a2a, (n - 1) * (rank + 1) * 4)]
         assert records["reduce_scatter"] == ((n - 1) * 8, (n - 1) * 8)
         assert records["broadcast"] == (((n - 1) * 20, 0) if rank == n - 1 else (0, 20))
         assert records["gather"] == ((0, (n - 1) * 4) if rank == 0 else (4, 0))

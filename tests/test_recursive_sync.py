@@ -118,6 +118,28 @@ def test_gammas_are_measured_and_pick_the_scheme():
         assert exact
 
 
+def _merge_priced(rank, world):
+    p = torch.nn.Parameter(torch.zeros(40_000))
+    sync = ZenSync(profile_steps=1)
+    sync.setup([("w", p)])
+    local = torch.zeros(40_000)
+    local[torch.arange(0, 40_000, 40)] = 1.0  # identical on every rank: HC's best case
+    p.grad = local.clone()
+    sync.grad_ready(p)
+    sync.finish_step()
+    free = sync.plan_times(0)
+    sync.merge_s_per_element, sync.plans = 1e-6, {}  # what merging costs on a slow CPU
+    return free, sync.plan_times(0), sync.plan(0)
+
+
+def test_hc_pays_for_its_merges():
+    for free, priced, plan in run_workers(_merge_priced, 4):
+        # Two stages, each merging two partial sums of gamma d M = 1000 non-zeros.
+        assert priced["hc"] == pytest.approx(free["hc"] + 1e-6 * 2 * 2 * 1000)
+        assert priced["bp-coo"] == free["bp-coo"]
+        assert plan.startswith("bp")
+
+
 def _drift(rank, world):
     numel = 20000
     p = torch.nn.Parameter(torch.zeros(numel))

@@ -117,6 +117,41 @@ def test_random_fp32_close_to_float64_reference():
         torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-6)
 
 
+def _measured_latency(rank, world):
+    numel = 1 << 20  # 4 MB: tens of ms dense at 1 Gbit/s, against a few messages of 400 non-zeros
+    big, small = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(8))
+    sync = ZenSync(profile_steps=1, network_latency="measured")
+    sync.setup([("w", big), ("b", small)])
+    exact = []
+    for step in range(3):
+        local = torch.zeros(numel)
+        local[torch.randint(0, numel, (400,), generator=torch.Generator().manual_seed(10 * rank + step))] = 1.0
+        big.grad, small.grad = local.clone(), torch.full((8,), float(rank))
+        sync.grad_ready(small)
+        sync.grad_ready(big)
+        sync.finish_step()
+        oracle = local * (1.0 / world)
+        dist.all_reduce(oracle)
+        exact.append(torch.equal(big.grad, oracle))
+    restored = ZenSync(profile_steps=1, network_latency="measured")
+    restored.setup([("w", torch.nn.Parameter(torch.zeros(numel))), ("b", torch.nn.Parameter(torch.zeros(8)))])
+    restored.load_state_dict(sync.state_dict())
+    return (sync.network.latency_s, sync.merge_s_per_element, sync.routing(), all(exact),
+            (restored.network.latency_s, restored.merge_s_per_element, restored.measure_latency))
+
+
+def test_measured_latency_is_rank_0s_on_every_rank():
+    results = run_workers(_measured_latency, 3)
+    latency, merge, routing, _, _ = results[0]
+    assert latency > 0 and merge > 0
+    assert routing["w"]["path"] == "sparse"
+    assert routing["b"]["path"] == "dense"  # 32 bytes: a sparse scheme's messages cost more than they save
+    for rank_latency, rank_merge, rank_routing, exact, restored in results:
+        assert (rank_latency, rank_merge, rank_routing) == (latency, merge, routing)  # else ranks would deadlock
+        assert exact
+        assert restored == (latency, merge, False)  # a resumed run routes as the checkpointed one, no new probe
+
+
 def _embedding(rank, world):
     torch.manual_seed(0)
     emb = torch.nn.Embedding(100, 4, sparse=True)

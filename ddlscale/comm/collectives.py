@@ -161,9 +161,15 @@ class Communicator:
         return self._allgather_direct(tensor.contiguous(), [tensor.shape] * self.size, "allgather")
 
     def allgather_sizes(self, numel: int, device: torch.device) -> list[int]:
-        """Blocking allgather of one integer per rank (the sizes an uneven allgather needs)."""
-        mine = torch.tensor([numel], dtype=torch.int64, device=device)
-        return [int(t.item()) for t in self.allgather(mine).wait()]
+        """Blocking exchange of one integer per rank (the sizes an uneven allgather needs).
+
+        An all-to-all of the integer repeated: one round of tiny messages, where gloo's ring allgather
+        takes n-1 in sequence (measured on 8 emulated machines: 4.2 vs 11.7 ms; on 4: 2.9 vs 3.0 ms).
+        """
+        mine = torch.full((self.size,), numel, dtype=torch.int64, device=device)
+        everyone = torch.empty_like(mine)
+        self.all_to_all(everyone, mine).wait()
+        return everyone.tolist()
 
     def allgather_uneven(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> Pending:
         """Allgather of 1-D tensors of different lengths, without padding; the result is a list.

@@ -222,7 +222,7 @@ class CostModel:
             decode += dec(numel)
         elif scheme == "allgather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + sized * _allgather(across, SIZE_BYTES, ranks)  # blocking size exchange
+            encode += enc(numel) + sized * across.all_to_all(SIZE_BYTES, ranks)  # blocking size exchange
             comm += _allgather(across, payload, ranks)
             decode += ranks * dec(numel)
         elif scheme == "alltoall":
@@ -230,7 +230,7 @@ class CostModel:
             payload = self._payload(unit, option, part, None)
             encode += ranks * enc(part) + sized * across.all_to_all(SIZE_BYTES, ranks)
             comm += across.all_to_all(payload, ranks)
-            comm += sized * _allgather(across, SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
+            comm += sized * across.all_to_all(SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
             # Sum n pieces, re-encode the sum, decode the n gathered sums — each other partition's
             # with a context built without data (Compressor.context: compressing zeros, unless the
             # compressor knows it from shape and dtype alone).
@@ -238,7 +238,7 @@ class CostModel:
             decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
         elif scheme == "gather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + sized * _allgather(across, SIZE_BYTES, ranks)
+            encode += enc(numel) + sized * across.all_to_all(SIZE_BYTES, ranks)
             comm += across.gather(payload, ranks)
             comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
             decode += ranks * dec(numel) + enc(numel) + dec(numel)

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.cost import parse_bandwidth, parse_time
+from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
@@ -38,43 +39,6 @@ from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.dense import DenseAllreduce
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT = "plan_profile.json", "plan.json", "plan.txt"
-MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
-PROBE_CALLS = 20
-
-
-def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int = PROBE_CALLS) -> dict[str, Any]:
-    """The alphas that make the cost model predict small collectives as they run on ``group`` (every rank calls).
-
-    Times ``calls`` back-to-back allreduces and allgathers of one float — a small dense bucket, and a
-    compressed group's size exchange or small payload — and divides each by its message steps in the
-    model (2(n-1) for the ring allreduce, (n-1) for the ring allgather): ``allreduce_alpha_s`` and
-    ``exchange_alpha_s`` (for allgather and the other exchanges; gloo runs a tiny allgather several
-    times slower than a tiny allreduce). On a real cluster that is the wire latency plus the library's
-    per-message overhead; on emulated machines sharing a host it also holds the scheduling of their
-    processes, which no configured alpha knows.
-    """
-    if world_size < 2:
-        return {"allreduce_alpha_s": 0.0, "exchange_alpha_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0,
-                "calls": 0}
-    one = torch.zeros(1)
-    gathered = [torch.zeros(1) for _ in range(world_size)]
-    timed = {}
-    for name, call in (("allgather", lambda: dist.all_gather(gathered, one, group=group)),
-                       ("allreduce", lambda: dist.all_reduce(one, group=group))):
-        call()  # warm
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        timed[name] = (time.perf_counter() - start) / calls
-    predict = {"allgather": lambda m: m.allgather(4, world_size, "ring"), "allreduce": lambda m: m.allreduce(4, world_size)}
-    zero, unit = (NetworkModel(bandwidth_bps, alpha, 1) for alpha in (0.0, 1.0))  # unit: per message step
-    alpha = {k: max(0.0, (timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero))) for k in timed}
-    return {"allreduce_alpha_s": alpha["allreduce"], "exchange_alpha_s": alpha["allgather"],
-            "allgather_s": timed["allgather"],
-            "allreduce_s": timed["allreduce"], "calls": calls}
-
-
 def _hydra_run_dir() -> str | None:
     """The Hydra run directory when built inside a Hydra app (train.py), else None."""
     try:

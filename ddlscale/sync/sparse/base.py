@@ -16,13 +16,16 @@ again for ``profile_steps`` steps (tensors keep their current path meanwhile) an
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
 from ddlscale.sync.sparse.pushpull import pack_bits
@@ -41,6 +44,8 @@ class SparseSync(DenseAllreduce):
         network_bandwidth, network_latency: the network the routing assumes (tc units). A tensor goes
             sparse when its bytes at that bandwidth plus the scheme's extra message latencies beat
             its dense bytes; small tensors stay in the dense buckets, where latency is shared.
+            ``network_latency: measured`` times small exchanges on the sync group before the first
+            routing (:func:`~ddlscale.comm.probe.probe_latency`) and takes their per-message cost.
         reprofile_drift: re-profile when a sparse tensor's summed density moves by more than this
             factor from its profile (``None``: never).
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
@@ -52,7 +57,8 @@ class SparseSync(DenseAllreduce):
                  network_bandwidth: str = "1gbit", network_latency: str = "100us",
                  reprofile_drift: float | None = 2.0, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
-        self.network = NetworkModel.of(bandwidth=network_bandwidth, latency=network_latency)
+        self.measure_latency = network_latency == MEASURED
+        self.network = NetworkModel.of(bandwidth=network_bandwidth, latency="0us" if self.measure_latency else network_latency)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         if sparse_params != "auto" and not isinstance(sparse_params, list | tuple):
@@ -259,11 +265,25 @@ class SparseSync(DenseAllreduce):
         return self.sparse_seconds(index) < dense_s
 
     def _route(self) -> None:
+        if self.measure_latency and self.world_size > 1:  # every rank: _route runs after a collective profile
+            probe = probe_latency(self.comm.group, self.world_size, self.network.bandwidth_bps)
+            latency, = self.agreed([probe["exchange_alpha_s"]])
+            self.network = dataclasses.replace(self.network, latency_s=latency)
+            self.measure_latency = False  # once: re-profiles keep it, so every rank stays in step
         if self.sparse_params == "auto":
             self.sparse = [i for i in range(len(self.params)) if self.world_size > 1 and self.prefers_sparse(i)]
         else:
             self.sparse = [self.names.index(name) for name in self.sparse_params]
         self.on_setup()  # rebuild the dense buckets without the sparse tensors
+
+    def agreed(self, values: list[float]) -> list[float]:
+        """Rank 0's ``values`` on every rank: measurements differ between ranks, routes must not."""
+        if self.world_size == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64)
+        # One-off, outside the accounted traffic, like the backward order: set-up, not sync.
+        dist.broadcast(tensor, src=self.comm._global(0), group=self.comm.group)
+        return tensor.tolist()
 
     def routing(self) -> dict[str, dict[str, Any]]:
         """Per parameter: path, profiled density and gammas (for logs and reports)."""
@@ -274,11 +294,15 @@ class SparseSync(DenseAllreduce):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "sparse": list(self.sparse), "density": dict(self.density),
+                "latency_s": None if self.measure_latency else self.network.latency_s,
                 "gamma": dict(self.gamma), "gammas": dict(self.gammas), "profiles": self.profiles,
                 "profile_left": self._profile_left, "samples": self._samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sparse = list(state["sparse"])
+        if state.get("latency_s") is not None:  # the routing's latency, measured or configured
+            self.network = dataclasses.replace(self.network, latency_s=state["latency_s"])
+            self.measure_latency = False
         self.density = {int(k): v for k, v in state["density"].items()}
         self.gamma = {int(k): v for k, v in state["gamma"].items()}
         self.gammas = {int(k): list(v) for k, v in state.get("gammas", {}).items()}

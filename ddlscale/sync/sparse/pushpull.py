@@ -87,15 +87,24 @@ unpack_bits = native.unpack_bits
 
 
 def pull_bitmap(comm: Communicator, owned_sets: list[torch.Tensor], compact: torch.Tensor, nonzero: torch.Tensor):
-    """Allgather a bitmap over each server's owned set plus its non-zero values in owned order.
+    """Allgather each server's bitmap over its owned set, then its non-zero values in owned order.
 
     Every worker knows every owned set (the partition is a fixed function of the index), so the
-    bitmaps total M/8 bytes whatever n is and no index travels.
+    bitmaps total M/8 bytes whatever n is and no index travels. Bitmap and values go as one message
+    (the bitmap padded to 8 bytes so the values stay aligned): one exchange of sizes, one allgather.
     """
-    bitmap_sizes = [(s.numel() + 7) // 8 for s in owned_sets]
-    got_bits = comm.allgather_uneven(pack_bits(nonzero), bitmap_sizes)
-    value_sizes = comm.allgather_sizes(int(nonzero.sum()), compact.device)
-    got_val = comm.allgather_uneven(compact[nonzero], value_sizes)
-    bitmaps = got_bits.wait()
-    indices = [owned[unpack_bits(bits, owned.numel())] for owned, bits in zip(owned_sets, bitmaps, strict=True)]
-    return torch.cat(indices), torch.cat(got_val.wait())
+    bitmap_bytes = [_aligned((s.numel() + 7) // 8) for s in owned_sets]
+    bitmap = torch.zeros(bitmap_bytes[comm.rank], dtype=torch.uint8)
+    packed = pack_bits(nonzero)
+    bitmap[: packed.numel()] = packed
+    message = torch.cat([bitmap, compact[nonzero].view(torch.uint8)])
+    pieces = comm.allgather_uneven(message).wait()
+    indices, values = [], []
+    for owned, skip, piece in zip(owned_sets, bitmap_bytes, pieces, strict=True):
+        indices.append(owned[unpack_bits(piece[:skip], owned.numel())])
+        values.append(piece[skip:].view(compact.dtype))
+    return torch.cat(indices), torch.cat(values)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8

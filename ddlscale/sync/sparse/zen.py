@@ -10,7 +10,9 @@ smaller for the tensor's profiled density. Per-worker bytes (SYSTEMS.md): COO pu
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
 T_hc formulas rate faster on the profiled d and gamma_{2^i}; tensors whose density makes any sparse
-scheme slower than dense allreduce stay dense.
+scheme slower than dense allreduce stay dense. With ``network_latency: measured`` the alpha is what a
+message step costs on the cluster, and T_hc also pays its merges at the CPU's measured rate (on a
+GPU the paper's merges are nearly free; on this host they outweigh the messages HC saves).
 
 Hierarchical mode (``hierarchical=True``, the paper's multi-GPU machines): a dense reduce-scatter
 inside each machine leaves local rank j with chunk j of the machine's sum; the sparse scheme then
@@ -21,6 +23,8 @@ completes the tensor. The plan is made for the machine-level density gamma_k d o
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +35,7 @@ from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.coo import to_flat_coo
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
-from ddlscale.sync.sparse.recursive import SparseDoubling
+from ddlscale.sync.sparse.recursive import Partial, SparseDoubling
 
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
@@ -55,6 +59,21 @@ class Sparsity:
     gamma: float
     gammas: list[float] | None
     n: int
+
+
+def merge_seconds_per_element(size: int = 1 << 15, calls: int = 5) -> float:
+    """Seconds per input element of HC's merge of two sorted sparse partial sums on this host (median)."""
+    generator = torch.Generator().manual_seed(0)
+    parts = [Partial(torch.randint(0, size * 8, (size,), generator=generator).unique(), torch.ones(size))
+             for _ in range(2)]
+    parts = [Partial(p.indices, p.values[: p.indices.numel()]) for p in parts]
+    merger = SparseDoubling(None, size * 8, torch.float32, None)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        merger._merged(*parts)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.indices.numel() for p in parts)
 
 
 class ZenSync(SparseSync):
@@ -84,6 +103,7 @@ class ZenSync(SparseSync):
         self.scheme, self.pull, self.seed = scheme, pull, seed
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.plans: dict[int, str] = {}  # sparse tensor -> hc, bp-coo or bp-bitmap
+        self.merge_s_per_element = 0.0  # HC's merge on this host; measured with network_latency=measured
 
     def on_setup(self) -> None:
         if not hasattr(self, "partitioner"):
@@ -137,6 +157,9 @@ class ZenSync(SparseSync):
         gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(core.bit_length())]
         seconds = zen_hierarchical_centralization_time(s.numel, s.density, gammas[: core.bit_length()], core,
                                                        self.network)
+        # Each stage merges two partial sums of gamma_{2^(i-1)} d M non-zeros on the CPU (measured cost).
+        stages = core.bit_length() - 1
+        seconds += self.merge_s_per_element * sum(2 * g * s.density * s.numel for g in gammas[:stages])
         if core < s.n:
             seconds += 2 * (self.network.latency_s
                             + 8 * s.numel * s.density * (1 + s.gamma) * 8 / self.network.bandwidth_bps)
@@ -154,6 +177,10 @@ class ZenSync(SparseSync):
 
     def _route(self) -> None:
         self.plans.clear()  # a new profile: choose again
+        if self.measure_latency and self.world_size > 1 and self.scheme != "bp":
+            # With the measured latency, T_hc's few stages can look cheaper than BP's many messages;
+            # what HC also pays is its merges, which on a CPU cost more than the messages.
+            self.merge_s_per_element, = self.agreed([merge_seconds_per_element()])
         super()._route()
 
     def group_key(self, index: int):
@@ -210,8 +237,9 @@ class ZenSync(SparseSync):
         return table
 
     def state_dict(self):
-        return {**super().state_dict(), "seed": self.partitioner.seed}
+        return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_element": self.merge_s_per_element}
 
     def load_state_dict(self, state) -> None:
         self.plans.clear()  # re-derived from the restored profile, identically on every rank
+        self.merge_s_per_element = float(state.get("merge_s_per_element", 0.0))
         super().load_state_dict(state)
