@@ -75,13 +75,13 @@ def worker(rank: int, world: int, workload: str, syncs: list[str], reps: int) ->
             order.clear()
             model.loss(mine[step % len(mine)]).backward()
             dist.barrier()
-            start = time.monotonic()
+            start, cpu = time.monotonic(), time.process_time()
             for i in order:
                 sync.grad_ready(named[i][1])
             stats = sync.finish_step()
-            end = time.monotonic()
-            stamps = [torch.zeros(4, dtype=torch.float64) for _ in range(world)]
-            dist.all_gather(stamps, torch.tensor([start, end, stats.bytes_sent, stats.sync_s], dtype=torch.float64))
+            end, cpu = time.monotonic(), time.process_time() - cpu
+            stamps = [torch.zeros(5, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(stamps, torch.tensor([start, end, stats.bytes_sent, stats.sync_s, cpu], dtype=torch.float64))
             if step < WARMUP_STEPS:
                 continue
             starts, ends = [float(t[0]) for t in stamps], [float(t[1]) for t in stamps]
@@ -89,7 +89,8 @@ def worker(rank: int, world: int, workload: str, syncs: list[str], reps: int) ->
                          "sync_s": max(ends) - max(starts), "start_skew_s": max(starts) - min(starts),
                          "encode_s": stats.encode_s, "comm_s": stats.comm_s, "decode_s": stats.decode_s,
                          "max_bytes_sent": max(float(t[2]) for t in stamps),
-                         "slowest_rank_sync_s": max(float(t[3]) for t in stamps)})
+                         "slowest_rank_sync_s": max(float(t[3]) for t in stamps),
+                         "cpu_s_per_rank": statistics.mean(float(t[4]) for t in stamps)})
     routes = {s: describe_routes(b) for s, b in backends.items()}
     for row in rows:
         row["routes"] = routes[row["sync"]]
@@ -125,7 +126,7 @@ def measure(nodes: int, bandwidth: str, workload: str, syncs: list[str], reps: i
 
 def summarize(rows: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
     """Per (workload, sync): median, min and max of the synchronization time, medians of the rest."""
-    keys = ("start_skew_s", "encode_s", "comm_s", "decode_s", "max_bytes_sent", "slowest_rank_sync_s")
+    keys = ("start_skew_s", "encode_s", "comm_s", "decode_s", "max_bytes_sent", "slowest_rank_sync_s", "cpu_s_per_rank")
     out = {}
     for pair in dict.fromkeys((r["workload"], r["sync"]) for r in rows):
         mine = [r for r in rows if (r["workload"], r["sync"]) == pair]
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
             f = summary[(workload, s)]
             med, low, high = f["sync_s"]
             table.append([workload.replace("+", " "), s, f"{med * 1e3:.1f} ({low * 1e3:.1f}-{high * 1e3:.1f})",
-                          f["comm_s"] * 1e3, (f["encode_s"] + f["decode_s"]) * 1e3, f["max_bytes_sent"] / 2**20,
+                          f["comm_s"] * 1e3, (f["encode_s"] + f["decode_s"]) * 1e3, f["cpu_s_per_rank"] * 1e3,
+                          f["max_bytes_sent"] / 2**20,
                           dense / med, f"{best[0] / med:.2f} vs {best[1]}" if best and s.startswith("zen") else ""])
     routes = {}
     for row in rows:
@@ -183,12 +185,13 @@ def main(argv: list[str] | None = None) -> None:
                             for s, r in by_sync.items() if s != "dense")
     results.write_markdown(
         f"Sparse sync in isolation: {args.nodes} emulated machines at {args.bandwidth}, every rank starting together",
-        ["workload", "sync", "sync ms (min-max)", "comm ms (rank 0)", "encode+decode ms (rank 0)",
+        ["workload", "sync", "sync ms (min-max)", "comm ms (rank 0)", "encode+decode ms (rank 0)", "CPU ms per rank",
          "MiB sent (max rank)", "speed-up vs dense", "zen vs best baseline"],
         table,
         notes=f"{args.reps} timed steps per backend after {WARMUP_STEPS} untimed ones, the backends taking turns "
               "step by step; 'sync ms' runs from the last rank's barrier exit to the last rank's finish (median, "
-              "min-max), comm and encode+decode are rank 0's split of its own time. No compute overlaps "
+              "min-max), comm and encode+decode are rank 0's split of its own time, CPU the process time a rank "
+              "spent in it (its gloo threads included; mean over ranks). No compute overlaps "
               "any backend here. All emulated machines share this host's 2 cores, so every rank's "
               "encode/decode runs about n/2 times slower than on its own machine, and each message "
               "step costs milliseconds of process scheduling. The sparse syncs route with the per-message "

@@ -15,6 +15,7 @@ import argparse
 from collections import defaultdict
 
 from experiments.harness import Results, alternating, spread, train
+from experiments.sync_isolated import ROUTING
 
 SYNCS = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
 # Embedding gradients as sparse COO tensors (what a user of sparse sync runs): O(non-zeros) packing.
@@ -48,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
         for rep, sync in alternating(syncs, args.reps):
             summary = train([f"model={model}", f"sync={sync}", "cluster=emulated", f"cluster.nodes={args.nodes}",
                              f"cluster.bandwidth={args.bandwidth}", "trainer.devices=1",
-                             f"trainer.max_steps={args.steps}", "seed=0", *args.overrides.split()], timeout=1800)
+                             f"trainer.max_steps={args.steps}", "seed=0", *([] if sync == "dense" else ROUTING),
+                             *args.overrides.split()], timeout=1800)
             done += 1
             row = {"model": model, "sync": sync, "rep": rep,
                    **{k: summary[k] for k in ("step_time_s", "sync_time_s", "samples_per_s", "bytes_sent_per_step",
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
               "after backward; 'comm ms' the part of it blocked on collectives; 'encode+decode ms' packing, "
               "hashing, partitioning, summing and unpacking (Zen's hashing overhead, reported apart). All "
               "emulated machines share this host's 2 cores, so compute and encode/decode run ~4x slower than "
-              "on 8 real machines and step speedups understate sync speedups.",
+              "on 8 real machines and step speedups understate sync speedups. The sparse syncs route with "
+              "the per-message latency they measure (sync.network_latency=measured). "
+              "experiments/results/zen_comm times each sync alone, every rank starting together, "
+              "with each rank's CPU time: on 8 emulated machines sharing 2 cores the syncs are CPU-bound.",
         command=f"python -m experiments.zen_speed --nodes {args.nodes} --bandwidth {args.bandwidth} "
                 f"--models {args.models} --reps {args.reps} --steps {args.steps} --syncs {args.syncs}"
                 + (f" --overrides '{args.overrides}'" if args.overrides != DEFAULT_OVERRIDES else "")
