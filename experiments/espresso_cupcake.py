@@ -1,14 +1,14 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 40]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 46]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
 ``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
 error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
 machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
-dense's run 1 + 3 steps each and the fastest on rank 0 is kept. Measured: rank 0's median step time
+dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step time
 over the steps after that (the planned syncs profile dense for the first steps), the same steps for
 every method. The planners are told
 the NIC's TCP payload rate and measure the per-message latency themselves
@@ -44,10 +44,10 @@ MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor
 PLANNED = ("cupcake", "espresso")
 METHODS = ("dense", "layerwise", *PLANNED)
 PROFILE_STEPS = 6  # 1 warm-up + 6 profiled dense steps, then the plan (3, the default, is noisy on this shared host)
-TRIAL_STEPS = 3  # espresso then runs its, Cupcake's and dense's plans 1 + 3 steps each and keeps the fastest
+TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
-FIRST_MEASURED = 1 + PROFILE_STEPS + CANDIDATES * (1 + TRIAL_STEPS) + 1
+FIRST_MEASURED = 1 + PROFILE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=46)
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     args = parser.parse_args(argv)
     if args.steps < FIRST_MEASURED + 3:
@@ -316,8 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
-profiled steps, then plan; espresso then tries up to {CANDIDATES} plans for 1 + {TRIAL_STEPS} steps each and keeps
-the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
+profiled steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
+measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 {", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}. Layer-wise = sync=compress (every tensor
 compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.

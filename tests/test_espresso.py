@@ -262,17 +262,21 @@ def _trial_steps(rank, world, steps, state=None):
 
 
 def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_rank():
-    (plan0, exact, layouts, trial, saved), (plan1, exact1, _, _, _) = run_workers(_trial_steps, 2, 12)
+    (plan0, exact, layouts, trial, saved), (plan1, exact1, _, _, _) = run_workers(_trial_steps, 2, 16)
     assert plan0 == plan1 and trial is None and all(exact) and all(exact1)
     tried = plan0["context"]["trial_step_s"]
-    assert len(tried) >= 2 and plan0["context"]["candidate"] == min(tried, key=tried.get)
+    k = len(tried)
+    assert k >= 2 and plan0["context"]["candidate"] == min(tried, key=tried.get)
     assert "checked on the cluster" in plan0["notes"][-1]
-    # warm-up + 1 profiled step dense, then 1 settling + 2 measured steps per candidate, in order.
-    assert layouts[:2] == [None, "espresso search"]
-    assert layouts[2:4] == ["espresso search"] * 2 and layouts[4] != "espresso search"
+    # warm-up + 1 profiled step dense, then the candidates take turns of 1 settling + 1 measured step,
+    # 2 turns each, round robin (the layout listed is the one in force after the step).
+    assert layouts[:3] == [None, "espresso search", "espresso search"]
+    turns = [layouts[1 + 2 * t] for t in range(2 * k)]
+    assert turns[:k] == turns[k:] and len(set(turns)) == k and turns[0] == "espresso search"
+    assert layouts[1 + 4 * k] == plan0["context"]["candidate"]  # kept after the last turn
     # A checkpoint taken mid-trial resumes the trial on the same candidate and finishes it.
-    assert saved["trial"] is not None and saved["trial"]["index"] == 1
-    (again, exact2, layouts2, trial2, _), _ = run_workers(_trial_steps, 2, 8, saved)
+    assert saved["trial"] is not None and (saved["trial"]["index"], saved["trial"]["turn"]) == (1, 1)
+    (again, exact2, layouts2, trial2, _), _ = run_workers(_trial_steps, 2, 12, saved)
     assert trial2 is None and all(exact2) and layouts2[0] == layouts[4]
     assert again["context"]["candidate"] in tried and "checked on the cluster" in again["notes"][-1]
 

@@ -7,8 +7,8 @@ for every tensor one option — dense allreduce, or the configured compressor un
 faster. The plan, with each tensor's predicted saving, is printed and saved as ``plan.txt``.
 
 With ``trial_steps`` > 0 (the config's default: 3) the plan is checked on the cluster before it is
-kept: Espresso's plan, Cupcake's and dense allreduce run a few steps each and the fastest measured
-stays (:class:`~ddlscale.sync.planned.PlannedSync`), so a cost-model error costs those steps only.
+kept: Espresso's plan, Cupcake's and dense allreduce take turns for a few steps each and the fastest
+measured stays (:class:`~ddlscale.sync.planned.PlannedSync`), so a cost-model error costs those steps only.
 
 ``offload`` runs Algorithm 2 (move some compressions to the CPU side device). CompressSync
 compresses on the training thread only, so offloaded choices are predictions of what a side stream

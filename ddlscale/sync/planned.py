@@ -66,10 +66,12 @@ class PlannedSync(CompressSync):
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
     trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
-        the model's choice first) run on the cluster in turn for one settling step and ``trial_steps``
-        measured ones, and the plan with the lowest median step on rank 0 is kept, with the measured
-        and predicted times of every candidate in its notes. The model's errors then cost a few steps,
-        not the run.
+        the model's choice first) take ``trial_steps`` turns each on the cluster, round robin, a turn
+        being one settling step on the candidate's groups and one measured step; the plan with the
+        lowest median measured step on rank 0 is kept, with the measured and predicted times of
+        every candidate in its notes. The model's errors then cost a few steps, not the run. Turns,
+        not blocks: steps right after planning run slow and speed up over several steps, which in
+        sequential blocks favours whichever candidate goes last.
     """
 
     system = "?"
@@ -185,8 +187,8 @@ class PlannedSync(CompressSync):
         if "error" in message[0]:
             raise RuntimeError(f"sync={self.system}: planning failed on rank 0: {message[0]['error']}")
         if len(message[0]) > 1:
-            self.trial = {"plans": message[0], "index": 0, "periods": [[] for _ in message[0]], "seen": 0,
-                          "last_end": None}
+            self.trial = {"plans": message[0], "index": 0, "turn": 0, "periods": [[] for _ in message[0]],
+                          "seen": 0, "last_end": None}
         self.adopt(CompressionPlan.from_dict(message[0][0]))
         if self.trial is not None:
             self.trial["last_end"] = time.perf_counter()
@@ -197,17 +199,19 @@ class PlannedSync(CompressSync):
             dist.broadcast_object_list(message, src=self.comm._global(0), group=self.comm.group)
 
     def _trial_step(self) -> None:
-        """After each step on trial: time it, move to the next candidate, or keep the fastest."""
+        """After each step on trial: time it; after a turn, hand over to the next candidate, and after
+        the last turn keep the fastest."""
         trial, now = self.trial, time.perf_counter()
         trial["seen"] += 1
-        if trial["seen"] > 1 and trial["last_end"] is not None:  # the first step on new groups settles
+        if trial["seen"] > 1 and trial["last_end"] is not None:  # a turn's first step settles on new groups
             trial["periods"][trial["index"]].append(now - trial["last_end"])
         trial["last_end"] = now
-        if len(trial["periods"][trial["index"]]) < self.trial_steps:
+        if trial["seen"] < 2:
             return
-        trial["index"] += 1
+        trial["turn"] += 1
         trial["seen"] = 0
-        if trial["index"] < len(trial["plans"]):
+        if trial["turn"] < len(trial["plans"]) * self.trial_steps:
+            trial["index"] = trial["turn"] % len(trial["plans"])
             self.adopt(CompressionPlan.from_dict(trial["plans"][trial["index"]]))
             return
         measured = [[statistics.median(p) for p in trial["periods"]]]
@@ -219,7 +223,8 @@ class PlannedSync(CompressSync):
                             for label, p, m in zip(labels, plans, medians, strict=True))
         best = min(range(len(medians)), key=medians.__getitem__)
         kept = plans[best]
-        kept.notes.append(f"checked on the cluster, median of {self.trial_steps} steps each on rank 0: {checked}; "
+        kept.notes.append(f"checked on the cluster, median of {self.trial_steps} steps each (taken in turns) on "
+                          f"rank 0: {checked}; "
                           f"kept {labels[best]}")
         kept.context["trial_step_s"] = dict(zip(labels, medians, strict=True))
         self.trial = None
@@ -298,7 +303,8 @@ class PlannedSync(CompressSync):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         trial = state.get("trial")
         # A resumed trial re-settles on its candidate's groups before it measures again.
-        self.trial = None if trial is None else {**copy.deepcopy(trial), "seen": 0, "last_end": None}
+        self.trial = None if trial is None else {"turn": trial["index"], **copy.deepcopy(trial), "seen": 0,
+                                                 "last_end": None}
         saved = state.get("planned")
         if saved is not None:  # before the base rebuilds the groups for the restored order
             plan = CompressionPlan.from_dict(saved)
