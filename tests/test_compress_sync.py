@@ -1,5 +1,7 @@
 """sync=compress: every scheme against dense allreduce, lossy sums, error feedback, plans, bytes."""
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,6 +9,7 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.powersgd import PowerSGD
+from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.topk import TopK
 from ddlscale.sync.compress import CompressSync, Plan, TensorPlan, wire
 
@@ -201,6 +204,15 @@ def test_wire_round_trip_keeps_dtypes_and_shapes():
     back = wire.unpack(wire.pack(payload))
     assert [t.dtype for t in back] == [t.dtype for t in payload]
     assert all(torch.equal(a, b) for a, b in zip(back, payload, strict=True))
+
+
+def test_unbiased_randomk_with_residual_memory_warns():
+    with pytest.warns(UserWarning, match="compressor.unbiased=false or memory=none"):
+        CompressSync(RandomK(ratio=0.1), memory="residual")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CompressSync(RandomK(ratio=0.1, unbiased=False), memory="residual")  # contractive: fine
+        CompressSync(RandomK(ratio=0.1), memory="none")
 
 
 def test_bad_input_names_the_key():

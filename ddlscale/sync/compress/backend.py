@@ -14,6 +14,7 @@ ranks), run the scheme across machines on this rank's chunk, then allgather insi
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,11 @@ class CompressSync(DenseAllreduce):
         if getattr(compressor, "has_memory", False) and memory.name != "none":
             raise ValueError(f"compressor {compressor.name} keeps its own error feedback; use memory=none "
                              f"(got memory={memory.name})")
+        if getattr(compressor, "name", None) == "randomk" and compressor.unbiased and memory.name == "residual":
+            warnings.warn("compressor=randomk with unbiased=true under memory=residual: error feedback needs a "
+                          "contractive compressor, and random-k scaled by numel/k is not — its residual grows until "
+                          "the loss is NaN (measured on cnn and lstm). Set compressor.unbiased=false or memory=none.",
+                          UserWarning, stacklevel=2)
         self.memory = memory
         self.fusion, self.local_size = fusion, local_size
         self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
