@@ -94,10 +94,11 @@ def pull_bitmap(comm: Communicator, owned_sets: list[torch.Tensor], compact: tor
     (the bitmap padded to 8 bytes so the values stay aligned): one exchange of sizes, one allgather.
     """
     bitmap_bytes = [_aligned((s.numel() + 7) // 8) for s in owned_sets]
-    bitmap = torch.zeros(bitmap_bytes[comm.rank], dtype=torch.uint8)
+    own_bitmap, values = bitmap_bytes[comm.rank], compact[nonzero].view(torch.uint8)
     packed = pack_bits(nonzero)
-    bitmap[: packed.numel()] = packed
-    message = torch.cat([bitmap, compact[nonzero].view(torch.uint8)])
+    message = torch.zeros(own_bitmap + values.numel(), dtype=torch.uint8)
+    message[: packed.numel()] = packed
+    message[own_bitmap:] = values
     pieces = comm.allgather_uneven(message).wait()
     indices, values = [], []
     for owned, skip, piece in zip(owned_sets, bitmap_bytes, pieces, strict=True):
