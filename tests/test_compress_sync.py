@@ -7,11 +7,14 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
+from ddlscale.compress.efsignsgd import EFSignSGD
 from ddlscale.compress.none import NoCompression
+from ddlscale.compress.onebit import OneBit
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.topk import TopK
 from ddlscale.sync.compress import CompressSync, Plan, TensorPlan, wire
+from ddlscale.sync.compress.schemes import _clip
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8)}
 
@@ -196,6 +199,40 @@ def test_plan_fuses_groups_and_picks_per_tensor_choices():
             assert torch.equal(got[name], oracle[name]), name
         # b alone through allreduce; a and c fused into one top-k allgather (sizes, then data).
         assert ops.count("allreduce") == 1 and ops.count("allgather_uneven") == 1
+
+
+def _fused_per_member(rank, world, comm, compressor, memory):
+    params = _params()
+    plan = Plan(default=TensorPlan("default", comm), groups=[["a", "b", "c"]])
+    fused = CompressSync(compressor(), plan=plan, memory=memory)
+    alone = CompressSync(compressor(), comm=comm, memory=memory)
+    alone_params = _params()
+    fused.setup(params)
+    alone.setup(alone_params)
+    out = []
+    for step in range(3):
+        grads = _grads(rank, step)
+        out.append((_sync_once(fused, params, grads)[0], _sync_once(alone, alone_params, grads)[0]))
+    return out
+
+
+@pytest.mark.parametrize("comm", ["allgather", "gather"])
+@pytest.mark.parametrize("compressor,memory", [(EFSignSGD, "none"), (OneBit, "residual")])
+def test_a_fused_group_of_a_per_member_compressor_equals_layer_wise(comm, compressor, memory):
+    """Cupcake's fused group, one compression and one message, gives what compressing each tensor
+    alone gives, bit for bit, error feedback included (3 steps)."""
+    for steps in run_workers(_fused_per_member, 2, comm, compressor, memory):
+        for fused, alone in steps:
+            for name in SHAPES:
+                assert torch.equal(fused[name], alone[name]), (comm, name)
+
+
+def test_alltoall_partitions_take_their_share_of_the_members():
+    assert _clip([3, 0, 5, 2], [4, 3, 3]) == [[3, 1], [3], [1, 2]]
+    assert _clip([10], [4, 3, 3]) == [[4], [3], [3]]
+    assert _clip(None, [5, 5]) == [None, None]
+    shares = _clip([7, 1, 12, 4], [6, 6, 6, 6])
+    assert [sum(s) for s in shares] == [6, 6, 6, 6]
 
 
 def test_wire_round_trip_keeps_dtypes_and_shapes():

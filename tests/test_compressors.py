@@ -257,6 +257,42 @@ def test_signsgd_scale_preserves_the_l1_norm(dtype):
     assert torch.equal(out[nonzero].sign(), g[nonzero].sign())
 
 
+PER_MEMBER = [n for n in NAMES if make(n).per_member]
+
+
+def test_the_scaled_quantizers_keep_a_scale_per_member():
+    assert set(PER_MEMBER) == {"efsignsgd", "onebit", "signsgd", "signum"}
+    assert not make("signum", scaled=False).per_member  # decodes to +-1: no scale to keep
+
+
+@pytest.mark.parametrize("name", PER_MEMBER)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_buffer_decodes_as_its_members_compressed_alone(name, dtype):
+    """Given the members' sizes, one compression of the flat buffer decodes bit for bit as each
+    member compressed by itself (state such as residuals and momenta carried over 3 steps), and the
+    payload grows by ``member_bytes`` per extra member; a large member no longer sets a small one's scale."""
+    segments = [5, 0, 130, 1, 64]
+    fused, alone = make(name), make(name)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        parts = [(torch.randint(-6, 7, (n,), generator=gen).float() * 2.0 ** (-k)).to(dtype)
+                 for k, n in enumerate(segments)]
+        compressed = fused.compress(torch.cat(parts), "group", segments)
+        got = fused.decompress(compressed)
+        want = torch.cat([alone.decompress(alone.compress(p, f"member{k}")) for k, p in enumerate(parts)])
+        assert torch.equal(got, want), (name, step)
+        assert compressed.nbytes == fused.payload_bytes(sum(segments), dtype) + fused.member_bytes * (len(segments) - 1)
+
+
+def test_segments_are_checked_and_ignored_where_they_do_not_apply():
+    with pytest.raises(ValueError, match=r"segments \[3, 3\] do not split a tensor of 7 elements"):
+        make("signsgd").compress(torch.ones(7), "g", [3, 3])
+    x = torch.randn(40)
+    topk = make("topk", ratio=0.25)
+    assert topk.compress(x, "g", [20, 20]).ctx.segments is None  # a global top-k has no scale to split
+    assert make("signsgd").compress(x, "g", [40]).ctx.segments is None  # one member: the plain payload
+
+
 def test_onebit_two_means_keep_the_sum():
     g = torch.randn(999, generator=torch.Generator().manual_seed(6)) + 0.3
     compressor = make("onebit")

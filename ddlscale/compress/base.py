@@ -25,6 +25,7 @@ class Context:
     shape: torch.Size
     dtype: torch.dtype
     extra: Any = None  # compressor-specific, identical on every rank (e.g. shared-seed indices)
+    segments: tuple[int, ...] | None = None  # a fused buffer's member sizes (per-member compressors)
 
     @property
     def numel(self) -> int:
@@ -55,13 +56,18 @@ class Compressor:
     ``summable`` — payloads of different ranks may be summed elementwise (allreduce) and decoded;
     ``fixed_size`` — payload shapes depend only on the tensor's shape and dtype, so a receiver can
     size its buffers from its own payload; otherwise sizes must be exchanged first;
-    ``has_memory`` — the compressor applies its own error feedback (use ``memory=none`` with it).
+    ``has_memory`` — the compressor applies its own error feedback (use ``memory=none`` with it);
+    ``per_member`` — given the member sizes of a fused buffer (``compress(..., segments=)``), it
+    keeps one scale per member instead of one per buffer, so fusing does not let a large tensor set
+    a small one's scale; each member past the first adds ``member_bytes`` to the payload.
     """
 
     name: ClassVar[str] = "?"
     summable: bool = False
     fixed_size: bool = True
     has_memory: bool = False
+    per_member: bool = False
+    member_bytes: int = 0
 
     seed: int = 0  # stochastic compressors set it from their config
 
@@ -69,25 +75,28 @@ class Compressor:
         self._steps: dict[str, int] = {}  # per-tensor call count: drives reproducible randomness
 
     # -- the public contract -------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, name: str = "") -> Compressed:
-        """Compress one gradient. ``name`` keys any per-tensor state (momentum, factors, RNG)."""
+    def compress(self, tensor: torch.Tensor, name: str = "", segments: Sequence[int] | None = None) -> Compressed:
+        """Compress one gradient. ``name`` keys any per-tensor state (momentum, factors, RNG).
+        ``segments``: the sizes of the tensors a fused flat buffer holds, in order; a per-member
+        compressor scales each separately, any other ignores them."""
         if not tensor.is_floating_point():
             raise TypeError(f"{self.name}: can only compress floating-point tensors, got {tensor.dtype}")
-        payload, extra = self.encode(tensor, name)
+        members = self._members(tensor, segments)
+        payload, extra = self.encode(tensor, name, members) if members else self.encode(tensor, name)
         self._steps[name] = self._steps.get(name, 0) + 1
-        return Compressed(payload, Context(tensor.shape, tensor.dtype, extra))
+        return Compressed(payload, Context(tensor.shape, tensor.dtype, extra, members))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         """A dense tensor of the original shape and dtype."""
         ctx = compressed.ctx
         return self.decode(compressed.payload, ctx).reshape(ctx.shape).to(ctx.dtype)
 
-    def context(self, shape: Shape, dtype: torch.dtype, name: str = "") -> Context:
+    def context(self, shape: Shape, dtype: torch.dtype, name: str = "", segments: Sequence[int] | None = None) -> Context:
         """The Context any rank's :meth:`compress` of ``name`` gives at this step, without its data
         (a receiver decoding a payload it did not compress), advancing ``name``'s step as
         :meth:`compress` does. Compressing zeros gives it in general; a compressor whose context
         holds no extra may answer without the work (override)."""
-        return self.compress(torch.zeros(shape, dtype=dtype), name).ctx
+        return self.compress(torch.zeros(shape, dtype=dtype), name, segments).ctx
 
     def aggregate(self, items: Sequence[Compressed]) -> Compressed:
         """Elementwise sum of several ranks' payloads (what an allreduce would produce)."""
@@ -106,9 +115,19 @@ class Compressor:
         """
         raise NotImplementedError
 
+    def _members(self, tensor: torch.Tensor, segments: Sequence[int] | None) -> tuple[int, ...] | None:
+        """``segments`` as a tuple when this compressor scales per member and there are several."""
+        if segments is None or not self.per_member:
+            return None
+        members = tuple(int(s) for s in segments)
+        if any(s < 0 for s in members) or sum(members) != tensor.numel():
+            raise ValueError(f"{self.name}: segments {list(members)} do not split a tensor of {tensor.numel()} elements")
+        return members if len(members) > 1 else None
+
     # -- what subclasses implement -------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], Any]:
-        """(payload, Context.extra) for ``tensor`` (any shape; flatten as needed)."""
+        """(payload, Context.extra) for ``tensor`` (any shape; flatten as needed). A per-member
+        compressor also takes ``segments`` (several member sizes) and its decode reads ``ctx.segments``."""
         raise NotImplementedError
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:

@@ -61,6 +61,16 @@ def lookup(packed: torch.Tensor, width: int, count: int, values: torch.Tensor) -
     return table.index_select(0, packed.long()).reshape(-1)[:count]
 
 
+def lookup_segments(packed: torch.Tensor, width: int, segments: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
+    """:func:`lookup` with a table per segment: ``values[k, code]`` for the codes of segment k
+    (``values`` has one row of 2**width entries per segment, ``segments`` their lengths)."""
+    count = sum(segments)
+    codes = unpack(packed, width, count).long()
+    rows = torch.repeat_interleave(torch.arange(len(segments), device=packed.device),
+                                   torch.tensor(segments, device=packed.device), output_size=count)
+    return values.reshape(-1)[rows * values.shape[1] + codes]
+
+
 def unpack(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     """Inverse of :func:`pack`: the first ``count`` codes as uint8."""
     if width not in WIDTHS:

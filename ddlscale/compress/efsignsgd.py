@@ -25,10 +25,11 @@ class EFSignSGD(SignSGD):
         super().__init__()
         self.memory = ResidualMemory()
 
-    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[int, ...] | None = None
+               ) -> tuple[list[torch.Tensor], None]:
         compensated = self.memory.compensate(tensor, name)
-        payload, _ = super().encode(compensated, name)
-        decoded = self.decode(payload, Context(tensor.shape, tensor.dtype)).reshape(tensor.shape)
+        payload, _ = super().encode(compensated, name, segments)
+        decoded = self.decode(payload, Context(tensor.shape, tensor.dtype, None, segments)).reshape(tensor.shape)
         self.memory.update(name, compensated, decoded)
         return payload, None
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ddlscale.compress.base import Compressor, Context, Shape, check_unit_interval, numel_of, wide
-from ddlscale.compress.signsgd import decode_signs, encode_signs, sign_bytes
+from ddlscale.compress.signsgd import decode_signs, encode_signs, mean_abs, sign_bytes
 
 
 class Signum(Compressor):
@@ -23,6 +23,7 @@ class Signum(Compressor):
     """
 
     name = "signum"
+    member_bytes = 4
 
     def __init__(self, momentum: float = 0.9, scaled: bool = True) -> None:
         super().__init__()
@@ -30,9 +31,11 @@ class Signum(Compressor):
         if not isinstance(scaled, bool):
             raise ValueError(f"compressor.scaled must be true or false, got {scaled!r}")
         self.scaled = scaled
+        self.per_member = scaled  # one scale per member of a fused buffer; unscaled has none to keep
         self._momenta: dict[str, torch.Tensor] = {}
 
-    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[int, ...] | None = None
+               ) -> tuple[list[torch.Tensor], None]:
         flat = wide(tensor.reshape(-1))
         previous = self._momenta.get(name)
         if previous is None:
@@ -44,13 +47,13 @@ class Signum(Compressor):
             m = self.momentum * previous.to(flat.device) + (1 - self.momentum) * flat
         self._momenta[name] = m
         if self.scaled:
-            scale = m.abs().mean() if m.numel() else m.new_zeros(())
+            scale = mean_abs(m, segments)
         else:
             scale = m.new_ones(())
         return encode_signs(m, scale), None
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
-        return decode_signs(payload, ctx.numel)
+        return decode_signs(payload, ctx.numel, ctx.segments)
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         return sign_bytes(numel_of(shape))

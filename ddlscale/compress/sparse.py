@@ -42,7 +42,7 @@ class SparseCompressor(Compressor):
         idx = self.select(flat, name)
         return [flat[idx], idx.to(index_dtype(flat.numel()))], None
 
-    def context(self, shape: Shape, dtype: torch.dtype, name: str = "") -> Context:
+    def context(self, shape: Shape, dtype: torch.dtype, name: str = "", segments=None) -> Context:
         # Indices travel in the payload: the context is shape and dtype. (Selecting from zeros to
         # learn that costs an exact top-k over the whole tensor: DGC's threshold passes everything.)
         self._steps[name] = self._steps.get(name, 0) + 1

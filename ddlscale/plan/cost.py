@@ -194,7 +194,11 @@ class CostModel:
         if option.compressor in unit.kept and not getattr(comp, "fixed_size", True):
             kept = max(1, round(unit.kept[option.compressor] * numel))
         header = self.profile.compressors[option.compressor].header_bytes
-        return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header
+        # A per-member compressor's scales for a fused group's other members, in proportion to the
+        # elements this payload holds (an alltoall partition holds about its share of them).
+        members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (len(unit.names) - 1)
+        return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header + (
+            members * numel / max(1, unit.numel))
 
     def _costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
         n, k, net = self.n, self.k, self.network

@@ -69,6 +69,11 @@ class Scheme:
         """The tensor as the compressor should see it: its parameter's shape for a one-tensor group."""
         return job.tensor.view(job.shapes[0]) if job.shapes is not None and len(job.shapes) == 1 else job.tensor
 
+    @staticmethod
+    def segments(job: Job) -> list[int] | None:
+        """A fused group's member sizes (per-member compressors keep a scale for each)."""
+        return None if job.shapes is None or len(job.shapes) < 2 else [math.prod(shape) for shape in job.shapes]
+
 
 def _allreducible(compressor: Compressor) -> bool:
     return compressor.summable or hasattr(compressor, "reduce")
@@ -98,7 +103,7 @@ class Allreduce(Scheme):
     def start(self, job: Job) -> None:
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
             return
-        compressed = job.compressor.compress(self.shaped(job), job.name)
+        compressed = job.compressor.compress(self.shaped(job), job.name, self.segments(job))
         job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
         payload = [p.clone() if p.data_ptr() == job.tensor.data_ptr() else p for p in compressed.payload]
         job.state["compressed"] = compressed.with_payload(payload)
@@ -126,7 +131,7 @@ class Allreduce(Scheme):
 
 def _compress_whole(scheme: Scheme, job: Job) -> tuple[Compressed, torch.Tensor]:
     """Compress the whole tensor, keep this rank's decompressed copy for error feedback, pack it."""
-    compressed = job.compressor.compress(scheme.shaped(job), job.name)
+    compressed = job.compressor.compress(scheme.shaped(job), job.name, scheme.segments(job))
     job.local = job.compressor.decompress(compressed).reshape(-1)
     return compressed, wire.pack(compressed.payload)
 
@@ -150,8 +155,10 @@ class AllToAll(Scheme):
 
     def start(self, job: Job) -> None:
         n = job.comm.size
-        parts = torch.split(job.tensor, volume.even_split(job.tensor.numel(), n))
-        compressed = [job.compressor.compress(p, f"{job.name}/{j}") for j, p in enumerate(parts)]
+        sizes = volume.even_split(job.tensor.numel(), n)
+        members = job.state["members"] = _clip(self.segments(job), sizes)
+        compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
+                      for j, p in enumerate(torch.split(job.tensor, sizes))]
         job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
         messages = [wire.pack(c.payload) for c in compressed]
         splits_in = [m.numel() for m in messages]
@@ -167,12 +174,12 @@ class AllToAll(Scheme):
                          lengths=splits_in)
 
     def finish(self, job: Job) -> torch.Tensor:
-        comm, compressor, mine = job.comm, job.compressor, job.state["mine"]
+        comm, compressor, mine, members = job.comm, job.compressor, job.state["mine"], job.state["members"]
         job.state["pending"].wait()
         pieces = torch.split(job.state["received"], job.state["splits"])
         partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
         # The owner re-compresses its partition's sum; everyone decodes every partition's.
-        summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum")
+        summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum", members[comm.rank])
         message = wire.pack(summed.payload)
         # Fixed-size: the sum of partition j packs to what partition j did in the first stage.
         sizes = (job.state["lengths"] if compressor.fixed_size
@@ -181,7 +188,8 @@ class AllToAll(Scheme):
         sizes = volume.even_split(job.tensor.numel(), comm.size)
         out = []
         for j, piece in enumerate(gathered):
-            ctx = summed.ctx if j == comm.rank else compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum")
+            ctx = summed.ctx if j == comm.rank else compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum",
+                                                                       members[j])
             out.append(compressor.decompress(Compressed(wire.unpack(piece), ctx)).reshape(-1))
         return torch.cat(out)
 
@@ -204,7 +212,7 @@ class GatherBroadcast(Scheme):
         if comm.rank == 0:
             messages = [m[:size] for m, size in zip(gathered, job.state["sizes"], strict=True)]
             total = _decode_sum(compressor, job.state["compressed"], messages)
-            summed = compressor.compress(total, f"{job.name}/sum")
+            summed = compressor.compress(total, f"{job.name}/sum", self.segments(job))
             message = wire.pack(summed.payload)
             size = torch.tensor([message.numel()], dtype=torch.int64)
         else:
@@ -215,8 +223,26 @@ class GatherBroadcast(Scheme):
             message = torch.empty(int(size), dtype=torch.uint8)
         comm.broadcast(message, src=0).wait()
         ctx = summed.ctx if comm.rank == 0 else compressor.context(self.shaped(job).shape, job.tensor.dtype,
-                                                                   f"{job.name}/sum")
+                                                                   f"{job.name}/sum", self.segments(job))
         return compressor.decompress(Compressed(wire.unpack(message), ctx)).reshape(-1)
+
+
+def _clip(segments: list[int] | None, sizes: list[int]) -> list[list[int] | None]:
+    """Each consecutive partition's share of the members (empty shares left out)."""
+    if segments is None:
+        return [None] * len(sizes)
+    out, member, used = [], 0, 0  # used: elements of segments[member] already in earlier partitions
+    for size in sizes:
+        share = []
+        while size > 0 and member < len(segments):
+            take = min(size, segments[member] - used)
+            if take > 0:
+                share.append(take)
+            size, used = size - take, used + take
+            if used == segments[member]:
+                member, used = member + 1, 0
+        out.append(share)
+    return out
 
 
 SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast)}
