@@ -63,12 +63,15 @@ def lookup(packed: torch.Tensor, width: int, count: int, values: torch.Tensor) -
 
 def lookup_segments(packed: torch.Tensor, width: int, segments: tuple[int, ...], values: torch.Tensor) -> torch.Tensor:
     """:func:`lookup` with a table per segment: ``values[k, code]`` for the codes of segment k
-    (``values`` has one row of 2**width entries per segment, ``segments`` their lengths)."""
-    count = sum(segments)
-    codes = unpack(packed, width, count).long()
-    rows = torch.repeat_interleave(torch.arange(len(segments), device=packed.device),
-                                   torch.tensor(segments, device=packed.device), output_size=count)
-    return values.reshape(-1)[rows * values.shape[1] + codes]
+    (``values`` has one row of 2**width entries per segment, ``segments`` their lengths). Each
+    segment is looked up from the bytes holding it, skipping the codes of the one before."""
+    per, start, out = 8 // width, 0, []
+    for k, length in enumerate(segments):
+        skip = start % per
+        first, end = start // per, (start + length + per - 1) // per
+        out.append(lookup(packed[first:end], width, skip + length, values[k])[skip:])
+        start += length
+    return torch.cat(out) if out else values.new_zeros(0)
 
 
 def unpack(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
