@@ -1,7 +1,7 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 46]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 49]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
@@ -43,11 +43,12 @@ COMPRESSORS = ("dgc", "efsignsgd", "randomk")
 MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor: residual
 PLANNED = ("cupcake", "espresso")
 METHODS = ("dense", "layerwise", *PLANNED)
-PROFILE_STEPS = 6  # 1 warm-up + 6 profiled dense steps, then the plan (3, the default, is noisy on this shared host)
+PROFILE_STEPS = 6  # 1 warm-up + 6 profiled dense steps (3, the default, is noisy on this shared host)
+CALIBRATE_STEPS = 2  # then a settling and 2 layer-wise steps timing the compressor in training, then the plan
 TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
-FIRST_MEASURED = 1 + PROFILE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
+FIRST_MEASURED = 1 + PROFILE_STEPS + 1 + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -122,7 +123,8 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
     if method in PLANNED:
         bw, latency = planner_network(bandwidth)
         out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
-                f"sync.profile_steps={PROFILE_STEPS}", "sync.gpus_per_machine=1"]
+                f"sync.profile_steps={PROFILE_STEPS}", f"sync.calibrate_steps={CALIBRATE_STEPS}",
+                "sync.gpus_per_machine=1"]
     if method == "espresso":
         out.append(f"sync.trial_steps={TRIAL_STEPS}")
     return out
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=46)
+    parser.add_argument("--steps", type=int, default=49)
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     args = parser.parse_args(argv)
     if args.steps < FIRST_MEASURED + 3:
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                            "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
-                           "planner_exchange_alpha_us": ""}
+                           "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -238,9 +240,12 @@ def main(argv: list[str] | None = None) -> None:
                                    plan_options=" ".join(f"{k}x{labels.count(k)}" for k in sorted(set(labels))),
                                    profile_dense_step_ms=(plan["context"].get("measured_dense_step_s") or 0) * 1e3)
                         profile = run_dir / "plan_profile.json"
-                        network = json.loads(profile.read_text())["network"]
+                        saved = json.loads(profile.read_text())
+                        network, calibration = saved["network"], saved["compressors"]["default"]["calibration"]
                         row["planner_alpha_us"] = parse_time(network["latency"]) * 1e6
                         row["planner_exchange_alpha_us"] = parse_time(network["exchange_latency"]) * 1e6
+                        row["calibration_encode"] = calibration.get("encode", "")
+                        row["calibration_decode"] = calibration.get("decode", "")
                         model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
                         model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
                     rows.append(row)
@@ -310,13 +315,17 @@ def main(argv: list[str] | None = None) -> None:
         a = [r[key] for r in rows if r["bandwidth"] == bw and r[key] != ""]
         return f"{statistics.median(a):.0f} us (runs {min(a):.0f}-{max(a):.0f})" if a else "-"
 
+    def ratio(key: str) -> str:
+        a = [r[key] for r in rows if r[key] != ""]
+        return f"{statistics.median(a):.2f} (runs {min(a):.2f}-{max(a):.2f})" if a else "-"
+
     planner = ", ".join(f"{bw}: {int(planner_network(bw)[0]) / 1e9:.3f} Gbit/s, measured alpha of allreduce "
                         f"{measured(bw, 'planner_alpha_us')}, of allgather and other exchanges "
                         f"{measured(bw, 'planner_exchange_alpha_us')}" for bw in bandwidths)
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
-profiled steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
+profiled steps, then layer-wise for 1 settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
 measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 {", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}. Layer-wise = sync=compress (every tensor
@@ -324,10 +333,12 @@ compressed alone). Speed-ups are against the dense median of the same bandwidth 
 
 *predicted*: for cupcake/espresso the kept plan's own predicted iteration time (plan.json), for dense and
 layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
-The planners assumed: {planner}. Compression costs are measured on every
-rank at once, under the contention training runs in; the model still leaves out that messages cost host
-CPU and that a blocking size exchange (dgc) waits for the slowest rank, and a profile comes from one
-rank's few dense steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
+The planners assumed: {planner}. Compression costs are benchmarked on every
+rank at once over a grid of sizes, then scaled by what the same work cost in the calibration steps (weighted
+median over groups of measured / benchmarked; encode x{ratio('calibration_encode')}, decode
+x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data);
+the model still leaves out that messages cost host CPU and that a blocking size exchange (dgc) waits for the
+slowest rank, and a profile comes from one rank's few dense steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
 host's compute and compression speed, so it says what the plans do with more workers, not what a GPU
 cluster would run at).
 

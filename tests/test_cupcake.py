@@ -15,8 +15,11 @@ from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
 from ddlscale.compress import TopK
 from ddlscale.plan.cost import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.cupcake import optimal_partition, plan_fusion
+from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import cost_model
+from ddlscale.plan.profile import CompressorProfile, Profile
 from ddlscale.plan.synthetic import random_profile
+from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.cupcake import CupcakeSync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,17 +175,64 @@ def _sync_steps(rank, world, steps, bandwidth, state=None):
 
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
 def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
-    results = run_workers(_sync_steps, 2, 5, bandwidth)
+    results = run_workers(_sync_steps, 2, 7, bandwidth)
     (plan0, exact, ops, state), (plan1, *_rest) = results
     assert plan0 == plan1  # rank 0's plan, broadcast
     assert all(exact)  # top-k with ratio 1 is lossless: every step equals dense allreduce
     assert ops[0] == ops[1] == ops[2] == ["allreduce"]  # warm-up + 2 profiled steps: dense buckets
+    assert ops[3] == ops[4] == ops[5] == ["allgather_uneven"] * len(SHAPES)  # then calibration: every tensor alone
     groups = len(plan0["units"])
     assert ops[-1] == ["allgather_uneven"] * groups  # top-k is fixed-size: no size exchange, one message per group
     assert sum(len(u["names"]) for u in plan0["units"]) == len(SHAPES)
     # Resuming from the state dict keeps the plan: no profiling, the same groups from the first step.
     again = run_workers(_sync_steps, 2, 1, bandwidth, state)
     assert again[0][0] == plan0 and again[0][2][0] == ops[-1]
+
+
+def _calibrated(rank, world, run_dir):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = CupcakeSync(TopK(ratio=0.5), comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
+                       network_bandwidth="10mbit", run_dir=run_dir)
+    sync.setup(params)
+    ops = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        for name, p in reversed(params):
+            p.grad = torch.randn(SHAPES[name], generator=g)
+            sync.grad_ready(p)
+        ops.append([r.op for r in sync.finish_step().collectives])
+    return ops, sync.computed is not None, sync.work
+
+
+def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its_fits(tmp_path):
+    (ops, planned, work), _ = run_workers(_calibrated, 2, str(tmp_path))
+    # Warm-up and 1 profiled step dense; a settling and 2 calibration steps layer-wise (one top-k
+    # allgather per tensor); the plan comes after the 5th.
+    assert ops[:2] == [["allreduce"]] * 2 and ops[2:] == [["allgather_uneven"] * len(SHAPES)] * 3
+    assert planned and work is None  # the timings were used up by the plan
+    profiled = Profile.load(tmp_path / "plan_profile.json").compressors
+    calibration = profiled["default"].calibration
+    assert calibration["groups"] == 2 * len(SHAPES) and calibration["encode"] > 0 and calibration["decode"] > 0
+    assert profiled["none"].calibration == {}  # only the configured compressor is calibrated
+
+
+def test_calibration_is_the_weighted_median_of_measured_over_fitted():
+    sync = CupcakeSync(TopK(ratio=0.5), run_dir=None)
+    fit = CostFit.fit([1000, 4000], [1e-3, 4e-3])
+    costs = {"default": CompressorProfile("topk", {}, fit, fit, fit, fit)}
+
+    def group(numel, encode_s, decode_s):  # one call to encode, one decode per rank of 2
+        return GroupWork({"encode": encode_s, "decode": decode_s}, {"encode": [(numel, 1)], "decode": [(numel, 2)]})
+
+    # Encode takes twice the fit, decode what the fit says; one small group hit a 100 ms stall.
+    sync.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
+    prof = sync.calibrate(costs)["default"]
+    assert prof.calibration == {"encode": pytest.approx(2.0), "decode": pytest.approx(1.0), "groups": 3, "steps": 2}
+    assert prof.encode(2500) == pytest.approx(2 * fit(2500)) and prof.decode(2500) == pytest.approx(fit(2500))
+    assert prof.side_encode == prof.encode  # a CPU host: the side device is the same CPU
+    assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
+    with pytest.raises(ValueError, match="sync.calibrate_steps"):
+        CupcakeSync(TopK(), calibrate_steps=-1)
 
 
 def test_bad_config_names_the_key():

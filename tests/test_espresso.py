@@ -233,7 +233,7 @@ def _espresso_steps(rank, world, bandwidth, latency="100us"):
                         network_latency=latency, run_dir=None)
     sync.setup(params)
     exact = []
-    for step in range(4):
+    for step in range(6):  # warm-up, 1 profiled, 1 settling + 2 calibration steps, then the plan
         exact.append(_exact_step(sync, params, rank, world, step))
     return sync.computed.to_dict(), exact, sync.state_dict()["planned"], dict(sync.network_config)
 
@@ -248,7 +248,7 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
 def _trial_steps(rank, world, steps, state=None):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit",
-                        run_dir=None, trial_steps=2)
+                        run_dir=None, trial_steps=2, calibrate_steps=0)
     sync.setup(params)
     if state is not None:
         sync.load_state_dict(state)
@@ -308,7 +308,7 @@ def test_an_exchange_latency_prices_allgather_and_not_allreduce():
 
 def _hierarchical_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None)
+    sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)
     sync.setup(params)
     exact = []
     for step in range(4):

@@ -66,6 +66,13 @@ class CostFit:
         times = _non_decreasing([t for _, t in points])
         return cls(floor_s=times[0], points=tuple((s, t) for (s, _), t in zip(points, times, strict=True)))
 
+    def scaled(self, factor: float) -> CostFit:
+        """Every cost times ``factor`` (a calibration against costs measured in training)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"CostFit.scaled: factor must be finite and > 0, got {factor!r}")
+        return CostFit(self.floor_s * factor, self.intercept_s * factor, self.per_element_s * factor,
+                       tuple((s, t * factor) for s, t in self.points))
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"floor_s": self.floor_s, "intercept_s": self.intercept_s,
                                "per_element_s": self.per_element_s}

@@ -21,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +65,19 @@ class CompressorProfile:
     side_decode: CostFit
     header_bytes: int = 0
     samples: list[dict[str, float]] = field(default_factory=list)
+    calibration: dict[str, float] = field(default_factory=dict)  # in training / benchmark (PlannedSync)
 
     def build(self) -> Compressor:
         return build_compressor(self.name, **self.params)
+
+    def calibrated(self, encode: float, decode: float, **facts: float) -> CompressorProfile:
+        """These fits scaled to what the same work cost inside training steps (on the training
+        device; the side device's fits too where it is the same CPU)."""
+        same = self.side_encode == self.encode and self.side_decode == self.decode
+        enc, dec = self.encode.scaled(encode), self.decode.scaled(decode)
+        return replace(self, encode=enc, decode=dec, side_encode=enc if same else self.side_encode,
+                       side_decode=dec if same else self.side_decode,
+                       calibration={"encode": encode, "decode": decode, **facts})
 
 
 @dataclass
@@ -99,7 +109,8 @@ class Profile:
         compressors = {
             key: CompressorProfile(c["name"], dict(c["params"]), *(CostFit.from_dict(c[w]) for w in
                                    ("encode", "decode", "side_encode", "side_decode")),
-                                   int(c.get("header_bytes", 0)), list(c.get("samples", [])))
+                                   int(c.get("header_bytes", 0)), list(c.get("samples", [])),
+                                   dict(c.get("calibration", {})))
             for key, c in data["compressors"].items()
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),

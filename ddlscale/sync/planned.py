@@ -2,11 +2,18 @@
 
 1. For ``profile_steps`` steps after one warm-up step the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
-   fired, when backward ended and how long the step was.
+   fired, when backward ended and how long the step was. Then, for one settling step and
+   ``calibrate_steps`` more, every tensor is compressed alone with the configured option (layer-wise,
+   as ``sync=compress`` runs) and the compressor's work in each group is timed as it runs
+   (:attr:`CompressSync.work`): what compression costs inside compressed training steps, beside the
+   other ranks' work — on emulated machines sharing a host's cores several times what the same
+   calls cost in a benchmark loop. (Timed inside dense steps instead, it is worse still: there it
+   competes with the dense allreduce's reductions and traffic, which compressed steps do not have.)
 2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
    which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
    measures the configured compressor's encode/decode cost on its device at the same time (as they
-   compress in training, contending for whatever they share), and rank 0 builds the
+   compress in training, contending for whatever they share) over a grid of sizes, scaled by what
+   the calibration steps measured against that grid at the same sizes; rank 0 builds the
    :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
@@ -35,6 +42,7 @@ from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
 from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, profile_compressor
 from ddlscale.plan.result import CompressionPlan
+from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.dense import DenseAllreduce
 
@@ -57,6 +65,8 @@ class PlannedSync(CompressSync):
     comm, hierarchical: the configured uniform choice — Cupcake's option for every group,
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
     profile_steps: dense steps measured before planning (after one warm-up step).
+    calibrate_steps: layer-wise compressed steps (after a settling one) whose compressor work scales
+        the benchmarked costs (0: trust the benchmark as measured).
     network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
         as the sparse backends take them; ``network_latency: measured`` times small collectives on
         the sync group before planning and takes the alpha that explains them (:func:`probe_latency`).
@@ -80,7 +90,8 @@ class PlannedSync(CompressSync):
                  memory: Memory | str | None = "residual", memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, trial_steps: int = 0):
+                 first_bucket_mb: float = 1.0, trial_steps: int = 0,
+                 calibrate_steps: int = 2):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
@@ -100,8 +111,11 @@ class PlannedSync(CompressSync):
             raise ValueError(f"sync.network_bandwidth must be > 0, got {network_bandwidth!r}")
         if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
             raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
-        if isinstance(trial_steps, bool) or not isinstance(trial_steps, int) or trial_steps < 0:
-            raise ValueError(f"sync.trial_steps must be an integer >= 0, got {trial_steps!r}")
+        for key, value in (("sync.trial_steps", trial_steps), ("sync.calibrate_steps", calibrate_steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+        self.calibrate_steps = calibrate_steps
+        self.calibrating = False
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
@@ -125,7 +139,7 @@ class PlannedSync(CompressSync):
     # -- phases ------------------------------------------------------------------------------------
     @property
     def profiling(self) -> bool:
-        return self.computed is None
+        return self.computed is None and not self.calibrating
 
     def _hierarchical_possible(self) -> bool:
         k = self.local_size or 1
@@ -155,6 +169,10 @@ class PlannedSync(CompressSync):
         super().on_grad_ready(index, param)
 
     def finish(self) -> None:
+        if self.calibrating:
+            super().finish()
+            self._calibration_step()
+            return
         if not self.profiling:
             super().finish()
             if self.trial is not None:
@@ -164,7 +182,42 @@ class PlannedSync(CompressSync):
         DenseAllreduce.finish(self)
         self.recorder.step_end()
         if len(self.recorder.steps) > self.profile_steps:  # one warm-up step, then profile_steps
+            if self.calibrate_steps and self.world_size > 1 and self.compressors["default"].name != "none":
+                self._start_calibration()
+            else:
+                self._plan_and_switch()
+
+    # -- calibration -----------------------------------------------------------------------------
+    def _start_calibration(self) -> None:
+        """Every tensor compressed alone with the configured option, its work timed (self.work)."""
+        self.calibrating, self.work, self._calibration_seen = True, [], 0
+        self.plan = Plan(default=TensorPlan("default", self.comm_scheme,
+                                            self.hierarchical and self._hierarchical_possible()))
+        self._check_choice(self.plan.default, "sync.comm")
+        self.on_setup()
+
+    def _calibration_step(self) -> None:
+        self._calibration_seen += 1
+        if self._calibration_seen == 1:  # a settling step: first residuals and buffers allocated
+            self.work.clear()
+        elif self._calibration_seen > self.calibrate_steps:
+            self.calibrating = False
             self._plan_and_switch()
+
+    def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
+        """The configured compressor's fits scaled by what its work cost in the calibration steps, encode
+        and decode each: the median over groups and steps of (seconds in training) / (seconds the fit
+        says), weighted by the latter — the large groups that dominate a step dominate it, and one
+        group caught by a scheduling stall (tens of ms on an oversubscribed host) does not."""
+        work, self.work = self.work or [], None
+        if not work or "default" not in costs:
+            return costs
+        prof = costs["default"]
+        ratio = {kind: _weighted_median([(g.seconds[kind] / fitted, fitted) for g in work
+                                         if (fitted := sum(c * fit(n) for n, c in g.calls[kind])) > 0]) or 1.0
+                 for kind, fit in (("encode", prof.encode), ("decode", prof.decode))}
+        return {**costs, "default": prof.calibrated(ratio["encode"], ratio["decode"], groups=len(work),
+                                                    steps=self.calibrate_steps)}
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -172,7 +225,7 @@ class PlannedSync(CompressSync):
             self._measure_latency()
         # Every rank at once, so the measured costs carry the contention training runs under (on
         # emulated machines sharing cores, several times the cost measured alone); rank 0's are used.
-        costs = self.profile_compressors()
+        costs = self.calibrate(self.profile_compressors())
         message: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -313,6 +366,17 @@ class PlannedSync(CompressSync):
                 self._check_choice(choice, f"plan[{name}]")
             self.computed, self.plan = plan, executable
         super().load_state_dict(state)
+
+
+def _weighted_median(samples: list[tuple[float, float]]) -> float | None:
+    """The value at half the total weight of (value, weight) samples (None when there are none)."""
+    ordered = sorted(samples)
+    half, seen = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= half:
+            return value
+    return None
 
 
 def _distinct(plans: list[CompressionPlan]) -> list[CompressionPlan]:

@@ -25,7 +25,7 @@ from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
 from ddlscale.sync.compress.plan import Plan, TensorPlan
-from ddlscale.sync.compress.schemes import SCHEMES, Job, scheme
+from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
 FUSIONS = ("tensor", "bucket")
@@ -85,6 +85,9 @@ class CompressSync(DenseAllreduce):
         self.memory = memory
         self.fusion, self.local_size = fusion, local_size
         self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
+        # When a list: every launched group's compressor work, as the planners' profile benchmarks
+        # it, measured in training instead (one GroupWork per group and step).
+        self.work: list[GroupWork] | None = None
         for name, choice in [("default", self.plan.default), *self.plan.tensors.items()]:
             self._check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
 
@@ -164,9 +167,13 @@ class CompressSync(DenseAllreduce):
                 chunk = torch.empty(padded.numel() // k, dtype=tensor.dtype)
                 self.intra.reduce_scatter(chunk, padded).wait()
                 comm, tensor = self.inter, chunk
-            compensated = self.memory.compensate(tensor, key)
             shapes = None if hierarchical else [tuple(self.params[i].shape) for i in bucket.members]
-            job = Job(comm, self.compressors[choice.compressor], compensated, key, shapes)
+            job = Job(comm, self.compressors[choice.compressor], tensor, key, shapes)
+            if self.work is not None:
+                job.work = GroupWork()
+                self.work.append(job.work)
+            with timed_work(job, "encode"):  # error feedback: part of the benchmarked encode
+                job.tensor = compensated = self.memory.compensate(tensor, key)
             chosen = scheme(choice.scheme)
             chosen.start(job)
         return _Flight(job, chosen, compensated, key, hierarchical)
@@ -189,7 +196,8 @@ class CompressSync(DenseAllreduce):
                         total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
             with self.timed("decode"):
                 if flight.job is not None:
-                    self.memory.update(flight.key, flight.compensated, flight.job.local)
+                    with timed_work(flight.job, "encode"):
+                        self.memory.update(flight.key, flight.compensated, flight.job.local)
                     bucket.buffer.copy_(total[: bucket.buffer.numel()])
                 for slot, i in enumerate(bucket.members):
                     self._write_grad(i, bucket.views[slot])

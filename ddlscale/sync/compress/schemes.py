@@ -23,6 +23,8 @@ own decompressed tensor, which error feedback subtracts.
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,31 @@ class Job:
     shapes: list[tuple[int, ...]] | None = None  # the members' shapes, when the buffer holds whole tensors
     local: torch.Tensor | None = None  # this rank's decompressed contribution (for error feedback)
     state: dict[str, Any] = field(default_factory=dict)
+    work: GroupWork | None = None  # when given, timed_work adds to it
+
+
+@dataclass
+class GroupWork:
+    """One group's compressor work in one training step, in the units the planners' profile
+    benchmarks: per kind (``encode``: error feedback, compress, local decompress, pack; ``decode``:
+    unpack, decompress, sum) the seconds it took and the (elements, calls) it made."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: {"encode": 0.0, "decode": 0.0})
+    calls: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {"encode": [], "decode": []})
+
+
+@contextmanager
+def timed_work(job: Job, kind: str, numel: int = 0, calls: int = 0):
+    """Add the time of the block to ``job.work`` (when there is one) as ``kind`` work, and ``calls``
+    calls on ``numel`` elements each (none for a share of a call, such as error feedback's)."""
+    if job.work is None:
+        yield
+        return
+    start = time.perf_counter()
+    yield
+    job.work.seconds[kind] += time.perf_counter() - start
+    if calls:
+        job.work.calls[kind].append((numel, calls))
 
 
 class Scheme:
@@ -103,8 +130,9 @@ class Allreduce(Scheme):
     def start(self, job: Job) -> None:
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
             return
-        compressed = job.compressor.compress(self.shaped(job), job.name, self.segments(job))
-        job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
+        with timed_work(job, "encode", job.tensor.numel(), 1):
+            compressed = job.compressor.compress(self.shaped(job), job.name, self.segments(job))
+            job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
         payload = [p.clone() if p.data_ptr() == job.tensor.data_ptr() else p for p in compressed.payload]
         job.state["compressed"] = compressed.with_payload(payload)
         job.state["pending"] = [job.comm.allreduce(p) for p in payload]
@@ -126,14 +154,16 @@ class Allreduce(Scheme):
             return total
         for pending in job.state["pending"]:
             pending.wait()
-        return job.compressor.decompress(job.state["compressed"]).reshape(-1)
+        with timed_work(job, "decode", job.tensor.numel(), 1):
+            return job.compressor.decompress(job.state["compressed"]).reshape(-1)
 
 
 def _compress_whole(scheme: Scheme, job: Job) -> tuple[Compressed, torch.Tensor]:
     """Compress the whole tensor, keep this rank's decompressed copy for error feedback, pack it."""
-    compressed = job.compressor.compress(scheme.shaped(job), job.name, scheme.segments(job))
-    job.local = job.compressor.decompress(compressed).reshape(-1)
-    return compressed, wire.pack(compressed.payload)
+    with timed_work(job, "encode", job.tensor.numel(), 1):
+        compressed = job.compressor.compress(scheme.shaped(job), job.name, scheme.segments(job))
+        job.local = job.compressor.decompress(compressed).reshape(-1)
+        return compressed, wire.pack(compressed.payload)
 
 
 class Allgather(Scheme):
@@ -145,7 +175,8 @@ class Allgather(Scheme):
 
     def finish(self, job: Job) -> torch.Tensor:
         messages = job.state["pending"].wait()
-        return _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
+        with timed_work(job, "decode", job.tensor.numel(), len(messages)):
+            return _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
 
 
 class AllToAll(Scheme):
@@ -157,10 +188,11 @@ class AllToAll(Scheme):
         n = job.comm.size
         sizes = volume.even_split(job.tensor.numel(), n)
         members = job.state["members"] = _clip(self.segments(job), sizes)
-        compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
-                      for j, p in enumerate(torch.split(job.tensor, sizes))]
-        job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
-        messages = [wire.pack(c.payload) for c in compressed]
+        with timed_work(job, "encode", sizes[0], n):
+            compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
+                          for j, p in enumerate(torch.split(job.tensor, sizes))]
+            job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
+            messages = [wire.pack(c.payload) for c in compressed]
         splits_in = [m.numel() for m in messages]
         if job.compressor.fixed_size:  # partition j has the same length on every rank
             splits_out = [splits_in[job.comm.rank]] * n
@@ -177,7 +209,8 @@ class AllToAll(Scheme):
         comm, compressor, mine, members = job.comm, job.compressor, job.state["mine"], job.state["members"]
         job.state["pending"].wait()
         pieces = torch.split(job.state["received"], job.state["splits"])
-        partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
+        with timed_work(job, "decode", mine.ctx.numel, len(pieces)):
+            partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
         # The owner re-compresses its partition's sum; everyone decodes every partition's.
         summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum", members[comm.rank])
         message = wire.pack(summed.payload)
@@ -211,7 +244,8 @@ class GatherBroadcast(Scheme):
         gathered: list[torch.Tensor] | None = job.state["pending"].wait()
         if comm.rank == 0:
             messages = [m[:size] for m, size in zip(gathered, job.state["sizes"], strict=True)]
-            total = _decode_sum(compressor, job.state["compressed"], messages)
+            with timed_work(job, "decode", job.tensor.numel(), len(messages)):
+                total = _decode_sum(compressor, job.state["compressed"], messages)
             summed = compressor.compress(total, f"{job.name}/sum", self.segments(job))
             message = wire.pack(summed.payload)
             size = torch.tensor([message.numel()], dtype=torch.int64)
