@@ -8,7 +8,7 @@ The interface a backend relies on
 ---------------------------------
 ``Compressor`` (``base.py``)::
 
-    compress(tensor: Tensor, name: str = "") -> Compressed
+    compress(tensor: Tensor, name: str = "", segments: Sequence[int] | None = None) -> Compressed
     decompress(compressed: Compressed) -> Tensor          # original shape and dtype
     aggregate(items: Sequence[Compressed]) -> Compressed  # only where ``summable``
     payload_bytes(shape: int | Sequence[int], dtype: torch.dtype, kept: int | None = None) -> int
@@ -16,6 +16,7 @@ The interface a backend relies on
     summable: bool     # payloads of different ranks may be summed elementwise, then decoded
     fixed_size: bool   # payload shapes depend only on (shape, dtype); else exchange sizes first
     has_memory: bool   # applies its own error feedback (efsignsgd): run it with memory=none
+    per_member: bool   # keeps a scale per member of a fused buffer given its ``segments``
 
 ``Compressed(payload: list[Tensor], ctx: Context)``: ``payload`` is exactly what travels (its
 ``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra)``
@@ -41,7 +42,11 @@ Rules:
    vectors), which may alias the input; so may ``payload`` itself for those.
 7. PowerSGD adds ``reduce(tensor, name, allreduce: Callable[[Tensor], None]) -> Tensor``, the
    allreduce-compatible path (two in-place allreduces of the factors).
-8. Parameters are checked at construction; a bad one raises ValueError naming its config key
+8. A fused group's flat buffer comes with ``segments``, its members' sizes. A per-member
+   compressor (the scaled signs and onebit) keeps one scale per member and records the segments
+   in the Context, so the group decodes exactly as its members compressed alone would; the
+   payload grows by ``member_bytes`` per extra member. Every other compressor ignores them.
+9. Parameters are checked at construction; a bad one raises ValueError naming its config key
    (``compressor.ratio must be in (0, 1], got 1.5``).
 
 ``Memory`` (``memory.py``)::

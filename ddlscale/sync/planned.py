@@ -232,6 +232,11 @@ class PlannedSync(CompressSync):
                 profile = self.build_profile(costs)
                 model = CostModel(profile, self._planning_compressors())
                 plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
+                calibration = costs["default"].calibration if "default" in costs else {}
+                for plan in plans if calibration else ():
+                    plan.notes.append(f"compressor costs calibrated in training: encode x{calibration['encode']:.2f}, "
+                                      f"decode x{calibration['decode']:.2f} the benchmark ({calibration['groups']} "
+                                      f"groups over {calibration['steps']} layer-wise steps)")
                 self._save(plans[0], profile)
                 message = [[plan.to_dict() for plan in _distinct(plans)]]
             except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
