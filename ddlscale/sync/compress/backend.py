@@ -168,12 +168,12 @@ class CompressSync(DenseAllreduce):
                 self.intra.reduce_scatter(chunk, padded).wait()
                 comm, tensor = self.inter, chunk
             shapes = None if hierarchical else [tuple(self.params[i].shape) for i in bucket.members]
-            job = Job(comm, self.compressors[choice.compressor], tensor, key, shapes)
-            if self.work is not None:
-                job.work = GroupWork()
-                self.work.append(job.work)
-            with timed_work(job, "encode"):  # error feedback: part of the benchmarked encode
-                job.tensor = compensated = self.memory.compensate(tensor, key)
+            work = None if self.work is None else GroupWork()
+            if work is not None:
+                self.work.append(work)
+            with timed_work(work, "encode"):  # error feedback: part of the benchmarked encode
+                compensated = self.memory.compensate(tensor, key)
+            job = Job(comm, self.compressors[choice.compressor], compensated, key, shapes, work=work)
             chosen = scheme(choice.scheme)
             chosen.start(job)
         return _Flight(job, chosen, compensated, key, hierarchical)
@@ -196,7 +196,7 @@ class CompressSync(DenseAllreduce):
                         total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
             with self.timed("decode"):
                 if flight.job is not None:
-                    with timed_work(flight.job, "encode"):
+                    with timed_work(flight.job.work, "encode"):
                         self.memory.update(flight.key, flight.compensated, flight.job.local)
                     bucket.buffer.copy_(total[: bucket.buffer.numel()])
                 for slot, i in enumerate(bucket.members):

@@ -60,17 +60,17 @@ class GroupWork:
 
 
 @contextmanager
-def timed_work(job: Job, kind: str, numel: int = 0, calls: int = 0):
-    """Add the time of the block to ``job.work`` (when there is one) as ``kind`` work, and ``calls``
+def timed_work(work: GroupWork | None, kind: str, numel: int = 0, calls: int = 0):
+    """Add the time of the block to ``work`` (when there is one) as ``kind`` work, and ``calls``
     calls on ``numel`` elements each (none for a share of a call, such as error feedback's)."""
-    if job.work is None:
+    if work is None:
         yield
         return
     start = time.perf_counter()
     yield
-    job.work.seconds[kind] += time.perf_counter() - start
+    work.seconds[kind] += time.perf_counter() - start
     if calls:
-        job.work.calls[kind].append((numel, calls))
+        work.calls[kind].append((numel, calls))
 
 
 class Scheme:
@@ -130,7 +130,7 @@ class Allreduce(Scheme):
     def start(self, job: Job) -> None:
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
             return
-        with timed_work(job, "encode", job.tensor.numel(), 1):
+        with timed_work(job.work, "encode", job.tensor.numel(), 1):
             compressed = job.compressor.compress(self.shaped(job), job.name, self.segments(job))
             job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
         payload = [p.clone() if p.data_ptr() == job.tensor.data_ptr() else p for p in compressed.payload]
@@ -154,13 +154,13 @@ class Allreduce(Scheme):
             return total
         for pending in job.state["pending"]:
             pending.wait()
-        with timed_work(job, "decode", job.tensor.numel(), 1):
+        with timed_work(job.work, "decode", job.tensor.numel(), 1):
             return job.compressor.decompress(job.state["compressed"]).reshape(-1)
 
 
 def _compress_whole(scheme: Scheme, job: Job) -> tuple[Compressed, torch.Tensor]:
     """Compress the whole tensor, keep this rank's decompressed copy for error feedback, pack it."""
-    with timed_work(job, "encode", job.tensor.numel(), 1):
+    with timed_work(job.work, "encode", job.tensor.numel(), 1):
         compressed = job.compressor.compress(scheme.shaped(job), job.name, scheme.segments(job))
         job.local = job.compressor.decompress(compressed).reshape(-1)
         return compressed, wire.pack(compressed.payload)
@@ -175,7 +175,7 @@ class Allgather(Scheme):
 
     def finish(self, job: Job) -> torch.Tensor:
         messages = job.state["pending"].wait()
-        with timed_work(job, "decode", job.tensor.numel(), len(messages)):
+        with timed_work(job.work, "decode", job.tensor.numel(), len(messages)):
             return _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
 
 
@@ -188,7 +188,7 @@ class AllToAll(Scheme):
         n = job.comm.size
         sizes = volume.even_split(job.tensor.numel(), n)
         members = job.state["members"] = _clip(self.segments(job), sizes)
-        with timed_work(job, "encode", sizes[0], n):
+        with timed_work(job.work, "encode", sizes[0], n):
             compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
                           for j, p in enumerate(torch.split(job.tensor, sizes))]
             job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
@@ -209,7 +209,7 @@ class AllToAll(Scheme):
         comm, compressor, mine, members = job.comm, job.compressor, job.state["mine"], job.state["members"]
         job.state["pending"].wait()
         pieces = torch.split(job.state["received"], job.state["splits"])
-        with timed_work(job, "decode", mine.ctx.numel, len(pieces)):
+        with timed_work(job.work, "decode", mine.ctx.numel, len(pieces)):
             partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
         # The owner re-compresses its partition's sum; everyone decodes every partition's.
         summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum", members[comm.rank])
@@ -244,7 +244,7 @@ class GatherBroadcast(Scheme):
         gathered: list[torch.Tensor] | None = job.state["pending"].wait()
         if comm.rank == 0:
             messages = [m[:size] for m, size in zip(gathered, job.state["sizes"], strict=True)]
-            with timed_work(job, "decode", job.tensor.numel(), len(messages)):
+            with timed_work(job.work, "decode", job.tensor.numel(), len(messages)):
                 total = _decode_sum(compressor, job.state["compressed"], messages)
             summed = compressor.compress(total, f"{job.name}/sum", self.segments(job))
             message = wire.pack(summed.payload)
