@@ -152,9 +152,10 @@ def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[s
     from ddlscale.plan.result import uniform_time
 
     profile = Profile.load(profile_path)
-    if workers is not None:  # real machines: their own cores, the configured alpha
-        profile = replace(profile, world_size=workers, step_s=None, network={**profile.network, "latency": ALPHA,
-                                                                                    "exchange_latency": ALPHA})
+    if workers is not None:  # real machines: their own cores, the configured alpha, no shared-host slowdown
+        network = {k: v for k, v in profile.network.items() if k != "efficiency"}
+        profile = replace(profile, world_size=workers, step_s=None,
+                          network={**network, "latency": ALPHA, "exchange_latency": ALPHA})
     model = cost_model(profile)
     option = configured_option(model, comm)
     units, end, rest = units_of(profile), profile.backward_end_s, profile.rest_s

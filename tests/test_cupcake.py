@@ -4,6 +4,7 @@ import json
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,15 @@ from ddlscale.compress import TopK
 from ddlscale.plan.cost import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.cupcake import optimal_partition, plan_fusion
 from ddlscale.plan.fit import CostFit
-from ddlscale.plan.planner import cost_model
+from ddlscale.plan.planner import (
+    allreduce_efficiency,
+    configured_option,
+    cost_model,
+    dense_plan,
+    group_overhead,
+)
 from ddlscale.plan.profile import CompressorProfile, Profile
+from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.cupcake import CupcakeSync
@@ -209,11 +217,27 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     # Warm-up and 1 profiled step dense; a settling and 2 calibration steps layer-wise (one top-k
     # allgather per tensor); the plan comes after the 5th.
     assert ops[:2] == [["allreduce"]] * 2 and ops[2:] == [["allgather_uneven"] * len(SHAPES)] * 3
-    assert "compressor costs calibrated in training" in planned and work is None  # the timings went into the plan
+    assert "calibrated in training" in planned and work is None  # the timings went into the plan
     profiled = Profile.load(tmp_path / "plan_profile.json").compressors
     calibration = profiled["default"].calibration
     assert calibration["groups"] == 2 * len(SHAPES) and calibration["encode"] > 0 and calibration["decode"] > 0
     assert profiled["none"].calibration == {}  # only the configured compressor is calibrated
+    # The per-group overhead makes the model's layer-wise step what the calibration steps took.
+    profile = Profile.load(tmp_path / "plan_profile.json")
+    model = cost_model(profile)
+    layerwise = uniform_time(units_of(profile), configured_option(model), model, profile.backward_end_s,
+                             profile.rest_s)
+    assert calibration["group_s"] >= 0 and calibration["layerwise_step_s"] > 0
+    if calibration["group_s"] > 0:
+        assert layerwise == pytest.approx(calibration["layerwise_step_s"], rel=1e-3)
+    else:
+        assert layerwise >= calibration["layerwise_step_s"]
+    assert "ms more per group, for the layer-wise steps'" in planned
+    # The allreduce efficiency makes the model's dense step (DDP's buckets) what the profiled steps took.
+    factor = profile.network["efficiency"]["allreduce"]
+    dense = dense_plan(profile, model).iteration_s
+    assert factor >= 1 and (dense == pytest.approx(profile.step_s, rel=1e-3) if factor > 1 else dense >= profile.step_s)
+    assert f"allreduce x{factor:.2f} the network model" in planned
 
 
 def test_calibration_is_the_weighted_median_of_measured_over_fitted():
@@ -233,6 +257,42 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
     assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
     with pytest.raises(ValueError, match="sync.calibrate_steps"):
         CupcakeSync(TopK(), calibrate_steps=-1)
+
+
+def test_group_overhead_makes_the_layer_wise_prediction_what_training_measured():
+    profile = random_profile(random.Random(3), 20, world_size=4)
+    model = cost_model(profile)
+    option, units = configured_option(model), units_of(profile)
+
+    def layerwise(p):
+        return uniform_time(units, option, cost_model(p), p.backward_end_s, p.rest_s)
+
+    extra = 4e-4
+    dearer = profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=1.0)
+    assert dearer.encode(1000) == pytest.approx(profile.compressors["default"].encode(1000) + extra)
+    assert dearer.encode(0) == 0 and dearer.decode == profile.compressors["default"].decode
+    assert dearer.calibration == {"group_s": extra, "layerwise_step_s": 1.0}
+    measured = layerwise(replace(profile, compressors={**profile.compressors, "default": dearer}))
+    assert measured > layerwise(profile) + extra  # every group pays it, on the training thread
+    assert group_overhead(profile, option, measured) == pytest.approx(extra, abs=1e-6)
+    assert group_overhead(profile, option, 0.9 * layerwise(profile)) == 0.0  # the model already says more
+    assert group_overhead(profile, DENSE, measured) == 0.0  # nothing compressed: no compressor to charge
+    with pytest.raises(ValueError, match="CostFit.plus"):
+        CostFit().plus(-1.0)
+
+
+def test_allreduce_efficiency_makes_the_dense_prediction_what_the_profile_measured():
+    profile = random_profile(random.Random(5), 30, world_size=8)
+    profile.network = {**profile.network, "bandwidth": "1gbit"}  # communication that shows in the step
+
+    def dense(factor):
+        slowed = replace(profile, network={**profile.network, "efficiency": {"allreduce": factor}})
+        return dense_plan(slowed, cost_model(slowed)).iteration_s
+
+    assert dense(2.5) > dense(1.0)  # the profile's network entry reaches the model
+    assert allreduce_efficiency(replace(profile, step_s=dense(2.5))) == pytest.approx(2.5, rel=1e-3)
+    assert allreduce_efficiency(replace(profile, step_s=0.5 * dense(1.0))) == 1.0  # the model already says more
+    assert allreduce_efficiency(replace(profile, step_s=None)) == 1.0  # nothing measured
 
 
 def test_bad_config_names_the_key():

@@ -121,7 +121,8 @@ class CostModel:
         self.n = world_size or profile.world_size
         net = profile.network
         self.network = network or NetworkModel.of(net.get("bandwidth", "1gbit"), net.get("latency", "100us"),
-                                                  int(net.get("gpus_per_machine", 1)))
+                                                  int(net.get("gpus_per_machine", 1)),
+                                                  efficiency=net.get("efficiency"))
         self.k = min(self.network.gpus_per_machine, self.n)
         # Hierarchical: k inter-machine groups run at once, one per local rank: each gets 1/k of the NIC.
         self.across = NetworkModel(self.network.bandwidth_bps / self.k, self.network.latency_s, 1,

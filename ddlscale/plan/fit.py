@@ -73,6 +73,13 @@ class CostFit:
         return CostFit(self.floor_s * factor, self.intercept_s * factor, self.per_element_s * factor,
                        tuple((s, t * factor) for s, t in self.points))
 
+    def plus(self, seconds: float) -> CostFit:
+        """Every non-empty call ``seconds`` dearer (a per-call overhead measured in training)."""
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"CostFit.plus: seconds must be finite and >= 0, got {seconds!r}")
+        return CostFit(self.floor_s + seconds, self.intercept_s + seconds, self.per_element_s,
+                       tuple((s, t + seconds) for s, t in self.points))
+
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"floor_s": self.floor_s, "intercept_s": self.intercept_s,
                                "per_element_s": self.per_element_s}

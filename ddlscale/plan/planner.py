@@ -8,6 +8,8 @@ run used (for the same cluster).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import replace
 
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.comm.timeline import iteration_time
@@ -36,6 +38,63 @@ def configured_option(model: CostModel, comm: str = "allgather", hierarchical: b
         raise ValueError(f"sync.comm={comm} cannot carry compressor {model.compressors['default'].name} "
                          "(allreduce needs summable payloads); use allgather, alltoall or gather")
     return option
+
+
+def _solve(predicted: Callable[[float], float], measured_s: float, low: float, high: float) -> float:
+    """The ``x`` in [low, high] where the non-decreasing ``predicted(x)`` reaches ``measured_s``
+    (bisection; ``high`` where even that falls short)."""
+    if predicted(high) < measured_s:
+        return high
+    while high - low > 1e-6 * max(1.0, high):
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < measured_s else (low, middle)
+    return (low + high) / 2
+
+
+def group_overhead(profile: Profile, option: Option, measured_s: float,
+                   compressors: dict[str, Compressor] | None = None) -> float:
+    """Seconds per compressed group that make the model's layer-wise iteration under ``option`` (every
+    tensor its own group) take ``measured_s``, a layer-wise step measured in training; 0 where the
+    model already says that much or more.
+
+    What a compressed group costs beyond its benchmarked encode/decode and its collectives — the
+    scheme's Python, issuing the collective, the other ranks' compression competing for shared
+    cores — is charged per group, on the training thread (the encode fit), because layer-wise
+    steps show it growing with the number of groups.
+    """
+    if not option.compressed:
+        return 0.0
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+    units, key = units_of(profile), option.compressor
+
+    def predicted(extra: float) -> float:
+        costs = {**profile.compressors, key: profile.compressors[key].with_group_overhead(extra)}
+        model = CostModel(replace(profile, compressors=costs), compressors)
+        return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
+
+    residual = measured_s - predicted(0.0)  # each group's encode alone delays the step that much
+    return _solve(predicted, measured_s, 0.0, residual) if residual > 0 else 0.0
+
+
+def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | None = None,
+                         first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> float:
+    """The factor on the model's allreduce times (``NetworkModel.efficiency``) that makes its dense
+    step in DDP's buckets take what the profiled dense steps took (``profile.step_s``); 1 where the
+    model already says that much or more. On hosts whose CPU also carries the traffic (an emulated
+    cluster: every machine's reductions, copies and TCP stack on the same cores, beside backward) an
+    allreduce takes several times what the link alone explains, and overlaps backward less."""
+    if profile.step_s is None or profile.world_size < 2:
+        return 1.0
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+
+    def predicted(factor: float) -> float:
+        network = {**profile.network, "efficiency": {**profile.network.get("efficiency", {}), "allreduce": factor}}
+        profiled = replace(profile, network=network)
+        return dense_plan(profiled, CostModel(profiled, compressors), first_bytes, bucket_bytes).iteration_s
+
+    if predicted(1.0) >= profile.step_s:
+        return 1.0
+    return _solve(predicted, profile.step_s, 1.0, 100.0)
 
 
 def _label(model: CostModel, option: Option | None) -> str:

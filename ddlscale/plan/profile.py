@@ -79,6 +79,14 @@ class CompressorProfile:
                        side_decode=dec if same else self.side_decode,
                        calibration={"encode": encode, "decode": decode, **facts})
 
+    def with_group_overhead(self, seconds: float, **facts: float) -> CompressorProfile:
+        """Every group's encode ``seconds`` dearer: work in a compressed step that the fits and the
+        network model leave out (see :func:`~ddlscale.plan.planner.group_overhead`)."""
+        same = self.side_encode == self.encode
+        enc = self.encode.plus(seconds)
+        return replace(self, encode=enc, side_encode=enc if same else self.side_encode,
+                       calibration={**self.calibration, "group_s": seconds, **facts})
+
 
 @dataclass
 class Profile:

@@ -29,6 +29,7 @@ import copy
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
+from ddlscale.plan.planner import allreduce_efficiency, configured_option, group_overhead
 from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, profile_compressor
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress import Plan, TensorPlan
@@ -116,6 +118,7 @@ class PlannedSync(CompressSync):
                 raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
         self.calibrate_steps = calibrate_steps
         self.calibrating = False
+        self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
@@ -190,7 +193,7 @@ class PlannedSync(CompressSync):
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:
         """Every tensor compressed alone with the configured option, its work timed (self.work)."""
-        self.calibrating, self.work, self._calibration_seen = True, [], 0
+        self.calibrating, self.work, self._calibration_seen, self._calibration_ends = True, [], 0, []
         self.plan = Plan(default=TensorPlan("default", self.comm_scheme,
                                             self.hierarchical and self._hierarchical_possible()))
         self._check_choice(self.plan.default, "sync.comm")
@@ -198,6 +201,7 @@ class PlannedSync(CompressSync):
 
     def _calibration_step(self) -> None:
         self._calibration_seen += 1
+        self._calibration_ends.append(time.perf_counter())  # a step's end: the next one's start
         if self._calibration_seen == 1:  # a settling step: first residuals and buffers allocated
             self.work.clear()
         elif self._calibration_seen > self.calibrate_steps:
@@ -219,6 +223,30 @@ class PlannedSync(CompressSync):
         return {**costs, "default": prof.calibrated(ratio["encode"], ratio["decode"], groups=len(work),
                                                     steps=self.calibrate_steps)}
 
+    def calibrate_network(self, profile: Profile) -> Profile:
+        """``profile`` with the allreduce efficiency that makes the model's dense step in this
+        backend's buckets what the profiled dense steps took (with calibration steps on)."""
+        if not self.calibrate_steps:
+            return profile
+        factor = allreduce_efficiency(profile, self._planning_compressors(), self.first_bucket_bytes,
+                                      self.bucket_bytes)
+        efficiency = {**profile.network.get("efficiency", {}), "allreduce": factor}
+        return replace(profile, network={**profile.network, "efficiency": efficiency})
+
+    def calibrate_groups(self, profile: Profile) -> Profile:
+        """``profile`` with the configured compressor's per-group overhead that makes the model's
+        layer-wise step take what the calibration steps took (their median period on this rank)."""
+        ends, self._calibration_ends = self._calibration_ends, []
+        periods = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        if not periods or "default" not in profile.compressors:
+            return profile
+        compressors = self._planning_compressors()
+        option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
+        measured = statistics.median(periods)
+        extra = group_overhead(profile, option, measured, compressors)
+        prof = profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)
+        return replace(profile, compressors={**profile.compressors, "default": prof})
+
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
         if self.latency_requested == MEASURED:
@@ -229,14 +257,12 @@ class PlannedSync(CompressSync):
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                profile = self.build_profile(costs)
+                profile = self.calibrate_groups(self.calibrate_network(self.build_profile(costs)))
                 model = CostModel(profile, self._planning_compressors())
                 plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
-                calibration = costs["default"].calibration if "default" in costs else {}
-                for plan in plans if calibration else ():
-                    plan.notes.append(f"compressor costs calibrated in training: encode x{calibration['encode']:.2f}, "
-                                      f"decode x{calibration['decode']:.2f} the benchmark ({calibration['groups']} "
-                                      f"groups over {calibration['steps']} layer-wise steps)")
+                note = _calibration_note(profile)
+                for plan in plans if note else ():
+                    plan.notes.append(note)
                 self._save(plans[0], profile)
                 message = [[plan.to_dict() for plan in _distinct(plans)]]
             except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
@@ -371,6 +397,22 @@ class PlannedSync(CompressSync):
                 self._check_choice(choice, f"plan[{name}]")
             self.computed, self.plan = plan, executable
         super().load_state_dict(state)
+
+
+def _calibration_note(profile: Profile) -> str:
+    """What calibration changed in the model, for plan.txt ("" when nothing)."""
+    calibration = profile.compressors["default"].calibration if "default" in profile.compressors else {}
+    parts = []
+    if "allreduce" in profile.network.get("efficiency", {}):
+        parts.append(f"allreduce x{profile.network['efficiency']['allreduce']:.2f} the network model, for the "
+                     f"profiled dense steps' {profile.step_s * 1e3:.1f} ms")
+    if "encode" in calibration:
+        parts.append(f"encode x{calibration['encode']:.2f}, decode x{calibration['decode']:.2f} the benchmark "
+                     f"({calibration['groups']} groups over {calibration['steps']} layer-wise steps)")
+    if "group_s" in calibration:
+        parts.append(f"{calibration['group_s'] * 1e3:.3f} ms more per group, for the layer-wise steps' "
+                     f"{calibration['layerwise_step_s'] * 1e3:.1f} ms")
+    return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 
 def _weighted_median(samples: list[tuple[float, float]]) -> float | None:
