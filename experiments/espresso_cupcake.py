@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
                            "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
-                           "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": ""}
+                           "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": "",
+                           "allreduce_efficiency": "", "group_overhead_ms": "", "calibration_layerwise_step_ms": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -247,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
                         row["planner_exchange_alpha_us"] = parse_time(network["exchange_latency"]) * 1e6
                         row["calibration_encode"] = calibration.get("encode", "")
                         row["calibration_decode"] = calibration.get("decode", "")
+                        row["allreduce_efficiency"] = network.get("efficiency", {}).get("allreduce", "")
+                        if "group_s" in calibration:
+                            row["group_overhead_ms"] = calibration["group_s"] * 1e3
+                            row["calibration_layerwise_step_ms"] = calibration["layerwise_step_s"] * 1e3
                         model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
                         model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
                     rows.append(row)
@@ -334,14 +339,21 @@ compressed alone). Speed-ups are against the dense median of the same bandwidth 
 
 *predicted*: for cupcake/espresso the kept plan's own predicted iteration time (plan.json), for dense and
 layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
-The planners assumed: {planner}. Compression costs are benchmarked on every
-rank at once over a grid of sizes, then scaled by what the same work cost in the calibration steps (weighted
-median over groups of measured / benchmarked; encode x{ratio('calibration_encode')}, decode
-x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data);
-the model still leaves out that messages cost host CPU and that a blocking size exchange (dgc) waits for the
-slowest rank, and a profile comes from one rank's few dense steps; *projected {PROJECT_TO}*: the cost model on the same profiles at {PROJECT_TO} workers, same NICs (this
-host's compute and compression speed, so it says what the plans do with more workers, not what a GPU
-cluster would run at).
+The planners assumed: {planner}. Calibrated in each planned run, in three steps: compression costs
+are benchmarked on every rank at once over a grid of sizes, then scaled by what the same work cost in the
+calibration steps (weighted median over groups of measured / benchmarked; encode x{ratio('calibration_encode')},
+decode x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data);
+the model's allreduce times are scaled so that its dense step in DDP's buckets takes what the profiled dense
+steps took (x{ratio('allreduce_efficiency')}: on this host every machine's reductions, copies and TCP stack
+share 2 cores with backward); and every compressed group is charged a fixed overhead on the training thread so
+that the layer-wise step takes what the calibration steps took ({ratio('group_overhead_ms')} ms per group).
+So the dense and layer-wise predictions here are fitted to the planned run's own steps: they check that
+the fit carries over to separate runs, not the model; Cupcake's and Espresso's predictions are the test.
+The model still leaves out that communication takes CPU from backward rather than overlapping with it
+(the allreduce factor charges it to the link instead), and that a blocking size exchange (dgc) waits for
+the slowest rank; a profile comes from one rank's few steps. *projected {PROJECT_TO}*: the cost model on the
+same profiles at {PROJECT_TO} workers, same NICs, without the allreduce factor (this host's compute and
+compression speed, so it says what the plans do with more workers, not what a GPU cluster would run at).
 
 Host check (every machine streaming TCP to the next one at once, {PROBE_SECONDS} s): {probe_text}.
 
