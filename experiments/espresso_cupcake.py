@@ -8,7 +8,9 @@ Per (bandwidth, workload) the methods alternate, rotating which goes first: dens
 ``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
 error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
 machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
-dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step time
+dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step
+period (one optimizer step's end to the next: the batch and the loop's time between batches, which is
+what the planners' profiles measure and their predictions mean; runs.csv also has the batch alone)
 over the steps after that (the planned syncs profile dense for the first steps), the same steps for
 every method. The planners are told
 the NIC's TCP payload rate and measure the per-message latency themselves
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--steps", type=int, default=49)
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
+    parser.add_argument("--name", default="espresso_cupcake", help="results folder under experiments/results")
     args = parser.parse_args(argv)
     if args.steps < FIRST_MEASURED + 3:
         parser.error(f"--steps must be >= {FIRST_MEASURED + 3}: the first {FIRST_MEASURED} are not measured")
@@ -187,10 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = Results("espresso_cupcake")
+    results = Results(args.name)
     command = (f"python -m experiments.espresso_cupcake --nodes {args.nodes} --bandwidths {args.bandwidths} "
                f"--workloads {args.workloads} --compressors {args.compressors} --reps {args.reps} "
-               f"--steps {args.steps}" + (f" --overrides '{args.overrides}'" if args.overrides else ""))
+               f"--steps {args.steps}" + (f" --overrides '{args.overrides}'" if args.overrides else "")
+               + (f" --name {args.name}" if args.name != "espresso_cupcake" else ""))
     # What the host can carry: the ring of TCP streams at each rate.
     probes = {}
     for bw in bandwidths:
@@ -223,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                     steps = per_step(run_dir)
                     row = {"bandwidth": bw, "workload": workload, "compressor": comp or "none", "method": method,
                            "scheme": schemes.get(comp, "allreduce"), "rep": rep,
-                           "step_ms": window_median(steps, "step_time_s") * 1e3,
+                           "step_ms": window_median(steps, "step_period_s") * 1e3,
+                           "batch_ms": window_median(steps, "step_time_s") * 1e3,
                            "sync_ms": window_median(steps, "sync_time_s") * 1e3,
                            "bytes_sent_per_step": window_median(steps, "bytes_sent"),
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
@@ -330,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{measured(bw, 'planner_exchange_alpha_us')}" for bw in bandwidths)
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
-step time over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
+step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
 profiled steps, then layer-wise for 1 settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
 measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:

@@ -1,5 +1,6 @@
 """train.py end to end: configs compose, runs write their outputs, bad input fails early."""
 
+import csv
 import json
 import os
 import subprocess
@@ -65,8 +66,12 @@ def test_default_run_writes_summary_and_metrics(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["sync"] == "dense" and summary["model"] == "lstm"
     assert summary["bytes_sent_per_step"] > 0 and summary["imbalance"] >= 1.0
-    header = (out / "metrics.csv").read_text().splitlines()[0].split(",")
-    assert {"train_loss", "samples_per_s", "sync_time_s", "bytes_sent"} <= set(header)
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    assert {"train_loss", "samples_per_s", "sync_time_s", "bytes_sent", "step_period_s"} <= set(rows[0])
+    # A step's period (end to end) holds its batch time and the loop's time between batches.
+    steps = [r for r in rows if r.get("step_time_s")]
+    periods = [(float(r["step_period_s"]), float(r["step_time_s"])) for r in steps if r.get("step_period_s")]
+    assert len(periods) == len(steps) - 1 and all(period > batch for period, batch in periods)
 
 
 def test_sweep_runs_each_job_once_and_seed_reproduces(tmp_path):

@@ -52,6 +52,7 @@ class StepMetrics(pl.Callback):
                             "encode_time_s", "comm_time_s", "decode_time_s")
         }
         self._step_start: float | None = None
+        self._last_step_end: float | None = None  # for the period: one optimizer step's end to the next
         self._losses: list[float] = []
         self._last_global_step = 0
 
@@ -70,8 +71,12 @@ class StepMetrics(pl.Callback):
         if trainer.global_step == self._last_global_step or self._step_start is None:
             return  # a micro-batch that only accumulated
         self._last_global_step = trainer.global_step
-        step_time = time.perf_counter() - self._step_start
-        self._step_start = None
+        now = time.perf_counter()
+        step_time = now - self._step_start
+        # The period also holds what the loop does between batches (data, logging, callbacks): the
+        # iteration time throughput sees, and what the planners' profiles and predictions measure.
+        period = now - self._last_step_end if self._last_step_end is not None else None
+        self._step_start, self._last_step_end = None, now
         sync = self._sync(trainer)
         stats = sync.last_stats if sync is not None else None
         row = {
@@ -100,6 +105,8 @@ class StepMetrics(pl.Callback):
             },
             on_step=True, on_epoch=False, rank_zero_only=True,
         )
+        if period is not None:
+            pl_module.log("step_period_s", period, on_step=True, on_epoch=False, rank_zero_only=True)
         pl_module.log("samples_per_s", global_batch / step_time, on_step=True, on_epoch=False,
                       prog_bar=True, rank_zero_only=True)
 
