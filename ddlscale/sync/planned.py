@@ -15,7 +15,11 @@
    compress in training, contending for whatever they share) over a grid of sizes, scaled by what
    the calibration steps measured against that grid at the same sizes; rank 0 builds the
    :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
-   computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
+   fits the model to the steps it measured — an allreduce factor so that the dense step in this
+   backend's buckets takes what the profiled steps took
+   (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
+   layer-wise step takes what the calibration steps took
+   (:func:`~ddlscale.plan.planner.group_overhead`) — computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order.
@@ -68,7 +72,8 @@ class PlannedSync(CompressSync):
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
     profile_steps: dense steps measured before planning (after one warm-up step).
     calibrate_steps: layer-wise compressed steps (after a settling one) whose compressor work scales
-        the benchmarked costs (0: trust the benchmark as measured).
+        the benchmarked costs and whose length, with the profiled dense steps', fits the model's
+        allreduce factor and per-group overhead (0: trust the benchmark and the network model).
     network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
         as the sparse backends take them; ``network_latency: measured`` times small collectives on
         the sync group before planning and takes the alpha that explains them (:func:`probe_latency`).
