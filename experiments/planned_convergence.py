@@ -21,13 +21,10 @@ import tempfile
 from pathlib import Path
 
 from experiments.compression_accuracy import _smooth, loss_curve
-from experiments.espresso_cupcake import MEMORY, scheme_of
+from experiments.espresso_cupcake import MEMORY, SETTINGS, scheme_of
 from experiments.harness import Results, train
 
 METHODS = ("layerwise", "cupcake", "espresso")
-# Error feedback needs a contractive compressor: unbiased random-k (values scaled by numel / k) with a
-# residual diverges to NaN within 150 steps here (experiments/compression_accuracy shows it too).
-SETTINGS = {"randomk": ["compressor.unbiased=false"]}
 
 
 def overrides_of(method: str, compressor: str, bandwidth: str) -> list[str]:
