@@ -42,7 +42,10 @@ def configured_option(model: CostModel, comm: str = "allgather", hierarchical: b
 
 def _solve(predicted: Callable[[float], float], measured_s: float, low: float, high: float) -> float:
     """The ``x`` in [low, high] where the non-decreasing ``predicted(x)`` reaches ``measured_s``
-    (bisection; ``high`` where even that falls short)."""
+    (bisection): ``low`` where the model already says that much or more, ``high`` where even that
+    falls short."""
+    if predicted(low) >= measured_s:
+        return low
     if predicted(high) < measured_s:
         return high
     while high - low > 1e-6 * max(1.0, high):
@@ -72,8 +75,8 @@ def group_overhead(profile: Profile, option: Option, measured_s: float,
         model = CostModel(replace(profile, compressors=costs), compressors)
         return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
 
-    residual = measured_s - predicted(0.0)  # each group's encode alone delays the step that much
-    return _solve(predicted, measured_s, 0.0, residual) if residual > 0 else 0.0
+    # Each group's encode delays the step by its overhead, so one step's worth per group is enough.
+    return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
 
 
 def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | None = None,
@@ -92,8 +95,6 @@ def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | 
         profiled = replace(profile, network=network)
         return dense_plan(profiled, CostModel(profiled, compressors), first_bytes, bucket_bytes).iteration_s
 
-    if predicted(1.0) >= profile.step_s:
-        return 1.0
     return _solve(predicted, profile.step_s, 1.0, 100.0)
 
 

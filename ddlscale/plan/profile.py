@@ -73,19 +73,20 @@ class CompressorProfile:
     def calibrated(self, encode: float, decode: float, **facts: float) -> CompressorProfile:
         """These fits scaled to what the same work cost inside training steps (on the training
         device; the side device's fits too where it is the same CPU)."""
-        same = self.side_encode == self.encode and self.side_decode == self.decode
-        enc, dec = self.encode.scaled(encode), self.decode.scaled(decode)
-        return replace(self, encode=enc, decode=dec, side_encode=enc if same else self.side_encode,
-                       side_decode=dec if same else self.side_decode,
-                       calibration={"encode": encode, "decode": decode, **facts})
+        return self._refitted(self.encode.scaled(encode), self.decode.scaled(decode),
+                              {"encode": encode, "decode": decode, **facts})
 
     def with_group_overhead(self, seconds: float, **facts: float) -> CompressorProfile:
         """Every group's encode ``seconds`` dearer: work in a compressed step that the fits and the
         network model leave out (see :func:`~ddlscale.plan.planner.group_overhead`)."""
-        same = self.side_encode == self.encode
-        enc = self.encode.plus(seconds)
-        return replace(self, encode=enc, side_encode=enc if same else self.side_encode,
-                       calibration={**self.calibration, "group_s": seconds, **facts})
+        return self._refitted(self.encode.plus(seconds), self.decode,
+                              {**self.calibration, "group_s": seconds, **facts})
+
+    def _refitted(self, encode: CostFit, decode: CostFit, calibration: dict[str, float]) -> CompressorProfile:
+        """New training-device fits; the side device's follow them where it is the same CPU."""
+        same = self.side_encode == self.encode and self.side_decode == self.decode
+        return replace(self, encode=encode, decode=decode, side_encode=encode if same else self.side_encode,
+                       side_decode=decode if same else self.side_decode, calibration=calibration)
 
 
 @dataclass
