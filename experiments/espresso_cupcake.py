@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=49)
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="espresso_cupcake", help="results folder under experiments/results")
+    parser.add_argument("--keep", default="", help="keep every run's folder (profile, plan, metrics) under this path")
     args = parser.parse_args(argv)
     if args.steps < FIRST_MEASURED + 3:
         parser.error(f"--steps must be >= {FIRST_MEASURED + 3}: the first {FIRST_MEASURED} are not measured")
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     model_at: dict[tuple, list[dict[str, float]]] = defaultdict(list)  # (bw, workload, compressor, workers)
     total, done = len(bandwidths) * len(workloads) * args.reps * len(keys), 0
-    with tempfile.TemporaryDirectory(prefix="ddlscale-ec-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="ddlscale-ec-") as temporary:
+        scratch = args.keep or temporary
         for bw in bandwidths:
             for workload in workloads:
                 for rep, (method, comp) in alternating(keys, args.reps):
