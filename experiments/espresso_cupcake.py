@@ -149,6 +149,14 @@ def window_median(steps: list[dict[str, float]], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def _after_drift(planned: list[dict[str, Any]], dense_ms: list[float]) -> float:
+    """The median prediction of ``planned`` runs, each divided by its profile's drift: its profiled dense
+    step over the dense runs' measured median. A profile taken while the host ran slow (or fast)
+    scales every time in it, so this separates the model's error from the profile window's."""
+    return statistics.median(r["predicted_ms"] * statistics.median(dense_ms) / r["profile_dense_step_ms"]
+                             for r in planned)
+
+
 # -- the cost model's view of the four methods -------------------------------------------------------
 def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
     """Predicted iteration time of each method from a saved profile (optionally at another size)."""
@@ -161,7 +169,7 @@ def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[s
     profile = Profile.load(profile_path)
     if workers is not None:  # real machines: their own cores, the configured alpha, no shared-host slowdown
         network = {k: v for k, v in profile.network.items() if k != "efficiency"}
-        profile = replace(profile, world_size=workers, step_s=None,
+        profile = replace(profile, world_size=workers, step_s=None, lag_s=0.0,
                           network={**network, "latency": ALPHA, "exchange_latency": ALPHA})
     model = cost_model(profile)
     option = configured_option(model, comm)
@@ -183,7 +191,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="espresso_cupcake", help="results folder under experiments/results")
     parser.add_argument("--keep", default="", help="keep every run's folder (profile, plan, metrics) under this path")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --keep: read the runs already finished there instead of training them again "
+                             "(resume an interrupted experiment, or redo the report)")
     args = parser.parse_args(argv)
+    if args.reuse and not args.keep:
+        parser.error("--reuse needs --keep: the folder whose runs to read")
     if args.steps < FIRST_MEASURED + 3:
         parser.error(f"--steps must be >= {FIRST_MEASURED + 3}: the first {FIRST_MEASURED} are not measured")
     bandwidths, workloads = args.bandwidths.split(","), args.workloads.split(",")
@@ -202,8 +215,12 @@ def main(argv: list[str] | None = None) -> None:
                f"--steps {args.steps}" + (f" --overrides '{args.overrides}'" if args.overrides else "")
                + (f" --name {args.name}" if args.name != "espresso_cupcake" else ""))
     # What the host can carry: the ring of TCP streams at each rate.
-    probes = {}
+    config = results.dir / "config.json"
+    earlier = json.loads(config.read_text()).get("probe", {}) if args.reuse and config.exists() else {}
+    probes = {bw: earlier[bw] for bw in bandwidths if bw in earlier}  # a resumed run keeps its host check
     for bw in bandwidths:
+        if bw in probes:
+            continue
         rates = probe_rate(args.nodes, bw)
         payload = float(planner_network(bw)[0])
         probes[bw] = {"achieved_gbps": [r / 1e9 for r in rates], "payload_gbps": payload / 1e9,
@@ -228,9 +245,15 @@ def main(argv: list[str] | None = None) -> None:
                 for rep, (method, comp) in alternating(keys, args.reps):
                     run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
                     started = time.perf_counter()
-                    summary = train([f"model={workload}", *overrides_of(method, comp, bw, args)], timeout=1800,
-                                    run_dir=run_dir)
-                    wall = time.perf_counter() - started
+                    if args.reuse and (run_dir / "summary.json").exists():
+                        summary = json.loads((run_dir / "summary.json").read_text())
+                        timed = run_dir / "wall.json"  # absent in runs kept before it was written
+                        wall = json.loads(timed.read_text())["wall_s"] if timed.exists() else float("nan")
+                    else:
+                        summary = train([f"model={workload}", *overrides_of(method, comp, bw, args)], timeout=1800,
+                                        run_dir=run_dir)
+                        wall = time.perf_counter() - started
+                        (run_dir / "wall.json").write_text(json.dumps({"wall_s": wall}))
                     steps = per_step(run_dir)
                     row = {"bandwidth": bw, "workload": workload, "compressor": comp or "none", "method": method,
                            "scheme": schemes.get(comp, "allreduce"), "rep": rep,
@@ -243,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
                            "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
                            "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": "",
-                           "allreduce_efficiency": "", "group_overhead_ms": "", "calibration_layerwise_step_ms": ""}
+                           "allreduce_efficiency": "", "group_overhead_ms": "", "calibration_layerwise_step_ms": "",
+                           "slowest_rank_lag_ms": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -261,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
                         row["calibration_encode"] = calibration.get("encode", "")
                         row["calibration_decode"] = calibration.get("decode", "")
                         row["allreduce_efficiency"] = network.get("efficiency", {}).get("allreduce", "")
+                        row["slowest_rank_lag_ms"] = saved.get("lag_s", 0.0) * 1e3  # 0: planned before it was measured
                         if "group_s" in calibration:
                             row["group_overhead_ms"] = calibration["group_s"] * 1e3
                             row["calibration_layerwise_step_ms"] = calibration["layerwise_step_s"] * 1e3
@@ -313,18 +338,22 @@ def main(argv: list[str] | None = None) -> None:
                     "espresso ok": esp[0] <= other[0] or esp[1] <= other[2],  # faster, or the ranges overlap
                     "cupcake / layer-wise": stats["cupcake"][0] / stats["layerwise"][0],
                     "pred err cupcake": models["cupcake"][0] / stats["cupcake"][0] - 1,
-                    "pred err espresso": models["espresso"][0] / stats["espresso"][0] - 1})
+                    "pred err espresso": models["espresso"][0] / stats["espresso"][0] - 1,
+                    **{f"drift err {m}": _after_drift(runs[(bw, workload, comp, m)], dense) / stats[m][0] - 1
+                       for m in PLANNED}})
     results.write_csv(summary_rows, "results.csv")
 
     target_lines = ["| case | best other | Espresso kept (per rep) | Espresso / best | Espresso target | Cupcake / layer-wise | "
-                    "predicted vs measured: Cupcake | Espresso |", "|---|---|---|---|---|---|---|---|"]
+                    "predicted vs measured: Cupcake | Espresso | after the profile's drift: Cupcake | Espresso |",
+                    "|---|---|---|---|---|---|---|---|---|---|"]
     for t in targets:
         cupcake = f"{t['cupcake / layer-wise']:.2f}" + (
             (" (met)" if t["cupcake / layer-wise"] < 1 else " (MISSED)") if " cnn " in f" {t['case']} " else "")
         errs = [f"{t[k]:+.0%}" + ("" if abs(t[k]) <= 0.15 else " (MISSED)") for k in ("pred err cupcake",
                                                                                     "pred err espresso")]
+        drifted = " | ".join(f"{t[f'drift err {m}']:+.0%}" for m in PLANNED)
         target_lines.append(f"| {t['case']} | {t['best other']} | {t['espresso kept']} | {t['espresso / best']:.2f} | "
-                            f"{'met' if t['espresso ok'] else 'MISSED'} | {cupcake} | {errs[0]} | {errs[1]} |")
+                            f"{'met' if t['espresso ok'] else 'MISSED'} | {cupcake} | {errs[0]} | {errs[1]} | {drifted} |")
     probe_text = "; ".join(f"{bw}: {p['fraction']:.0%} of the {p['payload_gbps']:.2f} Gbit/s TCP payload rate "
                            f"({', '.join(f'{a:.2f}' for a in p['achieved_gbps'])} Gbit/s per machine)"
                            + (" - this host cannot sustain it" if p["fraction"] < 0.9 else "")
@@ -332,6 +361,12 @@ def main(argv: list[str] | None = None) -> None:
     def measured(bw: str, key: str) -> str:
         a = [r[key] for r in rows if r["bandwidth"] == bw and r[key] != ""]
         return f"{statistics.median(a):.0f} us (runs {min(a):.0f}-{max(a):.0f})" if a else "-"
+
+    def drift(bw: str, workload: str) -> str:
+        dense = statistics.median(r["step_ms"] for r in runs[(bw, workload, None, "dense")])
+        a = [r["profile_dense_step_ms"] / dense for r in rows if (r["bandwidth"], r["workload"]) == (bw, workload)
+             and r["method"] in PLANNED]
+        return f"{bw} {workload} x{statistics.median(a):.2f} ({min(a):.2f}-{max(a):.2f})"
 
     def ratio(key: str) -> str:
         a = [r[key] for r in rows if r[key] != ""]
@@ -351,7 +386,9 @@ compressed alone). Speed-ups are against the dense median of the same bandwidth 
 
 *predicted*: for cupcake/espresso the kept plan's own predicted iteration time (plan.json), for dense and
 layer-wise the same cost model on the planned runs' profiles (dense priced with DDP's 1/25 MB buckets).
-The planners assumed: {planner}. Calibrated in each planned run, in three steps: compression costs
+The planners assumed: {planner}. Every rank's profiled dense steps say how far behind rank 0 the
+slowest rank ends backward, which every collective waits for ({ratio('slowest_rank_lag_ms')} ms; the
+model grows it through the step from the previous step's final collective). Calibrated in each planned run, in three steps: compression costs
 are benchmarked on every rank at once over a grid of sizes, then scaled by what the same work cost in the
 calibration steps (weighted median over groups of measured / benchmarked; encode x{ratio('calibration_encode')},
 decode x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data);
@@ -362,10 +399,15 @@ that the layer-wise step takes what the calibration steps took ({ratio('group_ov
 So the dense and layer-wise predictions here are fitted to the planned run's own steps: they check that
 the fit carries over to separate runs, not the model; Cupcake's and Espresso's predictions are the test.
 The model still leaves out that communication takes CPU from backward rather than overlapping with it
-(the allreduce factor charges it to the link instead), and that a blocking size exchange (dgc) waits for
-the slowest rank; a profile comes from one rank's few steps. *projected {PROJECT_TO}*: the cost model on the
-same profiles at {PROJECT_TO} workers, same NICs, without the allreduce factor (this host's compute and
+(the allreduce factor charges it to the link instead); a profile comes from a few steps. *projected {PROJECT_TO}*: the cost model on the
+same profiles at {PROJECT_TO} workers, same NICs, without the allreduce factor and the lag (this host's compute and
 compression speed, so it says what the plans do with more workers, not what a GPU cluster would run at).
+
+How far the profiles' own dense steps (a planned run's first {PROFILE_STEPS} after warm-up, median) were
+from the dense runs' measured median, median (min-max) over the planned runs — every time a profile
+holds moves with it, so a prediction cannot be closer than this: {"; ".join(drift(bw, w) for bw in bandwidths
+for w in workloads)}. "After the profile's drift" divides each run's prediction by its profile's ratio
+before the median: what is left is the model's error.
 
 Host check (every machine streaming TCP to the next one at once, {PROBE_SECONDS} s): {probe_text}.
 

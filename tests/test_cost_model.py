@@ -289,6 +289,19 @@ def test_no_overlap_is_the_sum():
     assert one.iteration_s == pytest.approx(1.0 + 0.2 + 0.3 + 0.4 + 0.1)
 
 
+def test_a_lagging_rank_delays_the_collective_not_this_ranks_compute():
+    # Encode at ready (1.2 stolen from backward), the collective waits 0.5 for the slowest rank.
+    one = simulate([TensorTask("w", 1.0, 0.2, 0.3, 0.4, True, lag_s=0.5)], backward_end_s=1.0)
+    span = one.tensors[0]
+    assert (span.encode_end, span.comm_start, span.comm_end) == pytest.approx((1.2, 1.7, 2.0))
+    assert one.iteration_s == pytest.approx(2.4) and one.backward_end_s == pytest.approx(1.6)
+    # Behind a busy communication stream a smaller lag costs nothing.
+    busy = [TensorTask("a", 0.0, 0.0, 1.0, 0.0), TensorTask("b", 0.1, 0.0, 0.1, 0.0, lag_s=0.5)]
+    assert simulate(busy, backward_end_s=0.1).iteration_s == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="lag_s"):
+        simulate([TensorTask("x", 0.0, 0, 0, 0, lag_s=-1.0)], backward_end_s=1.0)
+
+
 def test_full_overlap_hides_communication():
     tasks = [TensorTask(f"t{i}", 0.1 * (i + 1), 0.01, 0.05, 0.01) for i in range(9)]
     timeline = simulate(tasks, backward_end_s=1.0, optimizer_s=0.2)

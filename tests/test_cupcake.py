@@ -4,6 +4,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -50,23 +51,34 @@ def brute_force(count, group_cost, backward_end, optimizer):
         costs = [group_cost(i, j) for i, j in groups]
         if any(c is None for c in costs):
             continue
-        tasks = [TensorTask(f"{i}:{j}", *c, True) for (i, j), c in zip(groups, costs, strict=True)]
+        tasks = [as_task(f"{i}:{j}", c) for (i, j), c in zip(groups, costs, strict=True)]
         t = iteration_time(tasks, backward_end, optimizer)
         if best is None or t < best[0]:
             best = (t, groups)
     return best
 
 
+def as_task(name, cost):
+    """A group cost (ready, encode, comm, decode[, lag]) as the compute-stream task it stands for."""
+    return TensorTask(name, *cost[:4], True, *cost[4:])
+
+
 def random_instance(rng, count):
-    """Random sorted ready times and a random group cost — sometimes linear, sometimes arbitrary."""
+    """Random sorted ready times and a random group cost — sometimes linear, sometimes arbitrary;
+    in half the instances the slowest rank lags, more so the later a group is ready."""
     ready = sorted(rng.uniform(0, 1e-2) for _ in range(count))
     backward_end = (ready[-1] if ready else 0.0) + rng.uniform(0, 3e-3)
     sizes = [2 ** rng.uniform(4, 20) for _ in range(count)]
     kind = rng.choice(["linear", "comm_stream", "table"])
     e, c, d = ((rng.uniform(0, 3e-4), rng.uniform(0, 2e-9)) for _ in range(3))
+    lag = rng.choice([None, rng.uniform(0, 5e-3)])
     table = {}
 
     def group_cost(i, j):
+        cost = unlagged(i, j)
+        return cost if lag is None else (*cost, lag * (1e-3 + ready[j - 1]) / (1e-3 + backward_end))
+
+    def unlagged(i, j):
         size = sum(sizes[i:j])
         if kind == "table":  # any cost at all: the DP must not rely on linearity or monotonicity
             if (i, j) not in table:
@@ -87,7 +99,7 @@ def test_dp_equals_brute_force_on_every_instance_up_to_12_tensors():
         group_cost, backward_end, optimizer = random_instance(rng, count)
         groups, value = optimal_partition(count, group_cost, backward_end, optimizer)
         best, _ = brute_force(count, group_cost, backward_end, optimizer)
-        tasks = [TensorTask(str(g), *group_cost(*g), True) for g in groups]
+        tasks = [as_task(str(g), group_cost(*g)) for g in groups]
         simulated = simulate(tasks, backward_end, optimizer).iteration_s
         assert simulated == pytest.approx(best, rel=1e-12, abs=1e-15), (trial, count, groups)
         assert value == pytest.approx(best, rel=1e-12, abs=1e-15), (trial, count)
@@ -128,7 +140,7 @@ def test_plan_fusion_on_the_cost_model_is_optimal_and_keeps_dtypes_apart():
             if len({u.dtype for u in units[i:j]}) > 1:
                 return None
             task = model.task(fuse(units[i:j]), option)
-            return task.ready_s, task.encode_s, task.comm_s, task.decode_s
+            return task.ready_s, task.encode_s, task.comm_s, task.decode_s, task.lag_s
 
         best, _ = brute_force(len(units), group_cost, profile.backward_end_s, profile.rest_s)
         assert plan.iteration_s == pytest.approx(best, rel=1e-12)
@@ -197,6 +209,9 @@ def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
     assert again[0][0] == plan0 and again[0][2][0] == ops[-1]
 
 
+LAG_S = 0.03
+
+
 def _calibrated(rank, world, run_dir):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.5), comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
@@ -205,6 +220,8 @@ def _calibrated(rank, world, run_dir):
     ops = []
     for step in range(5):
         g = torch.Generator().manual_seed(100 * rank + step)
+        if rank == 1:
+            time.sleep(LAG_S)  # a slower worker: every collective waits for it
         for name, p in reversed(params):
             p.grad = torch.randn(SHAPES[name], generator=g)
             sync.grad_ready(p)
@@ -222,6 +239,9 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     calibration = profiled["default"].calibration
     assert calibration["groups"] == 2 * len(SHAPES) and calibration["encode"] > 0 and calibration["decode"] > 0
     assert profiled["none"].calibration == {}  # only the configured compressor is calibrated
+    # Rank 1 starts every step LAG_S late: the profile says the slowest rank ends backward that much behind.
+    lag = Profile.load(tmp_path / "plan_profile.json").lag_s
+    assert LAG_S * 0.8 < lag < LAG_S * 3 and "the slowest rank" in planned
     # The per-group overhead makes the model's layer-wise step what the calibration steps took.
     profile = Profile.load(tmp_path / "plan_profile.json")
     model = cost_model(profile)

@@ -17,12 +17,21 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
-from ddlscale.compress import FP16, NoCompression, TopK
-from ddlscale.plan.cost import DENSE, CostModel, Option, units_of
+from ddlscale.compress import FP16, NoCompression, SignSGD, TopK
+from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
+from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import cost_model, espresso_plan
-from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, measure_costs
+from ddlscale.plan.profile import (
+    CompressorProfile,
+    Profile,
+    StepRecorder,
+    TensorProfile,
+    measure_costs,
+    profile_compressor,
+    slowest_lag,
+)
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.espresso import EspressoSync
@@ -143,6 +152,33 @@ def test_option_costs_come_from_payload_bytes_the_network_model_and_the_fits():
     assert not task.encode_on_compute
 
 
+def test_a_per_member_compressor_pays_for_every_fused_member():
+    profile = random_profile(random.Random(5), 6, world_size=4)
+    signs = CompressorProfile("signsgd", {}, CostFit(1e-5, 0.0, 1e-9), CostFit(1e-5, 0.0, 1e-9),
+                              CostFit(1e-5, 0.0, 1e-9), CostFit(1e-5, 0.0, 1e-9), member_encode_s=1e-4,
+                              member_decode_s=2e-5)
+    priced = {}
+    for key, per_member in (("signs", signs), ("free", dataclasses.replace(signs, member_encode_s=0.0,
+                                                                          member_decode_s=0.0))):
+        fused = dataclasses.replace(profile, compressors={**profile.compressors, "default": per_member})
+        model = cost_model(fused)
+        units = units_of(fused)
+        group = fuse(units[:4])
+        priced[key] = model.costs(group, Option("default", "allgather"))
+        # Cupcake's unnamed groups count their tensors as fuse() does, so the DP prices what runs.
+        assert Prefix(units).unit(0, 4).tensors == 4
+        assert model.costs(Prefix(units).unit(0, 4), Option("default", "allgather")) == priced[key]
+        assert model.costs(units[0], Option("default", "allgather"))[0] == pytest.approx(signs.encode(units[0].numel))
+    (encode, comm, decode), (encode0, comm0, decode0) = priced["signs"], priced["free"]
+    assert encode - encode0 == pytest.approx(3 * 1e-4) and comm == comm0
+    assert decode - decode0 == pytest.approx(4 * 3 * 2e-5)  # every rank's payload decoded
+    # Calibration scales them with the fits; the benchmark finds them for a per-member compressor only.
+    assert signs.calibrated(2.0, 3.0).member_encode_s == pytest.approx(2e-4)
+    assert signs.calibrated(2.0, 3.0).member_decode_s == pytest.approx(6e-5)
+    assert profile_compressor(SignSGD(), 1 << 12).member_encode_s > 0
+    assert profile_compressor(TopK(ratio=0.01), 1 << 12).member_encode_s == 0.0
+
+
 def test_cost_fit_recovers_constant_then_linear():
     truth = CostFit(2e-5, -1e-5, 3e-9)
     sizes = [2**e for e in range(8, 23, 2)]
@@ -179,7 +215,22 @@ def test_profile_json_round_trip_and_recorder(tmp_path):
         recorder.step_end()
     summary = recorder.summary([2, 1, 0])
     assert summary["steps"] == 2 and summary["ready_s"][0] == 0.0
+    assert len(recorder.spans()) == 2 and all(s >= 0 for s in recorder.spans())
     assert summary["ready_s"] == sorted(summary["ready_s"]) and summary["ready_s"][-1] <= summary["backward_end_s"]
+
+
+def test_slowest_lag_is_the_median_lead_of_the_slowest_rank_and_grows_through_the_step():
+    spans = [[1.0, 1.0, 1.0, 1.0], [1.2, 0.9, 1.5, 1.1], [1.1, 1.3, 0.8, 1.0]]  # seconds, 3 ranks x 4 steps
+    assert slowest_lag(spans, rank=0) == pytest.approx(0.25)  # median of 0.2, 0.3, 0.5, 0.1
+    assert slowest_lag(spans, rank=2) == pytest.approx(0.1)  # median of 0.1, 0, 0.7, 0.1
+    assert slowest_lag([[1.0, 2.0]]) == 0.0 and slowest_lag([[], []]) == 0.0
+    # The model grows it from the previous step's end (rest, then backward) to backward end.
+    profile = dataclasses.replace(random_profile(random.Random(1), 4), lag_s=0.01)
+    model = cost_model(profile)
+    assert model.lag(profile.backward_end_s) == pytest.approx(0.01)
+    assert model.lag(0.0) == pytest.approx(0.01 * profile.rest_s / (profile.rest_s + profile.backward_end_s))
+    assert model.task(units_of(profile)[0], DENSE).lag_s == model.lag(profile.tensors[0].ready_s)
+    assert cost_model(dataclasses.replace(profile, lag_s=0.0)).lag(profile.backward_end_s) == 0.0
 
 
 def test_plan_round_trips_and_becomes_a_compress_plan():

@@ -13,10 +13,13 @@ Tensor i, with D_i the compute time stolen by compute-stream encodes/decodes of 
 
     ready'_i     = ready_i + D_i
     encode_start = max(ready'_i, end of the previous job on its stream)
-    comm_start   = max(encode_end, comm_end_{i-1});   comm_end = comm_start + comm_i
+    comm_start   = max(encode_end + lag_i, comm_end_{i-1});   comm_end = comm_start + comm_i
     decode_end   = max(comm_end, side stream free) + decode_i      (side stream)
                  = comm_end + decode_i                              (compute stream)
     iteration    = max(backward_end + D_N, max_i decode_end) + optimizer
+
+The simulated rank is one of n: a collective starts when the last rank issues it, ``lag_i`` after
+this one (the slowest rank's backward runs behind; 0 for a rank that never waits).
 
 A compute-stream tensor (GPU compression) charges ``encode_s + decode_s`` to the compute stream at
 once: every later gradient and the backward end move by that much — Espresso's model. This is
@@ -47,7 +50,8 @@ class TensorTask:
     ``ready_s``: when backward produced it (seconds after backward starts). ``encode_s``,
     ``comm_s``, ``decode_s``: its compression, communication and decompression times (0 when not
     compressed). ``encode_on_compute``: encode/decode run on the compute stream (GPU compression
-    that steals compute from backward) instead of the side stream.
+    that steals compute from backward) instead of the side stream. ``lag_s``: how much later the
+    slowest rank is ready to send it (the collective waits for every rank).
     """
 
     name: str
@@ -56,6 +60,7 @@ class TensorTask:
     comm_s: float
     decode_s: float
     encode_on_compute: bool = False
+    lag_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -113,7 +118,7 @@ def _check_tasks(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s
     _check_duration(backward_end_s, "backward_end_s")
     _check_duration(optimizer_s, "optimizer_s")
     for task in tasks:
-        for what in ("ready_s", "encode_s", "comm_s", "decode_s"):
+        for what in ("ready_s", "encode_s", "comm_s", "decode_s", "lag_s"):
             _check_duration(getattr(task, what), f"{task.name}.{what}")
         if task.ready_s > backward_end_s:
             raise ValueError(f"{task.name}.ready_s ({task.ready_s}) is after backward_end_s ({backward_end_s})")
@@ -175,7 +180,7 @@ def _schedule(tasks: Sequence[TensorTask]) -> tuple[tuple[list[float], ...], flo
         else:
             encode_start[i] = encode_end[i] = ready[i]
 
-        comm_start[i] = max(encode_end[i], comm_free)
+        comm_start[i] = max(encode_end[i] + task.lag_s, comm_free)
         comm_end[i] = comm_free = comm_start[i] + task.comm_s
 
         if task.encode_on_compute or task.decode_s == 0:

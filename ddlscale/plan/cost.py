@@ -95,6 +95,12 @@ class Unit:
     ready_s: float  # of its last member: a group is complete when its last gradient is
     shape: tuple[int, ...] | None = None  # a single tensor's shape (PowerSGD compresses matrices)
     kept: dict[str, float] = field(default_factory=dict)  # per compressor key: fraction kept
+    members: int = 0  # the tensors it holds where ``names`` is left out (Cupcake's DP prices unnamed groups)
+
+    @property
+    def tensors(self) -> int:
+        """How many tensors it holds: a per-member compressor pays per tensor of a fused buffer."""
+        return self.members or len(self.names)
 
     @property
     def label(self) -> str:
@@ -165,7 +171,7 @@ class CostModel:
     # -- costs -------------------------------------------------------------------------------------
     def costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
         """(encode_s, comm_s, decode_s) of ``unit`` under ``option``."""
-        key = (unit.numel, unit.dtype, unit.shape, unit.kept.get(option.compressor), option)
+        key = (unit.numel, unit.dtype, unit.shape, unit.kept.get(option.compressor), unit.tensors, option)
         found = self._cache.get(key)
         if found is None:
             if not self.allows(option):
@@ -175,7 +181,17 @@ class CostModel:
 
     def task(self, unit: Unit, option: Option) -> TensorTask:
         encode, comm, decode = self.costs(unit, option)
-        return TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute")
+        return TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
+                          self.lag(unit.ready_s))
+
+    def lag(self, ready_s: float) -> float:
+        """How much later than the profiled rank the slowest one issues a collective of a unit ready
+        at ``ready_s``: the profile's lag at backward end (:attr:`Profile.lag_s`), grown in proportion
+        to the time since the ranks last met (the previous step's final collective)."""
+        prof = self.profile
+        if not prof.lag_s:
+            return 0.0
+        return prof.lag_s * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
 
     def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
         prof = self.profile.compressors.get(option.compressor)
@@ -184,6 +200,13 @@ class CostModel:
         if option.device == "side":
             return prof.side_encode, prof.side_decode
         return prof.encode, prof.decode
+
+    def _per_member(self, enc: CostFit, dec: CostFit, option: Option, tensors: int) -> tuple[CostFit, CostFit]:
+        """The fits of a fused buffer of ``tensors`` members under a per-member compressor: each member
+        past the first adds the profile's measured member cost to every encode and decode."""
+        prof = self.profile.compressors[option.compressor]
+        extra = tensors - 1
+        return enc.plus(prof.member_encode_s * extra), dec.plus(prof.member_decode_s * extra)
 
     def _payload(self, unit: Unit, option: Option, numel: int, shape: tuple[int, ...] | None) -> float:
         """Bytes of one packed payload of ``numel`` elements of the unit (its real kept fraction)."""
@@ -197,7 +220,7 @@ class CostModel:
         header = self.profile.compressors[option.compressor].header_bytes
         # A per-member compressor's scales for a fused group's other members, in proportion to the
         # elements this payload holds (an alltoall partition holds about its share of them).
-        members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (len(unit.names) - 1)
+        members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (unit.tensors - 1)
         return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header + (
             members * numel / max(1, unit.numel))
 
@@ -219,6 +242,10 @@ class CostModel:
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
+        if comp is not None and comp.per_member and not option.hierarchical and unit.tensors > 1:
+            # An all-to-all partition holds about its share of the members.
+            members = -(-unit.tensors // ranks) if scheme == "alltoall" else unit.tensors
+            enc, dec = self._per_member(enc, dec, option, members)
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
             payload = self._payload(unit, option, numel, shape)

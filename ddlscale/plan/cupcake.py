@@ -10,11 +10,11 @@ last gradient is). Cupcake finds the partition that minimizes the simulated iter
 r_g (its last member's), encode e_g, comm c_g and decode d_g follows the simulator's recursion
 
     S_g        = S_{g-1} + e_g + d_g                       (compute time stolen so far)
-    comm_end_g = max(r_g + S_{g-1} + e_g, comm_end_{g-1}) + c_g
+    comm_end_g = max(r_g + S_{g-1} + e_g + l_g, comm_end_{g-1}) + c_g
     T          = max(B + S_G, max_g comm_end_g + d_g) + optimizer
 
 (the encode starts as soon as the group is ready: ready times are non-decreasing and each ready
-time already includes every earlier encode). Every term is "C + const" or "S + const", so for a
+time already includes every earlier encode; l_g, the slowest rank's lag, delays the collective). Every term is "C + const" or "S + const", so for a
 fixed partition of the tensors i..N-1 entered with comm-stream end C and stolen time S,
 
     T - optimizer = S + max(C - S + alpha, beta)
@@ -25,7 +25,7 @@ non-decreasing in each): a partition off the front can never be optimal, whateve
 it. A first group [i, j) followed by (alpha', beta') from suffix j gives
 
     alpha = c + max(d, alpha')
-    beta  = max(r + e + alpha, e + d + beta')
+    beta  = max(r + l + e + alpha, e + d + beta')
 
 with the empty suffix (alpha, beta) = (-inf, B). The answer is min over the front at 0 of
 max(alpha, beta) (C = S = 0). This is exact for every input of the recursion — any group cost
@@ -50,16 +50,16 @@ import numpy as np
 from ddlscale.comm.timeline import TensorTask, iteration_time
 from ddlscale.plan.cost import CostModel, Option, Unit, fuse
 
-GroupCost = Callable[[int, int], "tuple[float, float, float, float] | None"]
+GroupCost = Callable[[int, int], "tuple[float, ...] | None"]
 
 
 def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
                       optimizer_s: float = 0.0) -> tuple[list[tuple[int, int]], float]:
     """Split ``range(count)`` into contiguous groups minimizing the simulated iteration time.
 
-    ``group_cost(i, j)`` gives (ready_s, encode_s, comm_s, decode_s) of items i..j-1 fused and
-    compressed on the compute stream, or None where they cannot be fused (then no group spans
-    them). Returns the groups as (start, end) ranges and the iteration time the DP computed.
+    ``group_cost(i, j)`` gives (ready_s, encode_s, comm_s, decode_s[, lag_s]) of items i..j-1
+    fused and compressed on the compute stream (TensorTask's fields; lag 0 when left out), or None
+    where they cannot be fused (then no group spans them). Returns the groups as (start, end) ranges and the iteration time the DP computed.
 
     ``group_cost`` must refuse every group that spans a forbidden pair, whatever its bounds.
 
@@ -73,20 +73,28 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
     """
     if count == 0:
         return [], backward_end_s + optimizer_s
-    singles = [group_cost(i, i + 1) for i in range(count)]
+    def cost_of(i: int, j: int) -> tuple[float, ...] | None:
+        cost = group_cost(i, j)
+        return None if cost is None else (*cost, 0.0)[:5]
+
+    def task(name: str, cost: Sequence[float]) -> TensorTask:
+        ready, encode, comm, decode, lag = cost
+        return TensorTask(name, ready, encode, comm, decode, True, lag)
+
+    singles = [cost_of(i, i + 1) for i in range(count)]
     if any(c is None for c in singles):
         raise ValueError(f"item {singles.index(None)} cannot form a group on its own")
-    alone = [TensorTask(str(i), *cost, True) for i, cost in enumerate(singles)]
+    alone = [task(str(i), cost) for i, cost in enumerate(singles)]
     bound = iteration_time(alone, backward_end_s, optimizer_s)
-    everything = group_cost(0, count)  # one group, where allowed: often the better bound
+    everything = cost_of(0, count)  # one group, where allowed: often the better bound
     if everything is not None:
-        bound = min(bound, iteration_time([TensorTask("all", *everything, True)], backward_end_s, optimizer_s))
+        bound = min(bound, iteration_time([task("all", everything)], backward_end_s, optimizer_s))
     # Every group's cost once: both sweeps below read them.
     rows: list[tuple[list[int], np.ndarray]] = []
     for i in range(count):
         js, costs = [], []
         for j in range(i + 1, count + 1):
-            cost = group_cost(i, j)
+            cost = cost_of(i, j)
             if cost is None:
                 break  # fusing i..j-1 is not allowed, so neither is any longer group from i
             js.append(j)
@@ -103,7 +111,7 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
     # A first sweep keeping only a few points per front finds a partition near the optimum; its time
     # bounds the exact sweep, which then prunes almost every point that cannot win.
     rough, _ = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT))
-    rough_tasks = [TensorTask(str(i), *rows[i][1][:, j - i - 1], True) for i, j in rough]
+    rough_tasks = [task(str(i), rows[i][1][:, j - i - 1]) for i, j in rough]
     bound = min(bound, iteration_time(rough_tasks, backward_end_s, optimizer_s))
     groups, seconds = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound))
     return groups, seconds + optimizer_s
@@ -125,11 +133,11 @@ def _sweep(rows: list[tuple[list[int], np.ndarray]], singles: list, stolen: np.n
         js, costs = rows[i]
         # Every first group [i, j) against every point of front[j], in one vectorized step.
         sizes = np.array([front[j][0].size for j in js])
-        ready, encode, comm, decode = np.repeat(costs, sizes, axis=1)
+        ready, encode, comm, decode, lag = np.repeat(costs, sizes, axis=1)
         tail_alpha = np.concatenate([front[j][0] for j in js])
         tail_beta = np.concatenate([front[j][1] for j in js])
         alpha = comm + np.maximum(decode, tail_alpha)
-        beta = np.maximum(ready + encode + alpha, encode + decode + tail_beta)
+        beta = np.maximum(ready + lag + encode + alpha, encode + decode + tail_beta)
         starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
         links = np.arange(alpha.size) - starts
         # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= stolen[i], so the
@@ -169,11 +177,12 @@ def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[
 
 
 class Prefix:
-    """Fused units of any range in O(1): prefix sums of sizes and kept elements."""
+    """Fused units of any range in O(1): prefix sums of sizes, tensors and kept elements."""
 
     def __init__(self, units: Sequence[Unit]):
         self.units = list(units)
         self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64)))
+        self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64)))
         keys = set.intersection(*(set(u.kept) for u in units)) if units else set()
         self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept[key] * u.numel for u in units])))
                      for key in keys}
@@ -191,7 +200,8 @@ class Prefix:
             return self.units[i]
         numel = int(self.numel[j] - self.numel[i])
         kept = {key: float(s[j] - s[i]) / max(1, numel) for key, s in self.kept.items()}
-        return Unit((), numel, self.units[i].dtype, self.units[j - 1].ready_s, None, kept)
+        return Unit((), numel, self.units[i].dtype, self.units[j - 1].ready_s, None, kept,
+                    int(self.tensors[j] - self.tensors[i]))
 
 
 @dataclass
@@ -231,7 +241,7 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
         if unit is None:
             return None
         encode, comm, decode = model.costs(unit, options[i])
-        return unit.ready_s, encode, comm, decode
+        return unit.ready_s, encode, comm, decode, model.lag(unit.ready_s)
 
     groups, _ = optimal_partition(len(units), group_cost, backward_end_s, optimizer_s)
     fused = [fuse(units[i:j]) for i, j in groups]

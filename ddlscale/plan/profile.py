@@ -11,6 +11,9 @@ Timing conventions (seconds): backward starts when the first gradient hook fires
 the loss and of the last layer before it is counted in ``rest_s`` instead, which no plan changes.
 ``rest_s`` is a step's period minus (backward end - backward start) minus the sync wait, so the
 simulator's ``iteration = max(backward end, last decode) + rest_s`` is the whole step time.
+``lag_s``: how much later than the profiled rank the slowest rank ended backward, counted from the
+previous step's final collective, where the ranks last met (median over the profiled steps): every
+collective waits for the last rank, and noisy or uneven workers make some rank the last.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ class CompressorProfile:
     ``encode``: compress plus the local decompress error feedback needs; ``decode``: decompress one
     received payload and add it to a sum. ``side_encode``/``side_decode``: the same on the side
     device (the CPU beside a GPU; equal to ``encode``/``decode`` where training runs on the CPU).
-    ``header_bytes``: the wire header one packed payload adds.
+    ``header_bytes``: the wire header one packed payload adds. ``member_encode_s`` /
+    ``member_decode_s``: what each member of a fused buffer past the first adds to an encode /
+    decode, for compressors that scale per member (0 for the others; the fits are of one tensor).
     """
 
     name: str
@@ -66,6 +71,8 @@ class CompressorProfile:
     header_bytes: int = 0
     samples: list[dict[str, float]] = field(default_factory=list)
     calibration: dict[str, float] = field(default_factory=dict)  # in training / benchmark (PlannedSync)
+    member_encode_s: float = 0.0  # a per-member compressor's extra seconds per fused member past the first
+    member_decode_s: float = 0.0
 
     def build(self) -> Compressor:
         return build_compressor(self.name, **self.params)
@@ -73,8 +80,10 @@ class CompressorProfile:
     def calibrated(self, encode: float, decode: float, **facts: float) -> CompressorProfile:
         """These fits scaled to what the same work cost inside training steps (on the training
         device; the side device's fits too where it is the same CPU)."""
-        return self._refitted(self.encode.scaled(encode), self.decode.scaled(decode),
-                              {"encode": encode, "decode": decode, **facts})
+        scaled = replace(self, member_encode_s=self.member_encode_s * encode,
+                         member_decode_s=self.member_decode_s * decode)
+        return scaled._refitted(self.encode.scaled(encode), self.decode.scaled(decode),
+                                {"encode": encode, "decode": decode, **facts})
 
     def with_group_overhead(self, seconds: float, **facts: float) -> CompressorProfile:
         """Every group's encode ``seconds`` dearer: work in a compressed step that the fits and the
@@ -100,6 +109,7 @@ class Profile:
     device: str = "cpu"
     step_s: float | None = None  # median measured step with dense sync (for predicted vs measured)
     steps: int = 0  # measured steps averaged
+    lag_s: float = 0.0  # how much later than this rank the slowest one ended backward (median)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -119,12 +129,13 @@ class Profile:
             key: CompressorProfile(c["name"], dict(c["params"]), *(CostFit.from_dict(c[w]) for w in
                                    ("encode", "decode", "side_encode", "side_decode")),
                                    int(c.get("header_bytes", 0)), list(c.get("samples", [])),
-                                   dict(c.get("calibration", {})))
+                                   dict(c.get("calibration", {})), float(c.get("member_encode_s", 0.0)),
+                                   float(c.get("member_decode_s", 0.0)))
             for key, c in data["compressors"].items()
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
                    dict(data["network"]), compressors, data.get("device", "cpu"), data.get("step_s"),
-                   int(data.get("steps", 0)))
+                   int(data.get("steps", 0)), float(data.get("lag_s", 0.0)))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -159,6 +170,14 @@ class StepRecorder:
         self.steps.append({"ready": self._current, "backward_end": self._backward_end or end, "end": end})
         self._current, self._backward_end = {}, None
 
+    def _measured(self, warmup: int) -> list[int]:
+        return [k for k in range(max(1, warmup), len(self.steps)) if self.steps[k]["ready"]]
+
+    def spans(self, warmup: int = 1) -> list[float]:
+        """Per measured step: the previous step's end (its final collective, where the ranks met)
+        to this step's backward end — what :func:`slowest_lag` compares across ranks."""
+        return [self.steps[k]["backward_end"] - self.steps[k - 1]["end"] for k in self._measured(warmup)]
+
     def summary(self, order: Sequence[int], warmup: int = 1) -> dict[str, Any]:
         """Median ready times in ``order`` (made non-decreasing), backward end, rest of the step.
 
@@ -167,7 +186,7 @@ class StepRecorder:
         profiled steps on a busy host often hold one that is several times slower. A tensor whose hook never fired
         is ready at backward end (the backend zero-fills it then).
         """
-        measured = [k for k in range(max(1, warmup), len(self.steps)) if self.steps[k]["ready"]]
+        measured = self._measured(warmup)
         if not measured:
             raise ValueError(f"profiling needs more than {max(1, warmup)} steps with gradients; got {len(self.steps)}")
         ready = {i: [] for i in order}
@@ -189,6 +208,16 @@ class StepRecorder:
             ready_s.append(latest)
         return {"ready_s": ready_s, "backward_end_s": backward_end, "rest_s": statistics.median(rests),
                 "step_s": statistics.median(periods), "steps": len(measured)}
+
+
+def slowest_lag(spans: Sequence[Sequence[float]], rank: int = 0) -> float:
+    """How much later than ``rank`` the slowest rank ends backward: the median over steps of
+    max over ranks of ``spans[r][k]`` minus ``spans[rank][k]`` (:meth:`StepRecorder.spans` of every
+    rank; durations, so no clock is shared). 0 for one rank or no steps."""
+    steps = min((len(s) for s in spans), default=0)
+    if len(spans) < 2 or steps == 0:
+        return 0.0
+    return statistics.median(max(s[k] for s in spans) - spans[rank][k] for k in range(steps))
 
 
 # -- compressor costs on this device -------------------------------------------------------------------
@@ -219,8 +248,9 @@ def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50, min_c
 
 def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, budget_s: float = 0.02,
-                  memory: Memory | None = None) -> tuple[CostFit, CostFit, list]:
-    """(encode fit, decode fit, samples) of ``compressor`` on ``device`` over ``sizes`` elements.
+                  memory: Memory | None = None, members: int = 1) -> tuple[CostFit, CostFit, list]:
+    """(encode fit, decode fit, samples) of ``compressor`` on ``device`` over ``sizes`` elements
+    (each a fused buffer of ``members`` equal tensors: what a per-member compressor pays per member).
 
     Timed is what CompressSync does per group around the compressor, not the compressor alone:
     encode = error-feedback compensate, compress, the local decompress error feedback needs, pack
@@ -236,15 +266,17 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
     for size in sizes:
         x = torch.randn(size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
         name = f"profile/{size}"
+        count = max(1, min(members, size))
+        segments = None if count == 1 else [size // count + (k < size % count) for k in range(count)]
 
-        def encode(x=x, name=name):
+        def encode(x=x, name=name, segments=segments):
             compensated = mem.compensate(x, name)
-            compressed = comp.compress(compensated, name)
+            compressed = comp.compress(compensated, name, segments)
             local = comp.decompress(compressed)
             wire.pack(compressed.payload)
             mem.update(name, compensated, local.reshape(compensated.shape))
 
-        compressed = comp.compress(x, name)
+        compressed = comp.compress(x, name, segments)
         message = wire.pack(compressed.payload)
         total = torch.zeros_like(x)
 
@@ -287,5 +319,21 @@ def profile_compressor(compressor: Compressor, largest: int, device: str | torch
         for sample, side in zip(samples, side_samples, strict=True):
             sample.update(side_encode_s=side["encode_s"], side_decode_s=side["decode_s"])
     params = {} if compressor.name == "none" else compressor_params(compressor)
+    member_encode, member_decode = (member_costs(compressor, device, budget_s, memory) if compressor.per_member
+                                    else (0.0, 0.0))
     return CompressorProfile(compressor.name, params, encode, decode, side_encode, side_decode,
-                             header_bytes(compressor), samples)
+                             header_bytes(compressor), samples, member_encode_s=member_encode,
+                             member_decode_s=member_decode)
+
+
+MEMBER_PROBE = (1 << 16, 64)  # elements, members: fused buffers of small tensors, where members cost most
+
+
+def member_costs(compressor: Compressor, device: str | torch.device = "cpu", budget_s: float = 0.02,
+                 memory: Memory | None = None) -> tuple[float, float]:
+    """(encode, decode) seconds each member of a fused buffer past the first adds: one buffer
+    timed whole and as :data:`MEMBER_PROBE` members (per-member scales, a kernel or more each)."""
+    size, members = MEMBER_PROBE
+    whole = measure_costs(compressor, [size], device, budget_s=budget_s, memory=memory)[2][0]
+    split = measure_costs(compressor, [size], device, budget_s=budget_s, memory=memory, members=members)[2][0]
+    return tuple(max(0.0, (split[k] - whole[k]) / (members - 1)) for k in ("encode_s", "decode_s"))

@@ -2,12 +2,15 @@
 
 Sizes are log-uniform (a model has many small tensors and a few large ones), ready times grow with
 the sizes already produced, compression costs are constant-then-linear with random coefficients,
-and the cluster is drawn from 2-16 workers, 1-4 ranks per machine, 100 Mbit/s - 100 Gbit/s.
+and the cluster is drawn from 2-16 workers, 1-4 ranks per machine, 100 Mbit/s - 100 Gbit/s;
+per-member costs of fused buffers up to 50 us; in half the profiles the slowest rank ends backward
+up to 3 ms behind.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import CompressorProfile, Profile, TensorProfile
@@ -42,5 +45,8 @@ def random_profile(rng: random.Random, count: int, world_size: int | None = None
                    "default": CompressorProfile(name, dict(params), encode, decode, side_encode, side_decode, 40)}
     network = {"bandwidth": rng.choice(["100mbit", "1gbit", "10gbit", "100gbit"]),
                "latency": rng.choice(["5us", "50us", "200us"]), "gpus_per_machine": rng.choice([1, 2, 4])}
-    return Profile(tensors, ready + rng.uniform(0, 2e-3), rng.uniform(0, 1e-2),
-                   world_size or rng.choice([2, 4, 8, 16]), network, compressors)
+    profile = Profile(tensors, ready + rng.uniform(0, 2e-3), rng.uniform(0, 1e-2),
+                      world_size or rng.choice([2, 4, 8, 16]), network, compressors)
+    # Per fused member (used where the compressor scales per member), then a slowest rank behind, or none.
+    members = replace(compressors["default"], member_encode_s=rng.uniform(0, 5e-5), member_decode_s=rng.uniform(0, 2e-5))
+    return replace(profile, compressors={**compressors, "default": members}, lag_s=rng.choice([0.0, rng.uniform(0, 3e-3)]))

@@ -13,7 +13,9 @@
    which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
    measures the configured compressor's encode/decode cost on its device at the same time (as they
    compress in training, contending for whatever they share) over a grid of sizes, scaled by what
-   the calibration steps measured against that grid at the same sizes; rank 0 builds the
+   the calibration steps measured against that grid at the same sizes; every rank's profiled
+   steps give how far behind rank 0 the slowest rank ends backward (collectives wait for it:
+   :attr:`Profile.lag_s`); rank 0 builds the
    :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
    fits the model to the steps it measured — an allreduce factor so that the dense step in this
    backend's buckets takes what the profiled steps took
@@ -46,7 +48,14 @@ from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
 from ddlscale.plan.planner import allreduce_efficiency, configured_option, group_overhead
-from ddlscale.plan.profile import CompressorProfile, Profile, StepRecorder, TensorProfile, profile_compressor
+from ddlscale.plan.profile import (
+    CompressorProfile,
+    Profile,
+    StepRecorder,
+    TensorProfile,
+    profile_compressor,
+    slowest_lag,
+)
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
@@ -259,10 +268,12 @@ class PlannedSync(CompressSync):
         # Every rank at once, so the measured costs carry the contention training runs under (on
         # emulated machines sharing cores, several times the cost measured alone); rank 0's are used.
         costs = self.calibrate(self.profile_compressors())
+        lag = self._slowest_lag()
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                profile = self.calibrate_groups(self.calibrate_network(self.build_profile(costs)))
+                profile = replace(self.build_profile(costs), lag_s=lag)
+                profile = self.calibrate_groups(self.calibrate_network(profile))
                 model = CostModel(profile, self._planning_compressors())
                 plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
                 note = _calibration_note(profile)
@@ -336,6 +347,15 @@ class PlannedSync(CompressSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
+    def _slowest_lag(self) -> float:
+        """Every rank: how much later than this one the slowest rank ended backward in the profiled
+        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`)."""
+        if self.world_size < 2:
+            return 0.0
+        spans: list[Any] = [None] * self.world_size
+        dist.all_gather_object(spans, self.recorder.spans(warmup=1), group=self.comm.group)  # set-up, not sync
+        return slowest_lag(spans, self.rank)
+
     def _planning_compressors(self) -> dict[str, Compressor]:
         default = self.compressors["default"]
         return {"none": self.compressors["none"]} if default.name == "none" else {
@@ -408,6 +428,8 @@ def _calibration_note(profile: Profile) -> str:
     """What calibration changed in the model, for plan.txt ("" when nothing)."""
     calibration = profile.compressors["default"].calibration if "default" in profile.compressors else {}
     parts = []
+    if profile.lag_s:
+        parts.append(f"the slowest rank {profile.lag_s * 1e3:.2f} ms behind at backward end")
     if "allreduce" in profile.network.get("efficiency", {}):
         parts.append(f"allreduce x{profile.network['efficiency']['allreduce']:.2f} the network model, for the "
                      f"profiled dense steps' {profile.step_s * 1e3:.1f} ms")
