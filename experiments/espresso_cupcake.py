@@ -1,7 +1,7 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 49]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 54] [--warmup-steps 6]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
@@ -49,12 +49,14 @@ MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor
 SETTINGS = {"randomk": ["compressor.unbiased=false"]}
 PLANNED = ("cupcake", "espresso")
 METHODS = ("dense", "layerwise", *PLANNED)
-PROFILE_STEPS = 6  # 1 warm-up + 6 profiled dense steps (3, the default, is noisy on this shared host)
+# Dense steps: warm-up ones (--warmup-steps: a run's first half second or so is slower here), then profiled
+# ones (3, the default, is noisy on this shared host).
+WARMUP_STEPS, PROFILE_STEPS = 6, 6
 CALIBRATE_STEPS = 2  # then a settling and 2 layer-wise steps timing the compressor in training, then the plan
 TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
-FIRST_MEASURED = 1 + PROFILE_STEPS + 1 + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
+AFTER_WARMUP = PROFILE_STEPS + 1 + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -130,7 +132,8 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
     if method in PLANNED:
         bw, latency = planner_network(bandwidth)
         out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
-                f"sync.profile_steps={PROFILE_STEPS}", f"sync.calibrate_steps={CALIBRATE_STEPS}",
+                f"sync.warmup_steps={args.warmup_steps}", f"sync.profile_steps={PROFILE_STEPS}",
+                f"sync.calibrate_steps={CALIBRATE_STEPS}",
                 "sync.gpus_per_machine=1"]
     if method == "espresso":
         out.append(f"sync.trial_steps={TRIAL_STEPS}")
@@ -144,8 +147,8 @@ def per_step(run_dir: Path) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
 
 
-def window_median(steps: list[dict[str, float]], key: str) -> float:
-    values = [s[key] for s in steps[FIRST_MEASURED:] if key in s]
+def window_median(steps: list[dict[str, float]], key: str, first: int) -> float:
+    values = [s[key] for s in steps[first:] if key in s]
     return statistics.median(values) if values else float("nan")
 
 
@@ -187,7 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=49)
+    parser.add_argument("--steps", type=int, default=54)
+    parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
+                        help="the planned syncs' dense steps before the profiled ones")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="espresso_cupcake", help="results folder under experiments/results")
     parser.add_argument("--keep", default="", help="keep every run's folder (profile, plan, metrics) under this path")
@@ -197,8 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.reuse and not args.keep:
         parser.error("--reuse needs --keep: the folder whose runs to read")
-    if args.steps < FIRST_MEASURED + 3:
-        parser.error(f"--steps must be >= {FIRST_MEASURED + 3}: the first {FIRST_MEASURED} are not measured")
+    first = args.warmup_steps + AFTER_WARMUP  # the first measured step
+    if args.warmup_steps < 1 or args.steps < first + 3:
+        parser.error(f"--warmup-steps must be >= 1 and --steps >= {first + 3}: the first {first} are not measured")
     bandwidths, workloads = args.bandwidths.split(","), args.workloads.split(",")
     compressors = args.compressors.split(",")
     schemes = {c: scheme_of(c) for c in compressors}
@@ -212,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     results = Results(args.name)
     command = (f"python -m experiments.espresso_cupcake --nodes {args.nodes} --bandwidths {args.bandwidths} "
                f"--workloads {args.workloads} --compressors {args.compressors} --reps {args.reps} "
-               f"--steps {args.steps}" + (f" --overrides '{args.overrides}'" if args.overrides else "")
+               f"--steps {args.steps} --warmup-steps {args.warmup_steps}"
+               + (f" --overrides '{args.overrides}'" if args.overrides else "")
                + (f" --name {args.name}" if args.name != "espresso_cupcake" else ""))
     # What the host can carry: the ring of TCP streams at each rate.
     config = results.dir / "config.json"
@@ -257,12 +264,12 @@ def main(argv: list[str] | None = None) -> None:
                     steps = per_step(run_dir)
                     row = {"bandwidth": bw, "workload": workload, "compressor": comp or "none", "method": method,
                            "scheme": schemes.get(comp, "allreduce"), "rep": rep,
-                           "step_ms": window_median(steps, "step_period_s") * 1e3,
-                           "batch_ms": window_median(steps, "step_time_s") * 1e3,
-                           "sync_ms": window_median(steps, "sync_time_s") * 1e3,
-                           "bytes_sent_per_step": window_median(steps, "bytes_sent"),
+                           "step_ms": window_median(steps, "step_period_s", first) * 1e3,
+                           "batch_ms": window_median(steps, "step_time_s", first) * 1e3,
+                           "sync_ms": window_median(steps, "sync_time_s", first) * 1e3,
+                           "bytes_sent_per_step": window_median(steps, "bytes_sent", first),
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
-                           "measured_steps": len(steps) - FIRST_MEASURED, "wall_s": round(wall, 1),
+                           "measured_steps": len(steps) - first, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
                            "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": "",
@@ -377,7 +384,7 @@ def main(argv: list[str] | None = None) -> None:
                         f"{measured(bw, 'planner_exchange_alpha_us')}" for bw in bandwidths)
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
-step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {FIRST_MEASURED}..{args.steps - 1} (the planned syncs run dense for 1 warm-up + {PROFILE_STEPS}
+step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
 profiled steps, then layer-wise for 1 settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
 measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
@@ -403,7 +410,7 @@ The model still leaves out that communication takes CPU from backward rather tha
 same profiles at {PROJECT_TO} workers, same NICs, without the allreduce factor and the lag (this host's compute and
 compression speed, so it says what the plans do with more workers, not what a GPU cluster would run at).
 
-How far the profiles' own dense steps (a planned run's first {PROFILE_STEPS} after warm-up, median) were
+How far the profiles' own dense steps (a planned run's {PROFILE_STEPS} after {args.warmup_steps} warm-up, median) were
 from the dense runs' measured median, median (min-max) over the planned runs — every time a profile
 holds moves with it, so a prediction cannot be closer than this: {"; ".join(drift(bw, w) for bw in bandwidths
 for w in workloads)}. "After the profile's drift" divides each run's prediction by its profile's ratio

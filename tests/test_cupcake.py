@@ -212,13 +212,13 @@ def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
 LAG_S = 0.03
 
 
-def _calibrated(rank, world, run_dir):
+def _calibrated(rank, world, run_dir, warmup=1):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.5), comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
-                       network_bandwidth="10mbit", run_dir=run_dir)
+                       network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup)
     sync.setup(params)
     ops = []
-    for step in range(5):
+    for step in range(warmup + 4):
         g = torch.Generator().manual_seed(100 * rank + step)
         if rank == 1:
             time.sleep(LAG_S)  # a slower worker: every collective waits for it
@@ -227,6 +227,15 @@ def _calibrated(rank, world, run_dir):
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
     return ops, sync.computed is not None and sync.computed.notes[-1], sync.work
+
+
+def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):
+    (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 3)
+    # 3 warm-up and 1 profiled step dense, a settling and 2 calibration steps layer-wise, then the plan.
+    assert ops[:4] == [["allreduce"]] * 4 and ops[4:] == [["allgather_uneven"] * len(SHAPES)] * 3
+    assert planned and Profile.load(tmp_path / "plan_profile.json").steps == 1
+    with pytest.raises(ValueError, match="sync.warmup_steps"):
+        CupcakeSync(TopK(), warmup_steps=0)
 
 
 def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its_fits(tmp_path):

@@ -1,6 +1,6 @@
 """What ``sync=espresso`` and ``sync=cupcake`` share: profile with dense sync, plan once, execute.
 
-1. For ``profile_steps`` steps after one warm-up step the backend is dense bucketed allreduce
+1. For ``profile_steps`` steps after ``warmup_steps`` warm-up steps the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
    fired, when backward ended and how long the step was. Then, for one settling step and
    ``calibrate_steps`` more, every tensor is compressed alone with the configured option (layer-wise,
@@ -79,7 +79,9 @@ class PlannedSync(CompressSync):
         memory is none).
     comm, hierarchical: the configured uniform choice — Cupcake's option for every group,
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
-    profile_steps: dense steps measured before planning (after one warm-up step).
+    profile_steps: dense steps measured before planning.
+    warmup_steps: dense steps run before those and not measured (the first allocates; on a busy host
+        the first second of a run is often slower than the rest: start-up work of the other ranks).
     calibrate_steps: layer-wise compressed steps (after a settling one) whose compressor work scales
         the benchmarked costs and whose length, with the profiled dense steps', fits the model's
         allreduce factor and per-group overhead (0: trust the benchmark and the network model).
@@ -107,7 +109,7 @@ class PlannedSync(CompressSync):
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
-                 calibrate_steps: int = 2):
+                 calibrate_steps: int = 2, warmup_steps: int = 1):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
@@ -130,6 +132,9 @@ class PlannedSync(CompressSync):
         for key, value in (("sync.trial_steps", trial_steps), ("sync.calibrate_steps", calibrate_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"sync.warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        self.warmup_steps = warmup_steps
         self.calibrate_steps = calibrate_steps
         self.calibrating = False
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
@@ -198,7 +203,7 @@ class PlannedSync(CompressSync):
         self.recorder.backward_end()
         DenseAllreduce.finish(self)
         self.recorder.step_end()
-        if len(self.recorder.steps) > self.profile_steps:  # one warm-up step, then profile_steps
+        if len(self.recorder.steps) >= self.warmup_steps + self.profile_steps:
             if self.calibrate_steps and self.world_size > 1 and self.compressors["default"].name != "none":
                 self._start_calibration()
             else:
@@ -353,7 +358,7 @@ class PlannedSync(CompressSync):
         if self.world_size < 2:
             return 0.0
         spans: list[Any] = [None] * self.world_size
-        dist.all_gather_object(spans, self.recorder.spans(warmup=1), group=self.comm.group)  # set-up, not sync
+        dist.all_gather_object(spans, self.recorder.spans(self.warmup_steps), group=self.comm.group)  # set-up, not sync
         return slowest_lag(spans, self.rank)
 
     def _planning_compressors(self) -> dict[str, Compressor]:
@@ -370,7 +375,7 @@ class PlannedSync(CompressSync):
     def build_profile(self, compressors: dict[str, CompressorProfile]) -> Profile:
         """This rank's measurements as a Profile, with ``compressors`` from :meth:`profile_compressors`."""
         order = list(self.backward_order)
-        summary = self.recorder.summary(order, warmup=1)
+        summary = self.recorder.summary(order, self.warmup_steps)
         default = self.compressors["default"]
         variable = default.name != "none" and not getattr(default, "fixed_size", True)
         probe = copy.deepcopy(default) if variable else None
