@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
                            "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": "",
                            "allreduce_efficiency": "", "group_overhead_ms": "", "calibration_layerwise_step_ms": "",
-                           "slowest_rank_lag_ms": ""}
+                           "slowest_rank_lag_ms": "", "member_encode_us": "", "member_decode_us": ""}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
                         row["calibration_decode"] = calibration.get("decode", "")
                         row["allreduce_efficiency"] = network.get("efficiency", {}).get("allreduce", "")
                         row["slowest_rank_lag_ms"] = saved.get("lag_s", 0.0) * 1e3  # 0: planned before it was measured
+                        for kind in ("encode", "decode"):
+                            row[f"member_{kind}_us"] = saved["compressors"]["default"].get(f"member_{kind}_s", 0.0) * 1e6
                         if "group_s" in calibration:
                             row["group_overhead_ms"] = calibration["group_s"] * 1e3
                             row["calibration_layerwise_step_ms"] = calibration["layerwise_step_s"] * 1e3
@@ -398,7 +400,9 @@ slowest rank ends backward, which every collective waits for ({ratio('slowest_ra
 model grows it through the step from the previous step's final collective). Calibrated in each planned run, in three steps: compression costs
 are benchmarked on every rank at once over a grid of sizes, then scaled by what the same work cost in the
 calibration steps (weighted median over groups of measured / benchmarked; encode x{ratio('calibration_encode')},
-decode x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data);
+decode x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data;
+a compressor that scales per member, efsignsgd here, is also timed on a buffer of 64 members and pays the
+difference per member of a fused group);
 the model's allreduce times are scaled so that its dense step in DDP's buckets takes what the profiled dense
 steps took (x{ratio('allreduce_efficiency')}: on this host every machine's reductions, copies and TCP stack
 share 2 cores with backward); and every compressed group is charged a fixed overhead on the training thread so
