@@ -201,13 +201,6 @@ class CostModel:
             return prof.side_encode, prof.side_decode
         return prof.encode, prof.decode
 
-    def _per_member(self, enc: CostFit, dec: CostFit, option: Option, tensors: int) -> tuple[CostFit, CostFit]:
-        """The fits of a fused buffer of ``tensors`` members under a per-member compressor: each member
-        past the first adds the profile's measured member cost to every encode and decode."""
-        prof = self.profile.compressors[option.compressor]
-        extra = tensors - 1
-        return enc.plus(prof.member_encode_s * extra), dec.plus(prof.member_decode_s * extra)
-
     def _payload(self, unit: Unit, option: Option, numel: int, shape: tuple[int, ...] | None) -> float:
         """Bytes of one packed payload of ``numel`` elements of the unit (its real kept fraction)."""
         if not option.compressed:
@@ -243,9 +236,11 @@ class CostModel:
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
         if comp is not None and comp.per_member and not option.hierarchical and unit.tensors > 1:
-            # An all-to-all partition holds about its share of the members.
-            members = -(-unit.tensors // ranks) if scheme == "alltoall" else unit.tensors
-            enc, dec = self._per_member(enc, dec, option, members)
+            # Each member of a fused buffer past the first adds its measured cost to every encode and
+            # decode (an all-to-all partition holds about its share of the members).
+            extra = (-(-unit.tensors // ranks) if scheme == "alltoall" else unit.tensors) - 1
+            prof = self.profile.compressors[option.compressor]
+            enc, dec = enc.plus(prof.member_encode_s * extra), dec.plus(prof.member_decode_s * extra)
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
             payload = self._payload(unit, option, numel, shape)

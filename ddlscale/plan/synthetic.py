@@ -45,8 +45,11 @@ def random_profile(rng: random.Random, count: int, world_size: int | None = None
                    "default": CompressorProfile(name, dict(params), encode, decode, side_encode, side_decode, 40)}
     network = {"bandwidth": rng.choice(["100mbit", "1gbit", "10gbit", "100gbit"]),
                "latency": rng.choice(["5us", "50us", "200us"]), "gpus_per_machine": rng.choice([1, 2, 4])}
-    profile = Profile(tensors, ready + rng.uniform(0, 2e-3), rng.uniform(0, 1e-2),
-                      world_size or rng.choice([2, 4, 8, 16]), network, compressors)
-    # Per fused member (used where the compressor scales per member), then a slowest rank behind, or none.
-    members = replace(compressors["default"], member_encode_s=rng.uniform(0, 5e-5), member_decode_s=rng.uniform(0, 2e-5))
-    return replace(profile, compressors={**compressors, "default": members}, lag_s=rng.choice([0.0, rng.uniform(0, 3e-3)]))
+    backward_end, rest = ready + rng.uniform(0, 2e-3), rng.uniform(0, 1e-2)
+    world = world_size or rng.choice([2, 4, 8, 16])
+    # Per fused member (charged where the compressor scales per member), then a slowest rank behind, or none.
+    member_encode, member_decode = rng.uniform(0, 5e-5), rng.uniform(0, 2e-5)
+    lag = rng.choice([0.0, rng.uniform(0, 3e-3)])
+    compressors["default"] = replace(compressors["default"], member_encode_s=member_encode,
+                                     member_decode_s=member_decode)
+    return Profile(tensors, backward_end, rest, world, network, compressors, lag_s=lag)
