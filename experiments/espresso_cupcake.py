@@ -1,7 +1,7 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 54] [--warmup-steps 6]
+        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 55] [--warmup-steps 6]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
@@ -52,7 +52,7 @@ METHODS = ("dense", "layerwise", *PLANNED)
 # Dense steps: warm-up ones (--warmup-steps: a run's first half second or so is slower here), then profiled
 # ones (3, the default, is noisy on this shared host).
 WARMUP_STEPS, PROFILE_STEPS = 6, 6
-CALIBRATE_STEPS = 2  # then a settling and 2 layer-wise steps timing the compressor in training, then the plan
+CALIBRATE_STEPS = 3  # then a settling and 3 layer-wise steps timing the compressor in training (median), then the plan
 TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=54)
+    parser.add_argument("--steps", type=int, default=55)
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="the planned syncs' dense steps before the profiled ones")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")

@@ -195,12 +195,13 @@ def _sync_steps(rank, world, steps, bandwidth, state=None):
 
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
 def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
-    results = run_workers(_sync_steps, 2, 7, bandwidth)
+    results = run_workers(_sync_steps, 2, 8, bandwidth)
     (plan0, exact, ops, state), (plan1, *_rest) = results
     assert plan0 == plan1  # rank 0's plan, broadcast
     assert all(exact)  # top-k with ratio 1 is lossless: every step equals dense allreduce
     assert ops[0] == ops[1] == ops[2] == ["allreduce"]  # warm-up + 2 profiled steps: dense buckets
-    assert ops[3] == ops[4] == ops[5] == ["allgather_uneven"] * len(SHAPES)  # then calibration: every tensor alone
+    # then a settling and 3 calibration steps: every tensor alone
+    assert all(step == ["allgather_uneven"] * len(SHAPES) for step in ops[3:7])
     groups = len(plan0["units"])
     assert ops[-1] == ["allgather_uneven"] * groups  # top-k is fixed-size: no size exchange, one message per group
     assert sum(len(u["names"]) for u in plan0["units"]) == len(SHAPES)
@@ -280,7 +281,7 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
     # Encode takes twice the fit, decode what the fit says; one small group hit a 100 ms stall.
     sync.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
     prof = sync.calibrate(costs)["default"]
-    assert prof.calibration == {"encode": pytest.approx(2.0), "decode": pytest.approx(1.0), "groups": 3, "steps": 2}
+    assert prof.calibration == {"encode": pytest.approx(2.0), "decode": pytest.approx(1.0), "groups": 3, "steps": 3}
     assert prof.encode(2500) == pytest.approx(2 * fit(2500)) and prof.decode(2500) == pytest.approx(fit(2500))
     assert prof.side_encode == prof.encode  # a CPU host: the side device is the same CPU
     assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged

@@ -109,7 +109,7 @@ class PlannedSync(CompressSync):
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
-                 calibrate_steps: int = 2, warmup_steps: int = 1):
+                 calibrate_steps: int = 3, warmup_steps: int = 1):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,

@@ -27,6 +27,7 @@ from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agen
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
+from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
 
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
@@ -52,6 +53,8 @@ def check_config(cfg: DictConfig) -> None:
     _positive_int(cfg, "trainer.max_steps", allow=(-1,))
     if not isinstance(cfg.seed, int):
         raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.get("keep_freed_memory", True), bool):
+        raise ConfigError(f"keep_freed_memory must be true or false, got {cfg.keep_freed_memory!r}")
     kind = OmegaConf.select(cfg, "cluster.kind")
     if kind not in CLUSTER_KINDS:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
@@ -152,6 +155,8 @@ def run(
     them on every emulated machine.
     """
     output_dir = Path(output_dir)
+    if cfg.get("keep_freed_memory", True) is True:  # before any tensor, and inherited by every worker
+        keep_freed_memory()
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
     if cfg.cluster.kind == "emulated" and "WORLD_SIZE" not in os.environ:
         check_config(cfg)

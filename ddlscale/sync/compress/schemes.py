@@ -115,11 +115,17 @@ def _sizes(job: Job, message: torch.Tensor) -> list[int]:
 
 
 def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.Tensor]) -> torch.Tensor:
-    """Decode each rank's payload with this rank's context and sum them in rank order."""
+    """Decode each rank's payload with this rank's context and sum them in rank order, into one new
+    buffer (a decoded part may alias a received message; a sum per rank would allocate n - 1)."""
     total = None
-    for message in messages:
+    for k, message in enumerate(messages):
         part = compressor.decompress(like.with_payload(wire.unpack(message)))
-        total = part if total is None else total + part
+        if k == 0:
+            total = part
+        elif k == 1:
+            total = total + part
+        else:
+            total.add_(part)
     return total
 
 
