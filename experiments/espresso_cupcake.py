@@ -183,6 +183,70 @@ def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[s
             "espresso": espresso_plan(profile, model, cupcake_option=option).iteration_s}
 
 
+WORK_KEYS = ("work_encode_ms", "model_encode_ms", "work_decode_ms", "model_decode_ms", "work_finish_ms",
+             "model_tail_ms")
+
+
+def work_against_model(run_dir: Path) -> dict[str, float]:
+    """The kept plan's groups as they ran beside the model's prices for the same groups, each summed
+    over the groups (empty without ``plan_work.json``: runs kept before it was written).
+
+    ``work_*``: rank 0's medians over the last steps (:data:`ddlscale.sync.planned.WORK_FILE`):
+    compressor encode (error feedback included), decode, and finish (the training thread's time
+    completing a group after backward: waiting for its collectives, plus the decode where the scheme
+    decodes there). ``model_*``: encode without the per-group overhead the model is fitted with (a
+    blocking size exchange stays in it), decode, and the tail from backward end to the last decode.
+    """
+    from ddlscale.plan.planner import cost_model
+    from ddlscale.plan.profile import Profile
+    from ddlscale.plan.result import CompressionPlan
+    from ddlscale.sync.planned import PLAN_FILE, PROFILE_FILE, WORK_FILE
+
+    if not (run_dir / WORK_FILE).exists():
+        return {}
+    groups = json.loads((run_dir / WORK_FILE).read_text())["groups"]
+    plan = CompressionPlan.from_dict(json.loads((run_dir / PLAN_FILE).read_text()))
+    profile = Profile.load(run_dir / PROFILE_FILE)
+    model = cost_model(profile)
+    overhead = profile.compressors["default"].calibration.get("group_s", 0.0)
+    encode = decode = 0.0
+    for unit, option in zip(plan.units, plan.options, strict=True):
+        if option.compressed:
+            e, _, d = model.costs(unit, option)
+            encode, decode = encode + e - overhead, decode + d
+    tail = plan.iteration_s - profile.rest_s - profile.backward_end_s
+    work = {kind: sum(g[f"{kind}_s"] for g in groups) for kind in ("encode", "decode", "finish")}
+    return dict(zip(WORK_KEYS, (1e3 * t for t in (work["encode"], encode, work["decode"], decode, work["finish"],
+                                                  tail)), strict=True))
+
+
+def work_table(rows: list[dict[str, Any]], bandwidths: list[str], workloads: list[str],
+               compressors: list[str]) -> list[str]:
+    """Markdown lines: per planned run kind, the groups' measured work against the model's (none when
+    no run wrote ``plan_work.json``)."""
+    timed = [r for r in rows if r["method"] in PLANNED and r["work_encode_ms"] != ""]
+    if not timed:
+        return []
+    lines = ["", "Where the kept plans' time went, rank 0, summed over groups, medians over the last 20 steps and "
+                 "then over repetitions, ms measured / model (`work_*` and `model_*` in runs.csv): compressor "
+                 "encode (the model's without its fitted per-group overhead), decode, and the time the training "
+                 "thread spent completing groups after backward beside the model's tail from backward end to "
+                 "the last decode:", "",
+             "| case | method | encode | decode | after backward |", "|---|---|---|---|---|"]
+    for bw in bandwidths:
+        for workload in workloads:
+            for comp in compressors:
+                for method in PLANNED:
+                    mine = [r for r in timed if (r["bandwidth"], r["workload"], r["compressor"], r["method"])
+                            == (bw, workload, comp, method)]
+                    if mine:
+                        med = {k: statistics.median(r[k] for r in mine) for k in WORK_KEYS}
+                        pairs = [f"{med[a]:.1f} / {med[b]:.1f}" for a, b in zip(WORK_KEYS[::2], WORK_KEYS[1::2],
+                                                                                 strict=True)]
+                        lines.append(f"| {bw} {workload} {comp} | {method} | " + " | ".join(pairs) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=4)
@@ -274,7 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                            "profile_dense_step_ms": "", "planner_alpha_us": "",
                            "planner_exchange_alpha_us": "", "calibration_encode": "", "calibration_decode": "",
                            "allreduce_efficiency": "", "group_overhead_ms": "", "calibration_layerwise_step_ms": "",
-                           "slowest_rank_lag_ms": "", "member_encode_us": "", "member_decode_us": ""}
+                           "slowest_rank_lag_ms": "", "member_encode_us": "", "member_decode_us": "",
+                           **dict.fromkeys(WORK_KEYS, "")}
                     if method in PLANNED:
                         plan = json.loads((run_dir / "plan.json").read_text())
                         labels = [f"{o['compressor']}/{o['scheme']}" + ("/hier" if o["hierarchical"] else "")
@@ -298,6 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                         if "group_s" in calibration:
                             row["group_overhead_ms"] = calibration["group_s"] * 1e3
                             row["calibration_layerwise_step_ms"] = calibration["layerwise_step_s"] * 1e3
+                        row.update(work_against_model(run_dir))
                         model_at[(bw, workload, comp, args.nodes)].append(modeled(profile, schemes[comp]))
                         model_at[(bw, workload, comp, PROJECT_TO)].append(modeled(profile, schemes[comp], PROJECT_TO))
                     rows.append(row)
@@ -425,7 +491,7 @@ Host check (every machine streaming TCP to the next one at once, {PROBE_SECONDS}
 Targets (Espresso: met when its median is at most the best other's, or their min-max ranges overlap;
 Cupcake faster than layer-wise: judged on cnn; predicted within 15% of measured):
 
-""" + "\n".join(target_lines)
+""" + "\n".join(target_lines + work_table(rows, bandwidths, workloads, compressors))
     results.write_markdown(
         f"Espresso and Cupcake vs dense and layer-wise compression, {args.nodes} emulated machines",
         ["bandwidth", "workload", "compressor", "method", "measured ms (min-max)", "speed-up vs dense",

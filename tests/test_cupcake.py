@@ -30,6 +30,7 @@ from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.cupcake import CupcakeSync
+from ddlscale.sync.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,6 +229,38 @@ def _calibrated(rank, world, run_dir, warmup=1):
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
     return ops, sync.computed is not None and sync.computed.notes[-1], sync.work
+
+
+def _executed(rank, world, run_dir, steps):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = CupcakeSync(TopK(ratio=0.5), comm="allgather", memory="residual", profile_steps=1, calibrate_steps=0,
+                       network_bandwidth="10mbit", run_dir=run_dir)
+    sync.setup(params)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        if rank == 1:
+            time.sleep(LAG_S)  # rank 0 waits for it in every group's collective
+        for name, p in reversed(params):
+            p.grad = torch.randn(SHAPES[name], generator=g)
+            sync.grad_ready(p)
+        sync.finish_step()
+
+
+def test_the_kept_plans_groups_are_timed_as_they_run(tmp_path):
+    # A warm-up and a profiled step, then the plan: its first step rebuilds the groups, untimed; 5 timed.
+    run_workers(_executed, 2, str(tmp_path), 2 + 1 + WORK_EVERY)
+    work = json.loads((tmp_path / WORK_FILE).read_text())
+    plan = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert work["steps"] == WORK_EVERY
+    assert sorted(tuple(g["names"]) for g in work["groups"]) == sorted(tuple(u["names"]) for u in plan["units"])
+    options = {tuple(u["names"]): o for u, o in zip(plan["units"], plan["options"], strict=True)}
+    for group in work["groups"]:
+        compressed = options[tuple(group["names"])]["compressor"] != "none"
+        assert group["numel"] == sum(torch.Size(SHAPES[n]).numel() for n in group["names"])
+        assert (group["encode_s"] > 0 and group["decode_s"] > 0) if compressed else group["encode_s"] == 0
+        assert group["finish_s"] >= group["decode_s"]  # the allgather's decode runs inside its finish
+    # Rank 1 starts every step LAG_S late; rank 0's first collective of the step waits for it.
+    assert sum(g["finish_s"] for g in work["groups"]) > 0.5 * LAG_S
 
 
 def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):

@@ -24,7 +24,9 @@
    (:func:`~ddlscale.plan.planner.group_overhead`) — computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
-   choices and fusion groups, each group launched as soon as it is complete, in order.
+   choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
+   each group's encode, decode and finish as they run and keeps their medians over the last steps
+   in ``plan_work.json``, to set beside what the model predicted for each group.
 
 The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
 """
@@ -61,7 +63,8 @@ from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.dense import DenseAllreduce
 
-PROFILE_FILE, PLAN_FILE, PLAN_TEXT = "plan_profile.json", "plan.json", "plan.txt"
+PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
+WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 def _hydra_run_dir() -> str | None:
     """The Hydra run directory when built inside a Hydra app (train.py), else None."""
     try:
@@ -149,6 +152,8 @@ class PlannedSync(CompressSync):
         self.bench_budget_s = float(bench_budget_s)
         self.recorder = StepRecorder()
         self.computed: CompressionPlan | None = None  # None while profiling
+        self._executed: list[list[Any]] = []  # the kept plan's GroupWork per step (rank 0, the last WORK_STEPS)
+        self._work_steps = 0
 
     # -- what a subclass decides -------------------------------------------------------------------
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
@@ -199,6 +204,8 @@ class PlannedSync(CompressSync):
             super().finish()
             if self.trial is not None:
                 self._trial_step()
+            else:
+                self._record_work()
             return
         self.recorder.backward_end()
         DenseAllreduce.finish(self)
@@ -336,6 +343,25 @@ class PlannedSync(CompressSync):
         self.adopt(kept)
         self._save(kept)
 
+    def _record_work(self) -> None:
+        """Rank 0, once a plan is kept: each group's work in each step (encode, decode, and the time
+        it held the training thread after backward), their medians over the last ``WORK_STEPS``
+        steps written to ``plan_work.json`` — where the plan's time went, to set beside the model's
+        prediction. The first step after adopting a plan is not timed (it rebuilds the groups)."""
+        if self.rank != 0 or self.run_dir is None:
+            return
+        if self.work is not None and len(self.work) == len(self.buckets):
+            self._executed = [*self._executed[1 - WORK_STEPS:], self.work]
+            self._work_steps += 1
+            if self._work_steps % WORK_EVERY == 0:
+                groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.buffer.numel(),
+                           **{f"{kind}_s": statistics.median(step[b].seconds[kind] for step in self._executed)
+                              for kind in ("encode", "decode", "finish")}}
+                          for b, bucket in enumerate(self.buckets)]
+                report = {"steps": len(self._executed), "groups": groups}
+                (Path(self.run_dir) / WORK_FILE).write_text(json.dumps(report, indent=1))
+        self.work = []
+
     def adopt(self, plan: CompressionPlan) -> None:
         """Execute ``plan`` from the next step on (rebuilds the groups)."""
         executable = plan.to_plan()
@@ -343,6 +369,7 @@ class PlannedSync(CompressSync):
             self._check_choice(choice, f"plan[{name}]")
         self.computed, self.plan = plan, executable
         self.recorder = StepRecorder()
+        self.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
         if hasattr(self, "params"):
             self.on_setup()
 

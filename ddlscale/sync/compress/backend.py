@@ -43,6 +43,7 @@ class _Flight:
     key: str
     hierarchical: bool
     pending: Pending | None = None
+    work: GroupWork | None = None  # when CompressSync.work is a list
 
 
 class CompressSync(DenseAllreduce):
@@ -155,8 +156,11 @@ class CompressSync(DenseAllreduce):
     def _start(self, b: int) -> _Flight:
         bucket, choice = self.buckets[b], self._choices[b]
         key = "+".join(self.names[i] for i in bucket.members)
+        work = None if self.work is None else GroupWork()
+        if work is not None:
+            self.work.append(work)
         if self._dense_path(b, key):
-            return _Flight(None, None, None, key, False, self.comm.allreduce(bucket.buffer))
+            return _Flight(None, None, None, key, False, self.comm.allreduce(bucket.buffer), work)
         comm, tensor = self.comm, bucket.buffer
         hierarchical = choice.hierarchical and self.intra is not None
         with self.timed("encode"):
@@ -168,15 +172,12 @@ class CompressSync(DenseAllreduce):
                 self.intra.reduce_scatter(chunk, padded).wait()
                 comm, tensor = self.inter, chunk
             shapes = None if hierarchical else [tuple(self.params[i].shape) for i in bucket.members]
-            work = None if self.work is None else GroupWork()
-            if work is not None:
-                self.work.append(work)
             with timed_work(work, "encode"):  # error feedback: part of the benchmarked encode
                 compensated = self.memory.compensate(tensor, key)
             job = Job(comm, self.compressors[choice.compressor], compensated, key, shapes, work=work)
             chosen = scheme(choice.scheme)
             chosen.start(job)
-        return _Flight(job, chosen, compensated, key, hierarchical)
+        return _Flight(job, chosen, compensated, key, hierarchical, work=work)
 
     def finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:  # no gradient this step: zeros, on every rank
@@ -187,7 +188,7 @@ class CompressSync(DenseAllreduce):
         self._launch_full_buckets()
         for b, bucket in enumerate(self.buckets):
             flight = self._flights[b]
-            with self.timed("comm"):
+            with self.timed("comm"), timed_work(flight.work, "finish"):
                 if flight.job is None:
                     flight.pending.wait()  # the sum is in the bucket already
                 else:

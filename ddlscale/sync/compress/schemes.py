@@ -53,9 +53,11 @@ class Job:
 class GroupWork:
     """One group's compressor work in one training step, in the units the planners' profile
     benchmarks: per kind (``encode``: error feedback, compress, local decompress, pack; ``decode``:
-    unpack, decompress, sum) the seconds it took and the (elements, calls) it made."""
+    unpack, decompress, sum) the seconds it took and the (elements, calls) it made. ``finish``: the
+    seconds the training thread spent completing it after backward, waiting for its collectives
+    included (its decode too, where the scheme decodes there)."""
 
-    seconds: dict[str, float] = field(default_factory=lambda: {"encode": 0.0, "decode": 0.0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"encode": 0.0, "decode": 0.0, "finish": 0.0})
     calls: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: {"encode": [], "decode": []})
 
 
