@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import statistics
 import subprocess
@@ -220,31 +221,26 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
                                                   tail)), strict=True))
 
 
-def work_table(rows: list[dict[str, Any]], bandwidths: list[str], workloads: list[str],
-               compressors: list[str]) -> list[str]:
-    """Markdown lines: per planned run kind, the groups' measured work against the model's (none when
-    no run wrote ``plan_work.json``)."""
-    timed = [r for r in rows if r["method"] in PLANNED and r["work_encode_ms"] != ""]
-    if not timed:
+def work_table(runs: dict[tuple, list[dict[str, Any]]], cases: list[tuple[str, str, str]]) -> list[str]:
+    """Markdown lines: per case and planned method, the groups' measured work against the model's
+    (none when no run wrote ``plan_work.json``)."""
+    from ddlscale.sync.planned import WORK_STEPS
+
+    lines = []
+    for case, method in itertools.product(cases, PLANNED):
+        timed = [r for r in runs[(*case, method)] if r["work_encode_ms"] != ""]
+        if timed:
+            med = {k: statistics.median(r[k] for r in timed) for k in WORK_KEYS}
+            pairs = [f"{med[a]:.1f} / {med[b]:.1f}" for a, b in zip(WORK_KEYS[::2], WORK_KEYS[1::2], strict=True)]
+            lines.append(f"| {' '.join(case)} | {method} | " + " | ".join(pairs) + " |")
+    if not lines:
         return []
-    lines = ["", "Where the kept plans' time went, rank 0, summed over groups, medians over the last 20 steps and "
-                 "then over repetitions, ms measured / model (`work_*` and `model_*` in runs.csv): compressor "
-                 "encode (the model's without its fitted per-group overhead), decode, and the time the training "
-                 "thread spent completing groups after backward beside the model's tail from backward end to "
-                 "the last decode:", "",
-             "| case | method | encode | decode | after backward |", "|---|---|---|---|---|"]
-    for bw in bandwidths:
-        for workload in workloads:
-            for comp in compressors:
-                for method in PLANNED:
-                    mine = [r for r in timed if (r["bandwidth"], r["workload"], r["compressor"], r["method"])
-                            == (bw, workload, comp, method)]
-                    if mine:
-                        med = {k: statistics.median(r[k] for r in mine) for k in WORK_KEYS}
-                        pairs = [f"{med[a]:.1f} / {med[b]:.1f}" for a, b in zip(WORK_KEYS[::2], WORK_KEYS[1::2],
-                                                                                 strict=True)]
-                        lines.append(f"| {bw} {workload} {comp} | {method} | " + " | ".join(pairs) + " |")
-    return lines
+    return ["", f"Where the kept plans' time went, rank 0, summed over groups, medians over the last {WORK_STEPS} "
+                "steps and then over repetitions, ms measured / model (`work_*` and `model_*` in runs.csv): "
+                "compressor encode (the model's without its fitted per-group overhead), decode, and the time the "
+                "training thread spent completing groups after backward beside the model's tail from backward "
+                "end to the last decode:", "",
+            "| case | method | encode | decode | after backward |", "|---|---|---|---|---|", *lines]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -491,7 +487,7 @@ Host check (every machine streaming TCP to the next one at once, {PROBE_SECONDS}
 Targets (Espresso: met when its median is at most the best other's, or their min-max ranges overlap;
 Cupcake faster than layer-wise: judged on cnn; predicted within 15% of measured):
 
-""" + "\n".join(target_lines + work_table(rows, bandwidths, workloads, compressors))
+""" + "\n".join(target_lines + work_table(runs, list(itertools.product(bandwidths, workloads, compressors))))
     results.write_markdown(
         f"Espresso and Cupcake vs dense and layer-wise compression, {args.nodes} emulated machines",
         ["bandwidth", "workload", "compressor", "method", "measured ms (min-max)", "speed-up vs dense",

@@ -61,6 +61,7 @@ from ddlscale.plan.profile import (
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
+from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.dense import DenseAllreduce
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
@@ -152,7 +153,7 @@ class PlannedSync(CompressSync):
         self.bench_budget_s = float(bench_budget_s)
         self.recorder = StepRecorder()
         self.computed: CompressionPlan | None = None  # None while profiling
-        self._executed: list[list[Any]] = []  # the kept plan's GroupWork per step (rank 0, the last WORK_STEPS)
+        self._executed: list[list[GroupWork]] = []  # the kept plan's work per group, per step (rank 0, the last WORK_STEPS)
         self._work_steps = 0
 
     # -- what a subclass decides -------------------------------------------------------------------
@@ -350,17 +351,19 @@ class PlannedSync(CompressSync):
         prediction. The first step after adopting a plan is not timed (it rebuilds the groups)."""
         if self.rank != 0 or self.run_dir is None:
             return
-        if self.work is not None and len(self.work) == len(self.buckets):
-            self._executed = [*self._executed[1 - WORK_STEPS:], self.work]
-            self._work_steps += 1
-            if self._work_steps % WORK_EVERY == 0:
-                groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.buffer.numel(),
-                           **{f"{kind}_s": statistics.median(step[b].seconds[kind] for step in self._executed)
-                              for kind in ("encode", "decode", "finish")}}
-                          for b, bucket in enumerate(self.buckets)]
-                report = {"steps": len(self._executed), "groups": groups}
-                (Path(self.run_dir) / WORK_FILE).write_text(json.dumps(report, indent=1))
-        self.work = []
+        step, self.work = self.work, []
+        if step is None or len(step) != len(self.buckets):
+            return
+        self._executed = [*self._executed[1 - WORK_STEPS:], step]
+        self._work_steps += 1
+        if self._work_steps % WORK_EVERY:
+            return
+        groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.buffer.numel(),
+                   **{f"{kind}_s": statistics.median(done[b].seconds[kind] for done in self._executed)
+                      for kind in ("encode", "decode", "finish")}}
+                  for b, bucket in enumerate(self.buckets)]
+        report = {"steps": len(self._executed), "groups": groups}
+        (Path(self.run_dir) / WORK_FILE).write_text(json.dumps(report, indent=1))
 
     def adopt(self, plan: CompressionPlan) -> None:
         """Execute ``plan`` from the next step on (rebuilds the groups)."""
