@@ -1,6 +1,6 @@
 """The CUDA paths, checked in one short run on a machine with a GPU (prints a comparison).
 
-    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C]     (default: all three)
+    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C] [D]     (default: all four)
 
 A. DDLStrategy + dense sync on one GPU over NCCL vs stock Lightning DDP (deterministic kernels):
    the final parameters must be bit-identical.
@@ -10,6 +10,9 @@ C. Zen's CUDA kernels (csrc/zen_cuda.cu), built here with torch.utils.cpp_extens
    minute of nvcc), against the pure-PyTorch references bit for bit — server_of, partition,
    group_by_server, pack_bits, unpack_bits over server counts 1-8 and 1000, all float dtypes, NaN
    values, empty inputs — then the speedup of each over the reference run on the GPU (median of 5).
+D. CompressSync on CUDA tensors across 2 processes over gloo, every scheme: with no compression
+   the averages must equal an allreduce oracle exactly; with top-k (allgather, alltoall, gather)
+   they must be finite and the run must not mix devices.
 Needs torch with CUDA and pytorch-lightning (A); no Hydra.
 """
 
@@ -46,6 +49,37 @@ def _dense_on_cuda(rank: int, world: int) -> dict:
         exact &= torch.equal(scaled, p.grad)
     return {"exact": exact, "bytes": stats.bytes_sent, "collectives": len(stats.collectives),
             "stamped": all(r.end is not None for r in stats.collectives)}
+
+
+def _compress_on(rank: int, world: int, device: str = "cuda") -> dict:
+    from ddlscale.compress.none import NoCompression
+    from ddlscale.compress.topk import TopK
+    from ddlscale.sync.compress import CompressSync
+
+    out = {}
+    for compressor, schemes in ((NoCompression(), ("allreduce", "allgather", "alltoall", "gather")),
+                                (TopK(ratio=0.1), ("allgather", "alltoall", "gather"))):
+        for comm in schemes:
+            label = f"{compressor.name}/{comm}"
+            try:
+                named = [(f"w{k}", torch.nn.Parameter(torch.zeros(shape, device=device)))
+                         for k, shape in enumerate([(37, 5), (101,), (8, 8)])]
+                sync = CompressSync(compressor, comm=comm, memory="residual")
+                sync.setup(named, device=torch.device(device))
+                grads = [torch.randint(-8, 9, p.shape, device=device).float() * (rank + 1) for _, p in named]
+                for g, (_, p) in zip(reversed(grads), reversed(named), strict=True):
+                    p.grad = g.clone()
+                    sync.grad_ready(p)
+                sync.finish_step()
+                oracle = [g * (1.0 / world) for g in grads]
+                for t in oracle:
+                    dist.all_reduce(t)
+                exact = all(torch.equal(t, p.grad) for t, (_, p) in zip(oracle, named, strict=True))
+                finite = all(bool(torch.isfinite(p.grad).all()) and p.grad.device.type == device for _, p in named)
+                out[label] = exact if compressor.name == "none" else finite
+            except Exception as error:  # report every scheme, not just the first failure
+                out[label] = f"{type(error).__name__}: {error}"
+    return out
 
 
 def _fit(strategy, make_model) -> str:
@@ -161,7 +195,7 @@ def _native_cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sections = set(argv if argv is not None else sys.argv[1:]) or {"A", "B", "C"}
+    sections = set(argv if argv is not None else sys.argv[1:]) or {"A", "B", "C", "D"}
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
@@ -175,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         results = run_workers(_dense_on_cuda, 2, start_method="spawn")
         print("B dense sync on CUDA tensors, 2 ranks over gloo:", results)
         ok &= all(r["exact"] and r["stamped"] for r in results)
+    if "D" in sections:
+        from ddlscale.cluster import run_workers
+
+        results = run_workers(_compress_on, 2, start_method="spawn")
+        print("D compressed sync on CUDA tensors, 2 ranks over gloo:", results)
+        ok &= all(v is True for r in results for v in r.values())
     if "A" not in sections:
         print("GPU CHECK", "PASSED" if ok else "FAILED", torch.cuda.get_device_name(0))
         return 0 if ok else 1

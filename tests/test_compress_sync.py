@@ -285,3 +285,45 @@ def _resume(rank, world):
 
 def test_state_dict_restores_residuals_and_factors_exactly():
     assert all(run_workers(_resume, 2))
+
+
+def _regrouped(rank, world, compressor, memory):
+    """Three plans in turn, each regrouping the tensors: hierarchical c; a+b fused and hierarchical,
+    c flat; every tensor alone and flat, b sent uncompressed."""
+    params = _params()
+    plans = [Plan(default=TensorPlan("default", "allgather"), tensors={"c": TensorPlan("default", "allgather", True)}),
+             Plan(default=TensorPlan("default", "allgather"), tensors={"a": TensorPlan("default", "allgather", True),
+                                                                         "b": TensorPlan("default", "allgather", True)},
+                  groups=[["a", "b"], ["c"]]),
+             Plan(default=TensorPlan("default", "allgather"), tensors={"b": TensorPlan("none", "allreduce")})]
+    sync = CompressSync(compressor, memory=memory, local_size=2, plan=plans[0])
+    sync.setup(params)
+    total_sync = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    total_grad = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
+    for step in range(9):
+        if step in (3, 6):
+            sync.plan = plans[step // 3]
+            sync.on_setup()
+        grads = _grads(rank, step)
+        got, _ = _sync_once(sync, params, grads)
+        for name in SHAPES:
+            total_sync[name] += got[name]
+            total_grad[name] += grads[name] * (1.0 / world)
+    held = sync.memory if memory == "residual" else compressor.memory
+    residual = {name: (held.residual(name) if held.residual(name) is not None else torch.zeros(shape)).reshape(shape)
+                for name, shape in SHAPES.items()}
+    for name in SHAPES:
+        dist.all_reduce(total_grad[name])
+        dist.all_reduce(residual[name])
+    return total_sync, total_grad, residual, sorted(k for state in held.group_states() for k in state)
+
+
+@pytest.mark.parametrize("compressor,memory", [(TopK(ratio=0.05), "residual"), (EFSignSGD(), "none")])
+def test_error_feedback_survives_regrouping(compressor, memory):
+    """Residuals move with their tensors when a plan fuses, splits or makes groups hierarchical: the
+    telescoping identity holds across the plan changes, nothing stays under an old group's name, and
+    the tensor sent uncompressed carries no residual (so it is on dense allreduce's path again)."""
+    for total_sync, total_grad, residual, keys in run_workers(_regrouped, 4, compressor, memory):
+        for name in SHAPES:
+            torch.testing.assert_close(total_sync[name] + residual[name], total_grad[name], rtol=1e-5, atol=1e-4)
+        assert keys == (["a", "c"] if memory == "residual" else ["a", "b", "c"])  # efsignsgd never sees b

@@ -135,6 +135,11 @@ class Compressor:
         raise NotImplementedError
 
     # -- checkpointed state --------------------------------------------------------------------
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        """Per-name tensors laid out like the named tensor (a residual, a momentum), which a backend
+        that regroups tensors into new fused buffers must re-lay out; as :meth:`Memory.group_states`."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         """Everything that changes future outputs; subclasses extend the dict."""
         return {"steps": dict(self._steps)}

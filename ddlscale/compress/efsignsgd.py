@@ -33,6 +33,9 @@ class EFSignSGD(SignSGD):
         self.memory.update(name, compensated, decoded)
         return payload, None
 
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        return self.memory.group_states()
+
     def state_dict(self) -> dict:
         return {**super().state_dict(), "memory": self.memory.state_dict()}
 

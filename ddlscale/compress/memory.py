@@ -38,6 +38,14 @@ class Memory:
         """The error carried into the next step for ``name`` (None if there is none)."""
         return None
 
+    def forget(self, name: str) -> None:
+        """``name`` was sent whole this step (nothing dropped): it carries no error."""
+
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        """The per-name tensors laid out like their name's gradient, which a backend that regroups
+        tensors into new fused buffers must re-lay out (:func:`ddlscale.sync.compress.regroup`)."""
+        return []
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -69,10 +77,10 @@ class ResidualMemory(Memory):
         residual = self._residuals.get(name)
         if residual is None:
             return wide.clone() if wide is tensor else wide  # never hand out the gradient itself
-        if residual.shape != wide.shape:
+        if residual.numel() != wide.numel():  # the shape may differ: regrouping keeps residuals flat
             raise ValueError(f"memory: tensor {name!r} changed shape from {tuple(residual.shape)} "
                              f"to {tuple(wide.shape)}; names must identify tensors")
-        return wide + residual.to(wide.device)
+        return wide + residual.to(wide.device).reshape(wide.shape)
 
     def update(self, name: str, compensated: torch.Tensor, decompressed: torch.Tensor) -> None:
         self._residuals[name] = self.next_residual(compensated - decompressed.to(compensated.dtype))
@@ -82,6 +90,12 @@ class ResidualMemory(Memory):
 
     def residual(self, name: str) -> torch.Tensor | None:
         return self._residuals.get(name)
+
+    def forget(self, name: str) -> None:
+        self._residuals.pop(name, None)
+
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        return [self._residuals]
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {k: v.clone() for k, v in self._residuals.items()}}

@@ -58,6 +58,9 @@ class Signum(Compressor):
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         return sign_bytes(numel_of(shape))
 
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        return [self._momenta]
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "momenta": {k: v.clone() for k, v in self._momenta.items()}}
 

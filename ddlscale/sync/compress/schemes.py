@@ -205,10 +205,10 @@ class AllToAll(Scheme):
         if job.compressor.fixed_size:  # partition j has the same length on every rank
             splits_out = [splits_in[job.comm.rank]] * n
         else:
-            recv_sizes = torch.empty(n, dtype=torch.int64)
-            job.comm.all_to_all(recv_sizes, torch.tensor(splits_in, dtype=torch.int64)).wait()
+            recv_sizes = torch.empty(n, dtype=torch.int64, device=job.tensor.device)
+            job.comm.all_to_all(recv_sizes, torch.tensor(splits_in, dtype=torch.int64, device=job.tensor.device)).wait()
             splits_out = recv_sizes.tolist()
-        received = torch.empty(sum(splits_out), dtype=torch.uint8)
+        received = torch.empty(sum(splits_out), dtype=torch.uint8, device=job.tensor.device)
         pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in)
         job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending,
                          lengths=splits_in)
@@ -243,7 +243,7 @@ class GatherBroadcast(Scheme):
     def start(self, job: Job) -> None:
         compressed, message = _compress_whole(self, job)
         sizes = _sizes(job, message)
-        padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gather takes equal sizes: pad, charged
+        padded = message.new_zeros(max(sizes))  # gather takes equal sizes: pad, charged
         padded[: message.numel()] = message
         job.state.update(compressed=compressed, sizes=sizes, pending=job.comm.gather(padded, dst=0))
 
@@ -256,13 +256,13 @@ class GatherBroadcast(Scheme):
                 total = _decode_sum(compressor, job.state["compressed"], messages)
             summed = compressor.compress(total, f"{job.name}/sum", self.segments(job))
             message = wire.pack(summed.payload)
-            size = torch.tensor([message.numel()], dtype=torch.int64)
+            size = torch.tensor([message.numel()], dtype=torch.int64, device=job.tensor.device)
         else:
-            size = torch.tensor([job.state["sizes"][0]], dtype=torch.int64)
+            size = torch.tensor([job.state["sizes"][0]], dtype=torch.int64, device=job.tensor.device)
         if not compressor.fixed_size:
             comm.broadcast(size, src=0).wait()
         if comm.rank != 0:
-            message = torch.empty(int(size), dtype=torch.uint8)
+            message = torch.empty(int(size), dtype=torch.uint8, device=job.tensor.device)
         comm.broadcast(message, src=0).wait()
         ctx = summed.ctx if comm.rank == 0 else compressor.context(self.shaped(job).shape, job.tensor.dtype,
                                                                    f"{job.name}/sum", self.segments(job))

@@ -20,7 +20,8 @@ def pack(payload: list[torch.Tensor]) -> torch.Tensor:
     header = [len(payload)]
     for t in payload:
         header += [_CODE[t.dtype], t.dim(), *t.shape]
-    parts = [torch.tensor(header, dtype=torch.int64).view(torch.uint8)]
+    device = payload[0].device if payload else None  # one message on the payload's device (NCCL sends no CPU tensors)
+    parts = [torch.tensor(header, dtype=torch.int64, device=device).view(torch.uint8)]
     parts += [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in payload]
     return torch.cat(parts)
 

@@ -1,0 +1,9 @@
+"""The prepared GPU check's compressed-sync section, run on CPU so it stays runnable for a GPU day."""
+
+from ddlscale.cluster import run_workers
+from experiments.gpu_check import _compress_on
+
+
+def test_the_compressed_sync_check_passes_on_cpu():
+    for result in run_workers(_compress_on, 2, "cpu"):
+        assert result and all(v is True for v in result.values()), result
