@@ -54,6 +54,8 @@ Rules:
     compensate(tensor: Tensor, name: str) -> Tensor       # p = g + e (float32 or wider)
     update(name: str, compensated: Tensor, decompressed: Tensor) -> None
     residual(name: str) -> Tensor | None
+    forget(name: str) -> None                             # sent whole: no error to carry
+    group_states() -> list[dict[str, Tensor]]             # per-name tensors a regrouping re-lays out
     state_dict() -> dict;  load_state_dict(state: dict) -> None
 
 Names (the config group files ``conf/compressor/<name>.yaml`` and ``conf/memory/<name>.yaml``
