@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
-from ddlscale.plan.planner import cost_model, espresso_plan
+from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -394,6 +395,21 @@ def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="sync.trial_steps"):
         EspressoSync(TopK(), trial_steps=-1)
     EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
+    with pytest.raises(ValueError, match="sync.comm must be one of"):
+        configured_option(_model()[1], "broadcast")
+
+
+def _flat_machines(rank, world):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        EspressoSync(TopK(), hierarchical=True, run_dir=None).setup([("w", torch.nn.Parameter(torch.zeros(4)))])
+    return [str(w.message) for w in caught]
+
+
+def test_hierarchical_without_machines_says_so():
+    rank0, rank1 = run_workers(_flat_machines, 2)
+    assert len(rank0) == 1 and "sync.hierarchical=true" in rank0[0] and "sync.gpus_per_machine" in rank0[0]
+    assert rank1 == []
 
 
 def test_train_py_with_espresso_and_topk(tmp_path):

@@ -19,6 +19,7 @@ from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan, per_unit_savings, uniform_time
+from ddlscale.sync.compress.schemes import scheme
 
 
 def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = None, world_size: int | None = None,
@@ -31,6 +32,7 @@ def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = Non
 def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:
     """The uniform choice of the config: the configured compressor under ``sync.comm``, or dense
     allreduce when no compressor is configured (then fusion alone is planned)."""
+    scheme(comm, "sync.comm")  # an unknown name is named as such, not as an unsummable payload
     if "default" not in model.compressors or model.compressors["default"].name == "none":
         return Option("none", "allreduce", hierarchical and model.hierarchical_possible)
     option = Option("default", comm, hierarchical and model.hierarchical_possible)

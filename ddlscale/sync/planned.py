@@ -37,6 +37,7 @@ import copy
 import json
 import statistics
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,10 @@ class PlannedSync(CompressSync):
             self.intra = self.inter = None
             if self._hierarchical_possible():  # every rank, once: plans may use them later
                 self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
+            elif self.hierarchical and self.rank == 0:
+                warnings.warn(f"sync.hierarchical=true needs machines of 1 < sync.gpus_per_machine < {self.world_size} "
+                              f"ranks dividing them (got {self.local_size}): planning flat groups only",
+                              UserWarning, stacklevel=2)
         super().on_setup()
 
     def _assign(self, order: list[int]) -> list[list[int]]:
