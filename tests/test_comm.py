@@ -107,3 +107,30 @@ def test_collectives_results_and_bytes(world):
         if rank ^ 1 < n:
             assert torch.equal(out["sendrecv"], torch.full((((rank ^ 1) + 1) * 70_000,), rank ^ 1, dtype=torch.int32))
             assert records["sendrecv"] == ((rank + 1) * 280_000, ((rank ^ 1) + 1) * 280_000)
+
+
+def _skewed_all_to_all(rank, world):
+    """Uneven all-to-alls whose bytes cross SMALL_BYTES on some ranks only."""
+    comm = Communicator()
+    # Rank 0 sends 2 x 53.6 KB (past the threshold), the others send nothing and receive 53.6 KB
+    # (below it): a choice from each rank's own bytes sent them down different paths and hung.
+    big = 13_400  # float32s
+    in_splits = [0] + [big] * (world - 1) if rank == 0 else [0] * world
+    out_splits = [big if rank > 0 and src == 0 else 0 for src in range(world)]
+    private = torch.empty(sum(out_splits))
+    comm.all_to_all(private, torch.full((sum(in_splits),), 7.0), out_splits, in_splits).wait()
+    # The same skewed splits on every rank: rank 0 receives 2 x 40 KB, every rank sends 40 KB + 40 B.
+    splits = [10_000, 10, 10]
+    send = torch.cat([torch.full((s,), float(10 * rank + j)) for j, s in enumerate(splits)])
+    shared = torch.empty(world * splits[rank])
+    comm.all_to_all(shared, send, [splits[rank]] * world, splits, same_splits=True).wait()
+    return private, shared
+
+
+def test_skewed_all_to_all_takes_one_path_on_every_rank():
+    world = 3
+    for rank, (private, shared) in enumerate(run_workers(_skewed_all_to_all, world, timeout_s=20)):
+        assert torch.equal(private, torch.full((13_400 if rank else 0,), 7.0))
+        splits = [10_000, 10, 10]
+        expected = torch.cat([torch.full((splits[rank],), float(10 * src + rank)) for src in range(world)])
+        assert torch.equal(shared, expected)

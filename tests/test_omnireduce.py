@@ -168,6 +168,32 @@ def test_routing_judges_by_block_density_not_element_density():
         assert table["scattered"]["path"] == "dense" and table["clustered"]["path"] == "sparse"
 
 
+def _stable_scattered(rank, world):
+    numel = 64 * B
+    local = torch.zeros(numel)
+    local[torch.arange(rank, numel, 4 * B + 1)] = 1.0  # 16 lone non-zeros, one every fourth block
+    p = torch.nn.Parameter(torch.zeros(numel))
+    sync = OmniReduceSync(sparse_params=["w"], profile_steps=1, reprofile_drift=2.0)
+    sync.setup([("w", p)])
+    seen = []
+    for _ in range(5):
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        sync.finish_step()
+        oracle = local * (1.0 / world)
+        dist.all_reduce(oracle)
+        seen.append((sync.profiles, torch.equal(p.grad, oracle)))
+    return seen, sync._profile_left
+
+
+def test_stable_scattered_sparsity_is_not_drift():
+    # The sum comes back as whole blocks (256 lanes per lone non-zero): counted against the profiled
+    # non-zeros that read as 256x drift, and every other step profiled again.
+    for seen, profile_left in run_workers(_stable_scattered, 2):
+        assert seen == [(1, True)] * 5
+        assert profile_left == 0
+
+
 def test_bad_block_size_names_the_key():
     for bad in (0, -256, 1.5, True):
         with pytest.raises(ValueError, match="sync.block_size"):

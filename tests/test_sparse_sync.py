@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from ddlscale.cluster import run_workers
 from ddlscale.sync.sparse import (
@@ -14,6 +15,7 @@ from ddlscale.sync.sparse import (
     SparsePSSync,
     ZenSync,
 )
+from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
 
 BACKENDS = {
     "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1),
@@ -175,6 +177,52 @@ def test_sparse_coo_embedding_gradients():
         for is_sparse, got, oracle in rank_grads:
             assert is_sparse, "a sparse gradient comes back sparse"
             assert torch.equal(got, oracle)
+
+
+def test_flat_coo_of_sparse_gradients_matches_dense():
+    # An all-padding batch leaves an Embedding(sparse=True) gradient with no stored rows.
+    emb = torch.nn.Embedding(10, 3, sparse=True, padding_idx=0)
+    emb(torch.tensor([0, 0])).sum().backward()
+    assert emb.weight.grad._nnz() == 0
+    # Two sparse dims: slices (1, 0) and (0, 1) have the same first index as (1, 2) and (0, 2).
+    coords = torch.tensor([[1, 0, 1, 0], [0, 1, 2, 2]])
+    two_dims = torch.sparse_coo_tensor(coords, torch.arange(1.0, 17.0).view(4, 2, 2), (2, 3, 2, 2))
+    for grad in (emb.weight.grad, two_dims):
+        dense = grad.to_dense()
+        indices, values = to_flat_coo(grad)
+        assert torch.equal(scatter_dense(indices, values, dense), dense)
+        assert torch.equal(coo_slices(indices, values, dense, grad.sparse_dim()).to_dense(), dense)
+
+
+def _padding_embedding(rank, world):
+    emb = torch.nn.Embedding(20, 4, sparse=True, padding_idx=0)
+    sync = ZenSync(sparse_params=["weight"], profile_steps=1)
+    sync.setup(list(emb.named_parameters()))
+    grads = []
+    for step in range(2):
+        emb.zero_grad()
+        batch = torch.tensor([0, 0]) if rank == 1 else torch.tensor([0, 5 + step, 7])  # rank 1: padding only
+        emb(batch).sum().backward()
+        local = emb.weight.grad.to_dense()
+        sync.grad_ready(emb.weight)
+        sync.finish_step()
+        oracle = local * (1.0 / world)
+        dist.all_reduce(oracle)
+        grads.append((emb.weight.grad.to_dense(), oracle))
+    return grads
+
+
+def test_all_padding_batch_on_one_rank():
+    for rank_grads in run_workers(_padding_embedding, 2):
+        for got, oracle in rank_grads:
+            assert torch.equal(got, oracle)
+
+
+def test_sparse_params_from_hydra_config():
+    names = OmegaConf.create(["emb.weight", "out.weight"])  # what Hydra's instantiate passes
+    assert ZenSync(sparse_params=names).sparse_params == ["emb.weight", "out.weight"]
+    with pytest.raises(ValueError, match="sync.sparse_params"):
+        ZenSync(sparse_params="emb.weight")
 
 
 def test_hash_partition_invariants_and_balance():

@@ -225,13 +225,25 @@ class Communicator:
         input: torch.Tensor,
         output_splits: list[int] | None = None,
         input_splits: list[int] | None = None,
+        same_splits: bool = False,
     ) -> Pending:
-        """All-to-all along dim 0 with (optionally uneven) splits; ``output`` receives the blocks."""
+        """All-to-all along dim 0 with (optionally uneven) splits; ``output`` receives the blocks.
+
+        ``same_splits``: every rank passes the same ``input_splits``, so each knows every rank's bytes.
+        """
         row = math.prod(input.shape[1:]) * input.element_size()  # bytes per dim-0 row (empty input too)
         in_splits = input_splits or volume.even_split(input.shape[0], self.size)
         out_splits = output_splits or volume.even_split(output.shape[0], self.size)
         sent, recv = volume.all_to_all([s * row for s in in_splits], [s * row for s in out_splits], self.rank)
-        if self.segment_bytes is None or max(sent, recv) <= SMALL_BYTES:
+        # gloo: small exchanges go through its own call, but every rank must take the same path, or
+        # each waits for messages the others never send. So decide from the busiest rank's bytes,
+        # known everywhere when the splits are even or the same on every rank. Other uneven splits
+        # tell a rank only its own bytes, and agreeing on them would add a collective to every
+        # exchange: those always go point to point.
+        if self.segment_bytes is None or (
+            (same_splits or (input_splits is None and output_splits is None))
+            and self._busiest_all_to_all([s * row for s in in_splits]) <= SMALL_BYTES
+        ):
             return self._issue(
                 "all_to_all", sent, recv,
                 lambda: dist.all_to_all_single(
@@ -248,6 +260,10 @@ class Communicator:
             lambda: self._exchange([(p, in_blocks[p]) for p in peers], [(p, out_blocks[p]) for p in peers]),
             output,
         )
+
+    def _busiest_all_to_all(self, blocks: list[int]) -> int:
+        """Most bytes any rank sends or receives when every rank sends ``blocks`` (block j to rank j)."""
+        return max(max(volume.all_to_all(blocks, [b] * self.size, r)) for r, b in enumerate(blocks))
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """Ring reduce-scatter: ``input`` holds ``size`` equal chunks, ``output`` gets this rank's sum."""

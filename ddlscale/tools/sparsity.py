@@ -49,6 +49,7 @@ from hydra.utils import instantiate
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddlscale.sync.sparse.coo import stored_elements
 from ddlscale.sync.sparse.hashing import HashPartitioner
 from ddlscale.workloads.base import Workload
 
@@ -88,14 +89,8 @@ def _sparse_nonzero_indices(grad: Tensor) -> Tensor:
     Coalescing first merges duplicate rows (one per lookup of the same id) and sorts the entries, so
     the result is sorted and every index appears once.
     """
-    grad = grad.coalesce()
-    sparse_dims = grad.sparse_dim()
-    block = math.prod(grad.shape[sparse_dims:])
-    entry = torch.zeros(grad._nnz(), dtype=torch.int64)
-    for dim, size in enumerate(grad.shape[:sparse_dims]):
-        entry = entry * size + grad.indices()[dim]
-    flat = (entry[:, None] * block + torch.arange(block, dtype=torch.int64)).flatten()
-    return flat[(grad.values() != 0).reshape(-1)]
+    flat, values = stored_elements(grad)
+    return flat[values != 0]
 
 
 def densification(index_sets: Sequence[Tensor], numel: int) -> list[float]:

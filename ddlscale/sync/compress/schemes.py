@@ -209,7 +209,8 @@ class AllToAll(Scheme):
             job.comm.all_to_all(recv_sizes, torch.tensor(splits_in, dtype=torch.int64, device=job.tensor.device)).wait()
             splits_out = recv_sizes.tolist()
         received = torch.empty(sum(splits_out), dtype=torch.uint8, device=job.tensor.device)
-        pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in)
+        pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in,
+                                      same_splits=job.compressor.fixed_size)
         job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending,
                          lengths=splits_in)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ class SparseSync(DenseAllreduce):
 
     profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
 
-    def __init__(self, profile_steps: int = 2, sparse_params: str | list[str] = "auto",
+    def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto",
                  network_bandwidth: str = "1gbit", network_latency: str = "100us",
                  reprofile_drift: float | None = 2.0, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
@@ -61,7 +62,8 @@ class SparseSync(DenseAllreduce):
         self.network = NetworkModel.of(bandwidth=network_bandwidth, latency="0us" if self.measure_latency else network_latency)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
-        if sparse_params != "auto" and not isinstance(sparse_params, list | tuple):
+        # Any sequence of names but a string: from Hydra the list arrives as an OmegaConf ListConfig.
+        if sparse_params != "auto" and (isinstance(sparse_params, str) or not isinstance(sparse_params, Sequence)):
             raise ValueError(f"sync.sparse_params must be 'auto' or a list of names, got {sparse_params!r}")
         if reprofile_drift is not None and not (isinstance(reprofile_drift, int | float) and reprofile_drift > 1):
             raise ValueError(f"sync.reprofile_drift must be a number > 1 or null, got {reprofile_drift!r}")
@@ -167,22 +169,29 @@ class SparseSync(DenseAllreduce):
         for k, i in enumerate(group):
             mine = owner == k
             p = self.params[i]
+            local_idx = total_idx[mine] - offsets[k]
             sparse_dim = sparse_dims.get(i)
             if sparse_dim is None:
-                p.grad = scatter_dense(total_idx[mine] - offsets[k], total_val[mine], p)
+                p.grad = scatter_dense(local_idx, total_val[mine], p)
             else:
-                p.grad = coo_slices(total_idx[mine] - offsets[k], total_val[mine], p, sparse_dim)
-            drifted |= self._drifted(i, int(mine.sum()))
+                p.grad = coo_slices(local_idx, total_val[mine], p, sparse_dim)
+            drifted |= self._drifted(i, local_idx)
         self._timers["decode"] += time.perf_counter() - start
         return drifted
 
-    def _drifted(self, index: int, summed_nnz: int) -> bool:
-        """Has the summed density (identical on every rank) left its profile by reprofile_drift?"""
+    def _drifted(self, index: int, indices: torch.Tensor) -> bool:
+        """Has the summed density (identical on every rank) left its profile by reprofile_drift?
+        ``indices``: the tensor's flat indices in this step's sum."""
         if self.reprofile_drift is None or index not in self.density:
             return False
-        profiled = max(1.0, self.density[index] * self.gamma.get(index, 1.0) * self.params[index].numel())
-        ratio = max(1.0, summed_nnz) / profiled
+        summed, profiled = self.summed_size(index, indices)
+        ratio = max(1.0, summed) / max(1.0, profiled)
         return not 1 / self.reprofile_drift <= ratio <= self.reprofile_drift
+
+    def summed_size(self, index: int, indices: torch.Tensor) -> tuple[float, float]:
+        """The sum's size this step and as profiled, in one unit (override where the scheme returns
+        more than the non-zeros, or routes by another unit)."""
+        return indices.numel(), self.density[index] * self.gamma.get(index, 1.0) * self.params[index].numel()
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         """Global sum of every rank's (indices, values) over the fused index space of ``group``

@@ -11,18 +11,27 @@ def to_flat_coo(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat int64 indices and values of a gradient's non-zeros.
 
     Dense layout: the elements that are not zero (NaN counts as non-zero, so it propagates).
-    Sparse COO (``nn.Embedding(sparse=True)``): every element of every stored row.
+    Sparse COO (``nn.Embedding(sparse=True)``): every element of every stored slice (a row there).
     """
     if grad.is_sparse:
-        grad = grad.coalesce()
-        rows = grad.indices()[0]
-        row_values = grad.values().reshape(rows.numel(), -1)
-        width = row_values.shape[1]
-        indices = (rows[:, None] * width + torch.arange(width, device=rows.device)).reshape(-1)
-        return indices, row_values.reshape(-1)
+        return stored_elements(grad)
     flat = grad.reshape(-1)
     indices = torch.nonzero(flat != 0, as_tuple=False).reshape(-1)  # NaN != 0 is True
     return indices, flat[indices]
+
+
+def stored_elements(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat row-major int64 indices and values of every element of a sparse COO tensor's stored
+    slices, zeros included, each index once (the tensor is coalesced first)."""
+    grad = grad.coalesce()
+    sparse_dim = grad.sparse_dim()
+    width = math.prod(grad.shape[sparse_dim:])
+    # Ravel every sparse dim: the first alone would make slices of different rows collide.
+    slices = torch.zeros(grad._nnz(), dtype=torch.int64, device=grad.device)
+    for dim, size in enumerate(grad.shape[:sparse_dim]):
+        slices = slices * size + grad.indices()[dim]
+    indices = (slices[:, None] * width + torch.arange(width, device=grad.device)).reshape(-1)
+    return indices, grad.values().reshape(-1)  # values are (nnz, *dense dims): the same order
 
 
 def scatter_dense(indices: torch.Tensor, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,8 @@ class OmniReduceSync(SparseSync):
 
     Routing judges each tensor by its profiled *block* density (fraction of non-zero blocks per
     worker) and block gamma (of the sum / per worker), not by element density: 1% of elements
-    scattered over every block saves nothing here, 1% in one contiguous run saves 99%.
+    scattered over every block saves nothing here, 1% in one contiguous run saves 99%. Drift
+    (``reprofile_drift``) is judged in non-zero blocks too.
     """
 
     def __init__(self, block_size: int = 256, **kwargs: Any):
@@ -204,6 +205,14 @@ class OmniReduceSync(SparseSync):
             self.block_gamma[i] = gamma if fresh else weight * self.block_gamma[i] + (1 - weight) * gamma
         self._local_blocks.clear()
         super()._profile()
+
+    def summed_size(self, index: int, indices: torch.Tensor) -> tuple[float, float]:
+        # The sum comes back as every lane of its non-zero blocks, zeros included, so count blocks
+        # against the block profile: lanes against profiled non-zeros read as drift of up to B times.
+        if index not in self.block_density:
+            return super().summed_size(index, indices)
+        blocks = num_blocks(self.params[index].numel(), self.block_size)
+        return self.nonzero_blocks(indices), self.block_density[index] * self.block_gamma[index] * blocks
 
     def sparse_seconds(self, index: int) -> float:
         if index not in self.block_density:  # no block profile (an old checkpoint): element figures
