@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
-from ddlscale.compress import FP16, NoCompression, SignSGD, TopK
+from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
 from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
@@ -395,6 +395,8 @@ def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="sync.trial_steps"):
         EspressoSync(TopK(), trial_steps=-1)
     EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
+    with pytest.raises(ValueError, match="sync=espresso: compressor powersgd is not priced"):
+        EspressoSync(PowerSGD(), comm="allreduce")
     with pytest.raises(ValueError, match="sync.comm must be one of"):
         configured_option(_model()[1], "broadcast")
 

@@ -29,6 +29,15 @@ def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = Non
     return CostModel(profile, compressors, world_size, network)
 
 
+def check_plannable(compressor: Compressor | None, key: str) -> None:
+    """Refuse a compressor the cost model does not price: PowerSGD's work runs inside its own
+    allreduces after backward, one low-rank matrix per member of a fused group, where the model
+    overlaps a group's encode with backward and prices a fused buffer as one flat payload."""
+    if compressor is not None and hasattr(compressor, "reduce"):
+        raise ValueError(f"{key}: compressor {compressor.name} is not priced by the planners' cost model "
+                         f"(its work runs in its allreduces after backward); use sync=compress with it")
+
+
 def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:
     """The uniform choice of the config: the configured compressor under ``sync.comm``, or dense
     allreduce when no compressor is configured (then fusion alone is planned)."""

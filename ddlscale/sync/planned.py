@@ -50,7 +50,7 @@ from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
-from ddlscale.plan.planner import allreduce_efficiency, configured_option, group_overhead
+from ddlscale.plan.planner import allreduce_efficiency, check_plannable, configured_option, group_overhead
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -120,6 +120,7 @@ class PlannedSync(CompressSync):
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
                          memory_beta=memory_beta, hierarchical=False, local_size=gpus_per_machine,
                          fusion="tensor", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        check_plannable(compressor, f"sync={self.system}")
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         for key, value, parse in (("sync.network_bandwidth", network_bandwidth, parse_bandwidth),

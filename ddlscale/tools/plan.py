@@ -23,7 +23,7 @@ import torch
 
 from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.compress import Compressor, NoCompression, ResidualMemory
-from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
+from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -147,7 +147,9 @@ def report(argv: Sequence[str]) -> str:
         cfg.data_seed = 0
         module = instantiate(cfg)
         network = _network(args, {"bandwidth": "1gbit", "latency": "100us", "gpus_per_machine": 1})
-        profile = profile_model(module, build_compressor(args.compressor), args.steps, args.workers or 2, network)
+        compressor = build_compressor(args.compressor)
+        check_plannable(compressor, "--compressor")
+        profile = profile_model(module, compressor, args.steps, args.workers or 2, network)
         if args.save is not None:
             lines.append(f"profile saved to {profile.save(args.save)}")
     model = cost_model(profile)
