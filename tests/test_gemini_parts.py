@@ -316,6 +316,43 @@ def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     sender.close()
 
 
+def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
+    """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
+    state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
+    from types import SimpleNamespace
+
+    from ddlscale.ckpt import gemini
+    from ddlscale.ckpt.placement import PlacementPlan
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    checkpointer = gemini.GeminiCheckpointer(replicas=1)
+    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("held")
+    checkpointer.plan, checkpointer.machine_of = PlacementPlan(1, 1, "mixed"), [0]
+    recorder = _Recorder(lambda: None)
+    checkpointer.sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="gemini",
+                                        checksum="crc32", keep_for=checkpointer._keep_for,
+                                        on_done=checkpointer._on_sent)
+    residual = torch.randn(10_000)  # not live: copied at every capture, like error feedback
+    monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": residual})
+    monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
+    monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, num_training_batches=100, world_size=1,
+                              is_global_zero=True)
+    for step in range(1, 5):
+        if checkpointer.transfers:  # the next iteration starts; its optimizer step is the deadline
+            checkpointer.sender.iteration_started()
+            checkpointer.sender.deadline()
+        trainer.global_step = step
+        checkpointer.save(trainer, step - 1)
+    assert [t.snapshot is not None for t in checkpointer.transfers] == [False, False, False, True]
+    checkpointer.sender.close()
+    assert all(t.snapshot is None for t in checkpointer.transfers)
+    figures = checkpointer.figures(trainer)
+    assert figures["ckpt_committed"] == 4 and figures["ckpt_bytes"] > residual.numel() * 4
+
+
 # -- configuration ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("overrides, message", [
     (["cluster=emulated", "cluster.nodes=2", "ckpt.replicas=3"], "m \\(replicas\\) must be <= N \\(machines\\) = 2"),
@@ -324,6 +361,14 @@ def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     (["ckpt.placement=star"], "ckpt.placement must be one of"),
     (["ckpt.mode=eager"], "ckpt.mode must be one of"),
     (["ckpt.mu=0"], "ckpt.mu must be in"),
+    (["ckpt.mu=1"], "ckpt.mu must be in \\(0, 1\\), got 1"),  # mu < 1, as the design says
+    (["ckpt.commit_timeout_s=0"], "ckpt.commit_timeout_s must be a finite number > 0, got 0"),
+    (["ckpt.commit_timeout_s=-5"], "ckpt.commit_timeout_s must be a finite number > 0, got -5"),
+    (["ckpt.commit_timeout_s=inf"], "ckpt.commit_timeout_s must be a finite number > 0, got inf"),
+    (["ckpt.commit_timeout_s=true"], "ckpt.commit_timeout_s must be a finite number > 0, got True"),
+    (["ckpt.commit_timeout_s=soon"], "ckpt.commit_timeout_s must be a finite number > 0, got 'soon'"),
+    (["ckpt.persist_every=3", "ckpt.persist_bandwidth=fast"], "ckpt\\.persist_bandwidth: bad bandwidth 'fast'"),
+    (["ckpt.persist_every=3", "ckpt.persist_bandwidth=0"], "ckpt\\.persist_bandwidth must be > 0"),
     (["ckpt.checksum=md5"], "ckpt.checksum must be one of"),
     (["ckpt.every=highfreq"], "highfreq is for ckpt=disk"),
 ])

@@ -71,6 +71,19 @@ def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> 
     return None
 
 
+def write_rate(bandwidth: str | float | None, key: str = "ckpt.bandwidth") -> float | None:
+    """Bits per second of an emulated write rate (None: full speed); a bad value names ``key``."""
+    if bandwidth is None:
+        return None
+    try:
+        bps = parse_bandwidth(bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if bps == 0:
+        raise ValueError(f"{key} must be > 0 (or null for no limit)")
+    return bps
+
+
 class DiskCheckpointer(Checkpointer):
     """Atomic, checksummed, sharded checkpoints to a directory (local disk or a mounted store).
 
@@ -92,12 +105,7 @@ class DiskCheckpointer(Checkpointer):
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"ckpt.keep must be an integer >= 1, got {keep!r}")
         self.keep = keep
-        try:
-            self.bandwidth_bps = parse_bandwidth(bandwidth) if bandwidth is not None else None
-        except ValueError as exc:
-            raise ValueError(f"ckpt.bandwidth: {exc}") from None
-        if self.bandwidth_bps == 0:
-            raise ValueError("ckpt.bandwidth must be > 0 (or null for no limit)")
+        self.bandwidth_bps = write_rate(bandwidth)
         if dir is None and run_dir is None:
             self.dir: Path | None = None  # only validating a config: no run yet
         else:

@@ -22,6 +22,8 @@ everyone loads the newest persistent checkpoint instead.
 
 from __future__ import annotations
 
+import datetime
+import math
 import os
 import statistics
 import time
@@ -38,7 +40,7 @@ from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.checksum import ALGORITHMS, matches
 from ddlscale.ckpt.data import DataPosition
-from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable
+from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable, write_rate
 from ddlscale.ckpt.interleave import (
     MODES,
     ReplicaSender,
@@ -59,6 +61,9 @@ from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture
 
 PATH_PREFIX = "gemini:"
 STORE_ENV, MACHINE_ENV, MACHINES_ENV, JOB_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES", "DDLSCALE_JOB"
+# Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
+# began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
+OUTCOME_SLACK_S = 10.0
 
 
 def job_name(run_dir: str | None) -> str:
@@ -85,7 +90,7 @@ class GeminiCheckpointer(Checkpointer):
         mode: ``gemini`` (interleaved, pipelined), ``unpipelined`` (interleaved, one sub-buffer) or
             ``blocking`` (sent whole at the end of the step, for comparison).
         chunk_kib, subbuffers: staging buffer of ``subbuffers`` chunks of ``chunk_kib`` KiB.
-        mu: fraction of each idle span the chunks may fill.
+        mu: fraction of each idle span the chunks may fill, 0 < mu < 1.
         checksum: ``crc32`` or ``sha256``, computed by the sender and checked by every holder at END.
         profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
         persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
@@ -114,20 +119,27 @@ class GeminiCheckpointer(Checkpointer):
         self.placement, self.mode = placement, mode
         self.chunk_bytes = _positive_int("chunk_kib", chunk_kib) * 1024
         self.subbuffers = _positive_int("subbuffers", subbuffers)
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu <= 1:
-            raise ValueError(f"ckpt.mu must be in (0, 1], got {mu!r}")
+        # mu < 1 (SYSTEMS.md section 4): gap and chunk times are medians, so a plan filling whole gaps
+        # would spill chunks into the next collective.
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu < 1:
+            raise ValueError(f"ckpt.mu must be in (0, 1), got {mu!r}")
         self.mu = float(mu)
         if checksum not in ALGORITHMS:
             raise ValueError(f"ckpt.checksum must be one of {', '.join(ALGORITHMS)}, got {checksum!r}")
         self.checksum = checksum
         self.profile_steps = _positive_int("profile_steps", profile_steps)
         self.store_address = store
+        if (isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float))
+                or not math.isfinite(commit_timeout_s) or commit_timeout_s <= 0):
+            raise ValueError(f"ckpt.commit_timeout_s must be a finite number > 0, got {commit_timeout_s!r}")
         self.commit_timeout_s = float(commit_timeout_s)
         self.run_dir = run_dir
         self.persistent: DiskCheckpointer | None = None
+        # Parsed here so that a bad value is reported under this key, not the disk tier's ckpt.bandwidth.
+        persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
         if persist_every is not None:
             self.persistent = DiskCheckpointer(
-                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=persist_bandwidth,
+                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=persist_bps,
                 dir=persist_dir if persist_dir is not None else (str(Path(run_dir) / DEFAULT_SUBDIR) if run_dir else None),
                 resume=None, run_dir=run_dir)
         # Set in setup (workers).
@@ -137,6 +149,7 @@ class GeminiCheckpointer(Checkpointer):
         self.plan: PlacementPlan | None = None
         self.machine = 0  # this rank's machine (placement id)
         self.machine_of: list[int] = []
+        self.device = torch.device("cpu")  # the strategy's root device: recovery's collective runs on it
         self.incarnation = 0
         self.previous: Transfer | None = None
         self.transfers: list[Transfer] = []
@@ -206,6 +219,7 @@ class GeminiCheckpointer(Checkpointer):
         if self.persistent is not None:
             self.persistent.setup(trainer, pl_module, stage)
         self.store = self._connect()
+        self.device = trainer.strategy.root_device
         world, rank = trainer.world_size, trainer.global_rank
         self.machine = machine = int(os.environ.get(MACHINE_ENV, rank))
         machines = int(os.environ.get(MACHINES_ENV, world))
@@ -242,7 +256,9 @@ class GeminiCheckpointer(Checkpointer):
         """Wait for the previous version's outcome; keep whatever is committed then."""
         previous, self.previous = self.previous, transfer
         if previous is not None:
-            self.store.wait([self.keys.outcome(self.incarnation, previous.version)])
+            # The client's default timeout (kvstore.connect's) would give up before a long commit_timeout_s.
+            self.store.wait([self.keys.outcome(self.incarnation, previous.version)],
+                            datetime.timedelta(seconds=self.commit_timeout_s + OUTCOME_SLACK_S))
         manifest = self.committed_manifest()
         return manifest.step if manifest is not None else NO_VERSION
 
@@ -252,7 +268,7 @@ class GeminiCheckpointer(Checkpointer):
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
-        record = ShardRecord(rank, f"memory:rank{rank}", transfer.snapshot.nbytes, transfer.checksum)
+        record = ShardRecord(rank, f"memory:rank{rank}", transfer.nbytes, transfer.checksum)
         kvstore.set_json(self.store, self.keys.shard(self.incarnation, transfer.version, rank), record.__dict__)
         self.store.add(self.keys.acks(self.incarnation, transfer.version), transfer.verified)
         if rank == 0:
@@ -352,7 +368,8 @@ class GeminiCheckpointer(Checkpointer):
         rank = dist.get_rank() if dist.is_initialized() else 0
         start = time.perf_counter()
         data, source = self._fetch(int(path[len(PATH_PREFIX):]), rank)
-        ok = torch.tensor([1 if data is not None else 0])
+        # On the strategy's device: NCCL reduces only GPU tensors.
+        ok = torch.tensor([1 if data is not None else 0], device=self.device)
         if dist.is_initialized():
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank restores the same version, or none does
         if int(ok) == 1:
@@ -414,7 +431,7 @@ class GeminiCheckpointer(Checkpointer):
         figures = {
             "ckpt_mode": self.mode,
             "ckpt_replicas": self.replicas,
-            "ckpt_bytes": self.transfers[-1].snapshot.nbytes if self.transfers else None,
+            "ckpt_bytes": self.transfers[-1].nbytes if self.transfers else None,
             "ckpt_stall_s": statistics.median(self.stalls[1:] or self.stalls) if self.stalls else None,
             "ckpt_complete_s": statistics.median(complete) if complete else None,
             "ckpt_committed": len(self.committed) if trainer.is_global_zero else None,

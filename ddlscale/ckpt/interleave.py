@@ -97,10 +97,10 @@ class Wire:
 
 @dataclass
 class Transfer:
-    """One version on its way to the holders."""
+    """One version on its way to the holders; the sender drops ``snapshot`` once the version is out."""
 
     version: int
-    snapshot: Snapshot
+    snapshot: Snapshot | None
     keep: int = -1  # the committed version the agents must not overwrite; resolved before BEGIN
     position: Any = None  # where in the data the version is (for the manifest)
     captured: float = field(default_factory=time.perf_counter)
@@ -110,6 +110,10 @@ class Transfer:
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
     settled: threading.Event = field(default_factory=threading.Event)  # commit bookkeeping finished too
     finished: float | None = None
+    nbytes: int = field(init=False)  # the stream's size, kept after the snapshot is dropped
+
+    def __post_init__(self) -> None:
+        self.nbytes = self.snapshot.nbytes
 
 
 class ReplicaSender:
@@ -225,6 +229,9 @@ class ReplicaSender:
                     transfer.error = str(exc)
         except (OSError, ReplicaError, RuntimeError) as exc:
             transfer.error = f"sending version {transfer.version}: {exc}"
+        # Sent (or given up): drop the snapshot, whose copies (error feedback: a model's worth) would
+        # otherwise live on in every finished transfer the checkpointer keeps for its figures.
+        transfer.snapshot = None
         transfer.finished = time.perf_counter()
         transfer.done.set()  # the training thread may step now; the commit needs no more of our state
         try:
