@@ -250,6 +250,9 @@ def test_zen_formulas_by_hand():
     # HC, n = 4: (gamma_1 + gamma_2) * 20,000 words = 2.8 * 20,000 = 56,000 words.
     hc = zen_hierarchical_centralization_time(M, d, [1.0, 1.8], 4, model)
     assert hc == pytest.approx(2 * ALPHA + 224_000 * 8 / GBIT)
+    # bf16 values: 28,000 non-zeros of (4-byte index + 2-byte value) = 168,000 bytes.
+    assert zen_hierarchical_centralization_time(M, d, [1.0, 1.8], 4, model, value_bytes=2) == pytest.approx(
+        2 * ALPHA + 168_000 * 8 / GBIT)
     # A trailing gamma_n is accepted and ignored.
     assert zen_hierarchical_centralization_time(M, d, [1.0, 1.8, 3.0], 4, model) == pytest.approx(hc)
     assert zen_balanced_parallelism_time(M, d, 1.0, 1, model) == 0.0

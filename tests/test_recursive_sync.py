@@ -1,5 +1,7 @@
 """Recursive doubling with merging (SparCML, Zen's HC), densification profiling, per-tensor plans, drift."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -206,3 +208,115 @@ def test_hierarchical_mode_dense_inside_sparse_across(scheme):
         assert ops[-1][0] == "allgather" and ops[-1][1] == chunk_bytes
         # ...and only sparse traffic between the two machines in between.
         assert all(op in ("all_to_all", "allgather", "allgather_uneven", "sendrecv") for op, _ in ops[1:-1])
+
+
+def _hierarchical_routing(rank, world):
+    numel = 1 << 18
+    g = torch.Generator().manual_seed(rank)
+    full, rare = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
+    sync = ZenSync(profile_steps=1, hierarchical=True, local_size=2)  # 1 Gbit/s, 100 us
+    sync.setup([("full", full), ("rare", rare)])
+    local_rare = torch.zeros(numel)
+    local_rare[torch.randint(0, numel, (100,), generator=g)] = 1.0
+    for _ in range(2):
+        full.grad, rare.grad = torch.randint(1, 4, (numel,), generator=g).float(), local_rare.clone()
+        sync.grad_ready(rare)
+        sync.grad_ready(full)
+        sync.finish_step()
+    return {name: route["path"] for name, route in sync.routing().items()}
+
+
+def test_hierarchical_routing_compares_dense_over_the_same_split():
+    # Dense d = 1 on 2 machines x 2 ranks: the bitmap pull of the 2^17 chunk (~0.79 MB) beats a flat
+    # ring over 4 ranks (~1.57 MB) but not the ring between machines on the same chunk (~0.52 MB).
+    for paths in run_workers(_hierarchical_routing, 4):
+        assert paths == {"full": "dense", "rare": "sparse"}
+
+
+def _gammas_dropped(rank, world):
+    numel = 20000
+    p = torch.nn.Parameter(torch.zeros(numel))
+    sync = ZenSync(profile_steps=1, sparse_params=["w"], reprofile_drift=2.0)
+    sync.setup([("w", p)])
+    seen = []
+    for step in range(5):
+        local = torch.zeros(numel)
+        if step < 3:
+            local[torch.arange(rank, numel, 100)] = 1.0
+        else:  # from step 3 on fully dense: no longer a candidate for the doubling profile
+            local += 1.0
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        sync.finish_step()
+        seen.append((sync.profiles, sync.routing()["w"]["gammas"]))
+    return seen
+
+
+def test_reprofile_drops_gammas_of_tensors_no_longer_candidates():
+    for seen in run_workers(_gammas_dropped, 2):
+        assert seen[0] == (1, [1.0, 2.0])  # disjoint 1% on two ranks
+        assert seen[4] == (2, None)  # step 3 noticed the drift, step 4 profiled the dense tensor
+
+
+def _relayout(rank, world):
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.nn.Parameter(torch.zeros(20000)), torch.nn.Parameter(torch.zeros(30000))
+    sync = ZenSync(scheme="bp", profile_steps=1, sparse_params=["a", "b"], reprofile_drift=2.0)
+    sync.setup([("a", a), ("b", b)])
+    seen = []
+    for step in range(5):
+        local_a, local_b = torch.zeros(20000), torch.zeros(30000)
+        local_a[torch.randperm(20000, generator=g)[: 6000 if step < 2 else 100]] = 1.0  # 30%, then 0.5%
+        local_b[torch.randperm(30000, generator=g)[:150]] = 1.0
+        a.grad, b.grad = local_a, local_b
+        sync.grad_ready(b)
+        sync.grad_ready(a)
+        sync.finish_step()
+        seen.append((dict(sync.plans), sorted(sync.partitioner._layouts)))
+    return seen
+
+
+def test_rerouting_does_not_accumulate_hash_layouts():
+    for seen in run_workers(_relayout, 2):
+        assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [20000, 30000])  # two groups, two layouts
+        # Step 2 drifts, step 3 re-profiles: both pull COO as one fused group; only its layout stays.
+        assert seen[4] == ({0: "bp-coo", 1: "bp-coo"}, [50000])
+
+
+def _resumed(rank, world):
+    numel = 200_000
+    identical = torch.zeros(numel)
+    identical[torch.arange(0, numel, 40)] = 1.0  # 2.5% on every rank: HC's best case
+    scattered = torch.zeros(numel)  # independent 30% on each rank: BP with the bitmap pull
+    scattered[torch.randperm(numel, generator=torch.Generator().manual_seed(rank))[:60_000]] = 1.0
+    data = [identical] * 4 + [scattered] * 4  # step 4 drifts, steps 5-6 re-profile, step 7 re-routed
+
+    def make():
+        p = torch.nn.Parameter(torch.zeros(numel))
+        sync = ZenSync(profile_steps=2, sparse_params=["w"], reprofile_drift=2.0)
+        sync.setup([("w", p)])
+        return p, sync
+
+    def step(p, sync, local):
+        p.grad = local.clone()
+        sync.grad_ready(p)
+        stats = sync.finish_step()
+        return [(r.op, r.bytes_sent) for r in stats.collectives], p.grad.clone(), dict(sync.plans)
+
+    p, sync = make()
+    straight = []
+    for i, local in enumerate(data):
+        straight.append(step(p, sync, local))
+        if i == 5:  # mid re-profile: one of its two steps done, the plans still the last round's
+            checkpoint = copy.deepcopy(sync.state_dict())
+    p, sync = make()
+    sync.load_state_dict(checkpoint)
+    resumed = [step(p, sync, local) for local in data[6:]]
+    return straight, resumed
+
+
+def test_resume_mid_reprofile_equals_the_uninterrupted_run():
+    for straight, resumed in run_workers(_resumed, 4):
+        assert [plans for *_, plans in straight] == [{}] * 2 + [{0: "hc"}] * 4 + [{}, {0: "bp-bitmap"}]
+        for (ops, grad, plans), (ops2, grad2, plans2) in zip(straight[6:], resumed, strict=True):
+            assert ops == ops2 and plans == plans2 and torch.equal(grad, grad2)

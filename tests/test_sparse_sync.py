@@ -218,6 +218,61 @@ def test_all_padding_batch_on_one_rank():
             assert torch.equal(got, oracle)
 
 
+def _bf16_routing(rank, world):
+    numel = 10_000
+    params = {"fp32": torch.nn.Parameter(torch.zeros(numel)),
+              "bf16": torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))}
+    sync = AGSparseSync(profile_steps=1, network_latency="0us")
+    sync.setup(list(params.items()))
+    # 14% on each rank, n = 4: AGsparse's 6-byte bf16 pairs (int32 index + 2-byte value) beat bf16's
+    # dense bytes below 2 / (3n) = 16.7%; priced as 8-byte pairs they would lose past 1 / (2n) = 12.5%.
+    local = torch.zeros(numel)
+    local[torch.randperm(numel, generator=torch.Generator().manual_seed(rank))[:1400]] = 1.0
+    for p in params.values():
+        p.grad = local.to(p.dtype)
+        sync.grad_ready(p)
+    sync.finish_step()
+    zen = ZenSync(profile_steps=1)
+    zen.setup([("bf16", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)))])
+    zen.density[0], zen.gamma[0] = 0.01, 2.0
+    return {name: route["path"] for name, route in sync.routing().items()}, zen.plan_times(0), zen.network
+
+
+def test_routing_prices_values_at_their_element_size():
+    for paths, times, network in run_workers(_bf16_routing, 4):
+        assert paths == {"fp32": "sparse", "bf16": "sparse"}
+        # Zen's COO pull for bf16: 6-byte pairs, 6 d M (1 + gamma)(n-1)/n bytes.
+        nbytes = 6 * 0.01 * 10_000 * 3 * 3 / 4
+        assert times["bp-coo"] == pytest.approx(nbytes * 8 / network.bandwidth_bps + 6 * network.latency_s)
+
+
+def _capped_groups(rank, world):
+    a, b = torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(1000))
+    sync = ZenSync(scheme="bp", pull="coo", sparse_params=["a", "b"], profile_steps=1)
+    sync.max_group_numel = 1500  # stands for the 2**31 elements int32 indices address
+    sync.setup([("a", a), ("b", b)])
+    local = torch.zeros(1000)
+    local[torch.arange(rank, 1000, 7)] = 1.0
+    for _ in range(2):
+        a.grad, b.grad = local.clone(), 2 * local
+        sync.grad_ready(b)
+        sync.grad_ready(a)
+        sync.finish_step()
+    oracle = local * (1.0 / world)
+    dist.all_reduce(oracle)
+    groups = sync._sparse_groups()
+    sync.max_group_numel = 999
+    with pytest.raises(ValueError, match="more than the 999"):
+        sync._sparse_groups()
+    return groups, torch.equal(a.grad, oracle) and torch.equal(b.grad, 2 * oracle)
+
+
+def test_fused_groups_stay_within_the_index_range():
+    for groups, exact in run_workers(_capped_groups, 2):
+        assert sorted(groups) == [[0], [1]]  # 2000 elements would overflow the 1500: two groups
+        assert exact
+
+
 def test_sparse_params_from_hydra_config():
     names = OmegaConf.create(["emb.weight", "out.weight"])  # what Hydra's instantiate passes
     assert ZenSync(sparse_params=names).sparse_params == ["emb.weight", "out.weight"]

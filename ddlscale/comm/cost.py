@@ -580,7 +580,7 @@ def zen_balanced_parallelism_time(M: int, d: float, gamma_n: float, n: int, mode
 
 
 def zen_hierarchical_centralization_time(
-    M: int, d: float, gammas: Sequence[float], n: int, model: NetworkModel
+    M: int, d: float, gammas: Sequence[float], n: int, model: NetworkModel, value_bytes: int = WORD_BYTES
 ) -> float:
     """Zen's Hierarchical Centralization (SparCML-like recursive doubling with merging):
 
@@ -590,6 +590,7 @@ def zen_hierarchical_centralization_time(
     ``gammas[i]`` is gamma_{2^i} for i = 0 .. log2(n)-1 (gamma_1, gamma_2, ..., gamma_{n/2}); one
     more trailing entry (gamma_n, which HC never needs) is accepted so one profile serves both
     schemes. ``n`` must be a power of two; see :func:`zen_balanced_parallelism_time` for M, d, n.
+    ``value_bytes``: bytes per value (a word, fp32, by default; 2 for fp16/bf16), indices stay int32.
     """
     model.machines(n)
     if not _is_power_of_two(n):
@@ -602,5 +603,6 @@ def zen_hierarchical_centralization_time(
         )
     for i, gamma in enumerate(gammas):
         _check_gamma(gamma, 1 << i)
-    words = sum(gammas[:stages]) * _sparse_tensor_words(M, d)
-    return stages * model.latency_s + words * WORD_BYTES * BITS_PER_BYTE / model.bandwidth_bps
+    nonzeros = sum(gammas[:stages]) * _sparse_tensor_words(M, d) / 2  # each of 2 words: an index and a value
+    nbytes = nonzeros * (WORD_BYTES + value_bytes)
+    return stages * model.latency_s + nbytes * BITS_PER_BYTE / model.bandwidth_bps

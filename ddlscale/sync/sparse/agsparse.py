@@ -1,7 +1,8 @@
 """AGsparse: allgather every worker's COO and sum locally (gloo's sparse allreduce, Horovod).
 
 One-shot centralization: no partition, no incremental sum, so each worker receives all n-1 other
-workers' non-zeros — 8 d M (n-1) bytes, which beats dense allreduce only when d < 1/n.
+workers' non-zeros — (4 + s) d M (n-1) bytes for s-byte values. In fp32, 8 d M (n-1): it beats
+dense allreduce only when d < 1/n.
 """
 
 from __future__ import annotations
@@ -9,14 +10,14 @@ from __future__ import annotations
 import torch
 
 from ddlscale.sync.sparse.base import SparseSync
-from ddlscale.sync.sparse.pushpull import pack_pairs, unpack_pairs
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_pairs, unpack_pairs
 
 
 class AGSparseSync(SparseSync):
     """``sync=agsparse``: allgather of (int32 index, value) pairs, summed on every worker."""
 
-    def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
-        return 8 * density * numel * (self.world_size - 1)
+    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
+        return (INDEX_BYTES + value_bytes) * density * numel * (self.world_size - 1)
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         with self.timed("comm"):

@@ -29,7 +29,7 @@ from ddlscale.comm.cost import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
-from ddlscale.sync.sparse.pushpull import pack_bits
+from ddlscale.sync.sparse.pushpull import INDEX_DTYPE, pack_bits
 from ddlscale.sync.sparse.recursive import union_counts
 
 
@@ -53,6 +53,8 @@ class SparseSync(DenseAllreduce):
     """
 
     profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
+    # Elements one fused group may span: its flat indices travel as int32 (override for other wires).
+    max_group_numel = torch.iinfo(INDEX_DTYPE).max + 1
 
     def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto",
                  network_bandwidth: str = "1gbit", network_latency: str = "100us",
@@ -135,11 +137,22 @@ class SparseSync(DenseAllreduce):
     def _sparse_groups(self) -> list[list[int]]:
         """Sparse tensors fused by :meth:`group_key`, in backward order: one push and one pull per
         group, so the per-message latency is paid once, not once per tensor."""
-        groups: dict[Any, list[int]] = {}
+        groups: dict[Any, list[list[int]]] = {}
+        filled: dict[Any, int] = {}  # elements in each key's last group
         for i in self.backward_order:
             if i in self._sparse_set:
-                groups.setdefault(self.group_key(i), []).append(i)
-        return list(groups.values())
+                numel, key = self.params[i].numel(), self.group_key(i)
+                if numel > self.max_group_numel:
+                    raise ValueError(f"{self.names[i]} has {numel} elements, more than the {self.max_group_numel} "
+                                     f"its sparse indices can address on the wire; keep it dense (sync.sparse_params)")
+                chain = groups.setdefault(key, [[]])
+                # Past the wire's index range a new group starts, rather than indices wrapping around.
+                if filled.get(key, 0) + numel > self.max_group_numel:
+                    chain.append([])
+                    filled[key] = 0
+                chain[-1].append(i)
+                filled[key] = filled.get(key, 0) + numel
+        return [group for chain in groups.values() for group in chain]
 
     def group_key(self, index: int) -> Any:
         """Tensors with equal keys are fused: same dtype (and, in subclasses, same scheme)."""
@@ -198,8 +211,9 @@ class SparseSync(DenseAllreduce):
         (``numel`` elements), as flat COO (override)."""
         raise NotImplementedError
 
-    def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
-        """Bytes per worker this scheme moves for one tensor (override); compared with dense's."""
+    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
+        """Bytes per worker this scheme moves for one tensor of ``value_bytes``-byte elements
+        (override); compared with dense's."""
         raise NotImplementedError
 
     # -- profiling and routing -------------------------------------------------------------------
@@ -214,6 +228,8 @@ class SparseSync(DenseAllreduce):
         fresh = self._samples == 0
         weight = self._samples / (self._samples + 1)  # running mean over this round's steps
         unions = self._profile_unions(local)
+        if fresh:  # a tensor no longer a candidate must not keep, nor later blend in, the last round's gammas
+            self.gammas.clear()
         for i in everyone:
             numel = self.params[i].numel()
             d = float(local[i]) / numel
@@ -263,15 +279,23 @@ class SparseSync(DenseAllreduce):
     def sparse_seconds(self, index: int) -> float:
         """The cost model's time for one profiled tensor on the sparse path (override to refine)."""
         p = self.params[index]
-        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0))
+        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0),
+                                          p.element_size())
         return sparse_bytes * 8 / self.network.bandwidth_bps + self.sparse_latency_steps() * self.network.latency_s
 
-    def prefers_sparse(self, index: int) -> bool:
-        """The cost model's verdict for one profiled tensor (bytes in a dense bucket share latency)."""
+    def dense_seconds(self, index: int) -> float:
+        """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`
+        (override where the sparse scheme is priced over another split)."""
         p = self.params[index]
-        n, b = self.world_size, self.network.bandwidth_bps
-        dense_s = 2 * (n - 1) / n * p.numel() * p.element_size() * 8 / b
-        return self.sparse_seconds(index) < dense_s
+        return self.ring_seconds(p.numel(), p.element_size(), self.world_size)
+
+    def ring_seconds(self, numel: int, value_bytes: int, n: int) -> float:
+        """Ring allreduce's bytes among ``n`` at the routing's bandwidth (a bucket shares its latency)."""
+        return 2 * (n - 1) / n * numel * value_bytes * 8 / self.network.bandwidth_bps
+
+    def prefers_sparse(self, index: int) -> bool:
+        """The cost model's verdict for one profiled tensor."""
+        return self.sparse_seconds(index) < self.dense_seconds(index)
 
     def _route(self) -> None:
         if self.measure_latency and self.world_size > 1:  # every rank: _route runs after a collective profile

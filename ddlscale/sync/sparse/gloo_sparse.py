@@ -15,13 +15,15 @@ from ddlscale.sync.sparse.base import SparseSync
 class GlooSparseSync(SparseSync):
     """``sync=gloo_sparse``: each fused group through ``dist.all_reduce`` of one sparse COO tensor."""
 
+    max_group_numel = torch.iinfo(torch.int64).max  # gloo sends int64 indices
+
     def on_setup(self) -> None:
         if self.world_size > 1 and self.device.type != "cpu":
             raise ValueError(f"sync=gloo_sparse runs on CPU tensors over gloo, got device {self.device}")
         super().on_setup()
 
-    def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
-        return (8 + 4) * density * numel * (self.world_size - 1)
+    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
+        return (torch.int64.itemsize + value_bytes) * density * numel * (self.world_size - 1)
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         with self.timed("encode"):

@@ -89,6 +89,10 @@ class HashPartitioner:
             self._layouts[numel] = native.hash_layout(numel, self.seed, self.num_servers)
         return self._layouts[numel]
 
+    def clear_layouts(self) -> None:
+        """Forget the cached layouts (16 bytes per element each), e.g. when the fused sizes change."""
+        self._layouts.clear()
+
     def fingerprint(self) -> str:
         return hashlib.sha256(f"fmix64:{self.seed}:{self.num_servers}".encode()).hexdigest()
 

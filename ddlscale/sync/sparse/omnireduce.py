@@ -169,13 +169,13 @@ class OmniReduceSync(SparseSync):
             all_ids, all_blocks = unpack_blocks(torch.cat(pieces).view(-1, rows.shape[1]), values.dtype)
             return layout.to_coo(all_ids, all_blocks)
 
-    def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
-        """Bytes per worker from element figures alone (fp32), were the non-zeros scattered at random.
+    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
+        """Bytes per worker from element figures alone, were the non-zeros scattered at random.
         Routing uses the profiled block figures instead (:meth:`sparse_seconds`)."""
         local = scattered_block_density(density, self.block_size)
         summed = scattered_block_density(gamma * density, self.block_size)
         return omnireduce_bytes(numel, local, summed / local if local > 0 else 1.0, self.world_size,
-                                self.block_size)
+                                self.block_size, value_bytes)
 
     # -- profiling and routing by block density -----------------------------------------------------
     def nonzero_blocks(self, indices: torch.Tensor) -> int:

@@ -16,22 +16,25 @@ from ddlscale.comm import Communicator
 from ddlscale.sync.sparse import native
 from ddlscale.sync.sparse.partition import split_by_server
 
-INDEX_DTYPE = torch.int32  # indices travel as int32: tensors here have fewer than 2**31 elements
+# Indices travel as int32, half of int64's bytes; SparseSync keeps each fused group's index space in range.
+INDEX_DTYPE = torch.int32
+INDEX_BYTES = INDEX_DTYPE.itemsize
 
 
 def pack_pairs(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(index, value) pairs as rows of bytes — int32 index then the value — so one message carries both."""
-    width = 4 + values.element_size()
+    width = INDEX_BYTES + values.element_size()
     rows = torch.empty((indices.numel(), width), dtype=torch.uint8)
-    rows[:, :4] = indices.to(INDEX_DTYPE).view(torch.uint8).view(-1, 4)
-    rows[:, 4:] = values.contiguous().view(torch.uint8).view(-1, values.element_size())
+    rows[:, :INDEX_BYTES] = indices.to(INDEX_DTYPE).view(torch.uint8).view(-1, INDEX_BYTES)
+    rows[:, INDEX_BYTES:] = values.contiguous().view(torch.uint8).view(-1, values.element_size())
     return rows
 
 
 def unpack_pairs(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # Fresh column blocks: .contiguous() may keep a one-row slice's odd stride, which view() rejects.
-    index_bytes = torch.empty((rows.shape[0], 4), dtype=torch.uint8).copy_(rows[:, :4])
-    value_bytes = torch.empty((rows.shape[0], rows.shape[1] - 4), dtype=torch.uint8).copy_(rows[:, 4:])
+    count, width = rows.shape
+    index_bytes = torch.empty((count, INDEX_BYTES), dtype=torch.uint8).copy_(rows[:, :INDEX_BYTES])
+    value_bytes = torch.empty((count, width - INDEX_BYTES), dtype=torch.uint8).copy_(rows[:, INDEX_BYTES:])
     return index_bytes.view(INDEX_DTYPE).reshape(-1).to(torch.int64), value_bytes.view(dtype).reshape(-1)
 
 

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from ddlscale.comm import Communicator
-from ddlscale.sync.sparse.pushpull import INDEX_DTYPE, pack_pairs, unpack_pairs
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_pairs, unpack_pairs
 
 
 def break_even_density(value_bytes: int) -> float:
     """Density where an (int32 index, value) pair list weighs as much as the dense vector."""
-    index_bytes = torch.tensor([], dtype=INDEX_DTYPE).element_size()
-    return value_bytes / (index_bytes + value_bytes)
+    return value_bytes / (INDEX_BYTES + value_bytes)
 
 
 def doubling(comm: Communicator, part, swap: Callable, send: Callable, recv: Callable, merge: Callable,
@@ -103,7 +102,7 @@ class SparseDoubling:
     def _buffer(self, count: int) -> torch.Tensor:
         if count < 0:
             return torch.empty(self.numel, dtype=self.dtype)
-        return torch.empty((count, 4 + self.dtype.itemsize), dtype=torch.uint8)
+        return torch.empty((count, INDEX_BYTES + self.dtype.itemsize), dtype=torch.uint8)
 
     def _decode(self, count: int, payload: torch.Tensor) -> Partial:
         if count < 0:

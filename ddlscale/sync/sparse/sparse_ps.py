@@ -22,8 +22,8 @@ class SparsePSSync(SparseSync):
         self.partitioner = ContiguousPartitioner(self.world_size)
         super().on_setup()
 
-    def sparse_volume(self, numel: int, density: float, gamma: float) -> float:
-        return zen_coo_bytes(numel, density, gamma, self.world_size)  # if it were balanced
+    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
+        return zen_coo_bytes(numel, density, gamma, self.world_size, value_bytes)  # if it were balanced
 
     def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
         owned_sets, position = self.partitioner.layout(numel)

@@ -4,8 +4,9 @@ Balanced Parallelism (BP): each tensor's non-zero indices are split among all wo
 servers by a fixed hash h0 (:class:`HashPartitioner`), so every worker pushes ~1/n of its non-zeros
 to each server and every server owns ~1/n of the union — balanced push and pull whatever the skew.
 Servers sum what they receive; workers pull the sums back as COO or as a hash bitmap, whichever is
-smaller for the tensor's profiled density. Per-worker bytes (SYSTEMS.md): COO pull
-8 d M (1 + gamma_n)(n-1)/n, bitmap pull (n-1)/n M (8 d + 4 gamma_n d + 1/8).
+smaller for the tensor's profiled density. Per-worker bytes (SYSTEMS.md, fp32): COO pull
+8 d M (1 + gamma_n)(n-1)/n, bitmap pull (n-1)/n M (8 d + 4 gamma_n d + 1/8); with s-byte values an
+(int32 index, value) pair weighs 4 + s bytes and a pulled value s.
 
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
@@ -17,7 +18,10 @@ GPU the paper's merges are nearly free; on this host they outweigh the messages 
 Hierarchical mode (``hierarchical=True``, the paper's multi-GPU machines): a dense reduce-scatter
 inside each machine leaves local rank j with chunk j of the machine's sum; the sparse scheme then
 runs across machines among the ranks holding the same chunk; a dense allgather inside the machine
-completes the tensor. The plan is made for the machine-level density gamma_k d over m machines.
+completes the tensor. The plan is made for the machine-level density gamma_k d over m machines,
+and dense allreduce is priced over the same split (a ring among machines on the chunk) so that the
+two compare like with like; the reduce-scatter and allgather inside the machine would be the same
+for both, so they cancel out of the comparison.
 """
 
 from __future__ import annotations
@@ -35,30 +39,34 @@ from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.coo import to_flat_coo
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import Partial, SparseDoubling
 
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
 
 
-def zen_coo_bytes(numel: int, density: float, gamma: float, n: int) -> float:
-    return 8 * density * numel * (1 + gamma) * (n - 1) / n
+def zen_coo_bytes(numel: int, density: float, gamma: float, n: int, value_bytes: int) -> float:
+    """Push and pull as (index, value) pairs."""
+    return (INDEX_BYTES + value_bytes) * density * numel * (1 + gamma) * (n - 1) / n
 
 
-def zen_bitmap_bytes(numel: int, density: float, gamma: float, n: int) -> float:
-    return (n - 1) / n * numel * (8 * density + 4 * gamma * density + 1 / 8)
+def zen_bitmap_bytes(numel: int, density: float, gamma: float, n: int, value_bytes: int) -> float:
+    """Push as pairs; pull as a hash bitmap (M/8 bytes in all) and the summed values."""
+    return (n - 1) / n * numel * ((INDEX_BYTES + value_bytes) * density + value_bytes * gamma * density + 1 / 8)
 
 
 @dataclass(frozen=True)
 class Sparsity:
     """What the plan reads about one tensor among ``n`` participants: elements, density d, gamma_n,
-    and gamma_{2^i} for i = 0..log2 n where profiled."""
+    gamma_{2^i} for i = 0..log2 n where profiled, and bytes per value."""
 
     numel: int
     density: float
     gamma: float
     gammas: list[float] | None
     n: int
+    value_bytes: int
 
 
 def merge_seconds_per_element(size: int = 1 << 15, calls: int = 5) -> float:
@@ -118,10 +126,11 @@ class ZenSync(SparseSync):
     # -- the per-tensor plan: hc, bp-coo or bp-bitmap ---------------------------------------------
     def sparsity(self, index: int) -> Sparsity:
         """The profile as the sparse scheme sees it: over all ranks, or over machines (hierarchical)."""
-        numel, d = self.params[index].numel(), self.density.get(index, 1.0)
+        p = self.params[index]
+        numel, d, value_bytes = p.numel(), self.density.get(index, 1.0), p.element_size()
         gamma, gammas = self.gamma.get(index, 1.0), self.gammas.get(index)
         if not self.hierarchical or self.local_size in (None, 1):
-            return Sparsity(numel, d, gamma, gammas, self.world_size)
+            return Sparsity(numel, d, gamma, gammas, self.world_size, value_bytes)
         k = self.local_size
         machines = self.world_size // k
         # A machine's sum has density gamma_k d; across machines it densifies by gamma_n / gamma_k.
@@ -132,7 +141,7 @@ class ZenSync(SparseSync):
         if exact and len(gammas) > stage + 1:
             across = [max(1.0, min(2.0**i, g / gamma_k)) for i, g in enumerate(gammas[stage:])]
         return Sparsity(math.ceil(numel / k), min(1.0, gamma_k * d), max(1.0, min(machines, gamma / gamma_k)),
-                        across, machines)
+                        across, machines, value_bytes)
 
     def plan_times(self, index: int) -> dict[str, float]:
         """The cost model's seconds for each scheme this tensor may take (SYSTEMS.md's T_bp, T_hc)."""
@@ -142,9 +151,11 @@ class ZenSync(SparseSync):
         times = {}
         if self.scheme != "hc":
             if self.pull != "bitmap":
-                times["bp-coo"] = zen_coo_bytes(s.numel, s.density, s.gamma, s.n) * seconds_per_byte + bp_alpha
+                times["bp-coo"] = (zen_coo_bytes(s.numel, s.density, s.gamma, s.n, s.value_bytes) * seconds_per_byte
+                                   + bp_alpha)
             if self.pull != "coo":
-                times["bp-bitmap"] = zen_bitmap_bytes(s.numel, s.density, s.gamma, s.n) * seconds_per_byte + bp_alpha
+                times["bp-bitmap"] = (zen_bitmap_bytes(s.numel, s.density, s.gamma, s.n, s.value_bytes)
+                                      * seconds_per_byte + bp_alpha)
         if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
             times["hc"] = self._hc_seconds(s)
         return times
@@ -155,13 +166,14 @@ class ZenSync(SparseSync):
         # Measured gamma_{2^i} where profiled (power-of-two n), else the bound min(2^i, gamma_n).
         gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(core.bit_length())]
         seconds = zen_hierarchical_centralization_time(s.numel, s.density, gammas[: core.bit_length()], core,
-                                                       self.network)
+                                                       self.network, value_bytes=s.value_bytes)
         # Each stage merges two partial sums of gamma_{2^(i-1)} d M non-zeros on the CPU (measured cost).
         stages = core.bit_length() - 1
         seconds += self.merge_s_per_element * sum(2 * g * s.density * s.numel for g in gammas[:stages])
         if core < s.n:
+            pair_bytes = INDEX_BYTES + s.value_bytes
             seconds += 2 * (self.network.latency_s
-                            + 8 * s.numel * s.density * (1 + s.gamma) * 8 / self.network.bandwidth_bps)
+                            + pair_bytes * s.numel * s.density * (1 + s.gamma) * 8 / self.network.bandwidth_bps)
         return seconds
 
     def plan(self, index: int) -> str:
@@ -174,8 +186,18 @@ class ZenSync(SparseSync):
     def sparse_seconds(self, index: int) -> float:
         return min(self.plan_times(index).values())
 
+    def dense_seconds(self, index: int) -> float:
+        """Dense over the split the plans are priced on: all ranks, or the machines on one chunk
+        (hierarchical; the machine's reduce-scatter and allgather would be the same on both paths)."""
+        s = self.sparsity(index)
+        return self.ring_seconds(s.numel, s.value_bytes, s.n)
+
     def _route(self) -> None:
         self.plans.clear()  # a new profile: choose again
+        # New routes fuse new groups: drop the hash layouts of the old groups' sizes.
+        for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
+            if partitioner is not None:
+                partitioner.clear_layouts()
         if self.measure_latency and self.world_size > 1 and self.scheme != "bp":
             # With the measured latency, T_hc's few stages can look cheaper than BP's many messages;
             # what HC also pays is its merges, which on a CPU cost more than the messages.
@@ -236,9 +258,12 @@ class ZenSync(SparseSync):
         return table
 
     def state_dict(self):
-        return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_element": self.merge_s_per_element}
+        # The plans too: mid re-profile they come from the last complete profile, not the partial one saved.
+        return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_element": self.merge_s_per_element,
+                "plans": dict(self.plans)}
 
     def load_state_dict(self, state) -> None:
-        self.plans.clear()  # re-derived from the restored profile, identically on every rank
+        # Plans a checkpoint lacks (older ones) are re-derived from the restored profile, identically on every rank.
+        self.plans = {int(k): v for k, v in state.get("plans", {}).items()}
         self.merge_s_per_element = float(state.get("merge_s_per_element", 0.0))
         super().load_state_dict(state)
