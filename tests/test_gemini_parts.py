@@ -1,9 +1,11 @@
 """Gemini's parts on their own: snapshot streams, the replica agent's buffers, the interleaving plan."""
 
 import collections
+import gc
 import socket
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from ddlscale.ckpt.interleave import (
     is_stable,
     profile_gaps,
 )
-from ddlscale.ckpt.replica import NO_VERSION, AgentClient, ReplicaError
+from ddlscale.ckpt.replica import DATA, END, NO_VERSION, AgentClient, ReplicaError
 from ddlscale.ckpt.snapshot import capture, rebuild
 
 
@@ -150,6 +152,19 @@ def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(agent):
         assert bytes(client.get(NO_VERSION, 0)) == committed  # the newest complete one
         with pytest.raises(ReplicaError):
             client.get(2, 0)
+
+
+def test_the_committed_version_is_never_rewritten_not_even_by_its_own_number(agent):
+    """After a fall-back to a disk version behind the committed one, replayed steps reach the committed
+    version's number again: BEGIN (v, keep=v) must not reset the only copy in memory."""
+    committed, replayed = b"c" * 4000, b"r" * 4000
+    with AgentClient(agent.address) as client:
+        _put(client, 10, committed)
+        with pytest.raises(ReplicaError, match="version 10 of rank 0 is the committed one"):
+            client.begin(10, 0, len(replayed), keep=10)
+        assert bytes(client.get(10, 0)) == committed  # intact, and the connection still in step
+        _put(client, 10, replayed)  # nothing kept: the same version's buffer is reused
+        assert bytes(client.get(10, 0)) == replayed
 
 
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
@@ -316,6 +331,99 @@ def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
     sender.close()
 
 
+class _Flaky(AgentClient):
+    """A real agent connection whose requests fail like a timeout: ``fail`` holds (op, version) pairs
+    failed once — DATA with half its payload on the wire, END with its reply unread; the first byte of
+    every version in ``corrupt`` is flipped on the way, so the agent's checksum fails."""
+
+    def __init__(self, address, fail=(), corrupt=()):
+        super().__init__(address, timeout_s=5.0)
+        self.fail, self.corrupt = set(fail), set(corrupt)
+
+    def data(self, version, owner, offset, pieces):
+        blob = b"".join(bytes(p) for p in pieces)
+        if offset == 0 and version in self.corrupt:
+            blob = bytes([blob[0] ^ 0xFF]) + blob[1:]
+        if ("data", version) in self.fail:
+            self.fail.discard(("data", version))
+            self._request(DATA, version, owner, offset, len(blob))
+            self.sock.sendall(blob[:len(blob) // 2])
+            raise TimeoutError("timed out")
+        super().data(version, owner, offset, [memoryview(blob)])
+
+    def end(self, version, owner, expected):
+        if ("end", version) in self.fail:
+            self.fail.discard(("end", version))
+            text = expected.encode()
+            self._request(END, version, owner, len(text), payload=text)
+            raise TimeoutError("timed out")
+        super().end(version, owner, expected)
+
+
+@pytest.mark.parametrize("op", ["data", "end"])
+def test_a_failed_request_gets_a_fresh_connection_and_a_failed_checksum_never_counts(agent, op):
+    """On the old connection the agent would read the next header as DATA payload, or the next END would
+    read BEGIN's OK and count a copy that failed its checksum."""
+    client = _Flaky(agent.address, fail=[(op, 1)], corrupt=[2])
+    done = []
+    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=2, mode="blocking", checksum="crc32",
+                           keep_for=lambda t: NO_VERSION, on_done=done.append)
+    snapshots = {v: capture({"x": torch.full((1000,), float(v))}, set()) for v in (1, 2, 3)}
+    for version, snapshot in snapshots.items():
+        sender.submit(Transfer(version, snapshot))
+    assert [t.verified for t in done] == [0, 0, 1]
+    assert "timed out" in done[0].error and "checksum mismatch" in done[1].error and done[2].error is None
+    with AgentClient(agent.address) as reader:
+        assert bytes(reader.get(3, 0)) == snapshots[3].to_bytes()
+    sender.close()
+
+
+def _failing_snapshot(fail_at):
+    """A snapshot whose staging copy fails from byte ``fail_at`` on (a failed device copy, say)."""
+    snapshot = capture({"x": torch.randn(20_000)}, set())
+    pieces = snapshot.pieces
+
+    def failing(offset, length):
+        if offset >= fail_at:
+            raise RuntimeError("copy to the staging buffer failed")
+        return pieces(offset, length)
+
+    snapshot.pieces = failing
+    return snapshot
+
+
+class _Breaks(_Recorder):
+    """A holder whose connection breaks at the third chunk."""
+
+    def data(self, version, owner, offset, pieces):
+        if len(self.sent) == 2:
+            raise ConnectionResetError("connection reset by peer")
+        super().data(version, owner, offset, pieces)
+
+
+@pytest.mark.parametrize("failing", ["copier", "send"])
+def test_a_failed_copy_or_send_fails_the_version_without_hanging_and_frees_its_snapshot(failing):
+    """A copier that raised left the sender waiting for its next chunk forever; a send given up part-way
+    left the copier waiting for a sub-buffer forever, holding the snapshot."""
+    holder = (_Recorder if failing == "copier" else _Breaks)(lambda: None)
+    done = []
+    sender = ReplicaSender(0, [holder], chunk_bytes=1000, subbuffers=3, mode="gemini", checksum="crc32",
+                           keep_for=lambda t: NO_VERSION, on_done=done.append)
+    snapshot = _failing_snapshot(10_000) if failing == "copier" else capture({"x": torch.randn(20_000)}, set())
+    released = weakref.ref(snapshot)
+    transfer = Transfer(1, snapshot)
+    del snapshot
+    sender.submit(transfer)
+    sender.iteration_started()
+    assert transfer.done.wait(10) and transfer.settled.wait(10), "the sender hung"
+    assert done == [transfer] and transfer.verified == 0
+    assert ("staging buffer failed" if failing == "copier" else "connection reset") in transfer.error
+    gc.collect()
+    assert released() is None  # nothing (no stuck copier) holds the snapshot
+    assert not any(t.name == "gemini-copier" for t in threading.enumerate())
+    sender.close()
+
+
 def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
     state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
@@ -351,6 +459,97 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     assert all(t.snapshot is None for t in checkpointer.transfers)
     figures = checkpointer.figures(trainer)
     assert figures["ckpt_committed"] == 4 and figures["ckpt_bytes"] > residual.numel() * 4
+
+
+def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, tmp_path):
+    """Training goes back to the disk version, so its replayed steps must not be kept from their buffers
+    by the old manifest (whose version could not be restored); with no disk version it stays, so a
+    restart fails the same clear way instead of starting from scratch."""
+    from ddlscale.ckpt import gemini
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    checkpointer = gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=str(tmp_path))
+    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("stale")
+    checkpointer.store.set(checkpointer.keys.manifest, "{}")
+    monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: None)
+    with pytest.raises(RuntimeError, match="there is no persistent checkpoint"):
+        checkpointer._fall_back(0, time.perf_counter())
+    assert checkpointer.store.check([checkpointer.keys.manifest])
+    persistent = tmp_path / "step-9.manifest.json"
+    monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: persistent)
+    monkeypatch.setattr(gemini, "load_version", lambda path, rank, bps: {"from": path})
+    assert checkpointer._fall_back(0, time.perf_counter()) == {"from": persistent}
+    assert not checkpointer.store.check([checkpointer.keys.manifest])
+
+
+def _fall_back_on(rank, world, directory):
+    from ddlscale.ckpt import gemini
+
+    def mismatch(directory, world_size, set_aside):
+        raise ValueError(f"ckpt.resume: step 9 holds 4 ranks, this run has {world_size}")
+
+    gemini.find_resumable = mismatch  # in this forked worker only; rank 0 alone reads the directory
+    try:
+        gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=directory)._fall_back(rank, 0.0)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_persistent_version_that_does_not_fit_is_the_same_error_on_every_rank(tmp_path):
+    from ddlscale.cluster import run_workers
+
+    expected = "gemini: persistent fallback failed: ckpt.resume: step 9 holds 4 ranks, this run has 2"
+    assert run_workers(_fall_back_on, 2, str(tmp_path), timeout_s=30) == [expected] * 2  # no rank left waiting
+
+
+@pytest.mark.parametrize("env, machines", [
+    ({}, [0, 0, 0, 0, 1, 1, 1, 1]),  # torchrun, 2 nodes x 4: a machine per node, whatever LOCAL_WORLD_SIZE
+    ({"DDLSCALE_MACHINES": "2"}, [0, 0, 0, 0, 1, 1, 1, 1]),
+    ({"DDLSCALE_MACHINES": "8"}, list(range(8))),  # cluster=local: an agent per rank
+    ({"DDLSCALE_MACHINE": "3", "DDLSCALE_MACHINES": "4"}, [3] * 8),  # the launcher knows best
+])
+def test_a_ranks_machine_is_its_node_unless_the_launcher_says(monkeypatch, env, machines):
+    from ddlscale.ckpt.gemini import MACHINE_ENV, MACHINES_ENV, machine_layout
+
+    for key in (MACHINE_ENV, MACHINES_ENV):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    layouts = [machine_layout(rank, 8, node_rank=rank // 4, nodes=2) for rank in range(8)]
+    assert layouts == [(m, int(env.get(MACHINES_ENV, 2))) for m in machines]
+
+
+def test_machines_that_are_neither_nodes_nor_ranks_need_each_ranks_machine(monkeypatch):
+    from ddlscale.ckpt.gemini import MACHINE_ENV, machine_layout
+
+    monkeypatch.delenv(MACHINE_ENV, raising=False)
+    monkeypatch.setenv("DDLSCALE_MACHINES", "4")
+    with pytest.raises(ValueError, match="set DDLSCALE_MACHINE to each rank's machine"):
+        machine_layout(5, 8, node_rank=1, nodes=2)
+
+
+@pytest.mark.parametrize("env", [{}, {"DDLSCALE_MACHINES": "1"}])
+def test_the_placement_check_counts_machines_as_the_workers_do(monkeypatch, env):
+    """torchrun, 2 nodes x 2 workers: two machines (not four ranks), or what the launcher says."""
+    from hydra import compose, initialize_config_dir
+
+    from ddlscale.trainer import ConfigError, check_config
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.delenv("DDLSCALE_MACHINES", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    overrides = ["ckpt=gemini", "ckpt.replicas=2", "cluster=torchrun", "trainer.devices=2", "trainer.num_nodes=2"]
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    if not env:
+        check_config(cfg)
+        return
+    with pytest.raises(ConfigError, match="m \\(replicas\\) must be <= N \\(machines\\) = 1"):
+        check_config(cfg)
 
 
 # -- configuration ---------------------------------------------------------------------------------

@@ -124,6 +124,10 @@ class ReplicaStore:
             leftover.unlink(missing_ok=True)
 
     def begin(self, owner: int, version: int, nbytes: int, keep: int) -> Slot:
+        """The slot ``version`` goes into; ValueError when it is ``keep``: the committed version is never
+        rewritten (a sender replaying steps behind a stale manifest would otherwise reset it)."""
+        if keep != NO_VERSION and version == keep:
+            raise ValueError(f"version {version} of rank {owner} is the committed one: it is never rewritten")
         with self.lock:
             pair = self.slots.get(owner)
             if pair is None:
@@ -206,7 +210,11 @@ class _Handler(socketserver.BaseRequestHandler):
     def dispatch(self, sock: socket.socket, op: int, version: int, owner: int, a: int, b: int) -> None:
         store = self.server.replicas
         if op == BEGIN:
-            slot = store.begin(owner, version, nbytes=a, keep=b)
+            try:
+                slot = store.begin(owner, version, nbytes=a, keep=b)
+            except ValueError as exc:
+                self.reply(sock, FAILED, str(exc).encode())
+                return
             self.reply(sock, OK, str(slot.path).encode())  # a sender on this machine writes there itself
         elif op == DATA:
             slot = store.writing(owner, version)

@@ -74,6 +74,30 @@ def job_name(run_dir: str | None) -> str:
     return f"{Path(where).name}-{zlib.crc32(where.encode()):08x}"
 
 
+def machine_count(default: int) -> int:
+    """Machines the placement spans: the launcher's ``$DDLSCALE_MACHINES``, else ``default``."""
+    return int(os.environ.get(MACHINES_ENV, default))
+
+
+def machine_layout(rank: int, world: int, node_rank: int, nodes: int) -> tuple[int, int]:
+    """(this rank's machine, machines) for placement.
+
+    ``$DDLSCALE_MACHINE`` where the launcher set it; else with as many machines as ranks (cluster=local:
+    an agent per rank) each rank is its own machine; else one machine per node (the launcher's node
+    rank: torchrun's GROUP_RANK, SLURM's node id). Never one per rank by default: with several ranks
+    per node, placement could make two ranks of one node each other's only copy.
+    """
+    machines = machine_count(nodes)
+    if os.environ.get(MACHINE_ENV):
+        return int(os.environ[MACHINE_ENV]), machines
+    if machines == world:
+        return rank, machines
+    if machines == nodes:
+        return node_rank, machines
+    raise ValueError(f"ckpt=gemini: {MACHINES_ENV}={machines} machines but {nodes} nodes and {world} ranks: "
+                     f"set {MACHINE_ENV} to each rank's machine")
+
+
 def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"ckpt.{key} must be an integer >= {minimum}, got {value!r}")
@@ -221,8 +245,8 @@ class GeminiCheckpointer(Checkpointer):
         self.store = self._connect()
         self.device = trainer.strategy.root_device
         world, rank = trainer.world_size, trainer.global_rank
-        self.machine = machine = int(os.environ.get(MACHINE_ENV, rank))
-        machines = int(os.environ.get(MACHINES_ENV, world))
+        machine, machines = machine_layout(rank, world, trainer.node_rank, trainer.num_nodes)
+        self.machine = machine
         self.plan = PlacementPlan(machines, self.replicas, self.placement)
         self.machine_of = [machine]
         if world > 1:
@@ -405,9 +429,20 @@ class GeminiCheckpointer(Checkpointer):
     def _fall_back(self, rank: int, start: float) -> dict[str, Any]:
         """No intact in-memory copy for some rank: everyone loads the newest persistent version."""
         world = dist.get_world_size() if dist.is_initialized() else 1
-        choice = [self._persistent_path(world) if rank == 0 else None]
+        choice: list[str | None] = [None, None]  # rank 0's pick of the persistent versions, or why none fits
+        if rank == 0:
+            try:
+                choice[0] = self._persistent_path(world)
+            except ValueError as exc:  # the others wait in the broadcast: they must raise it too
+                choice[1] = str(exc)
+            if choice[0] is not None:
+                # Training goes back to that version: the committed one in memory (unrestorable) is stale,
+                # and replaying its step would send BEGIN (v, keep=v), which the agents refuse.
+                self.store.delete_key(self.keys.manifest)
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise RuntimeError(f"gemini: persistent fallback failed: {choice[1]}")
         if choice[0] is None:
             raise RuntimeError(
                 "gemini: the committed version cannot be restored (a whole placement group is lost or its "

@@ -150,6 +150,7 @@ class ReplicaSender:
         self._iteration_start: float | None = None
         self._deadline = threading.Event()
         self._current: Transfer | None = None
+        self._stale: set[AgentClient] = set()  # connections a failed request left out of step
         self._thread: threading.Thread | None = None
         if mode != "blocking":
             self._thread = threading.Thread(target=self._run, daemon=True, name="gemini-sender")
@@ -209,13 +210,28 @@ class ReplicaSender:
                 self._iteration.wait_for(lambda: self._iteration_start is not None or self._deadline.is_set())
             self._send(transfer, self.plan)
 
+    def _request(self, client: AgentClient, call: Callable[..., Any], *args: Any) -> Any:
+        """``call(*args)`` on ``client``; any failure but the agent's own refusal (a complete reply)
+        leaves the connection out of step, so the next version gets a fresh one."""
+        try:
+            return call(*args)
+        except ReplicaError:
+            raise
+        except Exception:
+            self._stale.add(client)
+            raise
+
     def _send(self, transfer: Transfer, plan: list[int] | None) -> None:
         snapshot = transfer.snapshot
         digest = Checksum(self.checksum)
+        chunks = None
         try:
             transfer.keep = self.keep_for(transfer)
+            for client in list(self._stale):
+                client.reconnect()  # unreachable: ReplicaError, this version fails, retried with the next
+                self._stale.discard(client)
             for client in self.destinations:
-                client.begin(transfer.version, self.owner, snapshot.nbytes, transfer.keep)
+                self._request(client, client.begin, transfer.version, self.owner, snapshot.nbytes, transfer.keep)
             chunks = self._staged_chunks(snapshot)
             if plan is not None and self.wire is not None and not self._deadline.is_set():
                 self._send_in_gaps(transfer, chunks, digest, plan)
@@ -223,12 +239,15 @@ class ReplicaSender:
             transfer.checksum = digest.text()
             for client in self.destinations:
                 try:
-                    client.end(transfer.version, self.owner, transfer.checksum)
+                    self._request(client, client.end, transfer.version, self.owner, transfer.checksum)
                     transfer.verified += 1
                 except ReplicaError as exc:
                     transfer.error = str(exc)
-        except (OSError, ReplicaError, RuntimeError) as exc:
+        except Exception as exc:  # any failure fails this version only: training must not wait on it forever
             transfer.error = f"sending version {transfer.version}: {exc}"
+        finally:
+            if chunks is not None:
+                chunks.close()  # stops the copier of an abandoned send (it holds the snapshot)
         # Sent (or given up): drop the snapshot, whose copies (error feedback: a model's worth) would
         # otherwise live on in every finished transfer the checkpointer keeps for its figures.
         transfer.snapshot = None
@@ -271,19 +290,35 @@ class ReplicaSender:
         free: queue.Queue[int] = queue.Queue()
         for slot in range(self.subbuffers):
             free.put(slot)
-        ready: queue.Queue[tuple[int, int, memoryview] | None] = queue.Queue()
+        ready: queue.Queue[tuple[int, int, memoryview] | Exception | None] = queue.Queue()
+        abandoned = threading.Event()
 
         def copier() -> None:
-            for offset in offsets:
-                slot = free.get()
-                ready.put((slot, offset, stage(slot, offset)))
-            ready.put(None)
+            try:
+                for offset in offsets:
+                    slot = free.get()
+                    if abandoned.is_set():
+                        return
+                    ready.put((slot, offset, stage(slot, offset)))
+                ready.put(None)
+            except Exception as exc:  # to the sender, which would otherwise wait on ready forever
+                ready.put(exc)
 
-        threading.Thread(target=copier, daemon=True, name="gemini-copier").start()
-        while (item := ready.get()) is not None:
-            slot, offset, view = item
-            yield offset, view
-            free.put(slot)  # the sender is done with it
+        thread = threading.Thread(target=copier, daemon=True, name="gemini-copier")
+        thread.start()
+        try:
+            while (item := ready.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                slot, offset, view = item
+                yield offset, view
+                free.put(slot)  # the sender is done with it
+        finally:
+            # Finished, failed or abandoned: wake a copier waiting for a sub-buffer and wait for it, so
+            # it neither outlives the send (holding the snapshot) nor writes the next version's staging.
+            abandoned.set()
+            free.put(-1)
+            thread.join()
 
     def _send_chunks(self, transfer: Transfer, chunks, digest, count: int | None) -> bool:
         """Send ``count`` chunks (None: all left); False when none are left."""
@@ -296,7 +331,7 @@ class ReplicaSender:
             start = time.perf_counter()
             digest.update(view)
             for client in self.destinations:
-                client.data(transfer.version, self.owner, offset, [view])
+                self._request(client, client.data, transfer.version, self.owner, offset, [view])
             if len(view) == min(self.chunk_bytes, transfer.snapshot.nbytes):  # this snapshot's typical chunk
                 self.chunk_times.append(time.perf_counter() - start)
             sent += 1

@@ -55,13 +55,21 @@ class AgentClient:
     """A connection to one machine's replica agent."""
 
     def __init__(self, address: str, timeout_s: float = 30.0) -> None:
-        self.address = address
-        host, port = parse_address(address)
+        self.address, self.timeout_s = address, timeout_s
+        self._connect()
+
+    def _connect(self) -> None:
         try:
-            self.sock = socket.create_connection((host, port), timeout=timeout_s)
+            self.sock = socket.create_connection(parse_address(self.address), timeout=self.timeout_s)
         except OSError as exc:
-            raise ReplicaError(f"replica agent {address} unreachable: {exc}") from None
+            raise ReplicaError(f"replica agent {self.address} unreachable: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def reconnect(self) -> None:
+        """A fresh connection. After a request failed part-way (a timeout mid-DATA, or before END's
+        reply) the old one is out of step: the agent would read headers as payload, or replies late."""
+        self.close()
+        self._connect()
 
     def close(self) -> None:
         self.sock.close()

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.agent import remove_replicas
-from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name
+from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
 from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agent
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
@@ -68,9 +68,10 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
-    """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker."""
-    machines = {"emulated": cfg.cluster.get("nodes", 1), "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(
-        kind, cfg.trainer.num_nodes)
+    """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker — as the
+    workers count them (:func:`ddlscale.ckpt.gemini.machine_layout`)."""
+    machines = machine_count({"emulated": cfg.cluster.get("nodes", 1),
+                              "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(kind, cfg.trainer.num_nodes))
     try:
         PlacementPlan(int(machines), gemini.replicas, gemini.placement)
     except ValueError as exc:
