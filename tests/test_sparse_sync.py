@@ -1,5 +1,7 @@
 """Sparse backends equal dense allreduce: exactly on representable data, on every rank, every case."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from ddlscale.sync.sparse import (
     ZenSync,
 )
 from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
+from ddlscale.sync.sparse.zen import merge_seconds_per_element
 
 BACKENDS = {
     "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1),
@@ -152,6 +155,13 @@ def test_measured_latency_is_rank_0s_on_every_rank():
         assert (rank_latency, rank_merge, rank_routing) == (latency, merge, routing)  # else ranks would deadlock
         assert exact
         assert restored == (latency, merge, False)  # a resumed run routes as the checkpointed one, no new probe
+
+
+def test_merge_cost_is_timed_long_enough_for_ranks_to_overlap():
+    """Ranks time HC's merge together after a barrier; each must run long enough that they do."""
+    start = time.perf_counter()
+    seconds = merge_seconds_per_element(size=1 << 10, calls=1, budget_s=0.05)
+    assert time.perf_counter() - start >= 0.05 and seconds > 0
 
 
 def _embedding(rank, world):

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ddlscale.comm import Communicator
 from ddlscale.comm.cost import zen_hierarchical_centralization_time
@@ -69,14 +70,16 @@ class Sparsity:
     value_bytes: int
 
 
-def merge_seconds_per_element(size: int = 1 << 15, calls: int = 5) -> float:
-    """Seconds per input element of HC's merge of two sorted sparse partial sums on this host (median)."""
+def merge_seconds_per_element(size: int = 1 << 15, calls: int = 5, budget_s: float = 0.05) -> float:
+    """Seconds per input element of HC's merge of two sorted sparse partial sums on this host (median
+    of at least ``calls``, timed for at least ``budget_s`` so that ranks measuring together overlap)."""
     generator = torch.Generator().manual_seed(0)
     parts = [Partial(torch.randperm(size * 8, generator=generator)[:size].sort().values, torch.ones(size))
              for _ in range(2)]
     merger = SparseDoubling(None, size * 8, torch.float32, None)
-    times = []
-    for _ in range(calls):
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    while len(times) < calls or time.perf_counter() < deadline:
         start = time.perf_counter()
         merger._merged(*parts)
         times.append(time.perf_counter() - start)
@@ -200,8 +203,12 @@ class ZenSync(SparseSync):
                 partitioner.clear_layouts()
         if self.measure_latency and self.world_size > 1 and self.scheme != "bp":
             # With the measured latency, T_hc's few stages can look cheaper than BP's many messages;
-            # what HC also pays is its merges, which on a CPU cost more than the messages.
-            self.merge_s_per_element, = self.agreed([merge_seconds_per_element()])
+            # what HC also pays is its merges, which on a CPU cost more than the messages. Every rank
+            # merges at once, as in HC's stages, and the slowest one counts, since each stage waits
+            # for it: timed by rank 0 alone, emulated machines sharing cores saw a fraction of the
+            # real cost, and lstm's embeddings went to HC where it ran at 1.4-2x BP's time.
+            dist.barrier(group=self.comm.group)
+            self.merge_s_per_element, = self.slowest([merge_seconds_per_element()])
         super()._route()
 
     def group_key(self, index: int):
