@@ -1,6 +1,8 @@
 """DDLStrategy + DenseAllreduce against stock Lightning DDP: same model, seed and data."""
 
 import os
+from itertools import pairwise
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -97,21 +99,35 @@ def test_bad_arguments_are_named():
         DDLStrategy(device_time_s=-0.1)
 
 
-def test_device_time_idles_each_step_without_changing_training():
-    import time
+class _StepClock(BoringModel):
+    """Appends the time each training step's forward starts to ``path`` (the fit may run in a child)."""
 
-    def fit(device_time):
+    def __init__(self, path):
+        super().__init__()
+        self.path = str(path)
+
+    def training_step(self, batch, batch_idx):
+        import time
+
+        with open(self.path, "a") as f:
+            f.write(f"{time.perf_counter()}\n")
+        return super().training_step(batch, batch_idx)
+
+
+def test_device_time_idles_each_step_without_changing_training(tmp_path):
+    def fit(device_time, path):
         pl.seed_everything(0)
-        model = BoringModel()
+        model = _StepClock(path)
         trainer = pl.Trainer(max_steps=4, strategy=DDLStrategy(device_time_s=device_time), devices=1,
                              accelerator="cpu", logger=False, enable_checkpointing=False,
                              enable_progress_bar=False, enable_model_summary=False)
-        start = time.perf_counter()
         trainer.fit(model)
-        return time.perf_counter() - start, [p.detach().clone() for p in model.parameters()]
+        starts = [float(line) for line in Path(path).read_text().split()]
+        return [b - a for a, b in pairwise(starts)], [p.detach().clone() for p in model.parameters()]
 
-    fit(0.0)  # the first fit in a process pays Lightning's warm-up
-    quick, quick_params = fit(0.0)
-    slow, slow_params = fit(0.25)
-    assert slow - quick >= 4 * 0.25 * 0.6  # 1 s idled; a fit's own time varies by a few tenths on a busy host
+    _, quick_params = fit(0.0, tmp_path / "quick")
+    gaps, slow_params = fit(0.25, tmp_path / "slow")
+    # Each step idles before its forward, so consecutive forwards are at least that far apart (a
+    # lower bound, not a timing: a busy host only widens the gaps).
+    assert len(gaps) == 3 and min(gaps) >= 0.25
     assert all(torch.equal(a, b) for a, b in zip(quick_params, slow_params, strict=True))
