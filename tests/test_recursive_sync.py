@@ -142,11 +142,17 @@ def test_hc_pays_for_its_merges():
         assert plan.startswith("bp")
 
 
-def _drift(rank, world):
-    numel = 20000
+def _drifting_zen(numel=20000):
+    """One sparse tensor "w" under Zen, re-profiled when its density drifts 2x."""
     p = torch.nn.Parameter(torch.zeros(numel))
     sync = ZenSync(profile_steps=1, sparse_params=["w"], reprofile_drift=2.0)
     sync.setup([("w", p)])
+    return p, sync
+
+
+def _drift(rank, world):
+    numel = 20000
+    p, sync = _drifting_zen(numel)
     seen = []
     for step in range(6):
         stride = 100 if step < 3 else 10  # from step 3 on, ten times the non-zeros
@@ -235,9 +241,7 @@ def test_hierarchical_routing_compares_dense_over_the_same_split():
 
 def _gammas_dropped(rank, world):
     numel = 20000
-    p = torch.nn.Parameter(torch.zeros(numel))
-    sync = ZenSync(profile_steps=1, sparse_params=["w"], reprofile_drift=2.0)
-    sync.setup([("w", p)])
+    p, sync = _drifting_zen(numel)
     seen = []
     for step in range(5):
         local = torch.zeros(numel)

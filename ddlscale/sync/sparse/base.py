@@ -309,21 +309,17 @@ class SparseSync(DenseAllreduce):
             self.sparse = [self.names.index(name) for name in self.sparse_params]
         self.on_setup()  # rebuild the dense buckets without the sparse tensors
 
-    def slowest(self, values: list[float]) -> list[float]:
-        """The largest of every rank's ``values`` on every rank (set-up traffic, not accounted)."""
-        if self.world_size == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.comm.group)
-        return tensor.tolist()
-
-    def agreed(self, values: list[float]) -> list[float]:
-        """Rank 0's ``values`` on every rank: measurements differ between ranks, routes must not."""
+    def agreed(self, values: list[float], slowest: bool = False) -> list[float]:
+        """Rank 0's ``values`` on every rank (``slowest``: the largest of every rank's): measurements
+        differ between ranks, routes must not."""
         if self.world_size == 1:
             return values
         tensor = torch.tensor(values, dtype=torch.float64)
         # One-off, outside the accounted traffic, like the backward order: set-up, not sync.
-        dist.broadcast(tensor, src=self.comm._global(0), group=self.comm.group)
+        if slowest:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.comm.group)
+        else:
+            dist.broadcast(tensor, src=self.comm._global(0), group=self.comm.group)
         return tensor.tolist()
 
     def routing(self) -> dict[str, dict[str, Any]]:

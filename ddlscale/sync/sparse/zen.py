@@ -208,7 +208,7 @@ class ZenSync(SparseSync):
             # for it: timed by rank 0 alone, emulated machines sharing cores saw a fraction of the
             # real cost, and lstm's embeddings went to HC where it ran at 1.4-2x BP's time.
             dist.barrier(group=self.comm.group)
-            self.merge_s_per_element, = self.slowest([merge_seconds_per_element()])
+            self.merge_s_per_element, = self.agreed([merge_seconds_per_element()], slowest=True)
         super()._route()
 
     def group_key(self, index: int):
