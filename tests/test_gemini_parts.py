@@ -424,6 +424,29 @@ def test_a_failed_copy_or_send_fails_the_version_without_hanging_and_frees_its_s
     sender.close()
 
 
+def test_a_failed_commit_fails_its_version_and_the_sender_goes_on():
+    """Commit bookkeeping that raised (the store unreachable, say) killed the sender thread, and the next
+    step's deadline waited forever for a version nobody would send."""
+    calls = []
+
+    def on_done(transfer):
+        calls.append(transfer.version)
+        if transfer.version == 1:
+            raise ConnectionError("store unreachable")
+
+    recorder = _Recorder(lambda: None)
+    sender = ReplicaSender(0, [recorder], chunk_bytes=1000, subbuffers=2, mode="gemini", checksum="crc32",
+                           keep_for=lambda t: NO_VERSION, on_done=on_done)
+    transfers = [Transfer(v, capture({"x": torch.full((500,), float(v))}, set())) for v in (1, 2)]
+    with pytest.warns(UserWarning, match="committing version 1: store unreachable"):
+        for transfer in transfers:
+            sender.submit(transfer)
+            sender.iteration_started()
+            assert transfer.done.wait(10) and transfer.settled.wait(10), "the sender hung"
+    assert calls == [1, 2] and "store unreachable" in transfers[0].error and transfers[1].error is None
+    sender.close()
+
+
 def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
     state the next step changes (error feedback: a model's worth), so keeping them grows every step."""

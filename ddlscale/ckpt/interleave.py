@@ -23,6 +23,7 @@ import queue
 import statistics
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,6 +256,9 @@ class ReplicaSender:
         transfer.done.set()  # the training thread may step now; the commit needs no more of our state
         try:
             self.on_done(transfer)
+        except Exception as exc:  # the commit bookkeeping failed (the store, say): this version only
+            transfer.error = transfer.error or f"committing version {transfer.version}: {exc}"
+            warnings.warn(f"gemini: {transfer.error}", stacklevel=2)
         finally:
             transfer.settled.set()
 
