@@ -257,8 +257,9 @@ class ReplicaSender:
         try:
             self.on_done(transfer)
         except Exception as exc:  # the commit bookkeeping failed (the store, say): this version only
-            transfer.error = transfer.error or f"committing version {transfer.version}: {exc}"
-            warnings.warn(f"gemini: {transfer.error}", stacklevel=2)
+            failed = f"committing version {transfer.version}: {exc}"
+            transfer.error = failed if transfer.error is None else f"{transfer.error}; {failed}"
+            warnings.warn(f"gemini: {failed}", stacklevel=1)
         finally:
             transfer.settled.set()
 
