@@ -406,7 +406,7 @@ class PlannedSync(CompressSync):
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
         failed = [(rank, g["error"]) for rank, g in enumerate(gathered) if g["error"] is not None]
         if failed:
-            said = "; ".join(f"rank {rank}: {error}" for rank, error in failed)
+            said = "; ".join(f"rank {self.comm._global(rank)}: {error}" for rank, error in failed)
             raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
         return slowest_lag([g["spans"] for g in gathered], self.rank)
 
