@@ -1,15 +1,18 @@
 """Does training under ``sync=cupcake`` and ``sync=espresso`` converge like its compressor does layer-wise?
 
     python -m experiments.planned_convergence [--workloads cnn,lstm] [--compressors dgc,efsignsgd,randomk]
-        [--steps 150] [--bandwidth 100mbit]
+        [--steps 150] [--bandwidth 100mbit] [--seeds 0,1,2]
 
-Same workload, seed and data for every run, 2 workers on this host; only the synchronization differs:
+Per seed, the same workload, initialization and data for every run, 2 workers on this host; only
+the synchronization differs:
 ``sync=dense``, and per compressor ``sync=compress`` (layer-wise: every tensor compressed alone),
 ``sync=cupcake`` (fused groups) and ``sync=espresso`` (per-tensor plan; ``trial_steps=0`` so the
 model's plan runs even where dense would measure faster). The planners are told a ``--bandwidth``
 network so that their plans compress: a plan that compresses nothing would converge like dense
 trivially. Reported: the final loss (mean of the last 10% of steps), its gap to dense and to the
-layer-wise run of the same compressor, and what the plan compressed.
+layer-wise run of the same compressor, and what the plan compressed. Gaps are paired: taken within a
+seed, then summarized (mean and min-max) over seeds, so they can be told apart from the spread that
+a different initialization and data order alone produce.
 """
 
 from __future__ import annotations
@@ -53,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compressors", default="dgc,efsignsgd,randomk")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--bandwidth", default="100mbit", help="the network the planners are told")
+    parser.add_argument("--seeds", default="0,1,2", help="one run per seed of every case; gaps are paired by seed")
     args = parser.parse_args(argv)
     workloads, compressors = args.workloads.split(","), args.compressors.split(",")
+    seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))  # a repeated seed would repeat a run
 
     import matplotlib
 
@@ -62,50 +67,71 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     results = Results("planned_convergence")
-    runs = [(w, "dense", None) for w in workloads] + [(w, m, c) for w in workloads for c in compressors for m in METHODS]
+    cases = [(w, "dense", None) for w in workloads] + [(w, m, c) for w in workloads for c in compressors for m in METHODS]
+    runs = [(seed, *case) for seed in seeds for case in cases]
     curves, rows = {}, []
     with tempfile.TemporaryDirectory() as scratch:
-        for k, (workload, method, compressor) in enumerate(runs):
-            run_dir = Path(scratch) / f"{workload}-{method}-{compressor}"
+        for k, (seed, workload, method, compressor) in enumerate(runs):
+            run_dir = Path(scratch) / f"{workload}-{method}-{compressor}-{seed}"
             sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth)
-            train([f"model={workload}", *sync, f"trainer.max_steps={args.steps}", "seed=0", "logger=csv",
+            train([f"model={workload}", *sync, f"trainer.max_steps={args.steps}", f"seed={seed}", "logger=csv",
                    "trainer.log_every_n_steps=1"], run_dir=run_dir)
-            curve = curves[(workload, method, compressor)] = loss_curve(run_dir)
-            rows.append({"workload": workload, "method": method, "compressor": compressor or "none",
+            curve = curves[(seed, workload, method, compressor)] = loss_curve(run_dir)
+            rows.append({"seed": seed, "workload": workload, "method": method, "compressor": compressor or "none",
                          "final_loss": statistics.fmean(curve[-max(1, len(curve) // 10):]), "steps": len(curve),
                          "plan": compressed_share(run_dir) if method in ("cupcake", "espresso") else ""})
-            results.progress(k + 1, len(runs), f"{workload} {method} {compressor or ''}: final loss "
+            results.progress(k + 1, len(runs), f"seed {seed} {workload} {method} {compressor or ''}: final loss "
                                                f"{rows[-1]['final_loss']:.4f} {rows[-1]['plan']}")
     results.write_csv(rows)
 
-    def final(workload: str, method: str, compressor: str) -> float:
-        return next(r["final_loss"] for r in rows if (r["workload"], r["method"], r["compressor"]) ==
-                    (workload, method, compressor))
+    def final(seed: int, workload: str, method: str, compressor: str) -> float:
+        return next(r["final_loss"] for r in rows if (r["seed"], r["workload"], r["method"], r["compressor"]) ==
+                    (seed, workload, method, compressor))
 
-    table = [[r["workload"], r["method"], r["compressor"], r["final_loss"],
-              r["final_loss"] - final(r["workload"], "dense", "none"),
-              "" if r["method"] == "dense" else r["final_loss"] - final(r["workload"], "layerwise", r["compressor"]),
-              r["plan"]] for r in rows]
+    def summary(values: list[float]) -> str:
+        mean = statistics.fmean(values)
+        return f"{mean:.4g}" if len(values) == 1 else f"{mean:.4g} ({min(values):.4g} to {max(values):.4g})"
+
+    table = []
+    for workload, method, compressor in cases:
+        name = compressor or "none"
+        losses = [final(s, workload, method, name) for s in seeds]
+        to_dense = [final(s, workload, method, name) - final(s, workload, "dense", "none") for s in seeds]
+        row = [workload, method, name, summary(losses), summary(to_dense), "", "", ""]
+        if method in ("cupcake", "espresso"):
+            to_layerwise = [final(s, workload, method, name) - final(s, workload, "layerwise", name) for s in seeds]
+            plans = [r["plan"] for r in rows if (r["workload"], r["method"], r["compressor"]) == (workload, method, name)]
+            row[5:] = [summary(to_layerwise), f"{sum(g < 0 for g in to_layerwise)}/{len(seeds)}", " / ".join(plans)]
+        table.append(row)
     results.write_markdown(
         "Convergence under Cupcake and Espresso plans vs the same compressor layer-wise",
-        ["workload", "method", "compressor", "final loss (last 10%)", "gap to dense", "gap to layer-wise",
-         "what the plan compressed"],
+        ["workload", "method", "compressor", "final loss (last 10%), mean (min to max) over seeds",
+         "gap to dense, paired by seed", "gap to layer-wise, paired by seed", "seeds below layer-wise",
+         "what the plan compressed (per seed)"],
         table,
-        notes=f"2 workers, {args.steps} steps, seed 0, same data for every run. Error feedback: "
+        notes=f"2 workers, {args.steps} steps, seeds {','.join(map(str, seeds))} (each seeds initialization and data; every "
+              "method of a seed sees the same). Error feedback: "
               + ", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)
               + "; settings: " + "; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items())
               + f". Planners told {args.bandwidth} (profile 3 dense steps first; Espresso without its "
-                "trial, so the model's plan runs).",
+                "trial, so the model's plan runs). The dense and layer-wise rows' own spread over seeds says how "
+                "far apart two runs land without any change of method.",
         command=f"python -m experiments.planned_convergence --workloads {args.workloads} --compressors "
-                f"{args.compressors} --steps {args.steps} --bandwidth {args.bandwidth}")
+                f"{args.compressors} --steps {args.steps} --bandwidth {args.bandwidth} --seeds {','.join(map(str, seeds))}")
+
+    def mean_curve(workload: str, method: str, compressor: str | None) -> list[float]:
+        per_seed = [curves[(s, workload, method, compressor)] for s in seeds]
+        return [statistics.fmean(step) for step in zip(*per_seed, strict=True)]
+
     fig, axes = plt.subplots(len(workloads), len(compressors), figsize=(4.2 * len(compressors), 3.4 * len(workloads)),
                              squeeze=False)
     for row_axes, workload in zip(axes, workloads, strict=True):
         for ax, compressor in zip(row_axes, compressors, strict=True):
-            ax.plot(_smooth(curves[(workload, "dense", None)]), color="black", linewidth=2, label="dense")
+            ax.plot(_smooth(mean_curve(workload, "dense", None)), color="black", linewidth=2, label="dense")
             for method in METHODS:
-                ax.plot(_smooth(curves[(workload, method, compressor)]), linewidth=1, label=method)
-            ax.set(title=f"{workload}, {compressor}", xlabel="step", ylabel="training loss (smoothed)")
+                ax.plot(_smooth(mean_curve(workload, method, compressor)), linewidth=1, label=method)
+            ax.set(title=f"{workload}, {compressor}", xlabel="step",
+                   ylabel=f"training loss (smoothed, mean of {len(seeds)} seeds)")
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(results.figure_path(), dpi=120)

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 import ddlscale.compress as C
 from ddlscale.compress import bits
+from ddlscale.compress.base import count_of
 from ddlscale.compress.dgc import MIN_SAMPLE
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -257,12 +258,36 @@ def test_signsgd_scale_preserves_the_l1_norm(dtype):
     assert torch.equal(out[nonzero].sign(), g[nonzero].sign())
 
 
-PER_MEMBER = [n for n in NAMES if make(n).per_member]
+PER_MEMBER = [n for n in NAMES if make(n).per_member and n != "randomk"]  # randomk: a count per member
 
 
 def test_the_scaled_quantizers_keep_a_scale_per_member():
     assert set(PER_MEMBER) == {"efsignsgd", "onebit", "signsgd", "signum"}
     assert not make("signum", scaled=False).per_member  # decodes to +-1: no scale to keep
+
+
+@pytest.mark.parametrize("seed", [None, 4])
+def test_randomk_samples_each_member_of_a_fused_buffer_as_if_alone(seed):
+    """k = ceil(ratio * n) distinct positions inside every member, each scaled by its own n / k: a fused
+    buffer is sampled as densely, tensor by tensor, as compressing each alone (and stays unbiased)."""
+    segments = [5, 0, 130, 1, 3, 64, 4000]
+    counts = [count_of(0.1, n) for n in segments]
+    ends = torch.tensor(segments).cumsum(0)
+    g = torch.randn(sum(segments), generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    fused, other_rank = (make("randomk", ratio=0.1, seed=seed, unbiased=True) for _ in range(2))
+    trials, samples = 2000, []
+    for _ in range(trials):
+        compressed = fused.compress(g, "group", segments)
+        idx = compressed.ctx.extra if seed is not None else compressed.payload[1]
+        assert torch.bincount(torch.searchsorted(ends, idx.long(), right=True), minlength=len(segments)).tolist() == counts
+        assert bool((idx[1:] > idx[:-1]).all())  # distinct, ascending
+        assert compressed.nbytes <= fused.payload_bytes(g.numel(), g.dtype) + fused.member_bytes * (len(segments) - 1)
+        if seed is not None:  # a shared seed draws the same positions on every rank
+            assert torch.equal(other_rank.compress(g, "group", segments).ctx.extra, idx)
+        samples.append(fused.decompress(compressed))
+    member = torch.searchsorted(ends, torch.arange(g.numel()), right=True)
+    n, k = torch.tensor(segments, dtype=torch.float64)[member], torch.tensor(counts, dtype=torch.float64)[member]
+    assert z_scores(torch.stack(samples), g, g**2 * (n / k - 1)).abs().max() < 5  # unbiased, member by member
 
 
 @pytest.mark.parametrize("name", PER_MEMBER)

@@ -247,6 +247,9 @@ def test_zen_formulas_by_hand():
     # BP, n = 4, gamma_4 = 3: 3/4 * 4 * 20,000 words = 60,000 words = 240,000 bytes.
     bp = zen_balanced_parallelism_time(M, d, 3.0, 4, model)
     assert bp == pytest.approx(6 * ALPHA + 240_000 * 8 / GBIT)
+    # bf16 values: 30,000 non-zeros of (4-byte index + 2-byte value) = 180,000 bytes.
+    assert zen_balanced_parallelism_time(M, d, 3.0, 4, model, value_bytes=2) == pytest.approx(
+        6 * ALPHA + 180_000 * 8 / GBIT)
     # HC, n = 4: (gamma_1 + gamma_2) * 20,000 words = 2.8 * 20,000 = 56,000 words.
     hc = zen_hierarchical_centralization_time(M, d, [1.0, 1.8], 4, model)
     assert hc == pytest.approx(2 * ALPHA + 224_000 * 8 / GBIT)

@@ -19,6 +19,7 @@ from ddlscale.cluster import run_workers
 from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
 from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
+from ddlscale.compress.memory import Memory, ResidualMemory
 from ddlscale.plan import profile as profile_module
 from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
@@ -154,6 +155,23 @@ def test_option_costs_come_from_payload_bytes_the_network_model_and_the_fits():
     assert not task.encode_on_compute
 
 
+def test_error_feedback_prices_bf16_payloads_as_the_float32_they_travel_in():
+    profile, _ = _model()
+    profile.tensors[0] = dataclasses.replace(profile.tensors[0], dtype="torch.bfloat16")
+    comps = {"none": NoCompression(), "default": TopK(ratio=0.01)}
+    sent = {}
+    for widens in (False, True):
+        model = CostModel(dataclasses.replace(profile, widens=widens), comps)
+        sent[widens] = model._payload(units_of(model.profile)[0], Option("default", "allgather"), 1 << 20, None)
+        assert model.costs(units_of(model.profile)[0], DENSE)[1] == pytest.approx(
+            NetworkModel.of("1gbit", "50us").allreduce(2 << 20, 4))  # dense stays bf16 either way
+    kept = TopK(ratio=0.01).kept_max(1 << 20)
+    assert sent[True] - sent[False] == kept * 2  # values 4 bytes instead of 2; indices as they were
+    # What CompressSync really sends under residual memory: float32 values.
+    residual = ResidualMemory().compensate(torch.ones(8, dtype=torch.bfloat16), "w")
+    assert ResidualMemory.widens and not Memory.widens and residual.dtype == torch.float32
+
+
 def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
     profile = random_profile(random.Random(5), 6, world_size=4)
     signs = CompressorProfile("signsgd", {}, CostFit(1e-5, 0.0, 1e-9), CostFit(1e-5, 0.0, 1e-9),
@@ -182,6 +200,15 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
     assert profile_compressor(SignSGD(), 1 << 12).member_encode_s == 1e-6
     assert profile_compressor(TopK(ratio=0.01), 1 << 12).member_encode_s == 0.0
     assert probed == ["signsgd"]
+
+
+def test_a_unit_without_a_kept_fraction_spoils_only_the_groups_holding_it():
+    units = units_of(random_profile(random.Random(7), 6, world_size=4))
+    units[4] = dataclasses.replace(units[4], kept={})  # no gradient when profiled
+    prefix = Prefix(units)
+    for i, j in itertools.combinations(range(7), 2):
+        assert prefix.unit(i, j).kept == pytest.approx(fuse(units[i:j]).kept)
+        assert ("default" in prefix.unit(i, j).kept) == (not i <= 4 < j)
 
 
 def test_cost_fit_recovers_constant_then_linear():
@@ -299,6 +326,28 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
     (plan0, exact, state, _), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, bandwidth)
     assert plan0 == plan1 == state
     assert all(exact) and all(exact1)
+
+
+def _failing_profile_steps(rank, world):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None)
+    sync.setup(params)
+    if rank == 1:
+        def fails():
+            raise MemoryError("no room for the benchmark buffers")
+        sync.profile_compressors = fails
+    try:
+        for step in range(6):
+            _exact_step(sync, params, rank, world, step)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_profiling_failure_on_one_rank_is_raised_on_every_rank():
+    """Rank 1 failing in its compressor benchmark left rank 0 waiting for it in the next collective."""
+    said = run_workers(_failing_profile_steps, 2)
+    assert all("failed on rank 1: MemoryError: no room for the benchmark buffers" in s for s in said), said
 
 
 def _trial_steps(rank, world, steps, state=None):

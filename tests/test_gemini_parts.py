@@ -424,6 +424,29 @@ def test_a_failed_copy_or_send_fails_the_version_without_hanging_and_frees_its_s
     sender.close()
 
 
+def test_a_failed_commit_fails_its_version_and_the_sender_goes_on():
+    """Commit bookkeeping that raised (the store unreachable, say) killed the sender thread, and the next
+    step's deadline waited forever for a version nobody would send."""
+    calls = []
+
+    def on_done(transfer):
+        calls.append(transfer.version)
+        if transfer.version == 1:
+            raise ConnectionError("store unreachable")
+
+    recorder = _Recorder(lambda: None)
+    sender = ReplicaSender(0, [recorder], chunk_bytes=1000, subbuffers=2, mode="gemini", checksum="crc32",
+                           keep_for=lambda t: NO_VERSION, on_done=on_done)
+    transfers = [Transfer(v, capture({"x": torch.full((500,), float(v))}, set())) for v in (1, 2)]
+    with pytest.warns(UserWarning, match="committing version 1: store unreachable"):
+        for transfer in transfers:
+            sender.submit(transfer)
+            sender.iteration_started()
+            assert transfer.done.wait(10) and transfer.settled.wait(10), "the sender hung"
+    assert calls == [1, 2] and "store unreachable" in transfers[0].error and transfers[1].error is None
+    sender.close()
+
+
 def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
     state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
@@ -459,6 +482,51 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     assert all(t.snapshot is None for t in checkpointer.transfers)
     figures = checkpointer.figures(trainer)
     assert figures["ckpt_committed"] == 4 and figures["ckpt_bytes"] > residual.numel() * 4
+
+
+def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch):
+    """Every rank's next version waits for the outcome key; a commit that raised before writing it held
+    each of them for commit_timeout_s + slack (40 s), and that version then failed too."""
+    from types import SimpleNamespace
+
+    from ddlscale.ckpt import gemini
+    from ddlscale.ckpt.placement import PlacementPlan
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    checkpointer = gemini.GeminiCheckpointer(replicas=1)
+    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("raises")
+    checkpointer.plan, checkpointer.machine_of = PlacementPlan(1, 1, "mixed"), [0]
+    checkpointer.sender = ReplicaSender(0, [_Recorder(lambda: None)], chunk_bytes=4096, subbuffers=2, mode="gemini",
+                                        checksum="crc32", keep_for=checkpointer._keep_for,
+                                        on_done=checkpointer._on_sent)
+    to_json, calls = gemini.Manifest.to_json, []
+
+    def first_fails(manifest):
+        calls.append(manifest.step)
+        if len(calls) == 1:
+            raise OSError("manifest could not be written")
+        return to_json(manifest)
+
+    monkeypatch.setattr(gemini.Manifest, "to_json", first_fails)
+    monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": torch.randn(1000)})
+    monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
+    monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
+    trainer = SimpleNamespace(global_step=0, current_epoch=0, num_training_batches=100, world_size=1,
+                              is_global_zero=True)
+    waited = []
+    with pytest.warns(UserWarning, match="committing version 1: manifest could not be written"):
+        for step in range(1, 4):
+            if checkpointer.transfers:
+                checkpointer.sender.iteration_started()
+                waited.append(checkpointer.sender.deadline())
+            trainer.global_step = step
+            checkpointer.save(trainer, step - 1)
+        checkpointer.sender.close()
+    assert max(waited) < checkpointer.commit_timeout_s  # no version sat out the outcome wait
+    assert calls == [1, 2, 3] and checkpointer.committed == [2, 3]
+    assert checkpointer.store.get(checkpointer.keys.outcome(checkpointer.incarnation, 1)) == b"failed"
 
 
 def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, tmp_path):

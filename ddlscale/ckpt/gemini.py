@@ -306,23 +306,25 @@ class GeminiCheckpointer(Checkpointer):
         while (acks := int(self.store.add(acks_key, 0))) < expected and time.monotonic() < deadline:
             time.sleep(0.002)
         outcome = "failed"
-        if acks >= expected:
-            shards = tuple(ShardRecord(**kvstore.get_json(self.store, self.keys.shard(self.incarnation, version, r)))
-                           for r in range(world))
-            position = transfer.position
-            holders = {str(r): list(self.plan.holders_of(m)) for r, m in enumerate(self.machine_of)}
-            manifest = Manifest(step=version, world_size=world, shards=shards, epoch=position.epoch,
-                                batch=position.batch, tier="memory",
-                                placement={"kind": self.placement, "machines": self.plan.machines,
-                                           "replicas": self.replicas, "machine_of": self.machine_of,
-                                           "holders": holders, "incarnation": self.incarnation})
-            self.store.set(self.keys.manifest, manifest.to_json())  # one key: the version now exists
-            self.committed.append(version)
-            outcome = "committed"
-        else:
-            warnings.warn(f"gemini: version {version} not committed ({acks} of {expected} replicas verified)",
-                          stacklevel=2)
-        self.store.set(self.keys.outcome(self.incarnation, version), outcome)
+        try:
+            if acks >= expected:
+                shards = tuple(ShardRecord(**kvstore.get_json(self.store, self.keys.shard(self.incarnation, version, r)))
+                               for r in range(world))
+                position = transfer.position
+                holders = {str(r): list(self.plan.holders_of(m)) for r, m in enumerate(self.machine_of)}
+                manifest = Manifest(step=version, world_size=world, shards=shards, epoch=position.epoch,
+                                    batch=position.batch, tier="memory",
+                                    placement={"kind": self.placement, "machines": self.plan.machines,
+                                               "replicas": self.replicas, "machine_of": self.machine_of,
+                                               "holders": holders, "incarnation": self.incarnation})
+                self.store.set(self.keys.manifest, manifest.to_json())  # one key: the version now exists
+                self.committed.append(version)
+                outcome = "committed"
+            else:
+                warnings.warn(f"gemini: version {version} not committed ({acks} of {expected} replicas verified)",
+                              stacklevel=2)
+        finally:  # every rank's next version waits for this key: a commit that raised says "failed"
+            self.store.set(self.keys.outcome(self.incarnation, version), outcome)
 
     # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

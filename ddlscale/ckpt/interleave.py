@@ -23,6 +23,7 @@ import queue
 import statistics
 import threading
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -255,6 +256,10 @@ class ReplicaSender:
         transfer.done.set()  # the training thread may step now; the commit needs no more of our state
         try:
             self.on_done(transfer)
+        except Exception as exc:  # the commit bookkeeping failed (the store, say): this version only
+            failed = f"committing version {transfer.version}: {exc}"
+            transfer.error = failed if transfer.error is None else f"{transfer.error}; {failed}"
+            warnings.warn(f"gemini: {failed}", stacklevel=1)
         finally:
             transfer.settled.set()
 

@@ -563,20 +563,22 @@ def _sparse_tensor_words(M: int, d: float) -> float:
     return 2.0 * M * d
 
 
-def zen_balanced_parallelism_time(M: int, d: float, gamma_n: float, n: int, model: NetworkModel) -> float:
+def zen_balanced_parallelism_time(M: int, d: float, gamma_n: float, n: int, model: NetworkModel,
+                                  value_bytes: int = WORD_BYTES) -> float:
     """Zen's Balanced Parallelism: T_bp = (n-1)/n * (gamma_n + 1) * 2 M d words / b + 2(n-1) alpha.
 
     M: elements of the tensor; d: density of one worker's gradient; gamma_k: density after summing
     k workers' gradients divided by d (1 <= gamma_k <= k; 1 = identical index sets, k = disjoint).
     Each worker pushes (n-1)/n of its 2 M d words and pulls (n-1)/n of the 2 M d gamma_n words of
-    the sum; words are 4 bytes. Push (all-to-all) and pull (allgather) take n-1 rounds each.
+    the sum. Push (all-to-all) and pull (allgather) take n-1 rounds each.
     ``n`` counts the participants that each own a NIC: with several GPUs per machine Zen reduces
     inside the machine first, so pass the number of machines.
+    ``value_bytes``: as in :func:`zen_hierarchical_centralization_time`; indices stay int32.
     """
     model.machines(n)
     _check_gamma(gamma_n, n)
-    words = (n - 1) / n * (gamma_n + 1) * _sparse_tensor_words(M, d)
-    return 2 * (n - 1) * model.latency_s + words * WORD_BYTES * BITS_PER_BYTE / model.bandwidth_bps
+    nonzeros = (n - 1) / n * (gamma_n + 1) * _sparse_tensor_words(M, d) / 2  # a word is an index or a value
+    return 2 * (n - 1) * model.latency_s + nonzeros * (WORD_BYTES + value_bytes) * BITS_PER_BYTE / model.bandwidth_bps
 
 
 def zen_hierarchical_centralization_time(

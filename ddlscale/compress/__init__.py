@@ -16,7 +16,7 @@ The interface a backend relies on
     summable: bool     # payloads of different ranks may be summed elementwise, then decoded
     fixed_size: bool   # payload shapes depend only on (shape, dtype); else exchange sizes first
     has_memory: bool   # applies its own error feedback (efsignsgd): run it with memory=none
-    per_member: bool   # keeps a scale per member of a fused buffer given its ``segments``
+    per_member: bool   # treats each member of a fused buffer given its ``segments`` as alone
 
 ``Compressed(payload: list[Tensor], ctx: Context)``: ``payload`` is exactly what travels (its
 ``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra)``
@@ -44,8 +44,9 @@ Rules:
    allreduce-compatible path (two in-place allreduces of the factors).
 8. A fused group's flat buffer comes with ``segments``, its members' sizes. A per-member
    compressor (the scaled signs and onebit) keeps one scale per member and records the segments
-   in the Context, so the group decodes exactly as its members compressed alone would; the
-   payload grows by ``member_bytes`` per extra member. Every other compressor ignores them.
+   in the Context, so the group decodes exactly as its members compressed alone would; randomk
+   draws each member's own k positions, so it samples as its members alone would. The payload
+   grows by at most ``member_bytes`` per extra member. Every other compressor ignores them.
 9. Parameters are checked at construction; a bad one raises ValueError naming its config key
    (``compressor.ratio must be in (0, 1], got 1.5``).
 

@@ -59,7 +59,8 @@ class Compressor:
     ``has_memory`` — the compressor applies its own error feedback (use ``memory=none`` with it);
     ``per_member`` — given the member sizes of a fused buffer (``compress(..., segments=)``), it
     keeps one scale per member instead of one per buffer, so fusing does not let a large tensor set
-    a small one's scale; each member past the first adds ``member_bytes`` to the payload.
+    a small one's scale (randomk: draws k per member); each member past the first adds up to
+    ``member_bytes`` to the payload.
     """
 
     name: ClassVar[str] = "?"

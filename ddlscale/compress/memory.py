@@ -27,6 +27,7 @@ class Memory:
     """No error feedback: ``compensate`` returns the gradient itself, ``update`` forgets."""
 
     name: ClassVar[str] = "none"
+    widens: ClassVar[bool] = False  # compensate promotes a bf16/fp16 gradient to float32
 
     def compensate(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         return tensor
@@ -68,6 +69,7 @@ class ResidualMemory(Memory):
     """
 
     name = "residual"
+    widens = True
 
     def __init__(self) -> None:
         self._residuals: dict[str, torch.Tensor] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,46 @@ def sample_without_replacement(n: int, k: int, gen: torch.Generator, device: tor
     return distinct[first.argsort()[:k]].sort().values
 
 
+def sample_segments(sizes: Sequence[int], counts: Sequence[int], gen: torch.Generator,
+                    device: torch.device) -> torch.Tensor:
+    """For every segment of a flat buffer (``sizes`` in order), ``counts[i]`` distinct positions
+    drawn uniformly inside it; all of them ascending, as buffer offsets.
+
+    Segments with few draws go together: i.i.d. draws, each segment's own ones uniform inside it,
+    keeping each segment's first ``counts[i]`` distinct values in draw order (as
+    :func:`sample_without_replacement` does for one tensor). Segments sampled densely
+    (4k >= n) take a permutation each.
+    """
+    sizes_t = torch.tensor(list(sizes), dtype=torch.long)
+    counts_t = torch.tensor(list(counts), dtype=torch.long)
+    starts = torch.cumsum(sizes_t, 0) - sizes_t
+    dense = 4 * counts_t >= sizes_t
+    out = [starts[i] + torch.randperm(int(sizes_t[i]), generator=gen, device=device)[: int(counts_t[i])]
+           for i in torch.nonzero(dense & (counts_t > 0)).reshape(-1).tolist()]
+    sparse = torch.nonzero(~dense & (counts_t > 0)).reshape(-1)
+    slack = 1
+    while sparse.numel():
+        segment = sparse.repeat_interleave(slack * (counts_t[sparse] + counts_t[sparse] // 4 + 16))
+        # float64 draws: floor(u * n) is uniform for any n below 2**53
+        u = torch.rand(segment.numel(), generator=gen, dtype=torch.float64, device=device)
+        draws = starts[segment].to(device) + (u * sizes_t[segment].to(device)).long()
+        distinct, inverse = torch.unique(draws, return_inverse=True)
+        order = torch.arange(draws.numel(), device=device)
+        first = torch.full_like(distinct, draws.numel()).scatter_reduce_(0, inverse, order, "amin")
+        owner = segment.to(device)[first]  # the segment each distinct value was drawn for
+        by_draw = torch.argsort(owner * draws.numel() + first)  # per segment, in draw order
+        owner, chosen = owner[by_draw], distinct[by_draw]
+        seen = torch.bincount(owner, minlength=len(sizes))
+        rank = torch.arange(owner.numel(), device=device) - (torch.cumsum(seen, 0) - seen)[owner]
+        if bool((seen[sparse.to(device)] >= counts_t[sparse].to(device)).all()):
+            out.append(chosen[rank < counts_t.to(device)[owner]])
+            break
+        slack *= 2  # duplicates left a segment short (rare): draw again, more
+    if not out:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.cat([o.to(device) for o in out]).sort().values
+
+
 class RandomK(SparseCompressor):
     """k = ceil(ratio * numel) positions drawn without replacement.
 
@@ -55,9 +96,15 @@ class RandomK(SparseCompressor):
 
     Payload: shared seed ``[values (k)]`` (indices live in ``Context.extra``, identical on every
     rank); otherwise ``[values (k), indices (k, int32)]``.
+
+    A fused buffer given its ``segments`` draws k = ceil(ratio * n) positions in each member, as
+    compressing each member alone would (and scales each by its own n / k): fusing changes what a
+    step sends only by the rounding, never which tensors are sampled how densely. Each member past
+    the first may add one kept element (``member_bytes``).
     """
 
     name = "randomk"
+    per_member = True
 
     def __init__(self, ratio: float = 0.01, unbiased: bool = True, seed: int | None = None) -> None:
         super().__init__()
@@ -68,20 +115,33 @@ class RandomK(SparseCompressor):
         self.shared = seed is not None
         self.seed = check_seed(seed) if self.shared else 0
         self.summable = self.shared
+        self.member_bytes = 4 if self.shared else 8  # one more value (and index) at most
 
-    def select(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+    def select(self, flat: torch.Tensor, name: str, segments: Sequence[int] | None = None) -> torch.Tensor:
         n = flat.numel()
         gen = self.generator(name, flat.device, shared=self.shared)
-        return sample_without_replacement(n, count_of(self.ratio, n), gen, flat.device)
+        if segments is None:
+            return sample_without_replacement(n, count_of(self.ratio, n), gen, flat.device)
+        return sample_segments(segments, [count_of(self.ratio, m) for m in segments], gen, flat.device)
 
-    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], Any]:
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[int, ...] | None = None
+               ) -> tuple[list[torch.Tensor], Any]:
         flat = tensor.reshape(-1)
-        idx = self.select(flat, name)
+        idx = self.select(flat, name, segments)
         values = flat[idx]
         if self.unbiased and idx.numel():
-            values = values * (flat.numel() / idx.numel())
+            values = values * (flat.numel() / idx.numel()) if segments is None else (
+                values.double() * self._scales(idx, segments)).to(values.dtype)
         idx = idx.to(index_dtype(flat.numel()))
         return ([values], idx) if self.shared else ([values, idx], None)
+
+    def _scales(self, idx: torch.Tensor, segments: tuple[int, ...]) -> torch.Tensor:
+        """n / k of the member each kept position lies in (float64)."""
+        sizes = torch.tensor(segments, dtype=torch.float64)
+        counts = torch.tensor([count_of(self.ratio, m) for m in segments], dtype=torch.float64)
+        per_member = (sizes / counts.clamp(min=1)).to(idx.device)
+        ends = torch.cumsum(torch.tensor(segments), 0).to(idx.device)
+        return per_member[torch.searchsorted(ends, idx, right=True)]
 
     context = Compressor.context  # shared indices live in the context: draw them
 

@@ -207,6 +207,8 @@ class CostModel:
             return numel * element_size(unit.dtype)  # the gradient itself (NoCompression's payload)
         comp = self.compressors[option.compressor]
         dtype = _dtype(unit.dtype)
+        if self.profile.widens:  # the memory hands the compressor p = g + e in float32
+            dtype = torch.promote_types(dtype, torch.float32)
         kept = None
         if option.compressor in unit.kept and not getattr(comp, "fixed_size", True):
             kept = max(1, round(unit.kept[option.compressor] * numel))

@@ -183,9 +183,13 @@ class Prefix:
         self.units = list(units)
         self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64)))
         self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64)))
-        keys = set.intersection(*(set(u.kept) for u in units)) if units else set()
-        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept[key] * u.numel for u in units])))
+        # Per key, kept elements and how many units lack the key: a range prices by the key only when
+        # all its units have it (as fuse() does), so one unprofiled unit spoils only its own groups.
+        keys = set().union(*(u.kept for u in units))
+        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept.get(key, 0.0) * u.numel for u in units])))
                      for key in keys}
+        self.lacking = {key: np.concatenate(([0], np.cumsum([key not in u.kept for u in units], dtype=np.int64)))
+                        for key in keys}
         # run_end[i]: first index after i with another dtype (a fused buffer has one dtype).
         self.run_end = [len(units)] * len(units)
         for i in range(len(units) - 2, -1, -1):
@@ -199,7 +203,8 @@ class Prefix:
         if j == i + 1:
             return self.units[i]
         numel = int(self.numel[j] - self.numel[i])
-        kept = {key: float(s[j] - s[i]) / max(1, numel) for key, s in self.kept.items()}
+        kept = {key: float(s[j] - s[i]) / max(1, numel) for key, s in self.kept.items()
+                if self.lacking[key][j] == self.lacking[key][i]}
         return Unit((), numel, self.units[i].dtype, self.units[j - 1].ready_s, None, kept,
                     int(self.tensors[j] - self.tensors[i]))
 

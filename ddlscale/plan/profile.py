@@ -110,6 +110,7 @@ class Profile:
     step_s: float | None = None  # median measured step with dense sync (for predicted vs measured)
     steps: int = 0  # measured steps averaged
     lag_s: float = 0.0  # how much later than this rank the slowest one ended backward (median)
+    widens: bool = False  # error feedback compresses bf16/fp16 gradients as float32 (Memory.widens)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -135,7 +136,7 @@ class Profile:
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
                    dict(data["network"]), compressors, data.get("device", "cpu"), data.get("step_s"),
-                   int(data.get("steps", 0)), float(data.get("lag_s", 0.0)))
+                   int(data.get("steps", 0)), float(data.get("lag_s", 0.0)), bool(data.get("widens", False)))
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -286,8 +286,11 @@ class PlannedSync(CompressSync):
             self._measure_latency()
         # Every rank at once, so the measured costs carry the contention training runs under (on
         # emulated machines sharing cores, several times the cost measured alone); rank 0's are used.
-        costs = self.calibrate(self.profile_compressors())
-        lag = self._slowest_lag()
+        try:
+            costs, failure = self.calibrate(self.profile_compressors()), None
+        except Exception as exc:  # said in the gather below, so no rank waits in it for this one
+            costs, failure = None, exc
+        lag = self._slowest_lag(failure)
         message: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -388,14 +391,24 @@ class PlannedSync(CompressSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self) -> float:
+    def _slowest_lag(self, failure: Exception | None = None) -> float:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled
-        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`)."""
+        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
+        also carries ``failure``, this rank's error in profiling its compressors: every rank raises
+        then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
+            if failure is not None:
+                raise failure
             return 0.0
-        spans: list[Any] = [None] * self.world_size
-        dist.all_gather_object(spans, self.recorder.spans(self.warmup_steps), group=self.comm.group)  # set-up, not sync
-        return slowest_lag(spans, self.rank)
+        mine = {"spans": self.recorder.spans(self.warmup_steps),
+                "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
+        failed = [(rank, g["error"]) for rank, g in enumerate(gathered) if g["error"] is not None]
+        if failed:
+            said = "; ".join(f"rank {self.comm._global(rank)}: {error}" for rank, error in failed)
+            raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
+        return slowest_lag([g["spans"] for g in gathered], self.rank)
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         default = self.compressors["default"]
@@ -419,15 +432,20 @@ class PlannedSync(CompressSync):
         for position, i in enumerate(order):
             p = self.params[i]
             kept = {}
-            if probe is not None and p.grad is not None:
-                # What one rank compresses is about its share of the average (residuals aside).
-                grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1) / self.world_size
+            if probe is not None:
+                # What one rank compresses is about its share of the average (residuals aside); a tensor
+                # without a gradient is sent as zeros. Every unit gets a fraction: one missing would
+                # price its fused groups at the largest payload.
+                if p.grad is None:
+                    grad = torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                else:
+                    grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1) / self.world_size
                 kept["default"] = probe.compress(grad, f"probe/{self.names[i]}").payload[0].numel() / max(1, p.numel())
             tensors.append(TensorProfile(self.names[i], p.numel(), tuple(p.shape), str(p.dtype),
                                          summary["ready_s"][position], kept))
         return Profile(tensors, summary["backward_end_s"], summary["rest_s"], self.world_size,
                        dict(self.network_config), compressors, str(self.device), summary["step_s"],
-                       summary["steps"])
+                       summary["steps"], widens=self.memory.widens)
 
     def _save(self, plan: CompressionPlan, profile: Profile | None = None) -> None:
         """Print ``plan`` and write it (with ``profile``, when given) into the run directory (rank 0)."""

@@ -104,10 +104,10 @@ def profile_model(module: torch.nn.Module, compressor: Compressor, steps: int, w
                              summary["ready_s"][k]) for k, i in enumerate(order)]
     total = sum(t.numel for t in tensors)
     planning = {"none": NoCompression()} if compressor.name == "none" else {"none": NoCompression(), "default": compressor}
-    compressors = {key: profile_compressor(comp, total, "cpu", budget_s, ResidualMemory())
-                   for key, comp in planning.items()}
+    memory = ResidualMemory()  # the default sync.memory
+    compressors = {key: profile_compressor(comp, total, "cpu", budget_s, memory) for key, comp in planning.items()}
     return Profile(tensors, summary["backward_end_s"], summary["rest_s"], world_size, network, compressors,
-                   "cpu", None, summary["steps"])
+                   "cpu", None, summary["steps"], widens=memory.widens)
 
 
 def _network(args: argparse.Namespace, base: dict) -> dict:
