@@ -447,9 +447,9 @@ def test_a_failed_commit_fails_its_version_and_the_sender_goes_on():
     sender.close()
 
 
-def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
-    """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
-    state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
+def _one_rank_checkpointer(monkeypatch, keys, captured):
+    """Rank 0 of a one-machine job: a Gemini checkpointer on a real store, its sender writing into a
+    recorder, with each save capturing ``captured()``; and a stand-in trainer."""
     from types import SimpleNamespace
 
     from ddlscale.ckpt import gemini
@@ -459,24 +459,37 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     checkpointer = gemini.GeminiCheckpointer(replicas=1)
-    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("held")
+    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys(keys)
     checkpointer.plan, checkpointer.machine_of = PlacementPlan(1, 1, "mixed"), [0]
-    recorder = _Recorder(lambda: None)
-    checkpointer.sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="gemini",
+    checkpointer.sender = ReplicaSender(0, [_Recorder(lambda: None)], chunk_bytes=4096, subbuffers=2, mode="gemini",
                                         checksum="crc32", keep_for=checkpointer._keep_for,
                                         on_done=checkpointer._on_sent)
-    residual = torch.randn(10_000)  # not live: copied at every capture, like error feedback
-    monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": residual})
+    monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": captured()})
     monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
     monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
     trainer = SimpleNamespace(global_step=0, current_epoch=0, num_training_batches=100, world_size=1,
                               is_global_zero=True)
-    for step in range(1, 5):
+    return checkpointer, trainer
+
+
+def _save_steps(checkpointer, trainer, steps: int) -> list[float]:
+    """Save versions 1..steps, each next iteration's deadline first; what each deadline waited."""
+    waited = []
+    for step in range(1, steps + 1):
         if checkpointer.transfers:  # the next iteration starts; its optimizer step is the deadline
             checkpointer.sender.iteration_started()
-            checkpointer.sender.deadline()
+            waited.append(checkpointer.sender.deadline())
         trainer.global_step = step
         checkpointer.save(trainer, step - 1)
+    return waited
+
+
+def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
+    """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
+    state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
+    residual = torch.randn(10_000)  # not live: copied at every capture, like error feedback
+    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, "held", lambda: residual)
+    _save_steps(checkpointer, trainer, 4)
     assert [t.snapshot is not None for t in checkpointer.transfers] == [False, False, False, True]
     checkpointer.sender.close()
     assert all(t.snapshot is None for t in checkpointer.transfers)
@@ -487,20 +500,9 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
 def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch):
     """Every rank's next version waits for the outcome key; a commit that raised before writing it held
     each of them for commit_timeout_s + slack (40 s), and that version then failed too."""
-    from types import SimpleNamespace
-
     from ddlscale.ckpt import gemini
-    from ddlscale.ckpt.placement import PlacementPlan
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    checkpointer = gemini.GeminiCheckpointer(replicas=1)
-    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("raises")
-    checkpointer.plan, checkpointer.machine_of = PlacementPlan(1, 1, "mixed"), [0]
-    checkpointer.sender = ReplicaSender(0, [_Recorder(lambda: None)], chunk_bytes=4096, subbuffers=2, mode="gemini",
-                                        checksum="crc32", keep_for=checkpointer._keep_for,
-                                        on_done=checkpointer._on_sent)
+    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, "raises", lambda: torch.randn(1000))
     to_json, calls = gemini.Manifest.to_json, []
 
     def first_fails(manifest):
@@ -510,19 +512,8 @@ def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for
         return to_json(manifest)
 
     monkeypatch.setattr(gemini.Manifest, "to_json", first_fails)
-    monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": torch.randn(1000)})
-    monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
-    monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
-    trainer = SimpleNamespace(global_step=0, current_epoch=0, num_training_batches=100, world_size=1,
-                              is_global_zero=True)
-    waited = []
     with pytest.warns(UserWarning, match="committing version 1: manifest could not be written"):
-        for step in range(1, 4):
-            if checkpointer.transfers:
-                checkpointer.sender.iteration_started()
-                waited.append(checkpointer.sender.deadline())
-            trainer.global_step = step
-            checkpointer.save(trainer, step - 1)
+        waited = _save_steps(checkpointer, trainer, 3)
         checkpointer.sender.close()
     assert max(waited) < checkpointer.commit_timeout_s  # no version sat out the outcome wait
     assert calls == [1, 2, 3] and checkpointer.committed == [2, 3]
