@@ -17,7 +17,12 @@ def decode_signs(payload: list[torch.Tensor], numel: int, segments: tuple[int, .
     packed, scale = payload
     if segments is None:
         return bits.lookup(packed, 1, numel, torch.cat([scale, -scale]))
-    return bits.lookup_segments(packed, 1, segments, torch.stack([scale, -scale], dim=1))
+    # +-1 over the whole buffer, then each member's scale in place (exact: a product by +-1): one
+    # lookup pass instead of one per member and a join, which made a fused decode ~2x a whole one.
+    out = bits.lookup(packed, 1, numel, scale.new_tensor([1.0, -1.0]))
+    for member, member_scale in zip(out.split(list(segments)), scale, strict=True):
+        member.mul_(member_scale)
+    return out
 
 
 def mean_abs(flat: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
