@@ -599,3 +599,16 @@ def test_bit_packing_round_trips(width, count):
     packed = bits.pack(codes, width)
     assert packed.numel() == bits.packed_bytes(count, width)
     assert torch.equal(bits.unpack(packed, width, count), codes)
+
+
+@pytest.mark.parametrize("width", bits.WIDTHS)
+def test_lookup_segments_reads_each_code_through_its_own_segments_table(width):
+    """Segments that start and end inside bytes, empty ones and one-code ones: every code decodes
+    through its segment's row of values, as a lookup of that segment alone would."""
+    gen = torch.Generator().manual_seed(width)
+    for segments in [(7, 0, 1, 9, 16, 3), (8, 8), (1,), (0, 5, 0), (13, 2, 1, 1, 40)]:
+        codes = torch.randint(0, 2**width, (sum(segments),), generator=gen, dtype=torch.uint8)
+        values = torch.randn(len(segments), 2**width, generator=gen)
+        owner = torch.arange(len(segments)).repeat_interleave(torch.tensor(segments))
+        got = bits.lookup_segments(bits.pack(codes, width), width, segments, values)
+        assert torch.equal(got, values[owner, codes.long()]), segments
