@@ -27,6 +27,7 @@ from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, u
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
 from ddlscale.plan.profile import (
+    MEMBER_COSTS,
     CompressorProfile,
     Profile,
     StepRecorder,
@@ -176,10 +177,11 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
     profile = random_profile(random.Random(5), 6, world_size=4)
     signs = CompressorProfile("signsgd", {}, CostFit(1e-5, 0.0, 1e-9), CostFit(1e-5, 0.0, 1e-9),
                               CostFit(1e-5, 0.0, 1e-9), CostFit(1e-5, 0.0, 1e-9), member_encode_s=1e-4,
-                              member_decode_s=2e-5)
+                              member_decode_s=2e-5, fused_encode_per_element_s=3e-10,
+                              fused_decode_per_element_s=5e-10)
+    free = dataclasses.replace(signs, **dict.fromkeys(MEMBER_COSTS, 0.0))
     priced = {}
-    for key, per_member in (("signs", signs), ("free", dataclasses.replace(signs, member_encode_s=0.0,
-                                                                          member_decode_s=0.0))):
+    for key, per_member in (("signs", signs), ("free", free)):
         fused = dataclasses.replace(profile, compressors={**profile.compressors, "default": per_member})
         model = cost_model(fused)
         units = units_of(fused)
@@ -190,16 +192,39 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
         assert model.costs(Prefix(units).unit(0, 4), Option("default", "allgather")) == priced[key]
         assert model.costs(units[0], Option("default", "allgather"))[0] == pytest.approx(signs.encode(units[0].numel))
     (encode, comm, decode), (encode0, comm0, decode0) = priced["signs"], priced["free"]
-    assert encode - encode0 == pytest.approx(3 * 1e-4) and comm == comm0
-    assert decode - decode0 == pytest.approx(4 * 3 * 2e-5)  # every rank's payload decoded
+    numel = group.numel
+    assert encode - encode0 == pytest.approx(3 * 1e-4 + 3e-10 * numel) and comm == comm0
+    assert decode - decode0 == pytest.approx(4 * (3 * 2e-5 + 5e-10 * numel))  # every rank's payload decoded
     # Calibration scales them with the fits; the benchmark finds them for a per-member compressor only.
     assert signs.calibrated(2.0, 3.0).member_encode_s == pytest.approx(2e-4)
-    assert signs.calibrated(2.0, 3.0).member_decode_s == pytest.approx(6e-5)
+    assert signs.calibrated(2.0, 3.0).fused_decode_per_element_s == pytest.approx(1.5e-9)
+    assert Profile.from_dict(dataclasses.replace(
+        profile, compressors={"default": signs}).to_dict()).compressors["default"] == signs
     probed = []  # not timed here (a loaded host can time the difference as 0): who gets probed
-    monkeypatch.setattr(profile_module, "member_costs", lambda c, *a, **k: probed.append(c.name) or (1e-6, 2e-6))
+    monkeypatch.setattr(profile_module, "member_costs",
+                        lambda c, *a, **k: probed.append(c.name) or {"member_encode_s": 1e-6})
     assert profile_compressor(SignSGD(), 1 << 12).member_encode_s == 1e-6
     assert profile_compressor(TopK(ratio=0.01), 1 << 12).member_encode_s == 0.0
     assert probed == ["signsgd"]
+
+
+def test_member_costs_separate_a_cost_per_member_from_a_pass_over_the_buffer(monkeypatch):
+    """Fusing timed at two sizes with as many members: what grows with the size is per element,
+    the rest per member."""
+    (small, large), members = profile_module.MEMBER_PROBE
+    per_member, per_element = {"encode": 4e-6, "decode": 1e-6}, {"encode": 0.0, "decode": 3e-10}
+
+    def measure(compressor, sizes, device, budget_s, memory, members=1):
+        fused = members > 1
+        return None, None, [{f"{w}_s": 1e-3 + 1e-9 * sizes[0] + fused * ((members - 1) * per_member[w]
+                             + sizes[0] * per_element[w]) for w in ("encode", "decode")}]
+
+    monkeypatch.setattr(profile_module, "measure_costs", measure)
+    got = profile_module.member_costs(SignSGD())
+    assert set(got) == set(MEMBER_COSTS)
+    for what in ("encode", "decode"):
+        assert got[f"member_{what}_s"] == pytest.approx(per_member[what])
+        assert got[f"fused_{what}_per_element_s"] == pytest.approx(per_element[what], abs=1e-15)
 
 
 def test_a_unit_without_a_kept_fraction_spoils_only_the_groups_holding_it():

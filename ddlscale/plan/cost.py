@@ -239,10 +239,12 @@ class CostModel:
         comp = self.compressors.get(option.compressor) if option.compressed else None
         if comp is not None and comp.per_member and not option.hierarchical and unit.tensors > 1:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
-            # decode (an all-to-all partition holds about its share of the members).
+            # decode (an all-to-all partition holds about its share of the members), and fusing its
+            # measured cost per element.
             extra = (-(-unit.tensors // ranks) if scheme == "alltoall" else unit.tensors) - 1
             prof = self.profile.compressors[option.compressor]
-            enc, dec = enc.plus(prof.member_encode_s * extra), dec.plus(prof.member_decode_s * extra)
+            enc = enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0)
+            dec = dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0)
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
             payload = self._payload(unit, option, numel, shape)

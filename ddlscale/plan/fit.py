@@ -73,12 +73,16 @@ class CostFit:
         return CostFit(self.floor_s * factor, self.intercept_s * factor, self.per_element_s * factor,
                        tuple((s, t * factor) for s, t in self.points))
 
-    def plus(self, seconds: float) -> CostFit:
-        """Every non-empty call ``seconds`` dearer (a per-call overhead measured in training)."""
-        if not (math.isfinite(seconds) and seconds >= 0):
-            raise ValueError(f"CostFit.plus: seconds must be finite and >= 0, got {seconds!r}")
-        return CostFit(self.floor_s + seconds, self.intercept_s + seconds, self.per_element_s,
-                       tuple((s, t + seconds) for s, t in self.points))
+    def plus(self, seconds: float, per_element_s: float = 0.0) -> CostFit:
+        """Every non-empty call ``seconds`` plus ``per_element_s`` per element dearer (a per-call
+        overhead measured in training; the work fusing adds)."""
+        for what, value in (("seconds", seconds), ("per_element_s", per_element_s)):
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"CostFit.plus: {what} must be finite and >= 0, got {value!r}")
+        first = self.points[0][0] if self.points else 0.0  # calls at or below it cost its point
+        return CostFit(self.floor_s + seconds + per_element_s * first, self.intercept_s + seconds,
+                       self.per_element_s + per_element_s,
+                       tuple((s, t + seconds + per_element_s * s) for s, t in self.points))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"floor_s": self.floor_s, "intercept_s": self.intercept_s,

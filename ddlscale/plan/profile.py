@@ -59,7 +59,9 @@ class CompressorProfile:
     device (the CPU beside a GPU; equal to ``encode``/``decode`` where training runs on the CPU).
     ``header_bytes``: the wire header one packed payload adds. ``member_encode_s`` /
     ``member_decode_s``: what each member of a fused buffer past the first adds to an encode /
-    decode, for compressors that scale per member (0 for the others; the fits are of one tensor).
+    decode, and ``fused_encode_per_element_s`` / ``fused_decode_per_element_s`` what a buffer of
+    several members adds per element (a pass that applies each member's scale), for compressors
+    that scale per member (0 for the others; the fits are of one tensor).
     """
 
     name: str
@@ -73,6 +75,8 @@ class CompressorProfile:
     calibration: dict[str, float] = field(default_factory=dict)  # in training / benchmark (PlannedSync)
     member_encode_s: float = 0.0  # a per-member compressor's extra seconds per fused member past the first
     member_decode_s: float = 0.0
+    fused_encode_per_element_s: float = 0.0
+    fused_decode_per_element_s: float = 0.0
 
     def build(self) -> Compressor:
         return build_compressor(self.name, **self.params)
@@ -81,7 +85,9 @@ class CompressorProfile:
         """These fits scaled to what the same work cost inside training steps (on the training
         device; the side device's fits too where it is the same CPU)."""
         scaled = replace(self, member_encode_s=self.member_encode_s * encode,
-                         member_decode_s=self.member_decode_s * decode)
+                         member_decode_s=self.member_decode_s * decode,
+                         fused_encode_per_element_s=self.fused_encode_per_element_s * encode,
+                         fused_decode_per_element_s=self.fused_decode_per_element_s * decode)
         return scaled._refitted(self.encode.scaled(encode), self.decode.scaled(decode),
                                 {"encode": encode, "decode": decode, **facts})
 
@@ -130,8 +136,8 @@ class Profile:
             key: CompressorProfile(c["name"], dict(c["params"]), *(CostFit.from_dict(c[w]) for w in
                                    ("encode", "decode", "side_encode", "side_decode")),
                                    int(c.get("header_bytes", 0)), list(c.get("samples", [])),
-                                   dict(c.get("calibration", {})), float(c.get("member_encode_s", 0.0)),
-                                   float(c.get("member_decode_s", 0.0)))
+                                   dict(c.get("calibration", {})),
+                                   *(float(c.get(k, 0.0)) for k in MEMBER_COSTS))
             for key, c in data["compressors"].items()
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
@@ -320,21 +326,36 @@ def profile_compressor(compressor: Compressor, largest: int, device: str | torch
         for sample, side in zip(samples, side_samples, strict=True):
             sample.update(side_encode_s=side["encode_s"], side_decode_s=side["decode_s"])
     params = {} if compressor.name == "none" else compressor_params(compressor)
-    member_encode, member_decode = (member_costs(compressor, device, budget_s, memory) if compressor.per_member
-                                    else (0.0, 0.0))
+    members = member_costs(compressor, device, budget_s, memory) if compressor.per_member else {}
     return CompressorProfile(compressor.name, params, encode, decode, side_encode, side_decode,
-                             header_bytes(compressor), samples, member_encode_s=member_encode,
-                             member_decode_s=member_decode)
+                             header_bytes(compressor), samples, **members)
 
 
-MEMBER_PROBE = (1 << 16, 64)  # elements, members: fused buffers of small tensors, where members cost most
+MEMBER_COSTS = ("member_encode_s", "member_decode_s", "fused_encode_per_element_s", "fused_decode_per_element_s")
+MEMBER_PROBE = ((1 << 16, 1 << 22), 64)  # elements (small: members cost most; large: passes cost most), members
+MEMBER_ROUNDS = 5
 
 
 def member_costs(compressor: Compressor, device: str | torch.device = "cpu", budget_s: float = 0.02,
-                 memory: Memory | None = None) -> tuple[float, float]:
-    """(encode, decode) seconds each member of a fused buffer past the first adds: one buffer
-    timed whole and as :data:`MEMBER_PROBE` members (per-member scales, a kernel or more each)."""
-    size, members = MEMBER_PROBE
-    whole = measure_costs(compressor, [size], device, budget_s=budget_s, memory=memory)[2][0]
-    split = measure_costs(compressor, [size], device, budget_s=budget_s, memory=memory, members=members)[2][0]
-    return tuple(max(0.0, (split[k] - whole[k]) / (members - 1)) for k in ("encode_s", "decode_s"))
+                 memory: Memory | None = None) -> dict[str, float]:
+    """What fusing adds to a per-member compressor's encode and decode (the :data:`MEMBER_COSTS`):
+    buffers of two sizes timed whole and as :data:`MEMBER_PROBE` members each. The extra grows with
+    the members (a kernel or more each) and with the elements (a pass applying each member's scale),
+    so two sizes with as many members separate the two."""
+    (small, large), members = MEMBER_PROBE
+    extra = []  # (encode, decode) seconds that fusing added, at each size
+    for size in (small, large):
+        # Whole and split alternately, the median difference: a host's drift between two long
+        # timings of a large buffer is as big as what fusing adds to it.
+        rounds = []
+        for _ in range(MEMBER_ROUNDS):
+            whole, split = (measure_costs(compressor, [size], device, budget_s=budget_s, memory=memory,
+                                          members=count)[2][0] for count in (1, members))
+            rounds.append({what: split[f"{what}_s"] - whole[f"{what}_s"] for what in ("encode", "decode")})
+        extra.append({what: statistics.median(r[what] for r in rounds) for what in ("encode", "decode")})
+    out = {}
+    for what in ("encode", "decode"):
+        per_element = max(0.0, (extra[1][what] - extra[0][what]) / (large - small))
+        out[f"member_{what}_s"] = max(0.0, (extra[0][what] - per_element * small) / (members - 1))
+        out[f"fused_{what}_per_element_s"] = per_element
+    return out
