@@ -463,8 +463,8 @@ model grows it through the step from the previous step's final collective). Cali
 are benchmarked on every rank at once over a grid of sizes, then scaled by what the same work cost in the
 calibration steps (weighted median over groups of measured / benchmarked; encode x{ratio('calibration_encode')},
 decode x{ratio('calibration_decode')}: the benchmark loop sees neither the other ranks' backward nor cold data;
-a compressor that scales per member, efsignsgd here, is also timed on a buffer of 64 members and pays the
-difference per member of a fused group);
+a compressor that scales per member, efsignsgd here, is also timed on buffers of 64K and 4M elements as 64 members
+and pays the difference per member and per element of a fused group);
 the model's allreduce times are scaled so that its dense step in DDP's buckets takes what the profiled dense
 steps took (x{ratio('allreduce_efficiency')}: on this host every machine's reductions, copies and TCP stack
 share 2 cores with backward); and every compressed group is charged a fixed overhead on the training thread so
