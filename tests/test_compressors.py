@@ -548,6 +548,28 @@ def test_aggregate_only_where_summable(name):
     assert torch.allclose(summed, expected, atol=0.05 if name == "bf16" else 1e-2)  # summed on the wire dtype
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decompress_sum_adds_every_payload_in_order_and_leaves_them_untouched(name, dtype):
+    """What a receiver does with every rank's payload equals decompressing each and adding them in
+    rank order, bit for bit (exactly representable data), whatever shortcut the compressor takes."""
+    compressor = make(name)
+    gen = torch.Generator().manual_seed(15)
+    items = [compressor.compress((torch.randint(-8, 9, (33, 8), generator=gen) / 4).to(dtype), f"rank{k}")
+             for k in range(4)]
+    payloads = [[p.clone() for p in item.payload] for item in items]
+    want = compressor.decompress(items[0]).clone()
+    for item in items[1:]:
+        want = want + compressor.decompress(item)
+    got = compressor.decompress_sum(items)
+    assert got.shape == want.shape and got.dtype == want.dtype and torch.equal(got, want)
+    assert all(torch.equal(a, b) for item, before in zip(items, payloads, strict=True)
+               for a, b in zip(item.payload, before, strict=True))
+    assert torch.equal(compressor.decompress_sum(items[:1]), compressor.decompress(items[0]))
+    with pytest.raises(ValueError, match="at least one"):
+        compressor.decompress_sum([])
+
+
 # -- configuration --------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,params,key", [
     ("topk", {"ratio": 1.5}, "compressor.ratio"),

@@ -11,6 +11,7 @@ The interface a backend relies on
     compress(tensor: Tensor, name: str = "", segments: Sequence[int] | None = None) -> Compressed
     decompress(compressed: Compressed) -> Tensor          # original shape and dtype
     aggregate(items: Sequence[Compressed]) -> Compressed  # only where ``summable``
+    decompress_sum(items: Sequence[Compressed]) -> Tensor  # decompress each, add in order
     payload_bytes(shape: int | Sequence[int], dtype: torch.dtype, kept: int | None = None) -> int
     state_dict() -> dict;  load_state_dict(state: dict) -> None
     summable: bool     # payloads of different ranks may be summed elementwise, then decoded

@@ -108,6 +108,17 @@ class Compressor:
         summed = [torch.stack(parts).sum(0) for parts in zip(*(c.payload for c in items), strict=True)]
         return items[0].with_payload(summed)
 
+    def decompress_sum(self, items: Sequence[Compressed]) -> torch.Tensor:
+        """Elementwise sum of several ranks' tensors decompressed, added in the order given, in one
+        new buffer (a decompressed tensor may alias its payload, which must stay untouched)."""
+        if not items:
+            raise ValueError("decompress_sum needs at least one compressed tensor")
+        total = self.decompress(items[0])
+        for k, item in enumerate(items[1:]):
+            part = self.decompress(item)
+            total = total + part if k == 0 else total.add_(part)
+        return total
+
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         """Bytes :meth:`compress` puts on the wire for a tensor of this shape and dtype.
 

@@ -145,8 +145,8 @@ class RandomK(SparseCompressor):
 
     context = Compressor.context  # shared indices live in the context: draw them
 
-    def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
-        return super().decode(payload if not self.shared else [payload[0], ctx.extra], ctx)
+    def entries(self, payload: list[torch.Tensor], ctx: Context) -> tuple[torch.Tensor, torch.Tensor]:
+        return (payload[0], ctx.extra) if self.shared else super().entries(payload, ctx)
 
     def kept_max(self, numel: int) -> int:
         return count_of(self.ratio, numel)

@@ -253,6 +253,9 @@ def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50, min_c
     return statistics.median(times)
 
 
+SUM_PROBE = 4  # messages a timed decode sums: the model charges each rank's message a share
+
+
 def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, budget_s: float = 0.02,
                   memory: Memory | None = None, members: int = 1) -> tuple[CostFit, CostFit, list]:
@@ -261,8 +264,9 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
 
     Timed is what CompressSync does per group around the compressor, not the compressor alone:
     encode = error-feedback compensate, compress, the local decompress error feedback needs, pack
-    the payload into one message, update the residual; decode = unpack one received message,
-    decompress it and add it to the sum. Works on copies, so the caller's per-tensor state
+    the payload into one message, update the residual; decode = one message's share of summing
+    :data:`SUM_PROBE` received messages (unpack, decompress, add: ``decompress_sum``, which a
+    sparse compressor does in one zeroed buffer for all). Works on copies, so the caller's per-tensor state
     (momentum, residuals, step counters) is untouched.
     """
     device = torch.device(device)
@@ -285,13 +289,12 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
 
         compressed = comp.compress(x, name, segments)
         message = wire.pack(compressed.payload)
-        total = torch.zeros_like(x)
 
-        def decode(compressed=compressed, message=message, total=total):
-            total.add_(comp.decompress(compressed.with_payload(wire.unpack(message))).reshape(-1))
+        def decode(compressed=compressed, message=message):
+            comp.decompress_sum([compressed.with_payload(wire.unpack(message)) for _ in range(SUM_PROBE)])
 
         samples.append({"numel": size, "encode_s": _timed(encode, budget_s, device),
-                        "decode_s": _timed(decode, budget_s, device)})
+                        "decode_s": _timed(decode, budget_s, device) / SUM_PROBE})
     sizes_ = [s["numel"] for s in samples]
     return (CostFit.fit(sizes_, [s["encode_s"] for s in samples]),
             CostFit.fit(sizes_, [s["decode_s"] for s in samples]), samples)

@@ -117,18 +117,8 @@ def _sizes(job: Job, message: torch.Tensor) -> list[int]:
 
 
 def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.Tensor]) -> torch.Tensor:
-    """Decode each rank's payload with this rank's context and sum them in rank order, into one new
-    buffer (a decoded part may alias a received message; a sum per rank would allocate n - 1)."""
-    total = None
-    for k, message in enumerate(messages):
-        part = compressor.decompress(like.with_payload(wire.unpack(message)))
-        if k == 0:
-            total = part
-        elif k == 1:
-            total = total + part
-        else:
-            total.add_(part)
-    return total
+    """Every rank's payload decoded with this rank's context and summed in rank order."""
+    return compressor.decompress_sum([like.with_payload(wire.unpack(message)) for message in messages])
 
 
 class Allreduce(Scheme):
