@@ -211,7 +211,6 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
 def test_member_costs_separate_a_cost_per_member_from_a_pass_over_the_buffer(monkeypatch):
     """Fusing timed at two sizes with as many members: what grows with the size is per element,
     the rest per member."""
-    (small, large), members = profile_module.MEMBER_PROBE
     per_member, per_element = {"encode": 4e-6, "decode": 1e-6}, {"encode": 0.0, "decode": 3e-10}
 
     def measure(compressor, sizes, device, budget_s, memory, members=1):

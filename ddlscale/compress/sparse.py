@@ -67,11 +67,9 @@ class SparseCompressor(Compressor):
         if not items:
             raise ValueError("decompress_sum needs at least one compressed tensor")
         ctx = items[0].ctx
-        total = None
-        for item in items:
-            values, idx = self.entries(item.payload, item.ctx)
-            if total is None:
-                total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        entries = [self.entries(item.payload, item.ctx) for item in items]
+        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=entries[0][0].device)
+        for values, idx in entries:
             total.index_add_(0, idx, values.to(ctx.dtype))
         return total.reshape(ctx.shape)
 

@@ -266,8 +266,8 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
     encode = error-feedback compensate, compress, the local decompress error feedback needs, pack
     the payload into one message, update the residual; decode = one message's share of summing
     :data:`SUM_PROBE` received messages (unpack, decompress, add: ``decompress_sum``, which a
-    sparse compressor does in one zeroed buffer for all). Works on copies, so the caller's per-tensor state
-    (momentum, residuals, step counters) is untouched.
+    sparse compressor does in one zeroed buffer for all). Works on copies, so the caller's
+    per-tensor state (momentum, residuals, step counters) is untouched.
     """
     device = torch.device(device)
     comp = copy.deepcopy(compressor)

@@ -3,8 +3,8 @@
 Sizes are log-uniform (a model has many small tensors and a few large ones), ready times grow with
 the sizes already produced, compression costs are constant-then-linear with random coefficients,
 and the cluster is drawn from 2-16 workers, 1-4 ranks per machine, 100 Mbit/s - 100 Gbit/s;
-per-member costs of fused buffers up to 50 us and up to 0.2 ns per fused element; in half the profiles the slowest rank ends backward
-up to 3 ms behind.
+fusing costs up to 50 us per member and 0.2 ns per element; in half the profiles the slowest rank
+ends backward up to 3 ms behind.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def random_profile(rng: random.Random, count: int, world_size: int | None = None
     member_encode, member_decode = rng.uniform(0, 5e-5), rng.uniform(0, 2e-5)
     lag = rng.choice([0.0, rng.uniform(0, 3e-3)])
     compressors["default"] = replace(compressors["default"], member_encode_s=member_encode,
-                                     member_decode_s=member_decode, fused_encode_per_element_s=rng.uniform(0, 2e-10),
+                                     member_decode_s=member_decode,
+                                     fused_encode_per_element_s=rng.uniform(0, 2e-10),
                                      fused_decode_per_element_s=rng.uniform(0, 2e-10))
     return Profile(tensors, backward_end, rest, world, network, compressors, lag_s=lag)
