@@ -53,11 +53,11 @@ METHODS = ("dense", "layerwise", *PLANNED)
 # Dense steps: warm-up ones (--warmup-steps: a run's first half second or so is slower here), then profiled
 # ones (3, the default, is noisy on this shared host).
 WARMUP_STEPS, PROFILE_STEPS = 6, 6
-CALIBRATE_STEPS = 3  # then a settling and 3 layer-wise steps timing the compressor in training (median), then the plan
+SETTLE_STEPS, CALIBRATE_STEPS = 3, 3  # then layer-wise: 3 settling steps, 3 timing the compressor in training (median), then the plan
 TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
-AFTER_WARMUP = PROFILE_STEPS + 1 + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
+AFTER_WARMUP = PROFILE_STEPS + SETTLE_STEPS + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -134,7 +134,7 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
         bw, latency = planner_network(bandwidth)
         out += [f"sync.network_bandwidth={bw}", f"sync.network_latency={latency}",
                 f"sync.warmup_steps={args.warmup_steps}", f"sync.profile_steps={PROFILE_STEPS}",
-                f"sync.calibrate_steps={CALIBRATE_STEPS}",
+                f"sync.settle_steps={SETTLE_STEPS}", f"sync.calibrate_steps={CALIBRATE_STEPS}",
                 "sync.gpus_per_machine=1"]
     if method == "espresso":
         out.append(f"sync.trial_steps={TRIAL_STEPS}")
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
-profiled steps, then layer-wise for 1 settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
+profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
 measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 {", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor

@@ -174,7 +174,7 @@ SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 def _sync_steps(rank, world, steps, bandwidth, state=None):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=1.0), comm="allgather", memory="none", profile_steps=2,
-                       network_bandwidth=bandwidth, run_dir=None)
+                       network_bandwidth=bandwidth, run_dir=None, settle_steps=1)
     sync.setup(params)
     if state is not None:
         sync.load_state_dict(state)
@@ -217,10 +217,10 @@ LAG_S = 0.03
 def _calibrated(rank, world, run_dir, warmup=1):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.5), comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
-                       network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup)
+                       network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup, settle_steps=2)
     sync.setup(params)
     ops = []
-    for step in range(warmup + 4):
+    for step in range(warmup + 5):
         g = torch.Generator().manual_seed(100 * rank + step)
         if rank == 1:
             time.sleep(LAG_S)  # a slower worker: every collective waits for it
@@ -265,8 +265,8 @@ def test_the_kept_plans_groups_are_timed_as_they_run(tmp_path):
 
 def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):
     (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 3)
-    # 3 warm-up and 1 profiled step dense, a settling and 2 calibration steps layer-wise, then the plan.
-    assert ops[:4] == [["allreduce"]] * 4 and ops[4:] == [["allgather_uneven"] * len(SHAPES)] * 3
+    # 3 warm-up and 1 profiled step dense, 2 settling and 2 calibration steps layer-wise, then the plan.
+    assert ops[:4] == [["allreduce"]] * 4 and ops[4:] == [["allgather_uneven"] * len(SHAPES)] * 4
     assert planned and Profile.load(tmp_path / "plan_profile.json").steps == 1
     with pytest.raises(ValueError, match="sync.warmup_steps"):
         CupcakeSync(TopK(), warmup_steps=0)
@@ -274,13 +274,15 @@ def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):
 
 def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its_fits(tmp_path):
     (ops, planned, work), _ = run_workers(_calibrated, 2, str(tmp_path))
-    # Warm-up and 1 profiled step dense; a settling and 2 calibration steps layer-wise (one top-k
-    # allgather per tensor); the plan comes after the 5th.
-    assert ops[:2] == [["allreduce"]] * 2 and ops[2:] == [["allgather_uneven"] * len(SHAPES)] * 3
+    # Warm-up and 1 profiled step dense; 2 settling and 2 calibration steps layer-wise (one top-k
+    # allgather per tensor); the plan comes after the 6th.
+    assert ops[:2] == [["allreduce"]] * 2 and ops[2:] == [["allgather_uneven"] * len(SHAPES)] * 4
     assert "calibrated in training" in planned and work is None  # the timings went into the plan
     profiled = Profile.load(tmp_path / "plan_profile.json").compressors
     calibration = profiled["default"].calibration
-    assert calibration["groups"] == 2 * len(SHAPES) and calibration["encode"] > 0 and calibration["decode"] > 0
+    # Only the calibration steps' work counts, not the settling steps'.
+    assert calibration["groups"] == 2 * len(SHAPES) and calibration["steps"] == 2
+    assert calibration["encode"] > 0 and calibration["decode"] > 0
     assert profiled["none"].calibration == {}  # only the configured compressor is calibrated
     # Rank 1 starts every step LAG_S late: the profile says the slowest rank ends backward that much behind.
     lag = Profile.load(tmp_path / "plan_profile.json").lag_s
@@ -320,6 +322,8 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
     assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
     with pytest.raises(ValueError, match="sync.calibrate_steps"):
         CupcakeSync(TopK(), calibrate_steps=-1)
+    with pytest.raises(ValueError, match="sync.settle_steps must be an integer >= 1, got 0"):
+        CupcakeSync(TopK(), settle_steps=0)
 
 
 def test_group_overhead_makes_the_layer_wise_prediction_what_training_measured():
@@ -373,7 +377,7 @@ def test_train_py_with_cupcake_and_topk(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "sync=cupcake", "compressor=topk", "model=cnn",
-         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", f"hydra.run.dir={out}",
+         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", "sync.settle_steps=1", f"hydra.run.dir={out}",
          "trainer.enable_progress_bar=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )

@@ -337,7 +337,7 @@ def _exact_step(sync, params, rank, world, step):
 def _espresso_steps(rank, world, bandwidth, latency="100us"):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
-                        network_latency=latency, run_dir=None)
+                        network_latency=latency, run_dir=None, settle_steps=1)
     sync.setup(params)
     exact = []
     for step in range(6):  # warm-up, 1 profiled, 1 settling + 2 calibration steps, then the plan
@@ -354,7 +354,8 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
 
 def _failing_profile_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None)
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
+                        settle_steps=1)
     sync.setup(params)
     if rank == 1:
         def fails():
@@ -495,7 +496,7 @@ def test_train_py_with_espresso_and_topk(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "sync=espresso", "compressor=topk", "model=cnn",
-         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", f"hydra.run.dir={out}",
+         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", "sync.settle_steps=1", f"hydra.run.dir={out}",
          "trainer.enable_progress_bar=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )

@@ -2,8 +2,8 @@
 
 1. For ``profile_steps`` steps after ``warmup_steps`` warm-up steps the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
-   fired, when backward ended and how long the step was. Then, for one settling step and
-   ``calibrate_steps`` more, every tensor is compressed alone with the configured option (layer-wise,
+   fired, when backward ended and how long the step was. Then, for ``settle_steps`` settling steps
+   and ``calibrate_steps`` more, every tensor is compressed alone with the configured option (layer-wise,
    as ``sync=compress`` runs) and the compressor's work in each group is timed as it runs
    (:attr:`CompressSync.work`): what compression costs inside compressed training steps, beside the
    other ranks' work — on emulated machines sharing a host's cores several times what the same
@@ -87,9 +87,13 @@ class PlannedSync(CompressSync):
     profile_steps: dense steps measured before planning.
     warmup_steps: dense steps run before those and not measured (the first allocates; on a busy host
         the first second of a run is often slower than the rest: start-up work of the other ranks).
-    calibrate_steps: layer-wise compressed steps (after a settling one) whose compressor work scales
+    calibrate_steps: layer-wise compressed steps (after the settling ones) whose compressor work scales
         the benchmarked costs and whose length, with the profiled dense steps', fits the model's
         allreduce factor and per-group overhead (0: trust the benchmark and the network model).
+    settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
+        run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
+        layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
+        high and the prediction of a fused plan over by as much per group.
     network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
         as the sparse backends take them; ``network_latency: measured`` times small collectives on
         the sync group before planning and takes the alpha that explains them (:func:`probe_latency`).
@@ -114,7 +118,7 @@ class PlannedSync(CompressSync):
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
-                 calibrate_steps: int = 3, warmup_steps: int = 1):
+                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
@@ -135,13 +139,12 @@ class PlannedSync(CompressSync):
             raise ValueError(f"sync.network_bandwidth must be > 0, got {network_bandwidth!r}")
         if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
             raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
-        for key, value in (("sync.trial_steps", trial_steps), ("sync.calibrate_steps", calibrate_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{key} must be an integer >= 0, got {value!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"sync.warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        for key, value, least in (("sync.trial_steps", trial_steps, 0), ("sync.calibrate_steps", calibrate_steps, 0),
+                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
         self.warmup_steps = warmup_steps
-        self.calibrate_steps = calibrate_steps
+        self.calibrate_steps, self.settle_steps = calibrate_steps, settle_steps
         self.calibrating = False
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
         self.trial_steps = trial_steps
@@ -235,9 +238,10 @@ class PlannedSync(CompressSync):
     def _calibration_step(self) -> None:
         self._calibration_seen += 1
         self._calibration_ends.append(time.perf_counter())  # a step's end: the next one's start
-        if self._calibration_seen == 1:  # a settling step: first residuals and buffers allocated
+        if self._calibration_seen <= self.settle_steps:  # settling: residuals and buffers allocated, warming up
             self.work.clear()
-        elif self._calibration_seen > self.calibrate_steps:
+            self._calibration_ends = self._calibration_ends[-1:]
+        elif self._calibration_seen >= self.settle_steps + self.calibrate_steps:
             self.calibrating = False
             self._plan_and_switch()
 
