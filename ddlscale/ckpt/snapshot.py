@@ -158,7 +158,7 @@ def rebuild(data: bytes | bytearray | memoryview) -> Any:
             return obj.tensor()
         if not isinstance(obj, TensorSlot):
             return obj
-        n = torch.Size(obj.shape).numel() * torch.empty((), dtype=obj.dtype).element_size()
+        n = torch.Size(obj.shape).numel() * obj.dtype.itemsize
         lo = position[0]
         position[0] += n
         if position[0] > len(view):

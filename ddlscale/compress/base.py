@@ -189,7 +189,7 @@ def numel_of(shape: Shape) -> int:
 
 
 def float_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def index_dtype(numel: int) -> torch.dtype:

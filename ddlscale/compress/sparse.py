@@ -84,5 +84,5 @@ class SparseCompressor(Compressor):
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         n = numel_of(shape)
-        per = float_bytes(dtype) + torch.empty((), dtype=index_dtype(n)).element_size()
+        per = float_bytes(dtype) + index_dtype(n).itemsize
         return self.kept_count(n, kept) * per

@@ -138,6 +138,7 @@ class CostModel:
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
         self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
         self._cache: dict[tuple, tuple[float, float, float]] = {}
+        self._fused_fits: dict[tuple[Option, int], tuple[CostFit, CostFit]] = {}
 
     # -- the option space ------------------------------------------------------------------------
     @property
@@ -237,14 +238,13 @@ class CostModel:
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
-        if comp is not None and comp.per_member and not option.hierarchical and unit.tensors > 1:
+        tensors = unit.tensors
+        if comp is not None and comp.per_member and not option.hierarchical and tensors > 1:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = (-(-unit.tensors // ranks) if scheme == "alltoall" else unit.tensors) - 1
-            prof = self.profile.compressors[option.compressor]
-            enc = enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0)
-            dec = dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0)
+            extra = (-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1
+            enc, dec = self._fused(option, extra)
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
             payload = self._payload(unit, option, numel, shape)
@@ -253,15 +253,15 @@ class CostModel:
             decode += dec(numel)
         elif scheme == "allgather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + sized * across.all_to_all(SIZE_BYTES, ranks)  # blocking size exchange
+            encode += enc(numel) + sized * _exchange_sizes(across, ranks)  # blocking size exchange
             comm += _allgather(across, payload, ranks)
             decode += ranks * dec(numel)
         elif scheme == "alltoall":
             part = -(-numel // ranks)
             payload = self._payload(unit, option, part, None)
-            encode += ranks * enc(part) + sized * across.all_to_all(SIZE_BYTES, ranks)
+            encode += ranks * enc(part) + sized * _exchange_sizes(across, ranks)
             comm += across.all_to_all(payload, ranks)
-            comm += sized * across.all_to_all(SIZE_BYTES, ranks) + _allgather(across, payload, ranks)
+            comm += sized * _exchange_sizes(across, ranks) + _allgather(across, payload, ranks)
             # Sum n pieces, re-encode the sum, decode the n gathered sums — each other partition's
             # with a context built without data (Compressor.context: compressing zeros, unless the
             # compressor knows it from shape and dtype alone).
@@ -269,11 +269,28 @@ class CostModel:
             decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
         elif scheme == "gather":
             payload = self._payload(unit, option, numel, shape)
-            encode += enc(numel) + sized * across.all_to_all(SIZE_BYTES, ranks)
+            encode += enc(numel) + sized * _exchange_sizes(across, ranks)
             comm += across.gather(payload, ranks)
             comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
             decode += ranks * dec(numel) + enc(numel) + dec(numel)
         return encode, comm, decode
+
+    def _fused(self, option: Option, extra: int) -> tuple[CostFit, CostFit]:
+        """``option``'s encode and decode fits for a fused buffer of ``extra`` members past the first
+        (built once per member count: a fusion DP prices every group length)."""
+        found = self._fused_fits.get((option, extra))
+        if found is None:
+            prof, (enc, dec) = self.profile.compressors[option.compressor], self._fits(option)
+            found = self._fused_fits[option, extra] = (
+                enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0),
+                dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0))
+        return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _exchange_sizes(net: NetworkModel, n: int) -> float:
+    """The blocking exchange of one size per rank before an uneven collective."""
+    return net.all_to_all(SIZE_BYTES, n)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -300,7 +317,7 @@ def _dtype(name: str) -> torch.dtype:
 @functools.cache
 def element_size(name: str) -> int:
     """Bytes per element of a dtype named as a profile names it (``torch.float32``)."""
-    return torch.empty((), dtype=_dtype(name)).element_size()
+    return _dtype(name).itemsize
 
 
 def units_of(profile: Profile) -> list[Unit]:

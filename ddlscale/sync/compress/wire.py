@@ -39,7 +39,7 @@ def unpack(message: torch.Tensor) -> list[torch.Tensor]:
         at += 2 + ndim
     offset, payload = at * 8, []
     for dtype, shape in specs:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         raw = message[offset: offset + nbytes].clone()
         payload.append(raw.view(dtype).reshape(shape))
         offset += nbytes
