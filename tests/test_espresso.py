@@ -311,9 +311,15 @@ def test_plan_tool_recomputes_a_saved_profile_for_another_cluster(tmp_path):
         plan_tool.report(["--profile", str(path), "--bandwidth", "fast"])
 
 
-def test_plan_tool_profiles_a_model():
-    text = plan_tool.report(["--model", "cnn", "--compressor", "topk", "--steps", "3", "--system", "espresso"])
+def test_plan_tool_profiles_a_model(tmp_path):
+    text = plan_tool.report(["--model", "cnn", "--compressor", "topk", "--memory", "residual", "--steps", "3",
+                             "--system", "espresso", "--save", str(tmp_path / "p.json")])
     assert "espresso plan" in text and "compressor TopK" in text
+    assert Profile.load(tmp_path / "p.json").widens  # timed with error feedback: p = g + e in float32
+    with pytest.raises(ValueError, match="--memory 'bogus'"):
+        plan_tool.report(["--model", "cnn", "--memory", "bogus"])
+    with pytest.raises(ValueError, match="--memory 'residual'.*own error feedback"):
+        plan_tool.report(["--model", "cnn", "--compressor", "efsignsgd", "--memory", "residual"])
 
 
 # -- the backend -------------------------------------------------------------------------------------

@@ -1,13 +1,14 @@
 """Show an Espresso or Cupcake plan without training.
 
     python -m ddlscale.tools.plan --profile RUN_DIR/plan_profile.json [--workers 64 --bandwidth 25gbit]
-    python -m ddlscale.tools.plan --model cnn --compressor topk [--steps 6] [--save profile.json]
+    python -m ddlscale.tools.plan --model cnn --compressor topk [--memory residual] [--steps 6] [--save profile.json]
 
 From a saved profile (every ``sync=espresso`` / ``sync=cupcake`` run writes ``plan_profile.json``)
 the plan is recomputed offline, optionally for another cluster (workers, bandwidth, latency, ranks
 per machine). With ``--model`` a workload from ``conf/model`` is profiled here for a few steps in
 this one process (ready times, backward end, the rest of the step) and the compressor from
-``conf/compressor`` is measured on this device; the cluster is then the one given.
+``conf/compressor`` is measured on this device, with the error feedback from ``conf/memory``; the
+cluster is then the one given.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ddlscale.comm.cost import parse_bandwidth, parse_time
-from ddlscale.compress import Compressor, NoCompression, ResidualMemory
+from ddlscale.compress import Compressor, NoCompression
+from ddlscale.compress.memory import Memory
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
 
@@ -36,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--profile", type=Path, help="a saved plan_profile.json")
     source.add_argument("--model", help="profile this workload (conf/model/<name>.yaml) here")
     parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml")
+    parser.add_argument("--memory", default="none",
+                        help="with --model: the error feedback the compressor is timed with, conf/memory/<name>.yaml "
+                             "(default none, as train.py's)")
     parser.add_argument("--steps", type=int, default=6, help="with --model: steps to run (the first is warm-up)")
     parser.add_argument("--save", type=Path, help="with --model: write the profile here")
     parser.add_argument("--system", choices=("espresso", "cupcake", "both"), default="both")
@@ -69,7 +74,16 @@ def build_compressor(name: str) -> Compressor:
     return NoCompression() if cfg.get("_target_") is None else instantiate(cfg)
 
 
-def profile_model(module: torch.nn.Module, compressor: Compressor, steps: int, world_size: int,
+def build_memory(name: str, compressor: Compressor) -> Memory:
+    from hydra.utils import instantiate
+
+    memory = instantiate(_load_config("memory", name))
+    if getattr(compressor, "has_memory", False) and memory.name != "none":
+        raise ValueError(f"--memory {name!r}: compressor {compressor.name} keeps its own error feedback; use none")
+    return memory
+
+
+def profile_model(module: torch.nn.Module, compressor: Compressor, memory: Memory, steps: int, world_size: int,
                   network: dict, budget_s: float = 0.02) -> Profile:
     """Train ``module`` (a ddlscale Workload) for ``steps`` steps in this process and profile it."""
     if steps < 2:
@@ -104,7 +118,6 @@ def profile_model(module: torch.nn.Module, compressor: Compressor, steps: int, w
                              summary["ready_s"][k]) for k, i in enumerate(order)]
     total = sum(t.numel for t in tensors)
     planning = {"none": NoCompression()} if compressor.name == "none" else {"none": NoCompression(), "default": compressor}
-    memory = ResidualMemory()  # the default sync.memory
     compressors = {key: profile_compressor(comp, total, "cpu", budget_s, memory) for key, comp in planning.items()}
     return Profile(tensors, summary["backward_end_s"], summary["rest_s"], world_size, network, compressors,
                    "cpu", None, summary["steps"], widens=memory.widens)
@@ -149,7 +162,8 @@ def report(argv: Sequence[str]) -> str:
         network = _network(args, {"bandwidth": "1gbit", "latency": "100us", "gpus_per_machine": 1})
         compressor = build_compressor(args.compressor)
         check_plannable(compressor, "--compressor")
-        profile = profile_model(module, compressor, args.steps, args.workers or 2, network)
+        memory = build_memory(args.memory, compressor)
+        profile = profile_model(module, compressor, memory, args.steps, args.workers or 2, network)
         if args.save is not None:
             lines.append(f"profile saved to {profile.save(args.save)}")
     model = cost_model(profile)
