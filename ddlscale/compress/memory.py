@@ -122,3 +122,10 @@ class DecayedMemory(ResidualMemory):
 
     def next_residual(self, error: torch.Tensor) -> torch.Tensor:
         return error * self.beta
+
+
+def check_pairing(compressor: Any, memory: Memory) -> None:
+    """A compressor that applies its own error feedback (``has_memory``) runs without a second one."""
+    if getattr(compressor, "has_memory", False) and memory.name != "none":
+        raise ValueError(f"compressor {compressor.name} keeps its own error feedback; use memory=none "
+                         f"(got memory={memory.name})")

@@ -20,7 +20,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 
@@ -33,10 +34,6 @@ class CostFit:
     intercept_s: float = 0.0
     per_element_s: float = 0.0
     points: tuple[tuple[float, float], ...] = ()  # (numel, seconds), sizes increasing, seconds non-decreasing
-    _sizes: tuple[float, ...] = field(init=False, repr=False, compare=False)  # the points' sizes, to bisect
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_sizes", tuple(s for s, _ in self.points))
 
     def __call__(self, numel: float) -> float:
         if numel <= 0:
@@ -49,7 +46,7 @@ class CostFit:
         if numel >= last[0]:
             before = self.points[-2] if len(self.points) > 1 else (0.0, 0.0)
             return last[1] + (numel - last[0]) * (last[1] - before[1]) / (last[0] - before[0])
-        above = bisect.bisect_left(self._sizes, numel)  # the first point at or above numel
+        above = bisect.bisect_left(self.points, numel, key=itemgetter(0))  # the first point at or above numel
         (sa, ta), (sb, tb) = self.points[above - 1], self.points[above]
         return ta + (numel - sa) * (tb - ta) / (sb - sa)
 

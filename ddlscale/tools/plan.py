@@ -24,7 +24,7 @@ import torch
 
 from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.compress import Compressor, NoCompression
-from ddlscale.compress.memory import Memory
+from ddlscale.compress.memory import Memory, check_pairing
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
 
@@ -78,8 +78,10 @@ def build_memory(name: str, compressor: Compressor) -> Memory:
     from hydra.utils import instantiate
 
     memory = instantiate(_load_config("memory", name))
-    if getattr(compressor, "has_memory", False) and memory.name != "none":
-        raise ValueError(f"--memory {name!r}: compressor {compressor.name} keeps its own error feedback; use none")
+    try:
+        check_pairing(compressor, memory)
+    except ValueError as exc:
+        raise ValueError(f"--memory {name!r}: {exc}") from None
     return memory
 
 

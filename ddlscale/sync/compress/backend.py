@@ -22,7 +22,7 @@ import torch
 
 from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor
-from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
+from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory, check_pairing
 from ddlscale.compress.none import NoCompression
 from ddlscale.sync.compress.plan import Plan, TensorPlan
 from ddlscale.sync.compress.regroup import GroupLayout, regroup
@@ -76,9 +76,7 @@ class CompressSync(DenseAllreduce):
         self.compressors: dict[str, Compressor] = {"none": NoCompression(), "default": compressor or NoCompression()}
         if isinstance(memory, str):
             memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()
-        if getattr(compressor, "has_memory", False) and memory.name != "none":
-            raise ValueError(f"compressor {compressor.name} keeps its own error feedback; use memory=none "
-                             f"(got memory={memory.name})")
+        check_pairing(compressor, memory)
         if getattr(compressor, "name", None) == "randomk" and compressor.unbiased and memory.name == "residual":
             warnings.warn("compressor=randomk with unbiased=true under memory=residual: error feedback needs a "
                           "contractive compressor, and random-k scaled by numel/k is not — its residual grows until "
