@@ -15,7 +15,7 @@ from ddlscale.comm.cost import (
     zen_balanced_parallelism_time,
     zen_hierarchical_centralization_time,
 )
-from ddlscale.comm.timeline import TensorTask, simulate
+from ddlscale.comm.timeline import Swaps, TensorTask, iteration_time, simulate
 
 GBIT = 1e9
 ALPHA = 50e-6
@@ -379,6 +379,33 @@ def test_matches_espresso_recursion_and_never_ends_before_backward():
             assert span.ready <= span.encode_start <= span.encode_end <= span.comm_start
             assert span.comm_start <= span.comm_end <= span.decode_start <= span.decode_end
             assert span.decode_end <= timeline.iteration_s
+
+
+def test_swaps_score_changed_plans_as_the_simulator_does():
+    """A search's O(1) scoring of one- and two-task changes equals simulating the changed plan."""
+    rng = random.Random(3)
+
+    def task(name: str, ready: float) -> TensorTask:
+        zero = rng.random() < 0.2  # free encodes and decodes, and messages that take no time
+        return TensorTask(name, ready, 0.0 if zero else rng.uniform(0, 0.05), rng.choice([0.0, rng.uniform(0, 0.2)]),
+                          0.0 if zero else rng.uniform(0, 0.05), True, rng.choice([0.0, rng.uniform(0, 0.02)]))
+
+    for _ in range(300):
+        backward_end = rng.uniform(0.1, 2.0)
+        readies = sorted(rng.uniform(0, backward_end) for _ in range(rng.randrange(1, 15)))
+        tasks = [task(f"t{i}", r) for i, r in enumerate(readies)]
+        swaps = Swaps.of(tasks, backward_end, optimizer_s=0.03)
+        for _ in range(5):
+            at = rng.sample(range(len(tasks)), min(len(tasks), rng.choice([1, 2, 3])))
+            changes = {i: task(f"new{i}", tasks[i].ready_s) for i in at}
+            changed = [changes.get(i, t) for i, t in enumerate(tasks)]
+            assert swaps.time(changes) == pytest.approx(iteration_time(changed, backward_end, 0.03), rel=1e-12)
+    with pytest.raises(ValueError, match="must keep ready time"):
+        swaps.time({0: TensorTask("moved", tasks[0].ready_s + 1.0, 0, 0, 0, True)})
+    side = TensorTask("side", 0.5, 0.1, 0.1, 0.1, encode_on_compute=False)
+    assert Swaps.of([side], 1.0) is None  # a side stream queues its jobs: not a max-plus recursion
+    assert Swaps.of([TensorTask("b", 0.6, 0, 1, 0), TensorTask("a", 0.5, 0, 1, 0)], 1.0) is None
+    assert Swaps.of([TensorTask("free", 0.5, 0, 1, 0)], 1.0) is not None  # no encode or decode: any stream
 
 
 def test_timeline_validation():

@@ -163,7 +163,7 @@ def test_error_feedback_prices_bf16_payloads_as_the_float32_they_travel_in():
     sent = {}
     for widens in (False, True):
         model = CostModel(dataclasses.replace(profile, widens=widens), comps)
-        sent[widens] = model._payload(units_of(model.profile)[0], Option("default", "allgather"), 1 << 20, None)
+        sent[widens] = model._payload("torch.bfloat16", None, 1, 1 << 20, Option("default", "allgather"), 1 << 20, None)
         assert model.costs(units_of(model.profile)[0], DENSE)[1] == pytest.approx(
             NetworkModel.of("1gbit", "50us").allreduce(2 << 20, 4))  # dense stays bf16 either way
     kept = TopK(ratio=0.01).kept_max(1 << 20)
@@ -188,8 +188,7 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
         group = fuse(units[:4])
         priced[key] = model.costs(group, Option("default", "allgather"))
         # Cupcake's unnamed groups count their tensors as fuse() does, so the DP prices what runs.
-        assert Prefix(units).unit(0, 4).tensors == 4
-        assert model.costs(Prefix(units).unit(0, 4), Option("default", "allgather")) == priced[key]
+        assert Prefix(units).costs(0, 4, model, Option("default", "allgather")) == priced[key]
         assert model.costs(units[0], Option("default", "allgather"))[0] == pytest.approx(signs.encode(units[0].numel))
     (encode, comm, decode), (encode0, comm0, decode0) = priced["signs"], priced["free"]
     numel = group.numel
@@ -227,12 +226,16 @@ def test_member_costs_separate_a_cost_per_member_from_a_pass_over_the_buffer(mon
 
 
 def test_a_unit_without_a_kept_fraction_spoils_only_the_groups_holding_it():
-    units = units_of(random_profile(random.Random(7), 6, world_size=4))
+    profile = random_profile(random.Random(9), 6, world_size=4)
+    model, option = cost_model(profile), Option("default", "allgather")
+    assert not model.compressors["default"].fixed_size  # DGC: the payload follows the kept fraction
+    units = units_of(profile)
     units[4] = dataclasses.replace(units[4], kept={})  # no gradient when profiled
     prefix = Prefix(units)
     for i, j in itertools.combinations(range(7), 2):
-        assert prefix.unit(i, j).kept == pytest.approx(fuse(units[i:j]).kept)
-        assert ("default" in prefix.unit(i, j).kept) == (not i <= 4 < j)
+        group = fuse(units[i:j])
+        assert ("default" in group.kept) == (not i <= 4 < j)
+        assert prefix.costs(i, j, model, option) == pytest.approx(model.costs(group, option), rel=1e-12)
 
 
 def test_cost_fit_recovers_constant_then_linear():

@@ -124,9 +124,12 @@ def _check_tasks(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s
             raise ValueError(f"{task.name}.ready_s ({task.ready_s}) is after backward_end_s ({backward_end_s})")
 
 
-def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0) -> Timeline:
-    """Simulate one iteration of ``tasks`` (in backward order); see the module doc for the model."""
-    _check_tasks(tasks, backward_end_s, optimizer_s)
+def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0,
+             check: bool = True) -> Timeline:
+    """Simulate one iteration of ``tasks`` (in backward order); see the module doc for the model.
+    ``check=False`` skips validating the inputs (the caller built them)."""
+    if check:
+        _check_tasks(tasks, backward_end_s, optimizer_s)
     times, stolen = _schedule(tasks)
     backward_end = backward_end_s + stolen
     iteration = max([backward_end, *times[6]]) + optimizer_s
@@ -204,3 +207,92 @@ def _merged_busy(spans: Sequence[TensorSpan]) -> tuple[tuple[float, float], ...]
         else:
             busy.append((span.comm_start, span.comm_end))
     return tuple(busy)
+
+
+class Swaps:
+    """The iteration time of a plan with a few of its tasks swapped, without simulating it all again.
+
+    A plan search scores thousands of plans that differ from the current one in one or two tasks.
+    When every task runs on the compute stream (or has no encode and decode) and ready times never
+    decrease, the simulation is a max-plus recursion over the state before task i — communication
+    stream end C, stolen compute S, latest decode end M — and the tasks from k on act on it through
+    two numbers (alpha_k, beta_k) (the suffix constants of :mod:`ddlscale.plan.cupcake`):
+
+        iteration = max(M, C + alpha_k, S + beta_k) + optimizer
+
+    So with the states of the current plan kept for every i and the constants for every k, a plan
+    that differs in one task costs O(1); between two changed tasks the unchanged ones act on the
+    state as one max-plus map (see :meth:`_span`), built once per span and reused. ``time`` equals
+    :func:`iteration_time` up to float rounding (the tests check both on random plans).
+    Build it with :meth:`of`, which says when a plan does not qualify.
+    """
+
+    def __init__(self, tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0):
+        self.tasks, self.optimizer_s = list(tasks), optimizer_s
+        count = len(tasks)
+        # states[i]: (C, S, M) before task i.
+        self.states = [(0.0, 0.0, -math.inf)] * (count + 1)
+        state = self.states[0]
+        for i, task in enumerate(tasks):
+            state = self.states[i + 1] = _compute_step(state, task)
+        # alpha[k], beta[k]: the constants of tasks k..N-1 (the empty suffix: -inf, backward end).
+        self.alpha, self.beta = [-math.inf] * (count + 1), [float(backward_end_s)] * (count + 1)
+        for k in range(count - 1, -1, -1):
+            t = tasks[k]
+            self.alpha[k] = t.comm_s + max(t.decode_s, self.alpha[k + 1])
+            self.beta[k] = max(t.ready_s + t.lag_s + t.encode_s + self.alpha[k],
+                               t.encode_s + t.decode_s + self.beta[k + 1])
+        self._spans: dict[tuple[int, int], tuple[float, ...]] = {}
+
+    @classmethod
+    def of(cls, tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0) -> Swaps | None:
+        """The plan's Swaps, or None where it does not qualify (side-stream work, ready times out of order)."""
+        ordered = all(a.ready_s <= b.ready_s for a, b in zip(tasks, tasks[1:], strict=False))
+        return cls(tasks, backward_end_s, optimizer_s) if ordered and all(map(_on_compute, tasks)) else None
+
+    def time(self, changes: dict[int, TensorTask]) -> float:
+        """Iteration time with ``tasks[i]`` replaced by ``changes[i]`` (same ready time, compute stream)."""
+        at = sorted(changes)
+        state = self.states[at[0]]
+        for k, i in enumerate(at):
+            task = changes[i]
+            if task.ready_s != self.tasks[i].ready_s or not _on_compute(task):
+                raise ValueError(f"Swaps: {task.name} must keep ready time {self.tasks[i].ready_s} "
+                                 "and run on the compute stream")
+            state = _compute_step(state, task)
+            if k + 1 < len(at) and at[k + 1] > i + 1:
+                state = _apply_span(self._span(i + 1, at[k + 1]), state)
+        comm_free, stolen, last_decode = state
+        hi = at[-1]
+        return max(last_decode, comm_free + self.alpha[hi + 1], stolen + self.beta[hi + 1]) + self.optimizer_s
+
+    def _span(self, a: int, b: int) -> tuple[float, ...]:
+        """Tasks a..b-1 as one map of the state: from (C, S, M) to
+        (max(C + p, S + q), S + s, max(M, C + u, S + v)); returned as (p, q, s, u, v)."""
+        found = self._spans.get((a, b))
+        if found is None:
+            p, q, s, u, v = 0.0, -math.inf, 0.0, -math.inf, -math.inf
+            for task in self.tasks[a:b]:
+                p, q = p + task.comm_s, max(q + task.comm_s,
+                                            s + task.ready_s + task.encode_s + task.lag_s + task.comm_s)
+                u, v = max(u, p + task.decode_s), max(v, q + task.decode_s)
+                s += task.encode_s + task.decode_s
+            found = self._spans[a, b] = (p, q, s, u, v)
+        return found
+
+
+def _apply_span(span: tuple[float, ...], state: tuple[float, float, float]) -> tuple[float, float, float]:
+    p, q, s, u, v = span
+    comm_free, stolen, last_decode = state
+    return max(comm_free + p, stolen + q), stolen + s, max(last_decode, comm_free + u, stolen + v)
+
+
+def _on_compute(task: TensorTask) -> bool:
+    return task.encode_on_compute or task.encode_s == task.decode_s == 0
+
+
+def _compute_step(state: tuple[float, float, float], task: TensorTask) -> tuple[float, float, float]:
+    """The module doc's recursion for one compute-stream task: its encode starts when it is ready."""
+    comm_free, stolen, last_decode = state
+    comm_end = max(task.ready_s + stolen + task.encode_s + task.lag_s, comm_free) + task.comm_s
+    return comm_end, stolen + task.encode_s + task.decode_s, max(last_decode, comm_end + task.decode_s)

@@ -172,12 +172,18 @@ class CostModel:
     # -- costs -------------------------------------------------------------------------------------
     def costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
         """(encode_s, comm_s, decode_s) of ``unit`` under ``option``."""
-        key = (unit.numel, unit.dtype, unit.shape, unit.kept.get(option.compressor), unit.tensors, option)
+        return self.costs_of(unit.numel, unit.dtype, option, unit.kept.get(option.compressor), unit.tensors, unit.shape)
+
+    def costs_of(self, numel: int, dtype: str, option: Option, kept: float | None = None, tensors: int = 1,
+                 shape: tuple[int, ...] | None = None) -> tuple[float, float, float]:
+        """:meth:`costs` of a unit given by its fields (``kept``: the fraction ``option``'s compressor
+        keeps, if profiled) — what a fusion DP prices about N^2/2 times, without building the units."""
+        key = (numel, dtype, shape, kept, tensors, option)
         found = self._cache.get(key)
         if found is None:
             if not self.allows(option):
                 raise ValueError(f"option {option.label()} is not allowed here")
-            found = self._cache[key] = self._costs(unit, option)
+            found = self._cache[key] = self._costs(numel, dtype, shape, kept, tensors, option)
         return found
 
     def task(self, unit: Unit, option: Option) -> TensorTask:
@@ -202,35 +208,41 @@ class CostModel:
             return prof.side_encode, prof.side_decode
         return prof.encode, prof.decode
 
-    def _payload(self, unit: Unit, option: Option, numel: int, shape: tuple[int, ...] | None) -> float:
-        """Bytes of one packed payload of ``numel`` elements of the unit (its real kept fraction)."""
+    def _payload(self, dtype_name: str, kept_fraction: float | None, tensors: int, total: int, option: Option,
+                 numel: int, shape: tuple[int, ...] | None) -> float:
+        """Bytes of one packed payload of ``numel`` of a unit's ``total`` elements (its real kept fraction)."""
         if not option.compressed:
-            return numel * element_size(unit.dtype)  # the gradient itself (NoCompression's payload)
+            return numel * element_size(dtype_name)  # the gradient itself (NoCompression's payload)
         comp = self.compressors[option.compressor]
-        dtype = _dtype(unit.dtype)
+        dtype = _dtype(dtype_name)
         if self.profile.widens:  # the memory hands the compressor p = g + e in float32
             dtype = torch.promote_types(dtype, torch.float32)
         kept = None
-        if option.compressor in unit.kept and not getattr(comp, "fixed_size", True):
-            kept = max(1, round(unit.kept[option.compressor] * numel))
+        if kept_fraction is not None and not getattr(comp, "fixed_size", True):
+            kept = max(1, round(kept_fraction * numel))
         header = self.profile.compressors[option.compressor].header_bytes
         # A per-member compressor's scales for a fused group's other members, in proportion to the
         # elements this payload holds (an alltoall partition holds about its share of them).
-        members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (unit.tensors - 1)
+        members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (tensors - 1)
         return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header + (
-            members * numel / max(1, unit.numel))
+            members * numel / max(1, total))
 
-    def _costs(self, unit: Unit, option: Option) -> tuple[float, float, float]:
+    def _costs(self, total: int, dtype: str, shape: tuple[int, ...] | None, kept: float | None, tensors: int,
+               option: Option) -> tuple[float, float, float]:
         n, k, net = self.n, self.k, self.network
         if n == 1:
             return 0.0, 0.0, 0.0
-        dense_bytes = unit.numel * element_size(unit.dtype)
+        dense_bytes = total * element_size(dtype)
         encode = comm = decode = 0.0
-        numel, shape, ranks, across = unit.numel, unit.shape, n, net if option.scheme == "allreduce" else self.exchange
+        numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
+
+        def payload_of(numel: int, shape: tuple[int, ...] | None) -> float:
+            return self._payload(dtype, kept, tensors, total, option, numel, shape)
+
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
-            numel, shape, ranks = -(-unit.numel // k), None, n // k
+            numel, shape, ranks = -(-total // k), None, n // k
             across = self.across if option.scheme == "allreduce" else self.exchange_across
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
         # per group beyond the 1/n copy that the profiled backward already holds.
@@ -238,7 +250,6 @@ class CostModel:
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
-        tensors = unit.tensors
         if comp is not None and comp.per_member and not option.hierarchical and tensors > 1:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
@@ -247,18 +258,18 @@ class CostModel:
             enc, dec = self._fused(option, extra)
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
-            payload = self._payload(unit, option, numel, shape)
+            payload = payload_of(numel, shape)
             encode += enc(numel)
             comm += across.allreduce(payload, ranks)
             decode += dec(numel)
         elif scheme == "allgather":
-            payload = self._payload(unit, option, numel, shape)
+            payload = payload_of(numel, shape)
             encode += enc(numel) + sized * _exchange_sizes(across, ranks)  # blocking size exchange
             comm += _allgather(across, payload, ranks)
             decode += ranks * dec(numel)
         elif scheme == "alltoall":
             part = -(-numel // ranks)
-            payload = self._payload(unit, option, part, None)
+            payload = payload_of(part, None)
             encode += ranks * enc(part) + sized * _exchange_sizes(across, ranks)
             comm += across.all_to_all(payload, ranks)
             comm += sized * _exchange_sizes(across, ranks) + _allgather(across, payload, ranks)
@@ -268,7 +279,7 @@ class CostModel:
             contexts = ranks - 1 if comp is not None and type(comp).context is Compressor.context else 0
             decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
         elif scheme == "gather":
-            payload = self._payload(unit, option, numel, shape)
+            payload = payload_of(numel, shape)
             encode += enc(numel) + sized * _exchange_sizes(across, ranks)
             comm += across.gather(payload, ranks)
             comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)

@@ -177,18 +177,19 @@ def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[
 
 
 class Prefix:
-    """Fused units of any range in O(1): prefix sums of sizes, tensors and kept elements."""
+    """Costs of fused units over any range without fusing them: prefix sums of sizes, tensors and kept elements."""
 
     def __init__(self, units: Sequence[Unit]):
         self.units = list(units)
-        self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64)))
-        self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64)))
+        # Python lists: read one element at a time, N^2/2 times.
+        self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64))).tolist()
+        self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64))).tolist()
         # Per key, kept elements and how many units lack the key: a range prices by the key only when
         # all its units have it (as fuse() does), so one unprofiled unit spoils only its own groups.
         keys = set().union(*(u.kept for u in units))
-        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept.get(key, 0.0) * u.numel for u in units])))
+        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept.get(key, 0.0) * u.numel for u in units]))).tolist()
                      for key in keys}
-        self.lacking = {key: np.concatenate(([0], np.cumsum([key not in u.kept for u in units], dtype=np.int64)))
+        self.lacking = {key: np.concatenate(([0], np.cumsum([key not in u.kept for u in units], dtype=np.int64))).tolist()
                         for key in keys}
         # run_end[i]: first index after i with another dtype (a fused buffer has one dtype).
         self.run_end = [len(units)] * len(units)
@@ -196,17 +197,17 @@ class Prefix:
             same = units[i + 1].dtype == units[i].dtype
             self.run_end[i] = self.run_end[i + 1] if same else i + 1
 
-    def unit(self, i: int, j: int) -> Unit | None:
-        """Units i..j-1 fused, without names (cheap; for costs), or None across a dtype change."""
+    def costs(self, i: int, j: int, model: CostModel, option: Option) -> tuple[float, float, float] | None:
+        """``model.costs`` of units i..j-1 fused under ``option``, or None across a dtype change."""
         if j > self.run_end[i]:
             return None
         if j == i + 1:
-            return self.units[i]
-        numel = int(self.numel[j] - self.numel[i])
-        kept = {key: float(s[j] - s[i]) / max(1, numel) for key, s in self.kept.items()
-                if self.lacking[key][j] == self.lacking[key][i]}
-        return Unit((), numel, self.units[i].dtype, self.units[j - 1].ready_s, None, kept,
-                    int(self.tensors[j] - self.tensors[i]))
+            return model.costs(self.units[i], option)
+        numel, key = self.numel[j] - self.numel[i], option.compressor
+        kept = None
+        if key in self.kept and self.lacking[key][j] == self.lacking[key][i]:
+            kept = (self.kept[key][j] - self.kept[key][i]) / max(1, numel)
+        return model.costs_of(numel, self.units[i].dtype, option, kept, self.tensors[j] - self.tensors[i])
 
 
 @dataclass
@@ -240,13 +241,11 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
             run_end[i] = run_end[i + 1]
 
     def group_cost(i: int, j: int) -> tuple[float, float, float, float] | None:
-        if j > run_end[i]:
+        costs = prefix.costs(i, j, model, options[i]) if j <= run_end[i] else None
+        if costs is None:
             return None
-        unit = prefix.unit(i, j)
-        if unit is None:
-            return None
-        encode, comm, decode = model.costs(unit, options[i])
-        return unit.ready_s, encode, comm, decode, model.lag(unit.ready_s)
+        ready = units[j - 1].ready_s  # a group is complete when its last gradient is
+        return ready, *costs, model.lag(ready)
 
     groups, _ = optimal_partition(len(units), group_cost, backward_end_s, optimizer_s)
     fused = [fuse(units[i:j]) for i, j in groups]

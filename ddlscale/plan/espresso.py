@@ -49,7 +49,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ddlscale.comm.timeline import TensorTask, Timeline, iteration_time, simulate
+from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, simulate
 from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
 from ddlscale.plan.cupcake import FusionPlan, plan_fusion
 
@@ -123,8 +123,22 @@ class Evaluator:
         self.evaluations += 1
         return iteration_time(tasks, self.backward_end_s, self.optimizer_s, check=False)
 
-    def timeline(self, options: Sequence[Option]) -> Timeline:
-        return simulate(self.tasks(options), self.backward_end_s, self.optimizer_s)
+    def scorer(self, tasks: Sequence[TensorTask], options: Sequence[Option]) -> Swaps | None:
+        """``tasks`` prepared for scoring changes of one or two of them in O(1) each, where every
+        option keeps to the compute stream (else None: every candidate is simulated in full)."""
+        if all(o.device == "compute" for o in options):
+            return Swaps.of(tasks, self.backward_end_s, self.optimizer_s)
+        return None
+
+    def time_changed(self, base: Swaps | None, tasks: Sequence[TensorTask], changes: dict[int, TensorTask]) -> float:
+        """Iteration time of ``tasks`` with ``changes`` made; ``base``: their scorer, if any."""
+        if base is None:
+            return self.time([changes.get(i, t) for i, t in enumerate(tasks)])
+        self.evaluations += 1
+        return base.time(changes)
+
+    def timeline(self, tasks: Sequence[TensorTask]) -> Timeline:
+        return simulate(tasks, self.backward_end_s, self.optimizer_s, check=False)
 
 
 def before_bubble(timeline: Timeline) -> list[bool]:
@@ -165,12 +179,13 @@ def algorithm1(ev: Evaluator, start: list[Option], options: Sequence[Option], ma
     current = list(start)
     tasks = ev.tasks(current)
     best_time = ev.time(tasks)
+    base = ev.scorer(tasks, options)
     order = sorted(range(len(current)), key=lambda i: (-ev.units[i].numel, i))  # Property 2
     passes = 0
     while passes < max_passes:
         passes += 1
         changed = False
-        bubbles = before_bubble(ev.timeline(current)) if use_property1 else None
+        bubbles = before_bubble(ev.timeline(tasks)) if use_property1 else None
         for i in order:
             candidates = ev.useful(i, options)
             if bubbles is not None and bubbles[i]:  # Property 1: only a lighter compute load can help
@@ -179,19 +194,18 @@ def algorithm1(ev: Evaluator, start: list[Option], options: Sequence[Option], ma
             for option in candidates:
                 if option == current[i]:
                     continue
-                tasks[i] = ev.task(i, option)
-                t = ev.time(tasks)
+                t = ev.time_changed(base, tasks, {i: ev.task(i, option)})
                 if t < best_time - _TOL:
                     best_time, chosen = t, option
-            tasks[i] = ev.task(i, chosen)
             if chosen != current[i]:
-                current[i] = chosen
+                current[i], tasks[i] = chosen, ev.task(i, chosen)
+                base = ev.scorer(tasks, options)
                 changed = True
                 if use_property1:  # compression moved the bubbles: re-check against the new timeline
-                    bubbles = before_bubble(ev.timeline(current))
+                    bubbles = before_bubble(ev.timeline(tasks))
         if not changed:
             break
-    return current, best_time, passes
+    return current, ev.time(tasks), passes  # the simulator's own figure, not the scorer's rounding
 
 
 def pair_moves(ev: Evaluator, current: list[Option], best_time: float, options: Sequence[Option],
@@ -200,6 +214,7 @@ def pair_moves(ev: Evaluator, current: list[Option], best_time: float, options: 
     (e.g. compressing a tensor instead of, not besides, a similar one). Returns plan, time, changes."""
     current = list(current)
     tasks = ev.tasks(current)
+    base = ev.scorer(tasks, options)
     largest = sorted(range(len(current)), key=lambda i: (-ev.units[i].numel, i))[:top]
     changes = 0
     improved = True
@@ -209,19 +224,18 @@ def pair_moves(ev: Evaluator, current: list[Option], best_time: float, options: 
             for j in largest[a + 1:]:
                 best = None
                 for oi in ev.useful(i, options):
-                    tasks[i] = ev.task(i, oi)
                     for oj in ev.useful(j, options):
                         if oi == current[i] or oj == current[j]:
                             continue  # single moves are algorithm 1's
-                        tasks[j] = ev.task(j, oj)
-                        t = ev.time(tasks)
+                        t = ev.time_changed(base, tasks, {i: ev.task(i, oi), j: ev.task(j, oj)})
                         if t < best_time - _TOL:
                             best_time, best = t, (oi, oj)
                 if best is not None:
                     current[i], current[j] = best
+                    tasks[i], tasks[j] = ev.task(i, current[i]), ev.task(j, current[j])
+                    base = ev.scorer(tasks, options)
                     changes += 1
                     improved = True
-                tasks[i], tasks[j] = ev.task(i, current[i]), ev.task(j, current[j])
     return current, best_time, changes
 
 
