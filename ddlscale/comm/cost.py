@@ -31,6 +31,10 @@ post, copy and bridge every message of every machine; a real cluster has no such
 ``shared_host`` adds it to the pairwise exchanges (all-to-all, direct allgather): every message
 segment costs ``message_cpu_s`` of host CPU, spread over the host's cores (see :class:`SharedHost`).
 
+**Sizes.** A size is a number or a 1-D numpy array of them; with an array, a collective's time is
+computed for every element at once (one collective per element, equal pieces): the fusion DP prices a
+whole row of candidate groups this way. Per-rank piece lists and send matrices are Python sequences.
+
 **Calibration.** ``efficiency[name]`` multiplies the whole time of collective ``name`` (measured /
 ideal; gloo's allgather measures 1.7-2.2x the ideal ring), so that a calibration against the
 emulated cluster corrects one collective without bending the others.
@@ -38,12 +42,15 @@ emulated cluster corrects one collective without bending the others.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
+
+import numpy as np
 
 BITS_PER_BYTE = 8
 WORD_BYTES = 4  # Zen counts volume in 4-byte words: an fp32 value or an int32 index
@@ -105,9 +112,18 @@ def _is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def _check_bytes(nbytes: float, what: str = "nbytes") -> None:
-    if not (math.isfinite(nbytes) and nbytes >= 0):
+def _check_bytes(nbytes: float | np.ndarray, what: str = "nbytes") -> None:
+    if isinstance(nbytes, np.ndarray):
+        bad = ~(np.isfinite(nbytes) & (nbytes >= 0))
+        if bad.any():
+            raise ValueError(f"{what} must be finite numbers >= 0, got {nbytes[bad][0]!r}")
+    elif not (math.isfinite(nbytes) and nbytes >= 0):
         raise ValueError(f"{what} must be a finite number >= 0, got {nbytes!r}")
+
+
+def _larger(a: float | np.ndarray, b: float | np.ndarray) -> float | np.ndarray:
+    """max(a, b), elementwise where either is an array of sizes' times."""
+    return np.maximum(a, b) if isinstance(a, np.ndarray) or isinstance(b, np.ndarray) else max(a, b)
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,13 @@ class SharedHost:
 
     def seconds(self, message_bytes: Sequence[float]) -> float:
         return self.operations(message_bytes) * self.message_cpu_s / self.cores
+
+    def message_seconds(self, nbytes: float | np.ndarray) -> float | np.ndarray:
+        """``seconds([nbytes])`` of one message, elementwise over an array of sizes."""
+        if not isinstance(nbytes, np.ndarray):
+            return self.seconds([nbytes])
+        operations = np.where(nbytes > 0, 2 * np.maximum(1, np.ceil(nbytes / self.segment_bytes)), 0)
+        return operations * self.message_cpu_s / self.cores
 
 
 @dataclass(frozen=True)
@@ -246,7 +269,7 @@ class NetworkModel:
             steps.append(self._inter(chunk_bytes))
         if self._ranks_per_machine(n) > 1:
             steps.append(self._intra(chunk_bytes))
-        return max(steps)
+        return functools.reduce(_larger, steps)
 
     def _exchange_step(self, distance: int, block_bytes: Sequence[float]) -> float:
         """One round in which rank r swaps ``block_bytes[r]`` with rank ``r XOR distance``.
@@ -346,7 +369,15 @@ class NetworkModel:
           gathered so far with the rank at distance 2^i. ``n`` must be a power of two.
         - ``direct``: every rank sends its piece to every other at once (``Communicator`` on gloo
           for large pieces): an all-to-all whose row i is piece i, priced as :meth:`all_to_all`.
+
+        An array of sizes prices one ring allgather of equal pieces per element.
         """
+        if isinstance(piece_bytes, np.ndarray):
+            _check_bytes(piece_bytes, "piece_bytes")
+            self.machines(n)
+            if algorithm != "ring":
+                raise ValueError(f"allgather of an array of sizes is priced for the ring only, not {algorithm!r}")
+            return 0.0 if n == 1 else self._calibrated("allgather", (n - 1) * self._ring_step(piece_bytes, n))
         pieces = self._pieces(piece_bytes, n)
         if n == 1:
             return 0.0
@@ -391,10 +422,11 @@ class NetworkModel:
         Blocks between ranks of one machine use the intra link; a rank's block to itself never
         travels (as in ``volume.all_to_all``). All on one machine, alpha is the intra latency.
         """
-        if isinstance(send_matrix_bytes, int | float):
+        if isinstance(send_matrix_bytes, int | float | np.ndarray):
             if n is None:
                 raise ValueError("all_to_all with a uniform block size needs n")
-            return self._uniform_all_to_all(float(send_matrix_bytes), n)
+            uniform = send_matrix_bytes if isinstance(send_matrix_bytes, np.ndarray) else float(send_matrix_bytes)
+            return self._uniform_all_to_all(uniform, n)
         matrix = [[float(b) for b in row] for row in send_matrix_bytes]
         size = len(matrix)
         if (n is not None and n != size) or any(len(row) != size for row in matrix):
@@ -433,14 +465,14 @@ class NetworkModel:
         local = self._ranks_per_machine(n)
         if n == 1:
             return 0.0
-        host = n * (n - 1) * self.shared_host.seconds([block_bytes]) if self.shared_host else 0.0
+        host = n * (n - 1) * self.shared_host.message_seconds(block_bytes) if self.shared_host else 0.0
         seconds = host + self._all_to_all_time(n, local * (n - local) * block_bytes, (local - 1) * block_bytes)
         return self._calibrated("all_to_all", seconds)
 
     def _all_to_all_time(self, n: int, busiest_nic_bytes: float, busiest_link_bytes: float) -> float:
         across = self.machines(n) > 1
         alpha = self.latency_s if across else self.intra_latency_s
-        transfer = max(
+        transfer = _larger(
             busiest_nic_bytes * BITS_PER_BYTE / self.bandwidth_bps,
             busiest_link_bytes * BITS_PER_BYTE / self.intra_bandwidth_bps,
         )
@@ -472,7 +504,9 @@ class NetworkModel:
         machines, local = self.machines(n), self._ranks_per_machine(n)
         if n == 1:
             return 0.0
-        if algorithm == "flat":
+        if algorithm == "flat" and isinstance(nbytes, np.ndarray):
+            seconds = self._rooted_uniform(nbytes, n, root)
+        elif algorithm == "flat":
             seconds = self._rooted([float(nbytes)] * n, root)
         elif algorithm == "tree":
             seconds = self._tree_time(nbytes, machines, local)
@@ -485,7 +519,12 @@ class NetworkModel:
 
         The root's NIC takes the remote pieces one message each and its intra link the local ones,
         side by side: max(r alpha + remote bytes*8/b, l intra_alpha + local bytes*8/intra_b).
+        An array of sizes prices one gather of equal pieces per element.
         """
+        if isinstance(piece_bytes, np.ndarray):
+            _check_bytes(piece_bytes, "piece_bytes")
+            self.machines(n)
+            return 0.0 if n == 1 else self._calibrated("gather", self._rooted_uniform(piece_bytes, n, root))
         pieces = self._pieces(piece_bytes, n)
         if n == 1:
             return 0.0
@@ -502,6 +541,16 @@ class NetworkModel:
         across = len(remote) * self.latency_s + sum(remote) * BITS_PER_BYTE / self.bandwidth_bps
         inside = len(local) * self.intra_latency_s + sum(local) * BITS_PER_BYTE / self.intra_bandwidth_bps
         return max(across, inside)
+
+    def _rooted_uniform(self, nbytes: np.ndarray, n: int, root: int) -> np.ndarray:
+        """:meth:`_rooted` of ``n`` equal messages, for every size of ``nbytes`` at once."""
+        if not 0 <= root < n:
+            raise ValueError(f"root must be a rank in [0, {n}), got {root}")
+        remote = sum(self.machine_of(r) != self.machine_of(root) for r in range(n))
+        local = n - 1 - remote
+        across = remote * self.latency_s + remote * nbytes * BITS_PER_BYTE / self.bandwidth_bps
+        inside = local * self.intra_latency_s + local * nbytes * BITS_PER_BYTE / self.intra_bandwidth_bps
+        return np.maximum(across, inside)
 
     def send(self, nbytes: float, same_machine: bool = False) -> float:
         """Seconds for one point-to-point message: alpha + nbytes * 8 / b (Gemini's chunk time)."""

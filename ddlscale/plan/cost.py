@@ -41,6 +41,7 @@ import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from ddlscale.comm.cost import NetworkModel, parse_time
@@ -138,7 +139,6 @@ class CostModel:
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
         self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
         self._cache: dict[tuple, tuple[float, float, float]] = {}
-        self._fused_fits: dict[tuple[Option, int], tuple[CostFit, CostFit]] = {}
 
     # -- the option space ------------------------------------------------------------------------
     @property
@@ -177,14 +177,48 @@ class CostModel:
     def costs_of(self, numel: int, dtype: str, option: Option, kept: float | None = None, tensors: int = 1,
                  shape: tuple[int, ...] | None = None) -> tuple[float, float, float]:
         """:meth:`costs` of a unit given by its fields (``kept``: the fraction ``option``'s compressor
-        keeps, if profiled) — what a fusion DP prices about N^2/2 times, without building the units."""
+        keeps, if profiled)."""
         key = (numel, dtype, shape, kept, tensors, option)
         found = self._cache.get(key)
         if found is None:
-            if not self.allows(option):
-                raise ValueError(f"option {option.label()} is not allowed here")
-            found = self._cache[key] = self._costs(numel, dtype, shape, kept, tensors, option)
+            arrays = self.costs_many(np.array([numel]), dtype, option, np.array([np.nan if kept is None else kept]),
+                                     np.array([tensors]), [shape])
+            found = self._cache[key] = tuple(float(a[0]) for a in arrays)
         return found
+
+    def tasks(self, units: Sequence[Unit], option: Option) -> list[TensorTask]:
+        """:meth:`task` of every unit under ``option``, priced together (per dtype)."""
+        out: list[TensorTask | None] = [None] * len(units)
+        by_dtype: dict[str, list[int]] = {}
+        for i, unit in enumerate(units):
+            by_dtype.setdefault(unit.dtype, []).append(i)
+        for dtype, at in by_dtype.items():
+            picked = [units[i] for i in at]
+            costs = self.costs_many(np.array([u.numel for u in picked]), dtype, option,
+                                    np.array([u.kept.get(option.compressor, np.nan) for u in picked]),
+                                    np.array([u.tensors for u in picked]), [u.shape for u in picked])
+            for i, unit, encode, comm, decode in zip(at, picked, *(c.tolist() for c in costs), strict=True):
+                out[i] = TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
+                                    self.lag(unit.ready_s))
+        return out
+
+    def costs_many(self, numel: np.ndarray, dtype: str, option: Option, kept: np.ndarray | None = None,
+                   tensors: np.ndarray | None = None, shapes: Sequence[tuple[int, ...] | None] | None = None,
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(encode_s, comm_s, decode_s) arrays of units of one dtype under ``option``, all at once: a
+        fusion DP prices about N^2/2 candidate groups, a whole row per call.
+
+        Per unit: ``numel`` its elements, ``kept`` the fraction ``option``'s compressor keeps (NaN:
+        not profiled; default all NaN), ``tensors`` how many tensors it holds (default 1),
+        ``shapes`` a single tensor's shape or None (default all None)."""
+        if not self.allows(option):
+            raise ValueError(f"option {option.label()} is not allowed here")
+        numel = np.asarray(numel, dtype=np.int64)
+        kept = np.full(numel.shape, np.nan) if kept is None else np.asarray(kept, dtype=float)
+        tensors = np.ones_like(numel) if tensors is None else np.asarray(tensors, dtype=np.int64)
+        shapes = [None] * numel.size if shapes is None else list(shapes)
+        encode, comm, decode = self._costs(numel, dtype, shapes, kept, tensors, option)
+        return tuple(np.broadcast_to(np.asarray(a, dtype=float), numel.shape) for a in (encode, comm, decode))
 
     def task(self, unit: Unit, option: Option) -> TensorTask:
         encode, comm, decode = self.costs(unit, option)
@@ -208,27 +242,29 @@ class CostModel:
             return prof.side_encode, prof.side_decode
         return prof.encode, prof.decode
 
-    def _payload(self, dtype_name: str, kept_fraction: float | None, tensors: int, total: int, option: Option,
-                 numel: int, shape: tuple[int, ...] | None) -> float:
-        """Bytes of one packed payload of ``numel`` of a unit's ``total`` elements (its real kept fraction)."""
+    def _payload(self, dtype_name: str, kept_fraction: np.ndarray, tensors: np.ndarray, total: np.ndarray,
+                 option: Option, numel: np.ndarray, shapes: list) -> np.ndarray:
+        """Bytes of one packed payload of ``numel`` of each unit's ``total`` elements (its real kept fraction)."""
         if not option.compressed:
             return numel * element_size(dtype_name)  # the gradient itself (NoCompression's payload)
         comp = self.compressors[option.compressor]
         dtype = _dtype(dtype_name)
         if self.profile.widens:  # the memory hands the compressor p = g + e in float32
             dtype = torch.promote_types(dtype, torch.float32)
-        kept = None
-        if kept_fraction is not None and not getattr(comp, "fixed_size", True):
-            kept = max(1, round(kept_fraction * numel))
+        known = np.isfinite(kept_fraction) & (not getattr(comp, "fixed_size", True))
+        kept = np.where(known, np.maximum(1, np.round(np.nan_to_num(kept_fraction) * numel)), 0).astype(np.int64)
         header = self.profile.compressors[option.compressor].header_bytes
+        # The compressor's own formula, one unit at a time (each compressor has its own).
+        packed = np.array([comp.payload_bytes(shape if shape is not None else n, dtype, k if use else None)
+                           for n, shape, k, use in zip(numel.tolist(), shapes, kept.tolist(), known.tolist(),
+                                                       strict=True)], dtype=float)
         # A per-member compressor's scales for a fused group's other members, in proportion to the
         # elements this payload holds (an alltoall partition holds about its share of them).
         members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (tensors - 1)
-        return comp.payload_bytes(shape if shape is not None else numel, dtype, kept) + header + (
-            members * numel / max(1, total))
+        return packed + header + members * numel / np.maximum(1, total)
 
-    def _costs(self, total: int, dtype: str, shape: tuple[int, ...] | None, kept: float | None, tensors: int,
-               option: Option) -> tuple[float, float, float]:
+    def _costs(self, total: np.ndarray, dtype: str, shapes: list, kept: np.ndarray, tensors: np.ndarray,
+               option: Option) -> tuple[np.ndarray | float, ...]:
         n, k, net = self.n, self.k, self.network
         if n == 1:
             return 0.0, 0.0, 0.0
@@ -236,40 +272,51 @@ class CostModel:
         encode = comm = decode = 0.0
         numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
 
-        def payload_of(numel: int, shape: tuple[int, ...] | None) -> float:
-            return self._payload(dtype, kept, tensors, total, option, numel, shape)
+        def payload_of(numel: np.ndarray, shapes: list) -> np.ndarray:
+            return self._payload(dtype, kept, tensors, total, option, numel, shapes)
 
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
-            numel, shape, ranks = -(-total // k), None, n // k
+            numel, shapes, ranks = -(-total // k), [None] * total.size, n // k
             across = self.across if option.scheme == "allreduce" else self.exchange_across
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
         # per group beyond the 1/n copy that the profiled backward already holds.
-        enc, dec = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
+        enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
         scheme = option.scheme
         # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
-        if comp is not None and comp.per_member and not option.hierarchical and tensors > 1:
+        extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
+        if comp is not None and comp.per_member and not option.hierarchical:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = (-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1
-            enc, dec = self._fused(option, extra)
+            extra = np.where(tensors > 1, (-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1, 0)
+            prof = self.profile.compressors[option.compressor]
+            extra_encode, extra_decode = prof.member_encode_s * extra, prof.member_decode_s * extra
+            extra_encode_per_element = np.where(extra > 0, prof.fused_encode_per_element_s, 0.0)
+            extra_decode_per_element = np.where(extra > 0, prof.fused_decode_per_element_s, 0.0)
+
+        def enc(x: np.ndarray) -> np.ndarray:
+            return enc_fit.many(x, extra_encode, extra_encode_per_element)
+
+        def dec(x: np.ndarray) -> np.ndarray:
+            return dec_fit.many(x, extra_decode, extra_decode_per_element)
+
         sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
         if scheme == "allreduce":
-            payload = payload_of(numel, shape)
+            payload = payload_of(numel, shapes)
             encode += enc(numel)
             comm += across.allreduce(payload, ranks)
             decode += dec(numel)
         elif scheme == "allgather":
-            payload = payload_of(numel, shape)
+            payload = payload_of(numel, shapes)
             encode += enc(numel) + sized * _exchange_sizes(across, ranks)  # blocking size exchange
             comm += _allgather(across, payload, ranks)
             decode += ranks * dec(numel)
         elif scheme == "alltoall":
             part = -(-numel // ranks)
-            payload = payload_of(part, None)
+            payload = payload_of(part, [None] * part.size)
             encode += ranks * enc(part) + sized * _exchange_sizes(across, ranks)
             comm += across.all_to_all(payload, ranks)
             comm += sized * _exchange_sizes(across, ranks) + _allgather(across, payload, ranks)
@@ -279,23 +326,12 @@ class CostModel:
             contexts = ranks - 1 if comp is not None and type(comp).context is Compressor.context else 0
             decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
         elif scheme == "gather":
-            payload = payload_of(numel, shape)
+            payload = payload_of(numel, shapes)
             encode += enc(numel) + sized * _exchange_sizes(across, ranks)
             comm += across.gather(payload, ranks)
             comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
             decode += ranks * dec(numel) + enc(numel) + dec(numel)
         return encode, comm, decode
-
-    def _fused(self, option: Option, extra: int) -> tuple[CostFit, CostFit]:
-        """``option``'s encode and decode fits for a fused buffer of ``extra`` members past the first
-        (built once per member count: a fusion DP prices every group length)."""
-        found = self._fused_fits.get((option, extra))
-        if found is None:
-            prof, (enc, dec) = self.profile.compressors[option.compressor], self._fits(option)
-            found = self._fused_fits[option, extra] = (
-                enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0),
-                dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0))
-        return found
 
 
 @functools.lru_cache(maxsize=4096)
@@ -304,17 +340,15 @@ def _exchange_sizes(net: NetworkModel, n: int) -> float:
     return net.all_to_all(SIZE_BYTES, n)
 
 
-@functools.lru_cache(maxsize=4096)
-def _allgather(net: NetworkModel, piece_bytes: float, n: int) -> float:
+def _allgather(net: NetworkModel, piece_bytes: np.ndarray, n: int) -> np.ndarray:
     """Communicator's allgather: gloo's ring for small pieces, a direct exchange for large ones.
 
     The direct exchange of equal pieces is the uniform all-to-all (the same send matrix), priced in
     O(1) rather than through the n x n matrix ``allgather(..., "direct")`` builds.
     """
-    if piece_bytes * n <= SMALL_BYTES:
-        return net.allgather(piece_bytes, n, "ring")
     ratio = net.efficiency.get("allgather", 1.0) / net.efficiency.get("all_to_all", 1.0)
-    return net.all_to_all(piece_bytes, n) * ratio
+    return np.where(piece_bytes * n <= SMALL_BYTES, net.allgather(piece_bytes, n, "ring"),
+                    net.all_to_all(piece_bytes, n) * ratio)
 
 
 @functools.cache

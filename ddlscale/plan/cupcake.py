@@ -62,6 +62,25 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
     where they cannot be fused (then no group spans them). Returns the groups as (start, end) ranges and the iteration time the DP computed.
 
     ``group_cost`` must refuse every group that spans a forbidden pair, whatever its bounds.
+    """
+    def row_cost(i: int) -> tuple[list[int], np.ndarray]:
+        js, costs = [], []
+        for j in range(i + 1, count + 1):
+            cost = group_cost(i, j)
+            if cost is None:
+                break  # fusing i..j-1 is not allowed, so neither is any longer group from i
+            js.append(j)
+            costs.append((*cost, 0.0)[:5])
+        return js, np.array(costs, dtype=float).reshape(len(js), 5).T
+
+    return partition_rows(count, row_cost, backward_end_s, optimizer_s)
+
+
+def partition_rows(count: int, row_cost: Callable[[int], tuple[list[int], np.ndarray]], backward_end_s: float,
+                   optimizer_s: float = 0.0) -> tuple[list[tuple[int, int]], float]:
+    """:func:`optimal_partition` with the group costs given a row at a time: ``row_cost(i)`` returns
+    the allowed ends j = i+1, i+2, ... (consecutive) and a (5, len) array of the groups [i, j)'s
+    (ready_s, encode_s, comm_s, decode_s, lag_s) — priced together, as arrays.
 
     Pruning (exact): with ``bound`` the time of a known partition, a point of front[i] is dropped
     when even the most favourable prefix — communication done by the time item i-1 is ready, and
@@ -73,35 +92,23 @@ def optimal_partition(count: int, group_cost: GroupCost, backward_end_s: float,
     """
     if count == 0:
         return [], backward_end_s + optimizer_s
-    def cost_of(i: int, j: int) -> tuple[float, ...] | None:
-        cost = group_cost(i, j)
-        return None if cost is None else (*cost, 0.0)[:5]
 
     def task(name: str, cost: Sequence[float]) -> TensorTask:
-        ready, encode, comm, decode, lag = cost
+        ready, encode, comm, decode, lag = (float(c) for c in cost)
         return TensorTask(name, ready, encode, comm, decode, True, lag)
 
-    singles = [cost_of(i, i + 1) for i in range(count)]
-    if any(c is None for c in singles):
-        raise ValueError(f"item {singles.index(None)} cannot form a group on its own")
-    alone = [task(str(i), cost) for i, cost in enumerate(singles)]
-    bound = iteration_time(alone, backward_end_s, optimizer_s)
-    everything = cost_of(0, count)  # one group, where allowed: often the better bound
-    if everything is not None:
-        bound = min(bound, iteration_time([task("all", everything)], backward_end_s, optimizer_s))
     # Every group's cost once: both sweeps below read them.
     rows: list[tuple[list[int], np.ndarray]] = []
     for i in range(count):
-        js, costs = [], []
-        for j in range(i + 1, count + 1):
-            cost = cost_of(i, j)
-            if cost is None:
-                break  # fusing i..j-1 is not allowed, so neither is any longer group from i
-            js.append(j)
-            costs.append(cost)
-        if not js:
-            raise ValueError(f"item {i} cannot form a group on its own (group_cost({i}, {i + 1}) is None)")
-        rows.append((js, np.array(costs, dtype=float).T))
+        js, costs = row_cost(i)
+        if not js or js[0] != i + 1:
+            raise ValueError(f"item {i} cannot form a group on its own (no group [{i}, {i + 1}))")
+        rows.append((list(js), costs))
+    singles = [tuple(costs[:, 0].tolist()) for _, costs in rows]
+    alone = [task(str(i), cost) for i, cost in enumerate(singles)]
+    bound = iteration_time(alone, backward_end_s, optimizer_s)
+    if rows[0][0][-1] == count:  # one group, where allowed: often the better bound
+        bound = min(bound, iteration_time([task("all", rows[0][1][:, -1])], backward_end_s, optimizer_s))
     # stolen[i]: the least compute any partition of items 0..i-1 steals (its encodes and decodes).
     stolen = np.full(count + 1, np.inf)
     stolen[0] = 0.0
@@ -181,15 +188,14 @@ class Prefix:
 
     def __init__(self, units: Sequence[Unit]):
         self.units = list(units)
-        # Python lists: read one element at a time, N^2/2 times.
-        self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64))).tolist()
-        self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64))).tolist()
+        self.numel = np.concatenate(([0], np.cumsum([u.numel for u in units], dtype=np.int64)))
+        self.tensors = np.concatenate(([0], np.cumsum([u.tensors for u in units], dtype=np.int64)))
         # Per key, kept elements and how many units lack the key: a range prices by the key only when
         # all its units have it (as fuse() does), so one unprofiled unit spoils only its own groups.
         keys = set().union(*(u.kept for u in units))
-        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept.get(key, 0.0) * u.numel for u in units]))).tolist()
+        self.kept = {key: np.concatenate(([0.0], np.cumsum([u.kept.get(key, 0.0) * u.numel for u in units])))
                      for key in keys}
-        self.lacking = {key: np.concatenate(([0], np.cumsum([key not in u.kept for u in units], dtype=np.int64))).tolist()
+        self.lacking = {key: np.concatenate(([0], np.cumsum([key not in u.kept for u in units], dtype=np.int64)))
                         for key in keys}
         # run_end[i]: first index after i with another dtype (a fused buffer has one dtype).
         self.run_end = [len(units)] * len(units)
@@ -197,17 +203,21 @@ class Prefix:
             same = units[i + 1].dtype == units[i].dtype
             self.run_end[i] = self.run_end[i + 1] if same else i + 1
 
-    def costs(self, i: int, j: int, model: CostModel, option: Option) -> tuple[float, float, float] | None:
-        """``model.costs`` of units i..j-1 fused under ``option``, or None across a dtype change."""
-        if j > self.run_end[i]:
-            return None
-        if j == i + 1:
-            return model.costs(self.units[i], option)
-        numel, key = self.numel[j] - self.numel[i], option.compressor
-        kept = None
-        if key in self.kept and self.lacking[key][j] == self.lacking[key][i]:
-            kept = (self.kept[key][j] - self.kept[key][i]) / max(1, numel)
-        return model.costs_of(numel, self.units[i].dtype, option, kept, self.tensors[j] - self.tensors[i])
+    def row_costs(self, i: int, end: int, model: CostModel, option: Option) -> tuple[np.ndarray, ...]:
+        """``model.costs`` of units i..j-1 fused under ``option`` for every j in i+1..end, as arrays
+        (encode, comm, decode); ``end`` at most ``run_end[i]``."""
+        if not i < end <= self.run_end[i]:
+            raise ValueError(f"groups from unit {i} end in ({i}, {self.run_end[i]}], not at {end}")
+        js = np.arange(i + 1, end + 1)
+        numel, key = self.numel[js] - self.numel[i], option.compressor
+        kept = np.full(js.size, np.nan)
+        if key in self.kept:
+            whole = self.lacking[key][js] == self.lacking[key][i]
+            kept = np.where(whole, (self.kept[key][js] - self.kept[key][i]) / np.maximum(1, numel), np.nan)
+        first = self.units[i]
+        kept[0] = first.kept.get(key, np.nan)  # a unit alone: its own fraction, not one through the sums
+        return model.costs_many(numel, first.dtype, option, kept, self.tensors[js] - self.tensors[i],
+                                [first.shape] + [None] * (js.size - 1))
 
 
 @dataclass
@@ -240,14 +250,15 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
         if options[i + 1] == options[i]:
             run_end[i] = run_end[i + 1]
 
-    def group_cost(i: int, j: int) -> tuple[float, float, float, float] | None:
-        costs = prefix.costs(i, j, model, options[i]) if j <= run_end[i] else None
-        if costs is None:
-            return None
-        ready = units[j - 1].ready_s  # a group is complete when its last gradient is
-        return ready, *costs, model.lag(ready)
+    readies = np.array([u.ready_s for u in units], dtype=float)
 
-    groups, _ = optimal_partition(len(units), group_cost, backward_end_s, optimizer_s)
+    def row_cost(i: int) -> tuple[list[int], np.ndarray]:
+        end = min(run_end[i], prefix.run_end[i])
+        ready = readies[i:end]  # group [i, j) is complete when its last gradient, j - 1, is
+        lag = np.broadcast_to(model.lag(ready), ready.shape)
+        return list(range(i + 1, end + 1)), np.vstack([ready, *prefix.row_costs(i, end, model, options[i]), lag])
+
+    groups, _ = partition_rows(len(units), row_cost, backward_end_s, optimizer_s)
     fused = [fuse(units[i:j]) for i, j in groups]
     chosen = [options[i] for i, _ in groups]
     tasks = [model.task(u, o) for u, o in zip(fused, chosen, strict=True)]

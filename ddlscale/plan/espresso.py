@@ -74,15 +74,15 @@ class Evaluator:
     def __init__(self, units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float):
         self.units, self.model = list(units), model
         self.backward_end_s, self.optimizer_s = backward_end_s, optimizer_s
-        self._tasks: dict[tuple[int, Option], TensorTask] = {}
+        self._tasks: dict[Option, list[TensorTask]] = {}  # every unit's task per option, priced together
         self._useful: dict[tuple, list[Option]] = {}
         self.evaluations = 0
 
     def task(self, i: int, option: Option) -> TensorTask:
-        key = (i, option)
-        if key not in self._tasks:
-            self._tasks[key] = self.model.task(self.units[i], option)
-        return self._tasks[key]
+        found = self._tasks.get(option)
+        if found is None:
+            found = self._tasks[option] = self.model.tasks(self.units, option)
+        return found[i]
 
     def tasks(self, options: Sequence[Option]) -> list[TensorTask]:
         return [self.task(i, o) for i, o in enumerate(options)]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Any
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CostFit:
@@ -49,6 +51,26 @@ class CostFit:
         above = bisect.bisect_left(self.points, numel, key=itemgetter(0))  # the first point at or above numel
         (sa, ta), (sb, tb) = self.points[above - 1], self.points[above]
         return ta + (numel - sa) * (tb - ta) / (sb - sa)
+
+    def many(self, numel: np.ndarray, seconds: float | np.ndarray = 0.0,
+             per_element_s: float | np.ndarray = 0.0) -> np.ndarray:
+        """``self.plus(seconds, per_element_s)(numel)`` for every element at once (the extras may be
+        arrays too): what a fusion DP evaluates for a whole row of candidate groups."""
+        x = np.asarray(numel, dtype=float)
+        if not self.points:
+            out = np.maximum(self.floor_s + seconds,
+                             self.intercept_s + seconds + (self.per_element_s + per_element_s) * x)
+        elif len(self.points) == 1:  # the line through the origin and the point, floored at it
+            (s0, t0), = self.points
+            t0 = t0 + seconds + per_element_s * s0
+            out = np.where(x <= s0, t0, t0 + (x - s0) * t0 / s0)
+        else:
+            sizes, times = np.array(self.points).T
+            slope = (times[-1] - times[-2]) / (sizes[-1] - sizes[-2])
+            inside = np.interp(x, sizes, times)  # the smallest's cost below it
+            out = np.where(x > sizes[-1], times[-1] + (x - sizes[-1]) * slope, inside)
+            out = out + seconds + per_element_s * np.maximum(x, sizes[0])  # plus() moves every point
+        return np.where(x > 0, out, 0.0)
 
     @classmethod
     def fit(cls, sizes: Sequence[float], seconds: Sequence[float]) -> CostFit:
