@@ -2,6 +2,7 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from ddlscale.comm import volume
@@ -226,6 +227,24 @@ def test_efficiency_scales_only_its_collective():
     calibrated = gigabit(efficiency={"allgather": 2.0})
     assert calibrated.allgather(10**6, 4) == pytest.approx(2 * plain.allgather(10**6, 4))
     assert calibrated.allreduce(10**6, 4) == pytest.approx(plain.allreduce(10**6, 4))
+
+
+def test_an_array_of_sizes_prices_one_collective_per_element():
+    """The fusion DP prices a row of groups at once: each element as the scalar call prices it."""
+    rng = random.Random(0)
+    for _ in range(100):
+        net = NetworkModel(rng.choice([1e8, 1e9, 1e10]), rng.choice([5e-6, 5e-5]), rng.choice([1, 2, 4]),
+                           efficiency={"allgather": 1.7, "gather": 1.1},
+                           shared_host=rng.choice([None, SharedHost(2, 3e-5, 65536)]))
+        n = rng.choice([1, 2, 4, 8, 16])
+        sizes = np.array([rng.choice([0.0, rng.uniform(0, 1e7), 65536.0, 65537.0]) for _ in range(20)])
+        for collective in (net.allreduce, net.allgather, net.all_to_all, net.reduce_scatter, net.gather, net.broadcast):
+            together = np.broadcast_to(collective(sizes, n), sizes.shape)
+            assert together == pytest.approx([collective(float(b), n) for b in sizes], rel=1e-12)
+    with pytest.raises(ValueError, match="piece_bytes must be finite numbers >= 0, got -1.0"):
+        net.allgather(np.array([1.0, -1.0]), 4)
+    with pytest.raises(ValueError, match="ring only"):
+        net.allgather(np.array([1.0]), 4, "direct")
 
 
 def test_project_over_cluster_sizes():

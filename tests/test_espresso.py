@@ -254,6 +254,20 @@ def test_cost_fit_recovers_constant_then_linear():
     assert CostFit.from_dict(json.loads(json.dumps(fitted.to_dict()))) == fitted
 
 
+def test_cost_fit_prices_arrays_as_it_prices_one_size():
+    rng = random.Random(1)
+    fits = [CostFit(2e-5, -1e-5, 3e-9), CostFit.fit([1000], [1e-4])]
+    fits += [CostFit.fit(sorted(rng.sample(range(1, 10**6), k)), [rng.uniform(0, 1e-3) for _ in range(k)])
+             for k in (2, 3, 7)]
+    for fit in fits:
+        sizes = np.array([0, -3, 1, 999, 1000, 10**6, 3 * 10**6] + [s for s, _ in fit.points])
+        extra = np.array([rng.uniform(0, 1e-4) for _ in sizes])
+        per_element = np.array([rng.choice([0.0, 1e-9]) for _ in sizes])
+        assert fit.many(sizes) == pytest.approx([fit(s) for s in sizes], rel=1e-12, abs=1e-18)
+        assert fit.many(sizes, extra, per_element) == pytest.approx(  # a fused group's fit, built per member count
+            [fit.plus(e, p)(s) for s, e, p in zip(sizes, extra, per_element, strict=True)], rel=1e-12, abs=1e-18)
+
+
 def test_cost_fit_follows_a_bent_curve_and_never_falls_with_size():
     # Measured on this host (DGC, residual memory): the per-element cost jumps between 1M and 4M.
     sizes = [256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]

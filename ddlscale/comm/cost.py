@@ -116,7 +116,7 @@ def _check_bytes(nbytes: float | np.ndarray, what: str = "nbytes") -> None:
     if isinstance(nbytes, np.ndarray):
         bad = ~(np.isfinite(nbytes) & (nbytes >= 0))
         if bad.any():
-            raise ValueError(f"{what} must be finite numbers >= 0, got {nbytes[bad][0]!r}")
+            raise ValueError(f"{what} must be finite numbers >= 0, got {float(nbytes[bad][0])!r}")
     elif not (math.isfinite(nbytes) and nbytes >= 0):
         raise ValueError(f"{what} must be a finite number >= 0, got {nbytes!r}")
 
