@@ -192,9 +192,11 @@ per row (min-max in parentheses), pure Python on one core of a shared 2-core mac
 *espresso search* is the per-tensor search the paper times (start from the best uniform plans,
 Algorithm 1 with Properties 1-2, pair moves, Algorithm 2 offload); *espresso full* adds the two
 exact fusion DPs (runs of equal options, and the search over Cupcake's groups) and is the plan
-sync=espresso executes; *cupcake DP* is sync=cupcake's planning. The DPs are O(N^2) cost-model
-evaluations (about 45,000 at 300 tensors); the search is O(passes x N x options) simulations of
-O(N) each, so the hierarchical rows (more options) cost more.
+sync=espresso executes; *cupcake DP* is sync=cupcake's planning. The DPs price O(N^2) groups
+(about 45,000 at 300 tensors), a row of them per numpy call; the search scores O(passes x N x
+options) candidate plans, each in O(1) from the current plan's prefix states and suffix constants
+(comm.timeline.Swaps) and rebuilds those in O(N) per accepted change, so the hierarchical rows (more
+options) cost more.
 The search runs from the 3 best uniform plans while it stays within 1,500 simulations, so at 300
 tensors usually one descent runs (hence the dip: fewer simulations than at 200).
 The paper reports 1-179 ms for its search (ResNet101: 314 tensors, compiled code). Predicted

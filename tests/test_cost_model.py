@@ -414,6 +414,11 @@ def test_swaps_score_changed_plans_as_the_simulator_does():
         readies = sorted(rng.uniform(0, backward_end) for _ in range(rng.randrange(1, 15)))
         tasks = [task(f"t{i}", r) for i, r in enumerate(readies)]
         swaps = Swaps.of(tasks, backward_end, optimizer_s=0.03)
+        timeline = simulate(tasks, backward_end, optimizer_s=0.03)  # what Property 1 reads off it
+        assert [t for span in swaps.comm for t in span] == pytest.approx(
+            [t for span in timeline.tensors for t in (span.comm_start, span.comm_end)], rel=1e-12)
+        assert swaps.backward_end_s == pytest.approx(timeline.backward_end_s, rel=1e-12)
+        assert swaps.last_decode_s == pytest.approx(max(span.decode_end for span in timeline.tensors), rel=1e-12)
         for _ in range(5):
             at = rng.sample(range(len(tasks)), min(len(tasks), rng.choice([1, 2, 3])))
             changes = {i: task(f"new{i}", tasks[i].ready_s) for i in at}

@@ -134,7 +134,8 @@ def simulate(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: fl
     backward_end = backward_end_s + stolen
     iteration = max([backward_end, *times[6]]) + optimizer_s
     spans = tuple(TensorSpan(t.name, *(column[i] for column in times)) for i, t in enumerate(tasks))
-    return Timeline(spans, backward_end, optimizer_s, iteration, _merged_busy(spans))
+    return Timeline(spans, backward_end, optimizer_s, iteration,
+                    merged_busy([(span.comm_start, span.comm_end) for span in spans]))
 
 
 def iteration_time(tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0,
@@ -196,16 +197,17 @@ def _schedule(tasks: Sequence[TensorTask]) -> tuple[tuple[list[float], ...], flo
     return (ready, encode_start, encode_end, comm_start, comm_end, decode_start, decode_end), stolen
 
 
-def _merged_busy(spans: Sequence[TensorSpan]) -> tuple[tuple[float, float], ...]:
-    """The communication stream's busy spans; messages are sent in order, so one pass merges them."""
+def merged_busy(comm: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """The communication stream's busy spans from each message's (start, end); messages are sent in
+    order, so one pass merges them."""
     busy: list[tuple[float, float]] = []
-    for span in spans:
-        if span.comm_end <= span.comm_start:
+    for start, end in comm:
+        if end <= start:
             continue
-        if busy and span.comm_start <= busy[-1][1]:
-            busy[-1] = (busy[-1][0], max(busy[-1][1], span.comm_end))
+        if busy and start <= busy[-1][1]:
+            busy[-1] = (busy[-1][0], max(busy[-1][1], end))
         else:
-            busy.append((span.comm_start, span.comm_end))
+            busy.append((start, end))
     return tuple(busy)
 
 
@@ -230,11 +232,19 @@ class Swaps:
     def __init__(self, tasks: Sequence[TensorTask], backward_end_s: float, optimizer_s: float = 0.0):
         self.tasks, self.optimizer_s = list(tasks), optimizer_s
         count = len(tasks)
-        # states[i]: (C, S, M) before task i.
+        # states[i]: (C, S, M) before task i; comm[i]: the plan's message i as (start, end).
         self.states = [(0.0, 0.0, -math.inf)] * (count + 1)
-        state = self.states[0]
-        for i, task in enumerate(tasks):
-            state = self.states[i + 1] = _compute_step(state, task)
+        self.comm: list[tuple[float, float]] = []
+        comm_free, stolen, last_decode = self.states[0]
+        for i, task in enumerate(tasks):  # _compute_step, keeping the start of each message
+            start = max(task.ready_s + stolen + task.encode_s + task.lag_s, comm_free)
+            comm_free = start + task.comm_s
+            self.comm.append((start, comm_free))
+            stolen += task.encode_s + task.decode_s
+            last_decode = max(last_decode, comm_free + task.decode_s)
+            self.states[i + 1] = (comm_free, stolen, last_decode)
+        self.backward_end_s = backward_end_s + stolen  # with the compute every task took
+        self.last_decode_s = max(last_decode, 0.0)
         # alpha[k], beta[k]: the constants of tasks k..N-1 (the empty suffix: -inf, backward end).
         self.alpha, self.beta = [-math.inf] * (count + 1), [float(backward_end_s)] * (count + 1)
         for k in range(count - 1, -1, -1):

@@ -49,7 +49,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, simulate
+from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, merged_busy, simulate
 from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
 from ddlscale.plan.cupcake import FusionPlan, plan_fusion
 
@@ -145,19 +145,31 @@ def before_bubble(timeline: Timeline) -> list[bool]:
     """Property 1, per task: is its message in a busy span of the communication stream that an idle
     gap follows — a later message starts after a gap, or, for the last span, the iteration ends with
     backward (every decode done before it: communication had slack)?"""
-    busy = timeline.comm_busy
     last_decode = max((span.decode_end for span in timeline.tensors), default=0.0)
-    compute_bound = last_decode < timeline.backward_end_s - _TOL
+    return _before_bubble([(span.comm_start, span.comm_end) for span in timeline.tensors], timeline.comm_busy,
+                          last_decode, timeline.backward_end_s)
+
+
+def _before_bubble(comm: Sequence[tuple[float, float]], busy: Sequence[tuple[float, float]], last_decode: float,
+                   backward_end_s: float) -> list[bool]:
+    compute_bound = last_decode < backward_end_s - _TOL
     followed = [k + 1 < len(busy) or compute_bound for k in range(len(busy))]
     out, k = [], 0
-    for span in timeline.tensors:
-        if span.comm_end <= span.comm_start:
+    for start, end in comm:
+        if end <= start:
             out.append(False)  # sends nothing: no bubble to widen
             continue
-        while busy[k][1] < span.comm_end - _TOL:
+        while busy[k][1] < end - _TOL:
             k += 1
         out.append(followed[k])
     return out
+
+
+def bubbles(ev: Evaluator, tasks: Sequence[TensorTask], base: Swaps | None) -> list[bool]:
+    """:func:`before_bubble` of the plan ``tasks``, read off its scorer where there is one."""
+    if base is None:
+        return before_bubble(ev.timeline(tasks))
+    return _before_bubble(base.comm, merged_busy(base.comm), base.last_decode_s, base.backward_end_s)
 
 
 def uniform_starts(ev: Evaluator, options: Sequence[Option]) -> list[tuple[str, list[Option]]]:
@@ -185,10 +197,10 @@ def algorithm1(ev: Evaluator, start: list[Option], options: Sequence[Option], ma
     while passes < max_passes:
         passes += 1
         changed = False
-        bubbles = before_bubble(ev.timeline(tasks)) if use_property1 else None
+        bubbles_now = bubbles(ev, tasks, base) if use_property1 else None
         for i in order:
             candidates = ev.useful(i, options)
-            if bubbles is not None and bubbles[i]:  # Property 1: only a lighter compute load can help
+            if bubbles_now is not None and bubbles_now[i]:  # Property 1: only a lighter compute load can help
                 candidates = [o for o in candidates if ev.stolen(i, o) < ev.stolen(i, current[i])]
             chosen = current[i]
             for option in candidates:
@@ -202,7 +214,7 @@ def algorithm1(ev: Evaluator, start: list[Option], options: Sequence[Option], ma
                 base = ev.scorer(tasks, options)
                 changed = True
                 if use_property1:  # compression moved the bubbles: re-check against the new timeline
-                    bubbles = before_bubble(ev.timeline(tasks))
+                    bubbles_now = bubbles(ev, tasks, base)
         if not changed:
             break
     return current, ev.time(tasks), passes  # the simulator's own figure, not the scorer's rounding
