@@ -197,6 +197,11 @@ def test_a_per_member_compressor_pays_for_every_fused_member(monkeypatch):
     (encode, comm, decode), (encode0, comm0, decode0) = priced["signs"], priced["free"]
     numel = group.numel
     assert encode - encode0 == pytest.approx(3 * 1e-4 + 3e-10 * numel) and comm == comm0
+    # What one call of such a group is set against in training (the closed loop's fits).
+    model = cost_model(dataclasses.replace(profile, compressors={**profile.compressors, "default": signs}))
+    alone, fused = (model.group_fits(Option("default", "allgather"), m) for m in (1, 4))
+    assert fused[0](numel) - alone[0](numel) == pytest.approx(3 * 1e-4 + 3e-10 * numel)
+    assert fused[1](numel) - alone[1](numel) == pytest.approx(3 * 2e-5 + 5e-10 * numel)
     assert decode - decode0 == pytest.approx(4 * (3 * 2e-5 + 5e-10 * numel))  # every rank's payload decoded
     # Calibration scales them with the fits; the benchmark finds them for a per-member compressor only.
     assert signs.calibrated(2.0, 3.0).member_encode_s == pytest.approx(2e-4)
@@ -438,6 +443,28 @@ def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_ran
     (again, exact2, layouts2, trial2, _), _ = run_workers(_trial_steps, 2, 12, saved)
     assert trial2 is None and all(exact2) and layouts2[0] == layouts[4]
     assert again["context"]["candidate"] in tried and "checked on the cluster" in again["notes"][-1]
+
+
+def _trial_then_closed_loop(rank, world, steps):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit",
+                        run_dir=None, trial_steps=1, calibrate_steps=0, settle_steps=1, replan_steps=1)
+    sync.setup(params)
+    exact, kept = [], None
+    for step in range(steps):
+        exact.append(_exact_step(sync, params, rank, world, step))
+        if sync.trial is None and kept is None and sync.computed is not None and "trial_step_s" in sync.computed.context:
+            kept = sync.computed.to_dict()
+    return sync.computed.to_dict(), kept, exact, sync.replanning
+
+
+def test_a_plan_kept_by_the_trial_is_re_priced_by_the_closed_loop_and_kept():
+    (plan, kept, exact, replanning), (plan1, *_) = run_workers(_trial_then_closed_loop, 2, 12)
+    assert plan == plan1 and replanning is None and all(exact)
+    assert plan["context"]["candidate"] == kept["context"]["candidate"]
+    assert [u["names"] for u in plan["units"]] == [u["names"] for u in kept["units"]]
+    assert plan["options"] == kept["options"]  # the cluster chose it: the closed loop only re-prices it
+    assert "checked on the cluster" in plan["notes"][-2] and "closed loop" in plan["notes"][-1]
 
 
 def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():

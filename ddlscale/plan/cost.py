@@ -234,6 +234,19 @@ class CostModel:
             return 0.0
         return prof.lag_s * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
 
+    def group_fits(self, option: Option, tensors: int) -> tuple[CostFit, CostFit]:
+        """The encode and decode fits one compressor call of a group of ``tensors`` tensors pays under
+        ``option`` (a per-member compressor's fused members included): what a call's time in training
+        is set against."""
+        enc, dec = self._fits(option)
+        comp = self.compressors.get(option.compressor)
+        if not option.compressed or option.hierarchical or not comp.per_member or tensors < 2:
+            return enc, dec
+        extra = int(_extra_members(tensors, option.scheme, self.n))
+        prof = self.profile.compressors[option.compressor]
+        return (enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0),
+                dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0))
+
     def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
         prof = self.profile.compressors.get(option.compressor)
         if prof is None:
@@ -291,7 +304,7 @@ class CostModel:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = np.where(tensors > 1, (-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1, 0)
+            extra = _extra_members(tensors, scheme, ranks)
             prof = self.profile.compressors[option.compressor]
             extra_encode, extra_decode = prof.member_encode_s * extra, prof.member_decode_s * extra
             extra_encode_per_element = np.where(extra > 0, prof.fused_encode_per_element_s, 0.0)
@@ -332,6 +345,12 @@ class CostModel:
             comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
             decode += ranks * dec(numel) + enc(numel) + dec(numel)
         return encode, comm, decode
+
+
+def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:
+    """Members past the first in what one call compresses: an all-to-all partition holds about its
+    share of a fused buffer's members."""
+    return np.maximum((-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1, 0)
 
 
 @functools.lru_cache(maxsize=4096)

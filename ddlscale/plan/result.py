@@ -116,5 +116,12 @@ def per_unit_savings(units: list[Unit], options: list[Option], model: CostModel,
 def uniform_time(units: list[Unit], option: Option, model: CostModel, backward_end_s: float,
                  optimizer_s: float) -> float:
     """Predicted iteration time with every unit under ``option``."""
-    return iteration_time([model.task(u, option) for u in units], backward_end_s, optimizer_s)
+    return plan_time(units, [option] * len(units), model, backward_end_s, optimizer_s)
+
+
+def plan_time(units: list[Unit], options: list[Option], model: CostModel, backward_end_s: float,
+              optimizer_s: float) -> float:
+    """Predicted iteration time of unit g under ``options[g]``."""
+    tasks = [model.task(u, o) for u, o in zip(units, options, strict=True)]
+    return iteration_time(tasks, backward_end_s, optimizer_s)
 

@@ -27,6 +27,13 @@
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
+4. With ``replan_steps`` (closed loop), the plan's own groups calibrate the model once more: after
+   ``settle_steps`` and ``replan_steps`` steps of the kept plan, rank 0 scales the compressor's fits
+   so that the model prices those groups' encode and decode at what they took (the layer-wise
+   groups of step 1 are small where a fused plan's are large: their ratio to the benchmark differs,
+   and on a shared host it varies from run to run), fits the per-group overhead to the layer-wise
+   steps again with those fits, and plans again (a plan kept by a trial on the cluster is kept and
+   re-priced); every rank then runs that plan. ``plan.json`` holds it and its prediction.
 
 The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
 """
@@ -59,7 +66,7 @@ from ddlscale.plan.profile import (
     profile_compressor,
     slowest_lag,
 )
-from ddlscale.plan.result import CompressionPlan
+from ddlscale.plan.result import CompressionPlan, plan_time
 from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.compress.schemes import GroupWork
@@ -102,6 +109,9 @@ class PlannedSync(CompressSync):
     run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
+    replan_steps: 0 plans once. Above 0, the kept plan's steps after ``settle_steps`` settling ones
+        (this many) calibrate the compressor's fits once more, on the plan's own groups, and the
+        backend plans again with them (see the module doc, step 4). A resumed run keeps its plan.
     trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
         the model's choice first) take ``trial_steps`` turns each on the cluster, round robin, a turn
         being one settling step on the candidate's groups and one measured step; the plan with the
@@ -118,7 +128,7 @@ class PlannedSync(CompressSync):
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
-                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
+                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3, replan_steps: int = 0):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
@@ -140,7 +150,8 @@ class PlannedSync(CompressSync):
         if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
             raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
         for key, value, least in (("sync.trial_steps", trial_steps, 0), ("sync.calibrate_steps", calibrate_steps, 0),
-                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1)):
+                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1),
+                                  ("sync.replan_steps", replan_steps, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
         self.warmup_steps = warmup_steps
@@ -149,6 +160,9 @@ class PlannedSync(CompressSync):
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
+        self.replan_steps = replan_steps
+        self.replanning: dict[str, Any] | None = None  # the kept plan's work, while it is being re-fitted
+        self._refit_base: tuple[Profile, float | None] | None = None  # rank 0: profile before the overhead, layer-wise step
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -214,6 +228,8 @@ class PlannedSync(CompressSync):
             super().finish()
             if self.trial is not None:
                 self._trial_step()
+            elif self.replanning is not None:
+                self._replan_step()
             else:
                 self._record_work()
             return
@@ -277,9 +293,11 @@ class PlannedSync(CompressSync):
         periods = [b - a for a, b in zip(ends, ends[1:], strict=False)]
         if not periods or "default" not in profile.compressors:
             return profile
+        return self._with_group_overhead(profile, statistics.median(periods))
+
+    def _with_group_overhead(self, profile: Profile, measured: float) -> Profile:
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
-        measured = statistics.median(periods)
         extra = group_overhead(profile, option, measured, compressors)
         prof = profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)
         return replace(profile, compressors={**profile.compressors, "default": prof})
@@ -298,8 +316,11 @@ class PlannedSync(CompressSync):
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                profile = replace(self.build_profile(costs), lag_s=lag)
-                profile = self.calibrate_groups(self.calibrate_network(profile))
+                before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
+                profile = self.calibrate_groups(before)
+                layerwise = profile.compressors["default"].calibration.get("layerwise_step_s") \
+                    if "default" in profile.compressors else None
+                self._refit_base = (before, layerwise)
                 model = CostModel(profile, self._planning_compressors())
                 plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
                 note = _calibration_note(profile)
@@ -318,6 +339,8 @@ class PlannedSync(CompressSync):
         self.adopt(CompressionPlan.from_dict(message[0][0]))
         if self.trial is not None:
             self.trial["last_end"] = time.perf_counter()
+        else:
+            self._start_replan()
 
     def _broadcast(self, message: list[Any]) -> None:
         if self.world_size > 1:
@@ -356,6 +379,82 @@ class PlannedSync(CompressSync):
         self.trial = None
         self.adopt(kept)
         self._save(kept)
+        self._start_replan()
+
+    # -- closed loop -----------------------------------------------------------------------------
+    def _start_replan(self) -> None:
+        if self.replan_steps and self.world_size > 1 and self.compressors["default"].name != "none":
+            self.replanning = {"seen": 0, "steps": []}
+
+    def _replan_step(self) -> None:
+        """After each step of the kept plan while it is re-fitted: keep its groups' work; after the
+        settling steps and ``replan_steps`` more, re-fit on rank 0 and run its plan (every rank)."""
+        state = self.replanning
+        state["seen"] += 1
+        step, self.work = self.work, []  # the first step after adopting a plan is not timed (None)
+        if state["seen"] > self.settle_steps and step is not None and len(step) == len(self.buckets):
+            state["steps"].append(step)
+        if state["seen"] < self.settle_steps + self.replan_steps:
+            return
+        self.replanning = None
+        message: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                message = [self._refitted_plan(state["steps"]).to_dict()]
+            except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
+                message = [{"error": f"{type(exc).__name__}: {exc}"}]
+        self._broadcast(message)
+        if "error" in message[0]:
+            raise RuntimeError(f"sync={self.system}: planning again failed on rank 0: {message[0]['error']}")
+        plan = CompressionPlan.from_dict(message[0])
+        if plan.to_plan() == self.plan:  # the same groups and choices: keep them running
+            self.computed = plan
+        else:
+            self.adopt(plan)
+
+    def _refitted_plan(self, steps: list[list[GroupWork]]) -> CompressionPlan:
+        """Rank 0: the configured compressor's fits scaled so that the model prices the kept plan's
+        compressed groups at what they took in ``steps`` (encode and decode each, summed over groups
+        and steps), the per-group overhead fitted again to the layer-wise steps with them, and the
+        plan of that model — or the kept plan re-priced, where a trial on the cluster chose it."""
+        if self._refit_base is None or not steps:
+            raise ValueError("no profile or no timed steps of the kept plan to fit the model to")
+        base, layerwise = self._refit_base
+        compressors, kept = self._planning_compressors(), self.computed
+        model = CostModel(base, compressors)
+        option_of = {name: o for u, o in zip(kept.units, kept.options, strict=True) for name in u.names}
+        measured, priced = {"encode": 0.0, "decode": 0.0}, {"encode": 0.0, "decode": 0.0}
+        for step in steps:
+            for bucket, work in zip(self.buckets, step, strict=True):
+                option = option_of[self.names[bucket.members[0]]]
+                if not option.compressed or option.device != "compute":
+                    continue
+                fits = dict(zip(measured, model.group_fits(option, len(bucket.members)), strict=True))
+                for kind in measured:
+                    measured[kind] += work.seconds[kind]
+                    priced[kind] += sum(calls * fits[kind](numel) for numel, calls in work.calls[kind])
+        ratio = {kind: measured[kind] / priced[kind] if priced[kind] > 0 else 1.0 for kind in measured}
+        prof = base.compressors["default"]
+        facts = {**prof.calibration, **{kind: prof.calibration.get(kind, 1.0) * ratio[kind] for kind in ratio},
+                 "replan_encode": ratio["encode"], "replan_decode": ratio["decode"], "replan_steps": len(steps)}
+        refit = replace(prof.calibrated(ratio["encode"], ratio["decode"]), calibration=facts)
+        profile = replace(base, compressors={**base.compressors, "default": refit})
+        if layerwise:
+            profile = self._with_group_overhead(profile, layerwise)
+        model = CostModel(profile, compressors)
+        before = plan_time(kept.units, kept.options, model, profile.backward_end_s, profile.rest_s)
+        if self.trial_steps:
+            plan = replace(kept, iteration_s=before, notes=list(kept.notes))
+        else:
+            plan = self.compute_plan(profile, model)
+            plan.notes.append(_calibration_note(profile))
+        plan.notes.append(f"closed loop: the first plan's compressed groups took x{ratio['encode']:.2f} the "
+                          f"model's encode and x{ratio['decode']:.2f} its decode over {len(steps)} steps; "
+                          f"fits scaled by that, overhead fitted again; the first plan re-priced "
+                          f"{before * 1e3:.1f} ms (predicted {kept.iteration_s * 1e3:.1f} ms before), "
+                          f"this plan {plan.iteration_s * 1e3:.1f} ms")
+        self._save(plan, profile)
+        return plan
 
     def _record_work(self) -> None:
         """Rank 0, once a plan is kept: each group's work in each step (encode, decode, and the time
