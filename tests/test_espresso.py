@@ -445,10 +445,10 @@ def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_ran
     assert again["context"]["candidate"] in tried and "checked on the cluster" in again["notes"][-1]
 
 
-def _trial_then_closed_loop(rank, world, steps):
+def _trial_then_closed_loop(rank, world, steps, bandwidth="10mbit", trial_steps=1):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit",
-                        run_dir=None, trial_steps=1, calibrate_steps=0, settle_steps=1, replan_steps=1)
+    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
+                        run_dir=None, trial_steps=trial_steps, calibrate_steps=0, settle_steps=1, replan_steps=1)
     sync.setup(params)
     exact, kept = [], None
     for step in range(steps):
@@ -465,6 +465,10 @@ def test_a_plan_kept_by_the_trial_is_re_priced_by_the_closed_loop_and_kept():
     assert [u["names"] for u in plan["units"]] == [u["names"] for u in kept["units"]]
     assert plan["options"] == kept["options"]  # the cluster chose it: the closed loop only re-prices it
     assert "checked on the cluster" in plan["notes"][-2] and "closed loop" in plan["notes"][-1]
+    # Top-k keeping everything never pays at 100 Gbit/s: a dense plan has no compressor work to fit.
+    (plan, _, exact, replanning), _ = run_workers(_trial_then_closed_loop, 2, 6, "100gbit", 0)
+    assert not any(o["compressor"] != "none" for o in plan["options"]) and replanning is None and all(exact)
+    assert "nothing to fit: kept as it is" in plan["notes"][-1]
 
 
 def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():

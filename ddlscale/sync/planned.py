@@ -433,6 +433,11 @@ class PlannedSync(CompressSync):
                 for kind in measured:
                     measured[kind] += work.seconds[kind]
                     priced[kind] += sum(calls * fits[kind](numel) for numel, calls in work.calls[kind])
+        if not any(priced.values()):
+            plan = replace(kept, notes=[*kept.notes, "closed loop: the plan compresses no group on the training "
+                                                     "thread, so there is nothing to fit: kept as it is"])
+            self._save(plan)
+            return plan
         ratio = {kind: measured[kind] / priced[kind] if priced[kind] > 0 else 1.0 for kind in measured}
         prof = base.compressors["default"]
         facts = {**prof.calibration, **{kind: prof.calibration.get(kind, 1.0) * ratio[kind] for kind in ratio},
