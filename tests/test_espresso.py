@@ -468,7 +468,7 @@ def test_a_plan_kept_by_the_trial_is_re_priced_by_the_closed_loop_and_kept():
     # Top-k keeping everything never pays at 100 Gbit/s: a dense plan has no compressor work to fit.
     (plan, _, exact, replanning), _ = run_workers(_trial_then_closed_loop, 2, 6, "100gbit", 0)
     assert not any(o["compressor"] != "none" for o in plan["options"]) and replanning is None and all(exact)
-    assert "nothing to fit: kept as it is" in plan["notes"][-1]
+    assert "compresses no group on the training thread (no fits to scale)" in plan["notes"][-1]
 
 
 def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():

@@ -31,8 +31,9 @@
    ``settle_steps`` and ``replan_steps`` steps of the kept plan, rank 0 scales the compressor's fits
    so that the model prices those groups' encode and decode at what they took (the layer-wise
    groups of step 1 are small where a fused plan's are large: their ratio to the benchmark differs,
-   and on a shared host it varies from run to run), fits the per-group overhead to the layer-wise
-   steps again with those fits, and plans again (a plan kept by a trial on the cluster is kept and
+   and on a shared host it varies from run to run), takes the slowest rank's lag from the same steps
+   (a few early dense steps can put it several times higher than it stays), fits the per-group
+   overhead to the layer-wise steps again with those, and plans again (a plan kept by a trial on the cluster is kept and
    re-priced); every rank then runs that plan. ``plan.json`` holds it and its prediction.
 
 The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
@@ -215,7 +216,7 @@ class PlannedSync(CompressSync):
             super()._launch_full_buckets()
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if self.profiling:
+        if self.profiling or self.replanning is not None:
             self.recorder.ready(index)
         super().on_grad_ready(index, param)
 
@@ -225,7 +226,11 @@ class PlannedSync(CompressSync):
             self._calibration_step()
             return
         if not self.profiling:
+            if self.replanning is not None:  # the closed loop measures the slowest rank's lag again
+                self.recorder.backward_end()
             super().finish()
+            if self.replanning is not None:
+                self.recorder.step_end()
             if self.trial is not None:
                 self._trial_step()
             elif self.replanning is not None:
@@ -397,10 +402,11 @@ class PlannedSync(CompressSync):
         if state["seen"] < self.settle_steps + self.replan_steps:
             return
         self.replanning = None
+        lag = self._slowest_lag(skip=self.settle_steps)  # every rank, over the timed steps
         message: list[Any] = [None]
         if self.rank == 0:
             try:
-                message = [self._refitted_plan(state["steps"]).to_dict()]
+                message = [self._refitted_plan(state["steps"], lag).to_dict()]
             except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
                 message = [{"error": f"{type(exc).__name__}: {exc}"}]
         self._broadcast(message)
@@ -412,14 +418,17 @@ class PlannedSync(CompressSync):
         else:
             self.adopt(plan)
 
-    def _refitted_plan(self, steps: list[list[GroupWork]]) -> CompressionPlan:
+    def _refitted_plan(self, steps: list[list[GroupWork]], lag: float) -> CompressionPlan:
         """Rank 0: the configured compressor's fits scaled so that the model prices the kept plan's
         compressed groups at what they took in ``steps`` (encode and decode each, summed over groups
-        and steps), the per-group overhead fitted again to the layer-wise steps with them, and the
-        plan of that model — or the kept plan re-priced, where a trial on the cluster chose it."""
+        and steps), the slowest rank's ``lag`` measured over the same steps (a few early dense steps
+        can put it several times higher than it stays), the per-group overhead fitted again to the
+        layer-wise steps with them, and the plan of that model — or the kept plan re-priced, where a
+        trial on the cluster chose it."""
         if self._refit_base is None or not steps:
             raise ValueError("no profile or no timed steps of the kept plan to fit the model to")
         base, layerwise = self._refit_base
+        profiled_lag, base = base.lag_s, replace(base, lag_s=lag)
         compressors, kept = self._planning_compressors(), self.computed
         model = CostModel(base, compressors)
         option_of = {name: o for u, o in zip(kept.units, kept.options, strict=True) for name in u.names}
@@ -433,15 +442,11 @@ class PlannedSync(CompressSync):
                 for kind in measured:
                     measured[kind] += work.seconds[kind]
                     priced[kind] += sum(calls * fits[kind](numel) for numel, calls in work.calls[kind])
-        if not any(priced.values()):
-            plan = replace(kept, notes=[*kept.notes, "closed loop: the plan compresses no group on the training "
-                                                     "thread, so there is nothing to fit: kept as it is"])
-            self._save(plan)
-            return plan
         ratio = {kind: measured[kind] / priced[kind] if priced[kind] > 0 else 1.0 for kind in measured}
         prof = base.compressors["default"]
-        facts = {**prof.calibration, **{kind: prof.calibration.get(kind, 1.0) * ratio[kind] for kind in ratio},
-                 "replan_encode": ratio["encode"], "replan_decode": ratio["decode"], "replan_steps": len(steps)}
+        # The layer-wise factors stay as measured; the fits now carry the closed loop's on top.
+        facts = {**prof.calibration, "replan_encode": ratio["encode"], "replan_decode": ratio["decode"],
+                 "replan_steps": len(steps)}
         refit = replace(prof.calibrated(ratio["encode"], ratio["decode"]), calibration=facts)
         profile = replace(base, compressors={**base.compressors, "default": refit})
         if layerwise:
@@ -453,9 +458,12 @@ class PlannedSync(CompressSync):
         else:
             plan = self.compute_plan(profile, model)
             plan.notes.append(_calibration_note(profile))
-        plan.notes.append(f"closed loop: the first plan's compressed groups took x{ratio['encode']:.2f} the "
-                          f"model's encode and x{ratio['decode']:.2f} its decode over {len(steps)} steps; "
-                          f"fits scaled by that, overhead fitted again; the first plan re-priced "
+        fitted = (f"the first plan's compressed groups took x{ratio['encode']:.2f} the model's encode and "
+                  f"x{ratio['decode']:.2f} its decode" if any(priced.values()) else
+                  "the first plan compresses no group on the training thread (no fits to scale)")
+        plan.notes.append(f"closed loop: over {len(steps)} steps {fitted}, and the slowest rank was "
+                          f"{lag * 1e3:.2f} ms behind ({profiled_lag * 1e3:.2f} ms when profiled); "
+                          f"set so, overhead fitted again; the first plan re-priced "
                           f"{before * 1e3:.1f} ms (predicted {kept.iteration_s * 1e3:.1f} ms before), "
                           f"this plan {plan.iteration_s * 1e3:.1f} ms")
         self._save(plan, profile)
@@ -499,16 +507,17 @@ class PlannedSync(CompressSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None) -> float:
-        """Every rank: how much later than this one the slowest rank ended backward in the profiled
-        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
+    def _slowest_lag(self, failure: Exception | None = None, skip: int | None = None) -> float:
+        """Every rank: how much later than this one the slowest rank ended backward in the recorded
+        steps after the first ``skip`` (default: the warm-up steps before the profiled dense ones)
+        (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
         also carries ``failure``, this rank's error in profiling its compressors: every rank raises
         then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
             return 0.0
-        mine = {"spans": self.recorder.spans(self.warmup_steps),
+        mine = {"spans": self.recorder.spans(self.warmup_steps if skip is None else skip),
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
