@@ -234,15 +234,11 @@ class Swaps:
         count = len(tasks)
         # states[i]: (C, S, M) before task i; comm[i]: the plan's message i as (start, end).
         self.states = [(0.0, 0.0, -math.inf)] * (count + 1)
-        self.comm: list[tuple[float, float]] = []
-        comm_free, stolen, last_decode = self.states[0]
-        for i, task in enumerate(tasks):  # _compute_step, keeping the start of each message
-            start = max(task.ready_s + stolen + task.encode_s + task.lag_s, comm_free)
-            comm_free = start + task.comm_s
-            self.comm.append((start, comm_free))
-            stolen += task.encode_s + task.decode_s
-            last_decode = max(last_decode, comm_free + task.decode_s)
-            self.states[i + 1] = (comm_free, stolen, last_decode)
+        for i, task in enumerate(tasks):
+            self.states[i + 1] = _compute_step(self.states[i], task)
+        self.comm = [(_message_start(before, task), after[0])
+                     for task, before, after in zip(tasks, self.states, self.states[1:], strict=False)]
+        _, stolen, last_decode = self.states[count]
         self.backward_end_s = backward_end_s + stolen  # with the compute every task took
         self.last_decode_s = max(last_decode, 0.0)
         # alpha[k], beta[k]: the constants of tasks k..N-1 (the empty suffix: -inf, backward end).
@@ -301,8 +297,14 @@ def _on_compute(task: TensorTask) -> bool:
     return task.encode_on_compute or task.encode_s == task.decode_s == 0
 
 
+def _message_start(state: tuple[float, float, float], task: TensorTask) -> float:
+    """When a compute-stream task's message starts: its encode starts when it is ready."""
+    comm_free, stolen, _ = state
+    return max(task.ready_s + stolen + task.encode_s + task.lag_s, comm_free)
+
+
 def _compute_step(state: tuple[float, float, float], task: TensorTask) -> tuple[float, float, float]:
-    """The module doc's recursion for one compute-stream task: its encode starts when it is ready."""
-    comm_free, stolen, last_decode = state
-    comm_end = max(task.ready_s + stolen + task.encode_s + task.lag_s, comm_free) + task.comm_s
+    """The module doc's recursion for one compute-stream task."""
+    _, stolen, last_decode = state
+    comm_end = _message_start(state, task) + task.comm_s
     return comm_end, stolen + task.encode_s + task.decode_s, max(last_decode, comm_end + task.decode_s)

@@ -46,6 +46,7 @@ import json
 import statistics
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -318,34 +319,44 @@ class PlannedSync(CompressSync):
         except Exception as exc:  # said in the gather below, so no rank waits in it for this one
             costs, failure = None, exc
         lag = self._slowest_lag(failure)
-        message: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
-                profile = self.calibrate_groups(before)
-                layerwise = profile.compressors["default"].calibration.get("layerwise_step_s") \
-                    if "default" in profile.compressors else None
-                self._refit_base = (before, layerwise)
-                model = CostModel(profile, self._planning_compressors())
-                plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
-                note = _calibration_note(profile)
-                for plan in plans if note else ():
-                    plan.notes.append(note)
-                self._save(plans[0], profile)
-                message = [[plan.to_dict() for plan in _distinct(plans)]]
-            except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
-                message = [{"error": f"{type(exc).__name__}: {exc}"}]
-        self._broadcast(message)
-        if "error" in message[0]:
-            raise RuntimeError(f"sync={self.system}: planning failed on rank 0: {message[0]['error']}")
-        if len(message[0]) > 1:
-            self.trial = {"plans": message[0], "index": 0, "turn": 0, "periods": [[] for _ in message[0]],
+
+        def plan() -> list[dict[str, Any]]:
+            before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
+            profile = self.calibrate_groups(before)
+            layerwise = profile.compressors["default"].calibration.get("layerwise_step_s") \
+                if "default" in profile.compressors else None
+            self._refit_base = (before, layerwise)
+            model = CostModel(profile, self._planning_compressors())
+            plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
+            note = _calibration_note(profile)
+            for candidate in plans if note else ():
+                candidate.notes.append(note)
+            self._save(plans[0], profile)
+            return [candidate.to_dict() for candidate in _distinct(plans)]
+
+        plans = self._decided_on_rank0(plan, "planning")
+        if len(plans) > 1:
+            self.trial = {"plans": plans, "index": 0, "turn": 0, "periods": [[] for _ in plans],
                           "seen": 0, "last_end": None}
-        self.adopt(CompressionPlan.from_dict(message[0][0]))
+        self.adopt(CompressionPlan.from_dict(plans[0]))
         if self.trial is not None:
             self.trial["last_end"] = time.perf_counter()
         else:
             self._start_replan()
+
+    def _decided_on_rank0(self, decide: Callable[[], Any], what: str) -> Any:
+        """``decide()`` run on rank 0 and broadcast to every rank. An error there is raised on every
+        rank, naming ``what``, instead of leaving the others waiting in the broadcast."""
+        message: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                message = [decide()]
+            except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
+                message = [{"error": f"{type(exc).__name__}: {exc}"}]
+        self._broadcast(message)
+        if isinstance(message[0], dict) and "error" in message[0]:
+            raise RuntimeError(f"sync={self.system}: {what} failed on rank 0: {message[0]['error']}")
+        return message[0]
 
     def _broadcast(self, message: list[Any]) -> None:
         if self.world_size > 1:
@@ -403,16 +414,8 @@ class PlannedSync(CompressSync):
             return
         self.replanning = None
         lag = self._slowest_lag(skip=self.settle_steps)  # every rank, over the timed steps
-        message: list[Any] = [None]
-        if self.rank == 0:
-            try:
-                message = [self._refitted_plan(state["steps"], lag).to_dict()]
-            except Exception as exc:  # tell the other ranks instead of leaving them in the broadcast
-                message = [{"error": f"{type(exc).__name__}: {exc}"}]
-        self._broadcast(message)
-        if "error" in message[0]:
-            raise RuntimeError(f"sync={self.system}: planning again failed on rank 0: {message[0]['error']}")
-        plan = CompressionPlan.from_dict(message[0])
+        plan = CompressionPlan.from_dict(self._decided_on_rank0(
+            lambda: self._refitted_plan(state["steps"], lag).to_dict(), "planning again"))
         if plan.to_plan() == self.plan:  # the same groups and choices: keep them running
             self.computed = plan
         else:
