@@ -152,7 +152,7 @@ def test_kept_freed_memory_spares_a_page_fault_per_page_of_every_large_temporary
 
 COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randomk", "dgc", "threshold", "signsgd", "efsignsgd",
                "signum", "onebit", "qsgd", "terngrad", "powersgd"]
-# One of each kind (cast, quantize, sparsify, sign with its own error feedback, low rank) for the
+# One of each kind (uncompressed, quantize, sparsify, sign with its own error feedback, low rank) for the
 # default run; the sweep over all 15 takes about 2 minutes here and is marked slow.
 KINDS = ["none", "int8", "topk", "efsignsgd", "powersgd"]
 
