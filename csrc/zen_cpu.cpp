@@ -1,4 +1,4 @@
-// CPU kernels for Zen's hash partitioning (reference: ddlscale/sync/sparse/{hashing,partition,pushpull}.py).
+// CPU kernels for Zen's hash partitioning and row merging (references: ddlscale/sync/sparse/kernels.py).
 //
 // The PyTorch references run one full pass over memory per elementary op (about ten for fmix64) and
 // partition with a general argsort; here h0 is fused into a single pass and partitioning is a
@@ -183,21 +183,71 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> group_by_server(const at::Tensor&
   return group(idx, values, num_servers, [&](int64_t i) { return o[i]; });
 }
 
-// HashPartitioner.layout: every server's owned indices (sorted, concatenated), the count per server,
-// and each index's position inside its owner's set — one counting sort of 0..numel-1.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> hash_layout(int64_t numel, int64_t seed, int64_t num_servers) {
+// Every server's owned indices among 0..numel-1, sorted, concatenated, and the count per server:
+// one counting sort of the index range. int32 output when it fits (the bitmap pull keeps this
+// array: 4 bytes per row, nothing else), int64 otherwise.
+std::tuple<at::Tensor, at::Tensor> owned_sets(int64_t numel, int64_t seed, int64_t num_servers) {
   TORCH_CHECK(numel >= 0, "numel must be >= 0");
   const auto mod = divider(num_servers);
   const uint64_t s = seed_bits(seed);
-  at::Tensor owned = at::empty({numel}, at::kLong), position = at::empty({numel}, at::kLong);
-  int64_t* ow = owned.data_ptr<int64_t>();
-  int64_t* pos = position.data_ptr<int64_t>();
-  at::Tensor counts = counting_sort(numel, num_servers, [&](int64_t i) { return zen::owner(i, s, mod); },
-                                    [&](int64_t i, int64_t slot, int64_t rank) {
-                                      ow[slot] = i;
-                                      pos[i] = rank;
-                                    });
-  return {owned, counts, position};
+  const bool narrow = numel <= (int64_t(1) << 31);
+  at::Tensor owned = at::empty({numel}, narrow ? at::kInt : at::kLong);
+  at::Tensor counts;
+  const auto owner_of = [&](int64_t i) { return zen::owner(i, s, mod); };
+  if (narrow) {
+    int32_t* ow = owned.data_ptr<int32_t>();
+    counts = counting_sort(numel, num_servers, owner_of, [&](int64_t i, int64_t slot, int64_t) { ow[slot] = int32_t(i); });
+  } else {
+    int64_t* ow = owned.data_ptr<int64_t>();
+    counts = counting_sort(numel, num_servers, owner_of, [&](int64_t i, int64_t slot, int64_t) { ow[slot] = i; });
+  }
+  return {owned, counts};
+}
+
+// The sum of two sparse row sets whose indices are sorted and distinct: one linear merge (SparCML's
+// and HC's step). A row in both is lower + upper, computed in that order, so the two partners of a
+// doubling stage, merging the same pair, get the same bits; a row in one is copied as it is.
+std::tuple<at::Tensor, at::Tensor> merge_rows(const at::Tensor& lower_idx, const at::Tensor& lower_val,
+                                              const at::Tensor& upper_idx, const at::Tensor& upper_val) {
+  const auto ai = check_indices(lower_idx), bi = check_indices(upper_idx);
+  TORCH_CHECK(lower_val.device().is_cpu() && upper_val.device().is_cpu(), "values must be on the CPU");
+  TORCH_CHECK(lower_val.dim() == 2 && upper_val.dim() == 2 && lower_val.size(1) == upper_val.size(1),
+              "values must be (rows, width) with one width, got ", lower_val.sizes(), " and ", upper_val.sizes());
+  TORCH_CHECK(lower_val.scalar_type() == upper_val.scalar_type(), "values must share a dtype");
+  TORCH_CHECK(lower_val.size(0) == ai.numel() && upper_val.size(0) == bi.numel(), "one value row per index");
+  const at::Tensor av = lower_val.contiguous(), bv = upper_val.contiguous();
+  const int64_t na = ai.numel(), nb = bi.numel(), width = av.size(1);
+  at::Tensor idx = at::empty({na + nb}, at::kLong), val = at::empty({na + nb, width}, av.options());
+  const int64_t* a = ai.data_ptr<int64_t>();
+  const int64_t* b = bi.data_ptr<int64_t>();
+  int64_t* o = idx.data_ptr<int64_t>();
+  int64_t k = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, av.scalar_type(), "merge_rows", [&] {
+    const scalar_t* x = av.data_ptr<scalar_t>();
+    const scalar_t* y = bv.data_ptr<scalar_t>();
+    scalar_t* z = val.data_ptr<scalar_t>();
+    const auto copy = [&](const scalar_t* row) { std::memcpy(z + k * width, row, width * sizeof(scalar_t)); };
+    int64_t i = 0, j = 0;
+    while (i < na && j < nb) {
+      if (a[i] < b[j]) {
+        o[k] = a[i];
+        copy(x + i++ * width);
+      } else if (b[j] < a[i]) {
+        o[k] = b[j];
+        copy(y + j++ * width);
+      } else {
+        o[k] = a[i];
+        const scalar_t* p = x + i++ * width;
+        const scalar_t* q = y + j++ * width;
+        scalar_t* r = z + k * width;
+        for (int64_t c = 0; c < width; ++c) r[c] = p[c] + q[c];
+      }
+      ++k;
+    }
+    for (; i < na; ++i, ++k) { o[k] = a[i]; copy(x + i * width); }
+    for (; j < nb; ++j, ++k) { o[k] = b[j]; copy(y + j * width); }
+  });
+  return {idx.narrow(0, 0, k), val.narrow(0, 0, k)};
 }
 
 namespace {
@@ -278,7 +328,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("server_of", &server_of, "owning server h0(index) of each int64 index");
   m.def("partition", &partition, "hash, then group (index, value) pairs by server, stable");
   m.def("group_by_server", &group_by_server, "group (index, value) pairs by given server ids, stable");
-  m.def("hash_layout", &hash_layout, "owned index sets (concatenated), counts, positions");
+  m.def("owned_sets", &owned_sets, "every server's owned indices (sorted, concatenated) and counts");
+  m.def("merge_rows", &merge_rows, "sum of two row sets with sorted distinct indices, by one linear merge");
   m.def("pack_bits", &pack_bits, "bool mask -> uint8 bitmap, little-endian bit order");
   m.def("unpack_bits", &unpack_bits, "uint8 bitmap -> first `length` bits as bool");
 }

@@ -1,6 +1,6 @@
 """The CUDA paths, checked in one short run on a machine with a GPU (prints a comparison).
 
-    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C] [D]     (default: all four)
+    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C] [D] [E]     (default: all five)
 
 A. DDLStrategy + dense sync on one GPU over NCCL vs stock Lightning DDP (deterministic kernels):
    the final parameters must be bit-identical.
@@ -10,6 +10,9 @@ C. Zen's CUDA kernels (csrc/zen_cuda.cu), built here with torch.utils.cpp_extens
    minute of nvcc), against the pure-PyTorch references bit for bit — server_of, partition,
    group_by_server, pack_bits, unpack_bits over server counts 1-8 and 1000, all float dtypes, NaN
    values, empty inputs — then the speedup of each over the reference run on the GPU (median of 5).
+E. Every sparse sync on CUDA gradients (an embedding table's sparse COO rows and a sparse dense
+   vector) across 2 processes over gloo (messages staged through host memory): exact against an
+   allreduce oracle, each gradient back in its own layout and on its own device.
 D. CompressSync on CUDA tensors across 2 processes over gloo, every scheme: with no compression
    the averages must equal an allreduce oracle exactly; with top-k (allgather, alltoall, gather)
    they must be finite and the run must not mix devices.
@@ -82,6 +85,51 @@ def _compress_on(rank: int, world: int, device: str = "cuda") -> dict:
     return out
 
 
+def _sparse_on(rank: int, world: int, device: str = "cuda") -> dict:
+    """E: every sparse sync on gradients of one device (an embedding table's sparse COO gradient and
+    a dense vector's), against an allreduce oracle: exact on small integers, same layout back."""
+    from ddlscale.sync.sparse import AGSparseSync, OmniReduceSync, SparCMLSync, SparsePSSync, ZenSync
+
+    makers = {
+        "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["t", "v"], profile_steps=1),
+        "zen-bitmap": lambda: ZenSync(scheme="bp", pull="bitmap", sparse_params=["t", "v"], profile_steps=1),
+        "zen-hc": lambda: ZenSync(scheme="hc", sparse_params=["t", "v"], profile_steps=1),
+        "agsparse": lambda: AGSparseSync(sparse_params=["t", "v"], profile_steps=1),
+        "sparse_ps": lambda: SparsePSSync(sparse_params=["t", "v"], profile_steps=1),
+        "omnireduce": lambda: OmniReduceSync(sparse_params=["t", "v"], profile_steps=1),
+        "sparcml": lambda: SparCMLSync(sparse_params=["t", "v"], profile_steps=1),
+    }
+    out = {}
+    for name, make in makers.items():
+        try:
+            g = torch.Generator().manual_seed(rank)
+            table = torch.nn.Parameter(torch.zeros(5000, 64, device=device))
+            vector = torch.nn.Parameter(torch.zeros(10_000, device=device))
+            sync = make()
+            sync.setup([("t", table), ("v", vector)], device=torch.device(device))
+            exact, layout = True, True
+            for _ in range(3):
+                ids = torch.randint(0, 5000, (200,), generator=g)
+                local_t = torch.sparse_coo_tensor(ids[None], torch.randint(-3, 4, (200, 64), generator=g).float(),
+                                                  (5000, 64)).coalesce().to(device)
+                local_v = torch.zeros(10_000)
+                local_v[torch.randint(0, 10_000, (300,), generator=g)] = 2.0
+                local_v = local_v.to(device)
+                table.grad, vector.grad = local_t.clone(), local_v.clone()
+                sync.grad_ready(vector)
+                sync.grad_ready(table)
+                sync.finish_step()
+                for p, local in ((table, local_t), (vector, local_v)):
+                    oracle = local.to_dense().cpu() * (1.0 / world)
+                    dist.all_reduce(oracle)
+                    exact &= torch.equal(p.grad.to_dense().cpu(), oracle)
+                    layout &= p.grad.is_sparse == local.is_sparse and p.grad.device.type == device
+            out[name] = bool(exact and layout)
+        except Exception as error:  # report every backend, not just the first failure
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def _fit(strategy, make_model) -> str:
     import pytorch_lightning as pl
 
@@ -126,9 +174,13 @@ def _cuda_timing(fn, reps: int = 5) -> float:
 
 def _cuda_speedups(ops, size: int) -> dict[str, float]:
     """Reference time / kernel time, both on the GPU, per op (8 servers, sorted indices at density 0.1)."""
-    from ddlscale.sync.sparse.hashing import server_of_reference
-    from ddlscale.sync.sparse.partition import partition_reference, split_by_server_reference
-    from ddlscale.sync.sparse.pushpull import pack_bits_reference, unpack_bits_reference
+    from ddlscale.sync.sparse.kernels import (
+        pack_bits_reference,
+        partition_reference,
+        server_of_reference,
+        split_by_server_reference,
+        unpack_bits_reference,
+    )
 
     idx = torch.randperm(10 * size, device="cuda")[:size].sort().values
     val = torch.randn(size, device="cuda")
@@ -148,10 +200,16 @@ def _cuda_speedups(ops, size: int) -> dict[str, float]:
 
 def _native_cuda() -> bool:
     """C: csrc/zen_cuda.cu against the pure-PyTorch references (CPU), then timed against them on the GPU."""
-    from ddlscale.sync.sparse import native
-    from ddlscale.sync.sparse.hashing import server_of_reference
-    from ddlscale.sync.sparse.partition import partition_reference, split_by_server_reference
-    from ddlscale.sync.sparse.pushpull import pack_bits_reference, unpack_bits_reference
+    from ddlscale.sync.sparse import kernels, native
+    from ddlscale.sync.sparse.kernels import (
+        merge_rows_reference,
+        owned_sets_reference,
+        pack_bits_reference,
+        partition_reference,
+        server_of_reference,
+        split_by_server_reference,
+        unpack_bits_reference,
+    )
 
     try:
         ops = native.build("cuda", verbose=False)
@@ -187,6 +245,22 @@ def _native_cuda() -> bool:
             failures.append(f"pack_bits length={length}")
         if not _same(ops.unpack_bits(bitmap.cuda(), length + 3), unpack_bits_reference(bitmap, length + 3)):
             failures.append(f"unpack_bits length={length}")
+    # The dispatch the sparse syncs use, on CUDA tensors: an embedding's rows (64 values each),
+    # the owned sets, and the row merge (its reference runs on the GPU).
+    rows = torch.randn(3000, 64, generator=g)
+    row_ids = torch.randperm(10**6, generator=g)[:3000].sort().values
+    other_ids = torch.randperm(10**6, generator=g)[:2000].sort().values
+    other_rows = torch.randn(2000, 64, generator=g)
+    cases += 3
+    if not _same(kernels.partition(row_ids.cuda(), rows.cuda(), 7, 8), partition_reference(row_ids, rows, 7, 8)):
+        failures.append("kernels.partition of rows on CUDA")
+    merged, reference = kernels.merge_rows(row_ids.cuda(), rows.cuda(), other_ids.cuda(), other_rows.cuda()), \
+        merge_rows_reference(row_ids, rows, other_ids, other_rows)
+    if not (_same_bits(merged[0], reference[0]) and _same_bits(merged[1], reference[1])):
+        failures.append("kernels.merge_rows on CUDA")
+    owned, counts = owned_sets_reference(100_003, 7, 8)
+    if counts != torch.bincount(server_of_reference(torch.arange(100_003).cuda(), 7, 8), minlength=8).tolist():
+        failures.append("owned set sizes from the CUDA hash")
     print(f"C CUDA kernels vs references: {cases - len(failures)}/{cases} identical", failures[:10])
 
     for size in (10**5, 10**6, 10**7):
@@ -195,7 +269,7 @@ def _native_cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sections = set(argv if argv is not None else sys.argv[1:]) or {"A", "B", "C", "D"}
+    sections = set(argv if argv is not None else sys.argv[1:]) or {"A", "B", "C", "D", "E"}
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
@@ -214,6 +288,12 @@ def main(argv: list[str] | None = None) -> int:
 
         results = run_workers(_compress_on, 2, start_method="spawn")
         print("D compressed sync on CUDA tensors, 2 ranks over gloo:", results)
+        ok &= all(v is True for r in results for v in r.values())
+    if "E" in sections:
+        from ddlscale.cluster import run_workers
+
+        results = run_workers(_sparse_on, 2, start_method="spawn")
+        print("E sparse syncs on CUDA gradients, 2 ranks over gloo:", results)
         ok &= all(v is True for r in results for v in r.values())
     if "A" not in sections:
         print("GPU CHECK", "PASSED" if ok else "FAILED", torch.cuda.get_device_name(0))

@@ -2,15 +2,16 @@
 
     python -m experiments.native_kernels [--sizes 1,1e1,1e2,...,1e7] [--servers 8] [--reps 7]
 
-Per operation and size (non-zeros; for hash_layout the tensor's numel) both versions run on the
+Per operation and size (units; for owned_sets the tensor's units) both versions run on the
 same inputs, alternating and rotating which goes first (BENCHMARKS.md); each repetition times a
 loop long enough to be measurable and reports seconds per call. Before timing, the outputs are
 checked bit-identical. Each repetition times both, so the speedup (reference / native) is the
 median over repetitions of that paired ratio, with its min-max. ``native.NATIVE_FROM`` takes the
 smallest size from which the native kernel measurably won — median paired speedup >= 1.1 — at that
 size and every larger one. (The machine is shared: single pairs can be far off either way.)
-Inputs: sorted distinct indices at density 0.1 (what to_flat_coo yields), fp32 values, a bitmap of
-density 0.5, ``--servers`` servers, torch's default intra-op threads.
+Inputs: sorted distinct indices at density 0.1 (what a gradient's units yield), fp32 values (rows of
+``--width`` for partition, split_by_server and merge_rows: an embedding's rows), a bitmap of density
+0.5, ``--servers`` servers, torch's default intra-op threads.
 """
 
 from __future__ import annotations
@@ -23,28 +24,36 @@ import time
 import torch
 
 from ddlscale.sync.sparse import native
-from ddlscale.sync.sparse.hashing import layout_reference, server_of_reference
-from ddlscale.sync.sparse.partition import partition_reference, split_by_server_reference
-from ddlscale.sync.sparse.pushpull import pack_bits_reference, unpack_bits_reference
+from ddlscale.sync.sparse.kernels import (
+    merge_rows_reference,
+    owned_sets_reference,
+    pack_bits_reference,
+    partition_reference,
+    server_of_reference,
+    split_by_server_reference,
+    unpack_bits_reference,
+)
 
-OPS = ("server_of", "split_by_server", "partition", "hash_layout", "pack_bits", "unpack_bits")
+OPS = ("server_of", "split_by_server", "partition", "owned_sets", "merge_rows", "pack_bits", "unpack_bits")
 SEED = 0x5EED
 METHODS = ("reference", "native")
 WIN = 1.1  # median paired speedup that counts as a measurable win
 
 
-def calls(op: str, size: int, servers: int, ops) -> tuple:
+def calls(op: str, size: int, servers: int, ops, width: int = 64) -> tuple:
     """(reference, native) zero-argument callables for one op on one input; the native side includes
-    the conversions native.py does (counts to a list, the owned sets split)."""
+    the conversions kernels.py does (counts to a list)."""
     g = torch.Generator().manual_seed(size)
     n = servers
-    if op == "hash_layout":
-        def split_layout():
-            owned, counts, position = ops.hash_layout(size, SEED, n)
-            return list(torch.split(owned, counts.tolist())), position
-        return (lambda: layout_reference(size, SEED, n)), split_layout
+    if op == "owned_sets":
+        def owned():
+            flat, counts = ops.owned_sets(size, SEED, n)
+            return flat, counts.tolist()
+        return (lambda: owned_sets_reference(size, SEED, n)), owned
     idx = torch.randperm(10 * size, generator=g)[:size].sort().values
-    val = torch.randn(size, generator=g)
+    val = torch.randn(size, width, generator=g)
+    other = torch.randperm(10 * size, generator=g)[:size].sort().values
+    other_val = torch.randn(size, width, generator=g)
     server = server_of_reference(idx, SEED, n)
     mask = torch.rand(size, generator=g) < 0.5
     bitmap = pack_bits_reference(mask)
@@ -58,6 +67,8 @@ def calls(op: str, size: int, servers: int, ops) -> tuple:
                             lambda: with_list(ops.group_by_server(server, idx, val, n))),
         "partition": (lambda: partition_reference(idx, val, SEED, n),
                       lambda: with_list(ops.partition(idx, val, SEED, n))),
+        "merge_rows": (lambda: merge_rows_reference(idx, val, other, other_val),
+                       lambda: ops.merge_rows(idx, val, other, other_val)),
         "pack_bits": (lambda: pack_bits_reference(mask), lambda: ops.pack_bits(mask)),
         "unpack_bits": (lambda: unpack_bits_reference(bitmap, size), lambda: ops.unpack_bits(bitmap, size)),
     }[op]
@@ -78,10 +89,10 @@ def per_call(fn, number: int) -> float:
     return (time.perf_counter() - start) / number
 
 
-def measure(op: str, size: int, servers: int, reps: int, ops) -> list[dict]:
+def measure(op: str, size: int, servers: int, reps: int, ops, width: int) -> list[dict]:
     from experiments.harness import alternating
 
-    reference, fast = calls(op, size, servers, ops)
+    reference, fast = calls(op, size, servers, ops, width)
     if not identical(reference(), fast()):
         raise AssertionError(f"{op} at {size}: native output differs from the reference")
     fns = {"reference": reference, "native": fast}
@@ -117,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="1,1e1,1e2,1e3,1e4,1e5,1e6,1e7")
     parser.add_argument("--servers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--width", type=int, default=64, help="values per row (partition, split, merge)")
     parser.add_argument("--ops", default=",".join(OPS))
     args = parser.parse_args(argv)
 
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     results = Results("native_kernels")
     rows, total = [], len(sizes) * len(chosen)
     for k, (op, size) in enumerate((op, size) for op in chosen for size in sizes):
-        rows += measure(op, size, args.servers, args.reps, ops)
+        rows += measure(op, size, args.servers, args.reps, ops, args.width)
         results.progress(k + 1, total, f"{op} {size}")
     results.write_csv(rows)
 
@@ -143,18 +155,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}"] for (op, size), s in summary.items()]
     thresholds = {op: native_from(summary, op, sizes) for op in chosen}
     results.write_markdown(
-        "Zen's hash-partition kernels: native C++ vs pure-PyTorch reference",
+        "The sparse syncs' kernels: native C++ vs pure-PyTorch reference",
         ["op", "size", "reference ms (median)", "native ms (median)", "speedup (median of paired reps)",
          "speedup min-max over reps"],
         table,
-        notes=f"{args.servers} servers, {args.reps} alternating repetitions, torch intra-op threads "
-              f"{torch.get_num_threads()}; outputs checked bit-identical before timing. Size = non-zeros "
-              f"(hash_layout: numel). Smallest size from which native measurably won (median paired speedup "
+        notes=f"{args.servers} servers, rows of {args.width} fp32 values, {args.reps} alternating repetitions, "
+              f"torch intra-op threads {torch.get_num_threads()}; outputs checked bit-identical before timing. "
+              f"Size = units (owned_sets: the tensor's units; merge_rows: each side's). Smallest size from which native measurably won (median paired speedup "
               f">= {WIN}) there and above, used for native.NATIVE_FROM (None = never): {thresholds}. "
               f"1-minute load average at start / end: {load_start:.1f} / {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} cores (other jobs share this machine; single repetitions can be far off).",
         command=f"python -m experiments.native_kernels --sizes {args.sizes} --servers {args.servers} "
-                f"--reps {args.reps}",
+                f"--reps {args.reps} --width {args.width}",
     )
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for op in chosen:
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         ax.errorbar(sizes, [x["speedup"] for x in s], fmt="o-", capsize=3, label=op,
                     yerr=[[x["speedup"] - x["ratio_min"] for x in s], [x["ratio_max"] - x["speedup"] for x in s]])
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="size (non-zeros; numel for hash_layout)",
+    ax.set(xscale="log", yscale="log", xlabel="size (units; the tensor's for owned_sets)",
            ylabel="speedup (reference / native)", title=f"native vs reference, {args.servers} servers")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,5 +1,6 @@
-"""The native Zen kernels (csrc/zen_cpu.cpp) against their pure-PyTorch references, bit for bit,
-and the fallback to those references when the kernels cannot be built.
+"""The native kernels (csrc/zen_cpu.cpp) against their pure-PyTorch references in
+ddlscale.sync.sparse.kernels, bit for bit, and the fallback to those references when the kernels
+cannot be built.
 
 The extension is built once (cached on disk under $DDLSCALE_EXT_DIR or ~/.cache/ddlscale/ext);
 without a compiler or ninja the comparisons skip, saying so, and the fallback tests still run.
@@ -15,10 +16,20 @@ import warnings
 import pytest
 import torch
 
-from ddlscale.sync.sparse import native
-from ddlscale.sync.sparse.hashing import HashPartitioner, layout_reference, server_of_reference
-from ddlscale.sync.sparse.partition import partition_reference, split_by_server, split_by_server_reference
-from ddlscale.sync.sparse.pushpull import pack_bits, pack_bits_reference, unpack_bits, unpack_bits_reference
+from ddlscale.sync.sparse import kernels, native
+from ddlscale.sync.sparse.hashing import HashPartitioner
+from ddlscale.sync.sparse.kernels import (
+    merge_rows_reference,
+    owned_sets_reference,
+    pack_bits,
+    pack_bits_reference,
+    partition_reference,
+    server_of_reference,
+    split_by_server,
+    split_by_server_reference,
+    unpack_bits,
+    unpack_bits_reference,
+)
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 MASK64 = (1 << 64) - 1
@@ -40,6 +51,15 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def same_sums(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical but for NaN payloads: a sum of two NaNs may carry either one's payload, and
+    bf16/fp16 arithmetic goes through float, which canonicalizes them; a copied row keeps its bits."""
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(torch.isnan(a), torch.isnan(b)):
+        return False
+    keep = ~torch.isnan(a)
+    return same_bits(a[keep], b[keep])
 
 
 def unfmix64(h: int) -> int:
@@ -132,13 +152,33 @@ def test_values_of_every_row_width_and_alignment(ops):
         assert got[2].tolist() == ref[2] and torch.equal(got[0], ref[0]) and same_bits(got[1], ref[1]), values.dtype
 
 
-def test_hash_layout_is_bit_exact(ops):
+def test_owned_sets_are_bit_exact(ops):
     for numel in (0, 1, 17, 100_003):
         for n in range(1, 9):
-            owned, counts, position = ops.hash_layout(numel, 0x5EED, n)
-            ref_owned, ref_position = layout_reference(numel, 0x5EED, n)
-            assert counts.tolist() == [o.numel() for o in ref_owned]
-            assert torch.equal(owned, torch.cat(ref_owned)) and torch.equal(position, ref_position)
+            owned, counts = ops.owned_sets(numel, 0x5EED, n)
+            ref_owned, ref_counts = owned_sets_reference(numel, 0x5EED, n)
+            assert counts.tolist() == ref_counts and owned.dtype == ref_owned.dtype == torch.int32
+            assert torch.equal(owned, ref_owned)
+
+
+def _row_sets(g, count, universe, width, dtype):
+    ids = torch.randperm(universe, generator=g)[:count].sort().values
+    return ids, with_nans(torch.randn(count, width, generator=g).to(dtype)) if count else \
+        torch.empty((0, width), dtype=dtype)
+
+
+def test_merge_rows_is_bit_exact(ops):
+    """The linear merge of two sorted row sets: the union, shared rows lower + upper, NaN payloads,
+    -0.0 and inf included; widths 0 (id sets alone), 1 and 64; empty sides."""
+    g = torch.Generator().manual_seed(6)
+    for case in range(24):
+        dtype, width = DTYPES[case % len(DTYPES)], (0, 1, 64)[case % 3]
+        universe = (5, 300, 100_000)[case % 3]
+        sizes = [(0, 0), (0, 3), (4, 0), (5, 5), (200, 250), (3000, 2000)][case % 6]
+        lower = _row_sets(g, min(sizes[0], universe), universe, width, dtype)
+        upper = _row_sets(g, min(sizes[1], universe), universe, width, dtype)
+        got, ref = ops.merge_rows(*lower, *upper), merge_rows_reference(*lower, *upper)
+        assert torch.equal(got[0], ref[0]) and same_sums(got[1], ref[1]), (case, dtype, width)
 
 
 def test_bitmaps_are_bit_exact(ops):
@@ -164,11 +204,11 @@ def test_integrated_entry_points_match_the_references(ops):
     server = part.server_of(indices)
     got, ref = split_by_server(server, indices, values, 5), split_by_server_reference(server, indices, values, 5)
     assert got[2] == ref[2] and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    got = native.partition(indices, values, part.seed, 5)
+    got = part.group(indices, values)
     assert got[2] == ref[2] and torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
-    owned, position = part.layout(4099)
-    ref_owned, ref_position = layout_reference(4099, part.seed, 5)
-    assert all(torch.equal(a, b) for a, b in zip(owned, ref_owned, strict=True)) and torch.equal(position, ref_position)
+    owned = part.owned(4099)
+    ref_owned, ref_counts = owned_sets_reference(4099, part.seed, 5)
+    assert torch.equal(torch.cat(owned), ref_owned) and [o.numel() for o in owned] == ref_counts
     mask = torch.rand(1001, generator=g) < 0.3
     assert torch.equal(pack_bits(mask), pack_bits_reference(mask))
     assert torch.equal(unpack_bits(pack_bits(mask), 1001), mask)
@@ -179,12 +219,15 @@ def _fallback_results() -> list[bool]:
     indices = random_indices(3000, 10**6, g)
     values = torch.randn(indices.numel(), generator=g).to(torch.bfloat16)
     mask = torch.rand(77, generator=g) < 0.5
-    got = native.partition(indices, values, 7, 3)
+    got = kernels.partition(indices, values, 7, 3)
     ref = partition_reference(indices, values, 7, 3)
-    return [torch.equal(native.server_of(indices, 7, 3), server_of_reference(indices, 7, 3)),
+    lower, upper = indices.unique()[:100], indices.unique()[50:200]
+    merged = kernels.merge_rows(lower, torch.ones(100, 2), upper, torch.ones(150, 2))
+    return [torch.equal(kernels.server_of(indices, 7, 3), server_of_reference(indices, 7, 3)),
             got[2] == ref[2] and torch.equal(got[0], ref[0]) and same_bits(got[1], ref[1]),
-            torch.equal(native.pack_bits(mask), pack_bits_reference(mask)),
-            torch.equal(native.unpack_bits(native.pack_bits(mask), 77), mask)]
+            torch.equal(kernels.pack_bits(mask), pack_bits_reference(mask)),
+            torch.equal(kernels.unpack_bits(kernels.pack_bits(mask), 77), mask),
+            torch.equal(merged[0], indices.unique()[:200]) and float(merged[1].sum()) == 2 * 250]
 
 
 @pytest.mark.parametrize("how", ["disabled", "no-compiler", "build-fails"])
@@ -215,7 +258,7 @@ def test_env_switch_in_a_fresh_process():
     """DDLSCALE_NATIVE=0 in a new process: the warning says why, the partitioner still works."""
     code = ("import warnings; warnings.simplefilter('always'); import torch\n"
             "from ddlscale.sync.sparse import HashPartitioner, native\n"
-            "from ddlscale.sync.sparse.hashing import server_of_reference\n"
+            "from ddlscale.sync.sparse.kernels import server_of_reference\n"
             "x = torch.arange(1000)\n"
             "assert torch.equal(HashPartitioner(4, 9).server_of(x), server_of_reference(x, 9, 4))\n"
             "assert native.cpu_ops() is None\n")

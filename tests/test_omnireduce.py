@@ -5,9 +5,8 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.comm.collectives import SMALL_BYTES
 from ddlscale.sync.sparse import OmniReduceSync, ZenSync
-from ddlscale.sync.sparse.omnireduce import BlockLayout, omnireduce_bytes
+from ddlscale.sync.sparse.omnireduce import BlockLayout, omnireduce_bytes, rows_per_block
 
 B = 256
 
@@ -35,24 +34,23 @@ ELEMENTS = {
 }
 
 
-def _expected(rank, n, nonzero_blocks, summed_blocks, num_blocks, row):
-    """Closed form: push = the rank's non-zero blocks owned by other servers (sent) and the other
-    ranks' blocks it owns (received); pull = its own summed non-zero blocks to every peer and the
-    others' back; + one int64 count per peer each way for the push and for the pull's sizes. The
-    communicator pads a small uneven allgather to its longest piece (charged)."""
+def _message(blocks, values_bytes):
+    """One message of ``blocks`` blocks: its length and count (8 bytes each), the int32 block ids
+    padded to 8 bytes, then the blocks' values."""
+    return 16 + -(-4 * blocks // 8) * 8 + blocks * values_bytes
+
+
+def _expected(rank, n, nonzero_blocks, summed_blocks, num_blocks, values_bytes):
+    """Closed form: push = one message to each other server with the rank's non-zero blocks it owns
+    (sent), and one from each other rank with that rank's blocks this rank owns (received); pull =
+    this rank's summed non-zero blocks to every peer, and each peer's back."""
     edges = [j * num_blocks // n for j in range(n + 1)]
     owns = [set(range(edges[j], edges[j + 1])) for j in range(n)]
-    sent = row * len(nonzero_blocks[rank] - owns[rank])
-    recv = row * sum(len(nonzero_blocks[q] & owns[rank]) for q in range(n) if q != rank)
-    pulled = [row * len(summed_blocks & owns[j]) for j in range(n)]
-    if max(pulled) * n <= SMALL_BYTES:
-        sent += (n - 1) * max(pulled)
-        recv += (n - 1) * max(pulled)
-    else:
-        sent += (n - 1) * pulled[rank]
-        recv += sum(pulled) - pulled[rank]
-    counts = 2 * 8 * (n - 1)
-    return sent + counts, recv + counts
+    others = [q for q in range(n) if q != rank]
+    sent = sum(_message(len(nonzero_blocks[rank] & owns[q]), values_bytes) for q in others)
+    recv = sum(_message(len(nonzero_blocks[q] & owns[rank]), values_bytes) for q in others)
+    pulled = [_message(len(summed_blocks & owns[j]), values_bytes) for j in range(n)]
+    return sent + (n - 1) * pulled[rank], recv + sum(pulled[q] for q in others)
 
 
 def _hand_built(rank, world):
@@ -76,7 +74,7 @@ def test_bytes_per_rank_equal_the_closed_form():
     for rank, per_dtype in enumerate(run_workers(_hand_built, n)):
         for dtype, (sent, recv, got, oracle, elem) in per_dtype.items():
             assert torch.equal(got, oracle), dtype
-            expected = _expected(rank, n, nonzero, summed, num_blocks=21, row=4 + B * elem)
+            expected = _expected(rank, n, nonzero, summed, num_blocks=21, values_bytes=B * elem)
             assert (sent, recv) == expected, f"rank {rank} {dtype}"
 
 
@@ -88,7 +86,8 @@ def _uniform(rank, world):
 
 def test_mean_formula_on_a_symmetric_case():
     n = 3
-    formula = omnireduce_bytes(12 * B, 1.0, 1.0, n, B, 4) + 2 * 8 * (n - 1)
+    # Plus each message's length and count: 16 bytes, a push and a pull to each of n-1 peers.
+    formula = omnireduce_bytes(12 * B, 1.0, 1.0, n, B, 4) + 2 * 16 * (n - 1)
     for sent, recv in run_workers(_uniform, n):
         assert sent == recv == pytest.approx(formula)
 
@@ -111,8 +110,8 @@ def _server_load(rank, world, backend):
              "zen": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1)}
     stats, _ = _two_steps(syncs[backend](), [("w", _zipf_grad(rank))])
     # A server's work: what the push brings it to sum, and the sums it sends back to everyone.
-    pushed_in = sum(r.bytes_recv for r in stats.collectives if r.op == "all_to_all")
-    pulled_out = sum(r.bytes_sent for r in stats.collectives if r.op == "allgather_uneven")
+    pushed_in = sum(r.bytes_recv for r in stats.collectives if r.op == "push")
+    pulled_out = sum(r.bytes_sent for r in stats.collectives if r.op == "pull")
     return pushed_in + pulled_out, stats.bytes_sent + stats.bytes_recv
 
 
@@ -135,19 +134,21 @@ def test_even_block_split_is_imbalanced_under_skew_where_hashing_is_not():
 
 # -- block layout and routing ----------------------------------------------------------------------
 def test_block_layout_cuts_each_tensor_on_its_own_grid():
-    sizes = [300, 0, 5, 512]  # 2 + 0 + 1 + 2 blocks; tensors never share a block
+    sizes = [300, 0, 5, 512]  # 2 + 0 + 1 + 2 blocks of 256 units; tensors never share a block
     layout = BlockLayout(sizes, B)
     assert layout.num_blocks == 5
     indices = torch.tensor([0, 299, 300, 304, 305, 305 + 511])
-    values = torch.arange(1.0, 7.0)
+    values = torch.arange(1.0, 13.0).view(6, 2)  # rows of two values
     ids, blocks = layout.to_blocks(indices, values)
-    assert ids.tolist() == [0, 1, 2, 3, 4]
-    assert blocks[1, 299 - B] == 2.0 and blocks[2, 0] == 3.0 and blocks[2, 4] == 4.0
-    back_idx, back_val = layout.to_coo(ids, blocks)
-    nonzero = back_val != 0
-    assert torch.equal(back_idx[nonzero], indices) and torch.equal(back_val[nonzero], values)
-    # Every lane of every block comes back, in order, except the padding past each tensor's end.
-    assert torch.equal(back_idx, torch.arange(sum(sizes)))
+    assert ids.tolist() == [0, 1, 2, 3, 4] and blocks.shape == (5, B * 2)
+    assert blocks[1, 2 * (299 - B) + 1] == 4.0 and blocks[2, 0] == 5.0 and blocks[2, 8] == 7.0
+    back_idx, back_val = layout.to_units(ids, blocks, 2)
+    # The non-zero units come back, in order; the zeros around them and the padding do not.
+    assert torch.equal(back_idx, indices) and torch.equal(back_val, values)
+
+
+def test_a_block_holds_whole_rows():
+    assert rows_per_block(256, 64) == 4 and rows_per_block(256, 1000) == 1 and rows_per_block(256, 1) == 256
 
 
 def _routing(rank, world):
@@ -187,8 +188,8 @@ def _stable_scattered(rank, world):
 
 
 def test_stable_scattered_sparsity_is_not_drift():
-    # The sum comes back as whole blocks (256 lanes per lone non-zero): counted against the profiled
-    # non-zeros that read as 256x drift, and every other step profiled again.
+    # The sum travels as whole blocks (256 lanes per lone non-zero) but comes back as its non-zero
+    # units, counted against the profiled units: no drift, no re-profiling.
     for seen, profile_left in run_workers(_stable_scattered, 2):
         assert seen == [(1, True)] * 5
         assert profile_left == 0

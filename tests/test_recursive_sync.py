@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.comm import Communicator
-from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density, union_counts
+from ddlscale.sync.sparse.recursive import SparseDoubling, union_counts
 from ddlscale.sync.sparse.sparcml import SparCMLSync
 from ddlscale.sync.sparse.zen import ZenSync
 
@@ -20,9 +20,9 @@ def _doubling(rank, world, numel, nnz, threshold):
     values = torch.randint(-3, 4, (nnz,), generator=g).float()
     values[values == 0] = 5.0
     comm = Communicator()
-    got_idx, got_val = SparseDoubling(comm, numel, torch.float32, threshold).run(indices, values)
+    got_idx, got_val = SparseDoubling(comm, numel, 1, torch.float32, threshold).run(indices, values[:, None])
     got = torch.zeros(numel)
-    got[got_idx] = got_val
+    got[got_idx] = got_val[:, 0]
     oracle = torch.zeros(numel)
     oracle[indices] = values
     dist.all_reduce(oracle)
@@ -41,18 +41,23 @@ def test_doubling_sum_equals_allreduce_on_every_rank(world, threshold):
         assert ascending
 
 
-def test_doubling_bytes_follow_the_merged_non_zeros():
-    """Disjoint index sets of k each on 4 ranks: stage 0 sends k pairs, stage 1 the merged 2k."""
-    k, pair = 50, 8  # int32 index + fp32 value
+FRAME = 8 + 8  # an exchanged message's length, then a row set's count
+
+
+def test_doubling_bytes_follow_the_merged_units():
+    """Disjoint sets of k rows each on 4 ranks: stage 0 sends k rows, stage 1 the merged 2k, one
+    message per stage (its length in front)."""
+    k, width = 50, 3
+    pair = 4 + 4 * width  # int32 index + a row of fp32
 
     def run(rank, world):
         comm = Communicator()
         indices = torch.arange(rank, 4 * k, 4)  # disjoint across ranks
-        SparseDoubling(comm, 1000, torch.float32, None).run(indices, torch.ones(k))
+        SparseDoubling(comm, 1000, width, torch.float32, None).run(indices, torch.ones(k, width))
         return [(r.op, r.bytes_sent) for r in comm.ledger.records]
 
     for records in run_workers(run, 4):
-        assert records == [("sendrecv", 8), ("sendrecv", k * pair), ("sendrecv", 8), ("sendrecv", 2 * k * pair)]
+        assert records == [("swap", FRAME + k * pair), ("swap", FRAME + 2 * k * pair)]
 
 
 def test_dense_switch_sends_the_dense_vector():
@@ -60,24 +65,18 @@ def test_dense_switch_sends_the_dense_vector():
 
     def run(rank, world):
         comm = Communicator()
-        indices = torch.arange(rank % 2, numel, 2)  # 50% each: a pair's union fills the tensor
-        SparseDoubling(comm, numel, torch.float32, break_even_density(4)).run(indices, torch.ones(500))
+        indices = torch.arange(rank % 2, numel, 4)  # 25% each: a pair's union is half the tensor
+        SparseDoubling(comm, numel, 1, torch.float32, 0.3).run(indices, torch.ones(250, 1))
         return [r.bytes_sent for r in comm.ledger.records]
 
     for sent in run_workers(run, 4):
-        # Stage 0: 500 pairs (4000 B, exactly at break-even, still sparse); the merged sum is full: dense.
-        assert sent == [8, 500 * 8, 8, numel * 4]
+        # Stage 0: 250 pairs (below the 30% switch, sparse); the merged half-full sum goes dense.
+        assert sent == [FRAME + 250 * 8, FRAME + numel * 4]
 
 
 def _unions(rank, world):
-    masks = []
-    for numel, members in ((16, [rank]), (24, [0, 1, 2]), (8, [rank, rank + 4])):
-        mask = torch.zeros(numel, dtype=torch.bool)
-        mask[torch.tensor(members)] = True
-        from ddlscale.sync.sparse.pushpull import pack_bits
-
-        masks.append(pack_bits(mask))
-    return union_counts(Communicator(), torch.cat(masks), [m.numel() for m in masks])
+    sets = [torch.tensor(members) for members in ([rank], [0, 1, 2], [rank, rank + 4])]
+    return union_counts(Communicator(), sets)
 
 
 def test_union_counts_per_stage():
@@ -130,14 +129,14 @@ def _merge_priced(rank, world):
     sync.grad_ready(p)
     sync.finish_step()
     free = sync.plan_times(0)
-    sync.merge_s_per_element, sync.plans = 1e-6, {}  # what merging costs on a slow CPU
+    sync.merge_s_per_byte, sync.plans = 1e-6, {}  # what merging costs on a slow CPU
     return free, sync.plan_times(0), sync.plan(0)
 
 
 def test_hc_pays_for_its_merges():
     for free, priced, plan in run_workers(_merge_priced, 4):
-        # Two stages, each merging two partial sums of gamma d M = 1000 non-zeros.
-        assert priced["hc"] == pytest.approx(free["hc"] + 1e-6 * 2 * 2 * 1000)
+        # Two stages, each merging two partial sums of gamma d M = 1000 (index, value) pairs of 8 bytes.
+        assert priced["hc"] == pytest.approx(free["hc"] + 1e-6 * 2 * 2 * 1000 * 8)
         assert priced["bp-coo"] == free["bp-coo"]
         assert plan.startswith("bp")
 
@@ -213,7 +212,7 @@ def test_hierarchical_mode_dense_inside_sparse_across(scheme):
         assert ops[0] == ("reduce_scatter", chunk_bytes)
         assert ops[-1][0] == "allgather" and ops[-1][1] == chunk_bytes
         # ...and only sparse traffic between the two machines in between.
-        assert all(op in ("all_to_all", "allgather", "allgather_uneven", "sendrecv") for op, _ in ops[1:-1])
+        assert {op for op, _ in ops[1:-1]} == ({"push", "pull"} if scheme == "bp" else {"swap"})
 
 
 def _hierarchical_routing(rank, world):
@@ -276,15 +275,15 @@ def _relayout(rank, world):
         sync.grad_ready(b)
         sync.grad_ready(a)
         sync.finish_step()
-        seen.append((dict(sync.plans), sorted(sync.partitioner._layouts)))
+        seen.append((dict(sync.plans), sorted(sync.partitioner._owned)))
     return seen
 
 
-def test_rerouting_does_not_accumulate_hash_layouts():
+def test_rerouting_does_not_accumulate_owned_sets():
     for seen in run_workers(_relayout, 2):
-        assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [20000, 30000])  # two groups, two layouts
-        # Step 2 drifts, step 3 re-profiles: both pull COO as one fused group; only its layout stays.
-        assert seen[4] == ({0: "bp-coo", 1: "bp-coo"}, [50000])
+        assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [20000])  # two groups; only the bitmap pull keeps a set
+        # Step 2 drifts, step 3 re-profiles: both pull COO as one fused group, which keeps nothing.
+        assert seen[4] == ({0: "bp-coo", 1: "bp-coo"}, [])
 
 
 def _resumed(rank, world):
@@ -321,6 +320,7 @@ def _resumed(rank, world):
 
 def test_resume_mid_reprofile_equals_the_uninterrupted_run():
     for straight, resumed in run_workers(_resumed, 4):
-        assert [plans for *_, plans in straight] == [{}] * 2 + [{0: "hc"}] * 4 + [{}, {0: "bp-bitmap"}]
+        # Unprofiled, the forced tensor pulls COO (no plan kept); routed, it is planned at once.
+        assert [plans for *_, plans in straight] == [{}] + [{0: "hc"}] * 5 + [{0: "bp-bitmap"}] * 2
         for (ops, grad, plans), (ops2, grad2, plans2) in zip(straight[6:], resumed, strict=True):
             assert ops == ops2 and plans == plans2 and torch.equal(grad, grad2)

@@ -1,5 +1,7 @@
-"""Sparse backends equal dense allreduce: exactly on representable data, on every rank, every case."""
+"""Sparse backends equal dense allreduce: exactly on representable data, on every rank, every case,
+in every granularity (elements of a vector, rows of a dense table, rows of a sparse COO gradient)."""
 
+import resource
 import time
 
 import pytest
@@ -17,109 +19,311 @@ from ddlscale.sync.sparse import (
     SparsePSSync,
     ZenSync,
 )
-from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
-from ddlscale.sync.sparse.zen import merge_seconds_per_element
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES
+from ddlscale.sync.sparse.rows import grad_of, units_of
+from ddlscale.sync.sparse.zen import merge_seconds_per_byte, zen_bitmap_bytes, zen_coo_bytes
 
 BACKENDS = {
     "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1),
     "zen-bitmap": lambda: ZenSync(scheme="bp", pull="bitmap", sparse_params=["w"], profile_steps=1),
     "zen-hc": lambda: ZenSync(scheme="hc", sparse_params=["w"], profile_steps=1),
+    "zen-inline": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1, overlap=False),
     "sparcml": lambda: SparCMLSync(sparse_params=["w"], profile_steps=1),
     "gloo_sparse": lambda: GlooSparseSync(sparse_params=["w"], profile_steps=1),
     "sparse_ps": lambda: SparsePSSync(sparse_params=["w"], profile_steps=1),
     "agsparse": lambda: AGSparseSync(sparse_params=["w"], profile_steps=1),
-    "omnireduce": lambda: OmniReduceSync(sparse_params=["w"], profile_steps=1),
+    "omnireduce": lambda: OmniReduceSync(sparse_params=["w"], profile_steps=1, block_size=8),
 }
-CASES = ["random", "endpoints", "uneven_M", "empty_on_some", "identical", "disjoint", "full", "cancel", "nan"]
+CASES = ["random", "endpoints", "empty_on_some", "identical", "disjoint", "full", "cancel", "nan"]
+LAYOUTS = ["elements", "dense_rows", "sparse_rows"]
+ROWS, WIDTH = 101, 3  # an odd row count: partitions and blocks never divide it evenly
 
 
-def _local_grad(case, rank, world, dtype):
-    """Rank-specific small-integer gradients (exact in fp32 and bf16) for each case."""
-    M = 1001 if case == "uneven_M" else 1024
+def _rows_touched(case, rank, world, g):
+    """Which rows a rank's gradient touches, per case (first and last rows included somewhere)."""
+    if case in ("random", "endpoints", "nan"):
+        rows = torch.randint(0, ROWS, (12,), generator=g)
+        return torch.cat([rows, torch.tensor([0, ROWS - 1])]) if case == "endpoints" else rows
+    if case == "empty_on_some":
+        return torch.randint(0, ROWS, (9,), generator=g) if rank % 2 == 0 else torch.empty(0, dtype=torch.long)
+    if case == "identical":
+        return torch.arange(0, ROWS, 7)
+    if case == "disjoint":
+        return torch.arange(rank, ROWS, world * 5)
+    if case == "full":
+        return torch.arange(ROWS)
+    return torch.arange(10, 40)  # cancel
+
+
+def _local_grad(case, rank, world, dtype, layout):
+    """Rank-specific small-integer gradients (exact in fp32 and bf16) for each case and layout."""
     g = torch.Generator().manual_seed(1000 * rank + CASES.index(case))
-    grad = torch.zeros(M)
-    if case in ("random", "uneven_M", "endpoints"):
-        idx = torch.randint(0, M, (60,), generator=g)
-        grad[idx] = torch.randint(-4, 5, (60,), generator=g).float()
-        if case == "endpoints":
-            grad[0], grad[M - 1] = 1.0 + rank, -2.0
-    elif case == "empty_on_some":
-        if rank % 2 == 0:
-            grad[torch.randint(0, M, (40,), generator=g)] = 3.0
-    elif case == "identical":
-        grad[torch.arange(0, M, 7)] = float(rank + 1)
-    elif case == "disjoint":
-        grad[torch.arange(rank, M, world * 5)] = 2.0
-    elif case == "full":
-        grad = torch.randint(1, 5, (M,), generator=g).float()
-    elif case == "cancel":
-        grad[torch.arange(10, 200)] = 1.0 if rank % 2 == 0 else -1.0
-    elif case == "nan":
-        grad[torch.arange(0, M, 13)] = 1.0
-        if rank == 0:
+    rows = _rows_touched(case, rank, world, g)
+    if layout == "elements":  # a vector: the touched rows' first elements only
+        grad = torch.zeros(ROWS * WIDTH)
+        grad[rows * WIDTH] = torch.randint(1, 5, (rows.numel(),), generator=g).float()
+        if case == "cancel":
+            grad[rows * WIDTH] = 1.0 if rank % 2 == 0 else -1.0
+        if case == "nan" and rank == 0:
             grad[5] = float("nan")
-    return grad.to(dtype)
+        return grad.to(dtype)
+    values = torch.randint(-4, 5, (rows.numel(), WIDTH), generator=g).float()
+    values[values == 0] = 2.0
+    if case == "cancel":
+        values.fill_(1.0 if rank % 2 == 0 else -1.0)
+    if case == "nan" and rank == 0:
+        values[0, 1] = float("nan")
+    sparse = torch.sparse_coo_tensor(rows[None], values, (ROWS, WIDTH)).coalesce().to(dtype)  # duplicates summed
+    return sparse if layout == "sparse_rows" else sparse.to_dense()
 
 
-def _run(rank, world, backend):
+def _run(rank, world, backends, dtypes):
     results = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        for case in CASES:
-            if case == "cancel" and world % 2:
-                continue
-            local = _local_grad(case, rank, world, dtype)
-            p = torch.nn.Parameter(torch.zeros_like(local))
-            sync = BACKENDS[backend]()
-            sync.setup([("w", p)])
-            outs = []
-            for _ in range(2):  # step 0 profiles over the dense path, step 1 goes sparse
-                p.grad = local.clone()
-                sync.grad_ready(p)
-                stats = sync.finish_step()
-                outs.append(p.grad.clone())
-            oracle = local * (1.0 / world)
-            dist.all_reduce(oracle)
-            results[(str(dtype), case)] = (outs[1], oracle, sync.routing()["w"]["path"], stats.bytes_sent)
+    for name in backends:
+        for dtype in dtypes:
+            for layout in LAYOUTS:
+                for case in CASES:
+                    if case == "cancel" and world % 2:
+                        continue
+                    local = _local_grad(case, rank, world, dtype, layout)
+                    p = torch.nn.Parameter(torch.zeros(local.shape, dtype=dtype))
+                    sync = BACKENDS[name]()
+                    sync.setup([("w", p)])
+                    for step in range(2):  # step 0 profiles, step 1 runs on the routed units
+                        p.grad = local.clone()
+                        sync.grad_ready(p)
+                        sync.finish_step()
+                        oracle = local.to_dense() * (1.0 / world)
+                        dist.all_reduce(oracle)
+                        got = p.grad
+                        results[(name, str(dtype), layout, case, step)] = (
+                            got.is_sparse, got.is_sparse and got.is_coalesced(), got.to_dense(), oracle,
+                            sync.routing()["w"])
     return results
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-@pytest.mark.parametrize("backend", list(BACKENDS))
-def test_sparse_backend_equals_dense_allreduce(backend, world):
-    for rank_results in run_workers(_run, world, backend):
-        for (dtype, case), (got, oracle, path, _) in rank_results.items():
-            assert path == "sparse"
-            where = f"{backend} n={world} {dtype} {case}"
-            if world == 3 and dtype == "torch.float32":  # x/3 is not representable: order may matter
-                torch.testing.assert_close(got, oracle, rtol=1e-6, atol=1e-6, equal_nan=True, msg=where)
-            elif world == 3:
-                torch.testing.assert_close(got, oracle, rtol=1e-2, atol=1e-2, equal_nan=True, msg=where)
-            else:
-                assert torch.equal(torch.isnan(got), torch.isnan(oracle)), where
-                ok = ~torch.isnan(oracle)
-                assert torch.equal(got[ok], oracle[ok]), where
+def _check(results, world):
+    for (name, dtype, layout, case, step), (is_sparse, coalesced, got, oracle, route) in results.items():
+        where = f"{name} n={world} {dtype} {layout} {case} step {step}"
+        assert route["path"] == "sparse", where
+        assert is_sparse == (layout == "sparse_rows"), f"{where}: a gradient comes back in its own layout"
+        assert coalesced or not is_sparse, where
+        if step == 1:
+            assert route["width"] == (1 if layout == "elements" else WIDTH), f"{where}: synced in {route['width']}s"
+        if world & (world - 1):  # x/3, x/5 are not representable: summation order may matter
+            tolerance = 1e-6 if dtype == "torch.float32" else 1e-2
+            torch.testing.assert_close(got, oracle, rtol=tolerance, atol=tolerance, equal_nan=True, msg=where)
+        else:
+            assert torch.equal(torch.isnan(got), torch.isnan(oracle)), where
+            ok = ~torch.isnan(oracle)
+            assert torch.equal(got[ok], oracle[ok]), where
 
 
-def _random_fp32(rank, world):
-    torch.manual_seed(rank)
-    local = torch.zeros(5000)
-    idx = torch.randint(0, 5000, (300,))
-    local[idx] = torch.randn(300)
-    reference = local.double()
-    dist.all_reduce(reference)
-    p = torch.nn.Parameter(torch.zeros(5000))
-    sync = ZenSync(sparse_params=["w"], profile_steps=1)
-    sync.setup([("w", p)])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+def test_every_backend_equals_dense_allreduce(world):
+    _check_all(run_workers(_run, world, list(BACKENDS), [torch.float32]), world)
+
+
+def test_bf16_values_sum_in_their_own_type():
+    _check_all(run_workers(_run, 4, ["zen-coo", "zen-bitmap", "zen-hc", "agsparse", "omnireduce"],
+                           [torch.bfloat16]), 4)
+
+
+def _check_all(per_rank, world):
+    first = per_rank[0]
+    for results in per_rank:
+        _check(results, world)
+        for key, value in results.items():  # every rank holds the same bits
+            assert torch.equal(torch.nan_to_num(value[2], 7.0), torch.nan_to_num(first[key][2], 7.0)), key
+
+
+def test_units_of_sparse_and_dense_gradients_round_trip():
+    # An all-padding batch leaves an Embedding(sparse=True) gradient with no stored rows.
+    emb = torch.nn.Embedding(10, 3, sparse=True, padding_idx=0)
+    emb(torch.tensor([0, 0])).sum().backward()
+    assert emb.weight.grad._nnz() == 0
+    # Two sparse dims: slices (1, 0) and (0, 1) have the same first index as (1, 2) and (0, 2).
+    coords = torch.tensor([[1, 0, 1, 0], [0, 1, 2, 2]])
+    two_dims = torch.sparse_coo_tensor(coords, torch.arange(1.0, 17.0).view(4, 2, 2), (2, 3, 2, 2))
+    for grad in (emb.weight.grad, two_dims):
+        dense = grad.to_dense()
+        sparse_dim = grad.sparse_dim()
+        stored = dense[0].numel() if sparse_dim == 1 else 4
+        for width in (1, stored):
+            ids, values = units_of(grad, width)
+            assert values.shape == (ids.numel(), width)
+            assert torch.equal(grad_of(ids, values, dense, None), dense)
+            back = grad_of(ids, values, dense, sparse_dim)
+            assert back.is_sparse and back.is_coalesced() and torch.equal(back.to_dense(), dense)
+            assert torch.equal(units_of(dense, width)[0], ids[(values != 0).any(dim=1)])
+
+
+def _embedding_table(rank, world):
+    """An embedding table's sparse gradient: one index per row on the wire, sparse back."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 16, sparse=True)
+    sync = ZenSync(sparse_params=["weight"], scheme="bp", pull="coo", profile_steps=1)
+    sync.setup(list(emb.named_parameters()))
+    out = []
+    for step in range(3):
+        emb.zero_grad()
+        emb(torch.tensor([0, 999, 3 * rank + step, 3 * rank + step])).sum().backward()
+        local = emb.weight.grad.to_dense()
+        sync.grad_ready(emb.weight)
+        stats = sync.finish_step()
+        oracle = local * (1.0 / world)
+        dist.all_reduce(oracle)
+        out.append((emb.weight.grad.is_sparse, torch.equal(emb.weight.grad.to_dense(), oracle), stats.bytes_sent))
+    return out
+
+
+def test_embedding_rows_travel_as_rows():
+    for steps in run_workers(_embedding_table, 2):
+        for is_sparse, exact, sent in steps:
+            assert is_sparse and exact
+            # At most 3 distinct rows per rank: pushed and pulled as (int32, 16 x fp32) rows, never 16
+            # element indices per row; with the messages' own lengths and counts on top.
+            assert sent <= 2 * (3 * (INDEX_BYTES + 16 * 4) + 8 + 8 + 8)
+
+
+def _closed_form(rank, world, backend):
+    """Bytes every rank sent, and the units every rank and the sum held, on a 5%-dense table."""
+    rows, width, nonzero = 4000, 16, 200
+    table = torch.nn.Parameter(torch.zeros(rows, width))
+    sync = {"zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["t"], profile_steps=1),
+            "zen-bitmap": lambda: ZenSync(scheme="bp", pull="bitmap", sparse_params=["t"], profile_steps=1),
+            "agsparse": lambda: AGSparseSync(sparse_params=["t"], profile_steps=1),
+            "gloo_sparse": lambda: GlooSparseSync(sparse_params=["t"], profile_steps=1),
+            "sparse_ps": lambda: SparsePSSync(sparse_params=["t"], profile_steps=1)}[backend]()
+    sync.setup([("t", table)])
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.cat([torch.arange(0, 100), 100 + torch.randperm(rows - 100, generator=g)[: nonzero - 100]])
+    local = torch.sparse_coo_tensor(ids[None], torch.ones(nonzero, width), (rows, width)).coalesce()
     for _ in range(2):
-        p.grad = local.clone()
-        sync.grad_ready(p)
+        table.grad = local.clone()
+        sync.grad_ready(table)
+        stats = sync.finish_step()
+    return stats.bytes_sent, int(table.grad._nnz())
+
+
+@pytest.mark.parametrize("backend", ["zen-coo", "zen-bitmap", "agsparse", "gloo_sparse", "sparse_ps"])
+def test_bytes_per_step_match_the_schemes_closed_form_in_rows(backend):
+    n, rows, width, nonzero = 4, 4000, 16, 200
+    results = run_workers(_closed_form, n, backend)
+    total = sum(sent for sent, _ in results)
+    summed = results[0][1]
+    d, gamma, pair = nonzero / rows, summed / nonzero, INDEX_BYTES + width * 4
+    expected = n * {
+        "zen-coo": zen_coo_bytes(rows, d, gamma, n, width * 4),
+        "zen-bitmap": zen_bitmap_bytes(rows, d, gamma, n, width * 4),
+        "agsparse": pair * d * rows * (n - 1),
+        "gloo_sparse": (8 + width * 4) * d * rows * (n - 1),  # int64 row indices
+        "sparse_ps": zen_coo_bytes(rows, d, gamma, n, width * 4),
+    }[backend]
+    assert total == pytest.approx(expected, rel=0.05), (backend, total, expected)
+
+
+def _huge_table(rank, world):
+    """A billion-row table whose gradient touches a few hundred rows: nothing may scale with the table."""
+    rows = 10**9
+    table = torch.nn.Parameter(torch.zeros(1, 8).expand(rows, 8))  # the parameter takes no memory either
+    sync = ZenSync(scheme="bp", pull="coo", sparse_params=["t"], profile_steps=1)
+    sync.setup([("t", table)])
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        ids = torch.randint(0, rows, (300,), generator=g)
+        table.grad = torch.sparse_coo_tensor(ids[None], torch.ones(300, 8), (rows, 8))
+        sync.grad_ready(table)
         sync.finish_step()
-    return p.grad, reference / world
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return grown_mib, time.perf_counter() - start, table.grad.is_sparse, int(table.grad._nnz())
 
 
-def test_random_fp32_close_to_float64_reference():
-    for got, reference in run_workers(_random_fp32, 3):
-        torch.testing.assert_close(got.double(), reference, rtol=1e-5, atol=1e-6)
+def test_coo_pull_work_follows_the_non_zeros_not_the_table():
+    for grown_mib, seconds, is_sparse, nnz in run_workers(_huge_table, 2):
+        assert is_sparse and 300 <= nnz <= 600
+        assert grown_mib < 64, f"peak memory grew {grown_mib:.0f} MiB for a few hundred rows"
+        assert seconds < 20
+
+
+def _overlap(rank, world):
+    """A sparse group syncs on its lane while 'backward' goes on: its push starts before finish."""
+    emb = torch.nn.Embedding(500, 8, sparse=True)
+    sync = ZenSync(sparse_params=["weight"], scheme="bp", pull="coo", profile_steps=1)
+    sync.setup(list(emb.named_parameters()))
+    for _ in range(2):
+        emb.zero_grad()
+        emb(torch.tensor([rank, 7])).sum().backward()
+        sync.grad_ready(emb.weight)
+        time.sleep(0.3)  # the rest of backward
+        finishing = time.perf_counter()
+        stats = sync.finish_step()
+    ops = [(r.op, r.start < finishing) for r in stats.collectives]
+    return ops, stats.comm_s
+
+
+def test_sparse_groups_overlap_backward_in_two_rounds():
+    for ops, comm_s in run_workers(_overlap, 3):
+        assert ops == [("push", True), ("pull", True)], "one push and one pull, both launched during backward"
+        assert comm_s < 0.25, "the wait after backward is not the whole sync"
+
+
+def _bf16_routing(rank, world):
+    numel = 10_000
+    params = {"fp32": torch.nn.Parameter(torch.zeros(numel)),
+              "bf16": torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))}
+    sync = AGSparseSync(profile_steps=1, network_latency="0us")
+    sync.setup(list(params.items()))
+    # 14% on each rank, n = 4: AGsparse's 6-byte bf16 pairs (int32 index + 2-byte value) beat bf16's
+    # dense bytes below 2 / (3n) = 16.7%; priced as 8-byte pairs they would lose past 1 / (2n) = 12.5%.
+    local = torch.zeros(numel)
+    local[torch.randperm(numel, generator=torch.Generator().manual_seed(rank))[:1400]] = 1.0
+    for p in params.values():
+        p.grad = local.to(p.dtype)
+        sync.grad_ready(p)
+    sync.finish_step()
+    zen = ZenSync(profile_steps=1)
+    zen.setup([("bf16", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)))])
+    zen.density[0], zen.gamma[0] = 0.01, 2.0
+    return ({name: route["path"] for name, route in sync.routing().items()}, zen.plan_times(0), zen.network,
+            zen.exchange_steps(world, 0))
+
+
+def test_routing_prices_values_at_their_element_size():
+    for paths, times, network, steps in run_workers(_bf16_routing, 4):
+        assert paths == {"fp32": "sparse", "bf16": "sparse"}
+        # Zen's COO pull for bf16: 6-byte pairs, 6 d M (1 + gamma)(n-1)/n bytes, a push and a pull
+        # of one message to each of the 3 peers.
+        nbytes = 6 * 0.01 * 10_000 * 3 * 3 / 4
+        assert steps == 3
+        assert times["bp-coo"] == pytest.approx(nbytes * 8 / network.bandwidth_bps + 6 * network.latency_s)
+
+
+def _forced_routing(rank, world, route):
+    torch.manual_seed(0)
+    emb, dense = torch.nn.Embedding(50, 4, sparse=True), torch.nn.Linear(4, 4)
+    named = [("emb", emb.weight), ("dense", dense.weight)]
+    routes = {}
+    for name, make in (("zen", ZenSync), ("agsparse", AGSparseSync), ("sparcml", SparCMLSync)):
+        # A latency so high that the cost model sends nothing sparse on its own.
+        sync = make(profile_steps=1, route=route, network_latency="1s")
+        sync.setup(named)
+        emb.weight.grad = torch.sparse_coo_tensor(torch.tensor([[rank]]), torch.ones(1, 4), (50, 4))
+        dense.weight.grad = torch.ones(4, 4)
+        for _, p in named:
+            sync.grad_ready(p)
+        sync.finish_step()
+        routes[name] = {k: v["path"] for k, v in sync.routing().items()}
+    return routes
+
+
+def test_forced_sparse_routing_is_the_same_for_every_method():
+    for routes in run_workers(_forced_routing, 2, "sparse"):
+        assert all(r == {"emb": "sparse", "dense": "dense"} for r in routes.values()), routes
+    for routes in run_workers(_forced_routing, 2, "auto"):
+        assert all(r == {"emb": "dense", "dense": "dense"} for r in routes.values()), routes
 
 
 def _measured_latency(rank, world):
@@ -141,8 +345,8 @@ def _measured_latency(rank, world):
     restored = ZenSync(profile_steps=1, network_latency="measured")
     restored.setup([("w", torch.nn.Parameter(torch.zeros(numel))), ("b", torch.nn.Parameter(torch.zeros(8)))])
     restored.load_state_dict(sync.state_dict())
-    return (sync.network.latency_s, sync.merge_s_per_element, sync.routing(), all(exact),
-            (restored.network.latency_s, restored.merge_s_per_element, restored.measure_latency))
+    return (sync.network.latency_s, sync.merge_s_per_byte, sync.routing(), all(exact),
+            (restored.network.latency_s, restored.merge_s_per_byte, restored.measure_latency))
 
 
 def test_measured_latency_is_rank_0s_on_every_rank():
@@ -160,106 +364,14 @@ def test_measured_latency_is_rank_0s_on_every_rank():
 def test_merge_cost_is_timed_long_enough_for_ranks_to_overlap():
     """Ranks time HC's merge together after a barrier; each must run long enough that they do."""
     start = time.perf_counter()
-    seconds = merge_seconds_per_element(size=1 << 10, calls=1, budget_s=0.05)
+    seconds = merge_seconds_per_byte(rows=1 << 8, calls=1, budget_s=0.05)
     assert time.perf_counter() - start >= 0.05 and seconds > 0
-
-
-def _embedding(rank, world):
-    torch.manual_seed(0)
-    emb = torch.nn.Embedding(100, 4, sparse=True)
-    sync = ZenSync(sparse_params=["weight"], profile_steps=1)
-    sync.setup(list(emb.named_parameters()))
-    grads = []
-    for step in range(2):
-        emb.zero_grad()
-        emb(torch.tensor([0, 99, 3 * rank + step])).sum().backward()
-        local = emb.weight.grad.to_dense()
-        sync.grad_ready(emb.weight)
-        sync.finish_step()
-        oracle = local * (1.0 / world)
-        dist.all_reduce(oracle)
-        grads.append((emb.weight.grad.is_sparse, emb.weight.grad.to_dense(), oracle))
-    return grads
-
-
-def test_sparse_coo_embedding_gradients():
-    for rank_grads in run_workers(_embedding, 2):
-        for is_sparse, got, oracle in rank_grads:
-            assert is_sparse, "a sparse gradient comes back sparse"
-            assert torch.equal(got, oracle)
-
-
-def test_flat_coo_of_sparse_gradients_matches_dense():
-    # An all-padding batch leaves an Embedding(sparse=True) gradient with no stored rows.
-    emb = torch.nn.Embedding(10, 3, sparse=True, padding_idx=0)
-    emb(torch.tensor([0, 0])).sum().backward()
-    assert emb.weight.grad._nnz() == 0
-    # Two sparse dims: slices (1, 0) and (0, 1) have the same first index as (1, 2) and (0, 2).
-    coords = torch.tensor([[1, 0, 1, 0], [0, 1, 2, 2]])
-    two_dims = torch.sparse_coo_tensor(coords, torch.arange(1.0, 17.0).view(4, 2, 2), (2, 3, 2, 2))
-    for grad in (emb.weight.grad, two_dims):
-        dense = grad.to_dense()
-        indices, values = to_flat_coo(grad)
-        assert torch.equal(scatter_dense(indices, values, dense), dense)
-        assert torch.equal(coo_slices(indices, values, dense, grad.sparse_dim()).to_dense(), dense)
-
-
-def _padding_embedding(rank, world):
-    emb = torch.nn.Embedding(20, 4, sparse=True, padding_idx=0)
-    sync = ZenSync(sparse_params=["weight"], profile_steps=1)
-    sync.setup(list(emb.named_parameters()))
-    grads = []
-    for step in range(2):
-        emb.zero_grad()
-        batch = torch.tensor([0, 0]) if rank == 1 else torch.tensor([0, 5 + step, 7])  # rank 1: padding only
-        emb(batch).sum().backward()
-        local = emb.weight.grad.to_dense()
-        sync.grad_ready(emb.weight)
-        sync.finish_step()
-        oracle = local * (1.0 / world)
-        dist.all_reduce(oracle)
-        grads.append((emb.weight.grad.to_dense(), oracle))
-    return grads
-
-
-def test_all_padding_batch_on_one_rank():
-    for rank_grads in run_workers(_padding_embedding, 2):
-        for got, oracle in rank_grads:
-            assert torch.equal(got, oracle)
-
-
-def _bf16_routing(rank, world):
-    numel = 10_000
-    params = {"fp32": torch.nn.Parameter(torch.zeros(numel)),
-              "bf16": torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16))}
-    sync = AGSparseSync(profile_steps=1, network_latency="0us")
-    sync.setup(list(params.items()))
-    # 14% on each rank, n = 4: AGsparse's 6-byte bf16 pairs (int32 index + 2-byte value) beat bf16's
-    # dense bytes below 2 / (3n) = 16.7%; priced as 8-byte pairs they would lose past 1 / (2n) = 12.5%.
-    local = torch.zeros(numel)
-    local[torch.randperm(numel, generator=torch.Generator().manual_seed(rank))[:1400]] = 1.0
-    for p in params.values():
-        p.grad = local.to(p.dtype)
-        sync.grad_ready(p)
-    sync.finish_step()
-    zen = ZenSync(profile_steps=1)
-    zen.setup([("bf16", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)))])
-    zen.density[0], zen.gamma[0] = 0.01, 2.0
-    return {name: route["path"] for name, route in sync.routing().items()}, zen.plan_times(0), zen.network
-
-
-def test_routing_prices_values_at_their_element_size():
-    for paths, times, network in run_workers(_bf16_routing, 4):
-        assert paths == {"fp32": "sparse", "bf16": "sparse"}
-        # Zen's COO pull for bf16: 6-byte pairs, 6 d M (1 + gamma)(n-1)/n bytes.
-        nbytes = 6 * 0.01 * 10_000 * 3 * 3 / 4
-        assert times["bp-coo"] == pytest.approx(nbytes * 8 / network.bandwidth_bps + 6 * network.latency_s)
 
 
 def _capped_groups(rank, world):
     a, b = torch.nn.Parameter(torch.zeros(1000)), torch.nn.Parameter(torch.zeros(1000))
     sync = ZenSync(scheme="bp", pull="coo", sparse_params=["a", "b"], profile_steps=1)
-    sync.max_group_numel = 1500  # stands for the 2**31 elements int32 indices address
+    sync.max_group_units = 1500  # stands for the 2**31 units int32 indices address
     sync.setup([("a", a), ("b", b)])
     local = torch.zeros(1000)
     local[torch.arange(rank, 1000, 7)] = 1.0
@@ -271,7 +383,7 @@ def _capped_groups(rank, world):
     oracle = local * (1.0 / world)
     dist.all_reduce(oracle)
     groups = sync._sparse_groups()
-    sync.max_group_numel = 999
+    sync.max_group_units = 999
     with pytest.raises(ValueError, match="more than the 999"):
         sync._sparse_groups()
     return groups, torch.equal(a.grad, oracle) and torch.equal(b.grad, 2 * oracle)
@@ -279,7 +391,7 @@ def _capped_groups(rank, world):
 
 def test_fused_groups_stay_within_the_index_range():
     for groups, exact in run_workers(_capped_groups, 2):
-        assert sorted(groups) == [[0], [1]]  # 2000 elements would overflow the 1500: two groups
+        assert sorted(groups) == [[0], [1]]  # 2000 units would overflow the 1500: two groups
         assert exact
 
 
@@ -294,13 +406,13 @@ def test_hash_partition_invariants_and_balance():
     M = 1_000_003
     for n in (1, 2, 3, 8):
         part = HashPartitioner(n, seed=7)
-        owned, position = part.layout(M)
-        union = torch.cat(owned)
+        owned = part.owned(M)
+        assert all(members.dtype == torch.int32 for members in owned), "4 bytes per unit, nothing more"
+        union = torch.cat(owned).long()
         assert union.numel() == M and torch.equal(torch.sort(union).values, torch.arange(M)), "disjoint + covering"
         for s, members in enumerate(owned):
             assert torch.equal(members, torch.sort(members).values)
-            assert torch.equal(part.server_of(members), torch.full_like(members, s))
-            assert torch.equal(position[members], torch.arange(members.numel()))
+            assert torch.equal(part.server_of(members.long()), torch.full((members.numel(),), s))
     # Zipf-skewed indices (hot ids first): hash stays balanced, a contiguous split does not.
     n = 8
     ranks = torch.arange(1, M + 1, dtype=torch.float64)
@@ -311,7 +423,6 @@ def test_hash_partition_invariants_and_balance():
     contiguous = torch.bincount(indices * n // M, minlength=n).double()
     hash_imbalance = float(hashed.max() / hashed.mean())
     contiguous_imbalance = float(contiguous.max() / contiguous.mean())
-    print(f"imbalance: hash {hash_imbalance:.3f}, contiguous {contiguous_imbalance:.2f}")
     assert hash_imbalance <= 1.1 and contiguous_imbalance > 3
 
 
@@ -320,3 +431,9 @@ def test_bad_arguments_name_the_key():
         ZenSync(pull="carrier-pigeon")
     with pytest.raises(ValueError, match="sync.profile_steps"):
         ZenSync(profile_steps=0)
+    with pytest.raises(ValueError, match="sync.route"):
+        ZenSync(route="fastest")
+    with pytest.raises(ValueError, match="sync.overlap"):
+        AGSparseSync(overlap="yes")
+    with pytest.raises(ValueError, match="sync.network_bandwidth"):
+        AGSparseSync(network_bandwidth="fast")

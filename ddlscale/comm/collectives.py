@@ -21,6 +21,7 @@ from ddlscale.comm import volume
 
 SEGMENT_BYTES = 256 << 10  # point-to-point segment size on gloo (see Communicator._exchange)
 SMALL_BYTES = 64 << 10  # below this per rank, gloo's own collectives win: one call, no per-peer ops
+HEADER_BYTES = 8  # an exchanged message's length travels in front of it (Communicator.exchange)
 
 
 def _segments(tensor: torch.Tensor, segment_bytes: int) -> list[torch.Tensor]:
@@ -72,6 +73,7 @@ class Pending:
         self._works = works
         self.record = record
         self.result = result
+        self.on_wait: Any = None  # called once after the works complete (e.g. to settle the record's bytes)
 
     def wait(self) -> Any:
         for work in self._works:
@@ -79,6 +81,9 @@ class Pending:
         self._works = []
         if self.record.end is None:
             self.record.end = time.perf_counter()
+        if self.on_wait is not None:
+            self.on_wait, settle = None, self.on_wait
+            settle()
         return self.result
 
 
@@ -97,6 +102,28 @@ def _stamp_completion(works: list[Any], record: CollectiveRecord) -> None:
 
     for future in futures:
         future.add_done_callback(done)
+
+
+class Message:
+    """Bytes for :meth:`Communicator.exchange`, with room for their length in front.
+
+    Build the payload in place (``payload`` is a view) so that framing it costs no copy.
+    """
+
+    def __init__(self, nbytes: int, device: torch.device | str = "cpu"):
+        self.frame = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8, device=device)
+        self.payload = self.frame[HEADER_BYTES:]
+
+    @classmethod
+    def of(cls, payload: torch.Tensor) -> Message:
+        message = cls(payload.numel() * payload.element_size(), payload.device)
+        message.payload.copy_(payload.reshape(-1).view(torch.uint8))
+        return message
+
+    def seal(self) -> torch.Tensor:
+        """The frame with its length written in."""
+        self.frame[:HEADER_BYTES].copy_(torch.tensor([self.payload.numel()], dtype=torch.int64).view(torch.uint8))
+        return self.frame
 
 
 class Communicator:
@@ -302,19 +329,102 @@ class Communicator:
         )
 
     def sparse_allreduce(self, tensor: torch.Tensor) -> Pending:
-        """The backend's own in-place allreduce of a sparse COO tensor (gloo: allgather of indices
-        and values); the result is the coalesced sum.
+        """The backend's own in-place allreduce of a sparse COO tensor, as ``dist.all_reduce`` runs it
+        (gloo: the non-zero counts, then ring allgathers of every rank's int64 indices and values,
+        summed locally); the result is the coalesced sum.
 
-        gloo exchanges the non-zero counts, then ring-allgathers every rank's int64 indices and its
-        values, and sums locally; the counts come from one accounted size exchange first, so the
-        charged bytes are those of the ring allgather of each rank's (indices, values).
+        The charged bytes are those ring allgathers' over every rank's (indices, values). Every
+        rank's count is needed for them, so a tiny all-to-all of counts is launched beside the call,
+        asynchronously, and read when the call is waited for: the accounting adds no round to the
+        call's own path, and its few bytes are not charged.
         """
         tensor = tensor.coalesce()
-        per_nonzero = tensor.sparse_dim() * 8 + tensor.values()[:1].numel() * tensor.element_size()
-        counts = self.allgather_sizes(tensor._nnz(), tensor.device)
-        sent, recv = volume.ring_allgather([c * per_nonzero for c in counts], self.rank)
-        return self._issue("sparse_allreduce", sent, recv,
-                           lambda: dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+        per_nonzero = tensor.sparse_dim() * 8 + math.prod(tensor.values().shape[1:]) * tensor.element_size()
+        mine = torch.full((self.size,), tensor._nnz(), dtype=torch.int64)
+        everyone = torch.empty_like(mine)
+        counting = dist.all_to_all_single(everyone, mine, group=self.group, async_op=True)
+        pending = self._issue("sparse_allreduce", 0, 0,
+                              lambda: dist.all_reduce(tensor, group=self.group, async_op=True), tensor)
+
+        def charge() -> None:
+            counting.wait()
+            pending.record.bytes_sent, pending.record.bytes_recv = volume.ring_allgather(
+                [int(c) * per_nonzero for c in everyone], self.rank)
+
+        pending.on_wait = charge
+        return pending
+
+    def exchange(self, messages: dict[int, Message], sources: list[int], op: str = "exchange",
+                 device: torch.device | str | None = None) -> dict[int, torch.Tensor]:
+        """Send ``messages[peer]`` to each peer and receive one message from each of ``sources``, whose
+        sizes this rank does not know; returns {source: payload bytes} on ``device`` (default: the
+        messages' device). Blocking; one round.
+
+        A push, a pull, a doubling stage: every sparse scheme moves messages whose sizes only their
+        senders know. Exchanging the sizes first costs a second round of messages. Here, on gloo,
+        each message carries its length in front, and the receiver posts a first receive of one
+        segment (gloo accepts a shorter message into a larger buffer); only a message longer than
+        that is completed by a second receive, posted as soon as its length is read, while the
+        other peers' messages keep flowing. Longer messages move in segments both ways at once, as
+        in :meth:`_exchange`. The 8-byte lengths travel and are charged. NCCL receives need exact
+        sizes: there the lengths go first, then the payloads. gloo's point-to-point runs on host
+        memory, so device messages are staged through it.
+        """
+        device = torch.device(device) if device is not None else next(
+            (m.frame.device for m in messages.values()), torch.device("cpu"))
+        record = CollectiveRecord(op, sum(HEADER_BYTES + m.payload.numel() for m in messages.values()), 0,
+                                  time.perf_counter())
+        self.ledger.records.append(record)
+        if self.segment_bytes is None:
+            received = self._exchange_sized_first(messages, sources, device)
+        else:
+            received = {p: t.to(device) for p, t in self._exchange_framed(messages, sources).items()}
+        record.bytes_recv = sum(HEADER_BYTES + payload.numel() for payload in received.values())
+        record.end = time.perf_counter()
+        return received
+
+    def _exchange_framed(self, messages: dict[int, Message], sources: list[int]) -> dict[int, torch.Tensor]:
+        first = self.segment_bytes
+        frames = {id(m): m.seal().cpu() for m in messages.values()}
+        sends = []
+        heads = {p: torch.empty(first, dtype=torch.uint8) for p in sources}
+        # Post each first receive before any send so no peer's first piece waits on a receive.
+        head_works = {p: dist.irecv(heads[p], self._global(p), self.group) for p in sources}
+        queues = [[frames[id(m)][:first], *_segments(frames[id(m)][first:], first)] for m in messages.values()]
+        peers = list(messages)
+        for pieces in itertools.zip_longest(*queues):  # first pieces of every peer first, then the tails
+            for peer, piece in zip(peers, pieces, strict=True):
+                if piece is not None:
+                    sends.append(dist.isend(piece, self._global(peer), self.group))
+        received, tails = {}, []
+        for p in sources:
+            head_works[p].wait()
+            length = int(heads[p][:HEADER_BYTES].view(torch.int64))
+            if HEADER_BYTES + length <= first:
+                received[p] = heads[p][HEADER_BYTES: HEADER_BYTES + length]
+                continue
+            frame = torch.empty(HEADER_BYTES + length, dtype=torch.uint8)
+            frame[:first] = heads[p]
+            tails += [dist.irecv(piece, self._global(p), self.group) for piece in _segments(frame[first:], first)]
+            received[p] = frame[HEADER_BYTES:]
+        for work in tails + sends:
+            work.wait()
+        return received
+
+    def _exchange_sized_first(self, messages: dict[int, Message], sources: list[int],
+                              device: torch.device) -> dict[int, torch.Tensor]:
+        lengths = {p: torch.tensor([m.payload.numel()], dtype=torch.int64, device=device) for p, m in messages.items()}
+        heard = {p: torch.empty(1, dtype=torch.int64, device=device) for p in sources}
+        ops = [dist.P2POp(dist.isend, t, self._global(p), self.group) for p, t in lengths.items()]
+        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in heard.items()]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        received = {p: torch.empty(int(t), dtype=torch.uint8, device=device) for p, t in heard.items()}
+        ops = [dist.P2POp(dist.isend, m.payload, self._global(p), self.group) for p, m in messages.items() if m.payload.numel()]
+        ops += [dist.P2POp(dist.irecv, t, self._global(p), self.group) for p, t in received.items() if t.numel()]
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        return received
 
     def sendrecv(self, send: torch.Tensor, recv: torch.Tensor, peer: int) -> Pending:
         """Swap with one peer: ``send`` goes to ``peer`` while ``recv`` fills from it (both ways at once)."""

@@ -8,6 +8,7 @@ sparse syncs) measure it once before they decide.
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -51,3 +52,30 @@ def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int 
     return {"allreduce_alpha_s": alpha["allreduce"], "exchange_alpha_s": alpha["allgather"],
             "allgather_s": timed["allgather"],
             "allreduce_s": timed["allreduce"], "calls": calls}
+
+
+def probe_bandwidth(group: Any, world_size: int, block_bytes: int = 1 << 20, calls: int = 3) -> float:
+    """A NIC's bandwidth as an all-to-all of ``block_bytes`` per peer shows it (every rank calls).
+
+    Each rank sends and receives (n-1) blocks at once, so its NIC carries (n-1) * block_bytes each
+    way; the median of ``calls`` timed exchanges, less the message steps' latency measured with one
+    tiny exchange, gives bit/s. On the emulated cluster it lands near the shaped rate times TCP's
+    payload fraction; on a shared host it also holds the host's copying, which is the point of
+    measuring.
+    """
+    if world_size < 2:
+        return float("inf")
+    send = torch.zeros(world_size * block_bytes, dtype=torch.uint8)
+    recv = torch.empty_like(send)
+    tiny, tiny_out = torch.zeros(world_size, dtype=torch.uint8), torch.empty(world_size, dtype=torch.uint8)
+
+    def timed(out: torch.Tensor, data: torch.Tensor) -> float:
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_to_all_single(out, data, group=group)
+        return time.perf_counter() - start
+
+    timed(recv, send)  # warm
+    base = statistics.median(timed(tiny_out, tiny) for _ in range(calls))
+    full = statistics.median(timed(recv, send) for _ in range(calls))
+    return (world_size - 1) * block_bytes * 8 / max(full - base, 1e-9)

@@ -16,6 +16,7 @@ handles parameters whose hook never fired this step (unused parameters) on every
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -60,6 +61,17 @@ class GradSync:
         self._timers = {"encode": 0.0, "comm": 0.0, "decode": 0.0}
         self._order_known = False
         self._ready_log: list[int] = []
+        self._thread_phases = threading.local()  # a background job's own phase record (see timed)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Backends travel to spawned workers before set-up; a thread-local cannot be pickled.
+        state = self.__dict__.copy()
+        state.pop("_thread_phases", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._thread_phases = threading.local()
 
     # -- set-up --------------------------------------------------------------------------------
     def setup(
@@ -122,11 +134,39 @@ class GradSync:
 
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
+        """Charge the time inside to ``phase`` of this step. On a thread running a background job
+        (:meth:`record_phases`), the spans go to that job's record instead, for :meth:`finish` to
+        fold in without counting twice what overlapped the training thread's wait."""
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._timers[phase] += time.perf_counter() - start
+            end = time.perf_counter()
+            record = getattr(self._thread_phases, "record", None)
+            if record is None:
+                self._timers[phase] += end - start
+            else:
+                record.append((phase, start, end))
+
+    @contextmanager
+    def record_phases(self, record: list[tuple[str, float, float]]) -> Iterator[None]:
+        """On this thread, collect :meth:`timed` spans as (phase, start, end) into ``record``."""
+        self._thread_phases.record = record
+        try:
+            yield
+        finally:
+            self._thread_phases.record = None
+
+    def fold_phases(self, record: list[tuple[str, float, float]], waited: tuple[float, float]) -> None:
+        """Charge a background job's spans to this step: its encode and decode work as they ran, and
+        as comm the part of the training thread's wait (``waited``: start, end) not spent on them."""
+        start, end = waited
+        busy = 0.0
+        for phase, a, b in record:
+            if phase in ("encode", "decode"):
+                self._timers[phase] += b - a
+                busy += max(0.0, min(b, end) - max(a, start))
+        self._timers["comm"] += max(0.0, end - start - busy)
 
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

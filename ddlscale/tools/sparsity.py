@@ -49,8 +49,8 @@ from hydra.utils import instantiate
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ddlscale.sync.sparse.coo import stored_elements
 from ddlscale.sync.sparse.hashing import HashPartitioner
+from ddlscale.sync.sparse.rows import units_of
 from ddlscale.workloads.base import Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,8 +89,8 @@ def _sparse_nonzero_indices(grad: Tensor) -> Tensor:
     Coalescing first merges duplicate rows (one per lookup of the same id) and sorts the entries, so
     the result is sorted and every index appears once.
     """
-    flat, values = stored_elements(grad)
-    return flat[values != 0]
+    flat, values = units_of(grad, 1)  # every stored element, one unit each
+    return flat[values.reshape(-1) != 0]
 
 
 def densification(index_sets: Sequence[Tensor], numel: int) -> list[float]:

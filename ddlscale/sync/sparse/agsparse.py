@@ -1,32 +1,31 @@
-"""AGsparse: allgather every worker's COO and sum locally (gloo's sparse allreduce, Horovod).
+"""AGsparse: allgather every worker's units and sum locally (Horovod's sparse allreduce).
 
 One-shot centralization: no partition, no incremental sum, so each worker receives all n-1 other
-workers' non-zeros — (4 + s) d M (n-1) bytes for s-byte values. In fp32, 8 d M (n-1): it beats
-dense allreduce only when d < 1/n.
+workers' units — (4 + u) d M (n-1) bytes for M units of u bytes (an embedding row, or one value). In
+fp32 elements, 8 d M (n-1): it beats dense allreduce only when d < 1/n. At row granularity it is the
+algorithm PyTorch's gloo sparse allreduce runs (:mod:`.gloo_sparse`), with int32 indices and one
+exchange where gloo takes three ring allgathers.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ddlscale.sync.sparse.base import SparseSync
-from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_pairs, unpack_pairs
+from ddlscale.sync.sparse import pushpull
+from ddlscale.sync.sparse.base import SparseSync, Sparsity
 
 
 class AGSparseSync(SparseSync):
-    """``sync=agsparse``: allgather of (int32 index, value) pairs, summed on every worker."""
+    """``sync=agsparse``: allgather of (int32 row index, row) sets, summed on every worker."""
 
-    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
-        return (INDEX_BYTES + value_bytes) * density * numel * (self.world_size - 1)
+    def sparse_volume(self, s: Sparsity) -> float:
+        return s.pair_bytes * s.density * s.units * (s.n - 1)
 
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
-        with self.timed("comm"):
-            rows = pack_pairs(indices, values)
-            sizes = self.comm.allgather_sizes(rows.numel(), rows.device)
-            pieces = self.comm.allgather_uneven(rows, sizes).wait()
-            all_idx, all_val = unpack_pairs(torch.cat(pieces).view(-1, rows.shape[1]), values.dtype)
+    def sparse_messages(self, s: Sparsity) -> int:
+        return self.exchange_steps(s.n, s.pair_bytes * s.density * s.units)
+
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
+        comm = self.sparse_comm
+        pieces = pushpull.pull_coo(comm, ids, values, self.timed)  # the same allgather of row sets
         with self.timed("decode"):
-            total = torch.zeros(numel, dtype=values.dtype)
-            total.index_add_(0, all_idx, all_val)  # in rank order: deterministic
-            nonzero = torch.nonzero(total).reshape(-1)  # NaN counts as non-zero
-            return nonzero, total[nonzero]
+            return pushpull.aggregate(pieces)  # in rank order: deterministic

@@ -1,15 +1,30 @@
 """Common machinery of the sparse backends: profile densities, route tensors, sync the sparse ones.
 
-Every sparse backend starts as dense allreduce: during the first ``profile_steps`` steps it measures,
-per tensor, the density d on each worker and the density of the sum (gamma_n = d_sum / d), agreed
-across ranks by one small allreduce; backends that weigh recursive doubling (``profiles_doubling``)
-also measure gamma_{2^i}, the densification of aligned groups of 2^i workers, by OR-ing non-zero
-bitmaps up the doubling stages. Then each tensor whose sparse scheme beats dense allreduce on the
-cost model switches to the sparse path; the rest stay in the dense buckets. Sparse tensors are
-synchronized after backward, in backward order.
+**Units.** A sparse sync moves a tensor's non-zero *units*: the rows of a (rows, width) view of its
+gradient (:mod:`.rows`). A gradient that arrives as sparse COO (``nn.Embedding(sparse=True)``) is
+counted in its stored slices; a dense gradient of a matrix in rows when its zeros come in whole rows
+(sending rows beats sending elements: non-zero elements x (4 + s) >= non-zero rows x (4 + width s)),
+else in single elements. Densities, gammas, the hash partition and the cost formulas are all in
+units, agreed on every rank from the profile.
+
+**Profiling and routing.** Every sparse backend starts as dense allreduce: during the first
+``profile_steps`` steps it measures, per tensor, the density d of units on each worker and the
+density of the sum (gamma_n = d_sum / d), agreed across ranks by one small allreduce; backends that
+weigh recursive doubling (``profiles_doubling``) also measure gamma_{2^i} by OR-ing non-zero bitmaps
+up the doubling stages. Then each tensor whose sparse scheme beats dense allreduce on the cost model
+(``route: auto``), or every tensor with a sparse gradient or a unit density of at most 1/2
+(``route: sparse``, the same tensors for every method), switches to the sparse path; the rest stay
+in the dense buckets. Every backend prices the messages it really sends and the bytes it moves with
+the same alpha and beta (``network_latency``, ``network_bandwidth``).
+
+**Overlap.** Sparse tensors are fused into groups (same dtype and width, in backward order). A group
+is synchronized as soon as its last member's gradient is ready, on a lane of its own (a thread and a
+process group, :mod:`.lane`) so the rest of backward goes on meanwhile, as the dense buckets'
+allreduces do; groups launch in group order on every rank. ``overlap: false`` runs them after
+backward instead. A gradient that came in sparse comes back sparse: coalesced, averaged.
 
 Density drifts (an embedding's batch vocabulary grows, a model unfreezes): after routing, every step
-compares each sparse tensor's summed non-zeros — the same number on every rank, so all ranks agree
+compares each sparse tensor's summed units — the same number on every rank, so all ranks agree
 without a collective — with its profile; past a factor of ``reprofile_drift`` the backend profiles
 again for ``profile_steps`` steps (tensors keep their current path meanwhile) and re-routes.
 """
@@ -17,63 +32,116 @@ again for ``profile_steps`` steps (tensors keep their current path meanwhile) an
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddlscale.comm import Communicator
 from ddlscale.comm.cost import NetworkModel
-from ddlscale.comm.probe import MEASURED, probe_latency
+from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
-from ddlscale.sync.sparse.coo import coo_slices, scatter_dense, to_flat_coo
-from ddlscale.sync.sparse.pushpull import INDEX_DTYPE, pack_bits
+from ddlscale.sync.sparse.lane import shared_lane
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE, rows_bytes
 from ddlscale.sync.sparse.recursive import union_counts
+from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
+
+ROUTES = ("auto", "sparse")
+FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """What routing reads about one tensor among ``n`` participants: its units, their density d,
+    gamma_n, gamma_{2^i} for i = 0..log2 n where profiled, values per unit and bytes per unit."""
+
+    units: int
+    density: float
+    gamma: float
+    gammas: list[float] | None
+    n: int
+    width: int
+    unit_bytes: int
+
+    @property
+    def pair_bytes(self) -> int:
+        """An (int32 index, row) pair on the wire."""
+        return INDEX_BYTES + self.unit_bytes
+
+
+@dataclass
+class GroupJob:
+    """One fused group's sync for one step: its members' gradients in, their averages out."""
+
+    members: list[int]
+    grads: dict[int, tuple[torch.Tensor, int | None]]  # member -> (local gradient, sparse_dim or None)
+    future: Future | None = None
+    phases: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)
 
 
 class SparseSync(DenseAllreduce):
-    """Base of agsparse, sparse_ps, omnireduce, sparcml and zen: subclasses implement
-    :meth:`sync_sparse` and either :meth:`sparse_volume` (bytes per worker) or, for schemes whose
-    time is not bytes over one bandwidth, :meth:`sparse_seconds` — the routing decision.
+    """Base of agsparse, gloo_sparse, sparse_ps, omnireduce, sparcml and zen: subclasses implement
+    :meth:`sync_sparse` (collectives through :attr:`sparse_comm`) and :meth:`sparse_volume` with
+    :meth:`sparse_messages` (the routing decision), or :meth:`sparse_seconds` for schemes whose time
+    is not bytes over one bandwidth.
 
     Args:
         profile_steps: steps of dense sync spent measuring densities before routing tensors.
-        sparse_params: ``"auto"`` (route by the volume formulas) or a list of parameter names that
-            must go sparse (others stay dense), e.g. to force a scheme for a benchmark.
-        network_bandwidth, network_latency: the network the routing assumes (tc units). A tensor goes
-            sparse when its bytes at that bandwidth plus the scheme's extra message latencies beat
-            its dense bytes; small tensors stay in the dense buckets, where latency is shared.
-            ``network_latency: measured`` times small exchanges on the sync group before the first
-            routing (:func:`~ddlscale.comm.probe.probe_latency`) and takes their per-message cost.
-        reprofile_drift: re-profile when a sparse tensor's summed density moves by more than this
+        sparse_params: ``"auto"`` (route by ``route``) or a list of parameter names that must go
+            sparse (others stay dense), e.g. to force a scheme for a benchmark.
+        route: ``"auto"`` (a tensor goes sparse where the cost model rates its scheme faster than
+            dense) or ``"sparse"`` (every tensor with a sparse gradient or unit density <= 1/2 does,
+            whatever the scheme: identical routing for every method).
+        network_bandwidth, network_latency: the network the cost model assumes (tc units), the same
+            for every method: on the emulated cluster its configured bandwidth. ``measured`` times
+            exchanges on the sync group before the first routing (:mod:`ddlscale.comm.probe`).
+        reprofile_drift: re-profile when a sparse tensor's summed units move by more than this
             factor from its profile (``None``: never).
+        overlap: run a sparse group's sync on its own lane as soon as its gradients are ready
+            (``False``: after backward, on the training thread).
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
     """
 
     profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
-    # Elements one fused group may span: its flat indices travel as int32 (override for other wires).
-    max_group_numel = torch.iinfo(INDEX_DTYPE).max + 1
+    # Units one fused group may span: its indices travel as int32 (override for other wires).
+    max_group_units = torch.iinfo(INDEX_DTYPE).max + 1
 
-    def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto",
+    def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto", route: str = "auto",
                  network_bandwidth: str = "1gbit", network_latency: str = "100us",
-                 reprofile_drift: float | None = 2.0, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+                 reprofile_drift: float | None = 2.0, overlap: bool = True, bucket_mb: float = 25.0,
+                 first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.measure_latency = network_latency == MEASURED
-        self.network = NetworkModel.of(bandwidth=network_bandwidth, latency="0us" if self.measure_latency else network_latency)
-        if not isinstance(profile_steps, int) or profile_steps < 1:
+        self.measure_bandwidth = network_bandwidth == MEASURED
+        try:
+            self.network = NetworkModel.of(bandwidth="1gbit" if self.measure_bandwidth else network_bandwidth,
+                                           latency="0us" if self.measure_latency else network_latency)
+        except ValueError as error:
+            raise ValueError(str(error).replace("cluster.", "sync.network_")) from None
+        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
         # Any sequence of names but a string: from Hydra the list arrives as an OmegaConf ListConfig.
         if sparse_params != "auto" and (isinstance(sparse_params, str) or not isinstance(sparse_params, Sequence)):
             raise ValueError(f"sync.sparse_params must be 'auto' or a list of names, got {sparse_params!r}")
+        if route not in ROUTES:
+            raise ValueError(f"sync.route must be one of {', '.join(ROUTES)}; got {route!r}")
         if reprofile_drift is not None and not (isinstance(reprofile_drift, int | float) and reprofile_drift > 1):
             raise ValueError(f"sync.reprofile_drift must be a number > 1 or null, got {reprofile_drift!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"sync.overlap must be true or false, got {overlap!r}")
         self.profile_steps = profile_steps
         self.sparse_params = sparse_params if sparse_params == "auto" else list(sparse_params)
+        self.route = route
         self.reprofile_drift = reprofile_drift
+        self.overlap = overlap
         self.sparse: list[int] = []  # parameter indices on the sparse path, decided after profiling
-        self.density: dict[int, float] = {}  # mean per-worker density d
+        self.width: dict[int, int] = {}  # values per unit (row width, or 1: elements), from the profile
+        self.layout: dict[int, int | None] = {}  # sparse_dim of the gradient as it arrives, None: dense
+        self.density: dict[int, float] = {}  # mean per-worker density of units d
         self.gamma: dict[int, float] = {}  # density of the sum / d
         self.gammas: dict[int, list[float]] = {}  # [gamma_1, gamma_2, gamma_4, ..., gamma_n] (power-of-two n)
         self.profiles = 0  # profiling rounds run (1 + re-profiles)
@@ -85,50 +153,120 @@ class SparseSync(DenseAllreduce):
             unknown = set(self.sparse_params) - set(self.names)
             if unknown:
                 raise ValueError(f"sync.sparse_params names unknown parameters: {sorted(unknown)}")
+            # Named tensors go sparse from the first step: they never pay a dense table's allreduce.
+            self.sparse = [self.names.index(name) for name in self.sparse_params]
+        if not hasattr(self, "sparse_comm"):
+            # The lane needs every world rank at this point, so only for the world group.
+            self.lane = shared_lane() if self.overlap and self.comm.group is None and dist.is_initialized() else None
+            self.sparse_comm = Communicator(self.lane.group, self.ledger) if self.lane else self.comm
         super().on_setup()
         self._sparse_set = set(self.sparse)
-        self._local_nnz: dict[int, int] = {}
-        self._local_masks: dict[int, torch.Tensor] = {}
-        self._pending_sparse: dict[int, tuple[torch.Tensor, torch.Tensor, int | None]] = {}
+        self.groups = self._sparse_groups()
+        self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
+        self._local: dict[int, tuple[int, torch.Tensor]] = {}  # profiling: (non-zero elements, non-zero rows)
+        self._jobs: list[GroupJob] = [GroupJob(group, {}) for group in self.groups]
+        self._next_group = 0
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         sparse = set(self.sparse)
         return super()._assign([i for i in order if i not in sparse])
 
+    # -- units -----------------------------------------------------------------------------------
+    def row_width(self, index: int) -> int:
+        """Values per row: a stored slice for a sparse gradient, else a slice over dim 0."""
+        shape = self.params[index].shape
+        sparse_dim = self.layout.get(index)
+        return slice_width(shape, sparse_dim) if sparse_dim is not None else row_width(shape)
+
+    def unit_width(self, index: int) -> int:
+        """Values per unit as routed (rows until a profile says elements)."""
+        return self.width.get(index, self.row_width(index))
+
+    def units(self, index: int) -> int:
+        return self.params[index].numel() // self.unit_width(index)
+
+    def sparsity(self, index: int) -> Sparsity:
+        """The profile as the sparse scheme sees it (Zen's hierarchical mode overrides)."""
+        p = self.params[index]
+        width = self.unit_width(index)
+        return Sparsity(self.units(index), self.density.get(index, 1.0), self.gamma.get(index, 1.0),
+                        self.gammas.get(index), self.world_size, width, width * p.element_size())
+
     # -- per step ------------------------------------------------------------------------------
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if index in self._sparse_set:
-            start = time.perf_counter()
-            grad = param.grad
-            indices, values = to_flat_coo(grad)
-            # Scale before summing, as the dense path does, so exact data gives the same bits.
-            self._pending_sparse[index] = (indices, values * (1.0 / self.world_size),
-                                           grad.sparse_dim() if grad.is_sparse else None)
-            self._timers["encode"] += time.perf_counter() - start
-            if self._profile_left:
-                self._observe(index, indices)
-            return
+        grad = param.grad
         if self._profile_left:
-            self._observe(index, to_flat_coo(param.grad)[0])
-        super().on_grad_ready(index, param)
+            self._observe(index, grad)
+        if index not in self._sparse_set:
+            super().on_grad_ready(index, param)
+            return
+        job = self._jobs[self.group_of[index]]
+        if index in job.grads:
+            raise RuntimeError(f"gradient of {self.names[index]!r} became ready twice in one step "
+                               "(backward called twice before the optimizer step?)")
+        job.grads[index] = (grad, grad.sparse_dim() if grad.is_sparse else None)
+        self._launch_ready_groups()
 
-    def _observe(self, index: int, indices: torch.Tensor) -> None:
-        """Record one local gradient's non-zeros for the profile (and its bitmap, if asked)."""
-        self._local_nnz[index] = int(indices.numel())
-        if self._doubling_profiled():
-            mask = torch.zeros(self.params[index].numel(), dtype=torch.bool)
-            mask[indices] = True
-            self._local_masks[index] = pack_bits(mask)
+    def _launch_ready_groups(self, everything: bool = False) -> None:
+        # Strictly in group order, so every rank issues the same sequence on the lane.
+        while self._next_group < len(self._jobs):
+            job = self._jobs[self._next_group]
+            if not everything and len(job.grads) < len(job.members):
+                return
+            if self.lane is not None:
+                job.future = self.lane.submit(self._run_job, job)
+            self._next_group += 1
 
-    def _doubling_profiled(self) -> bool:
-        n = self.world_size
-        return self.profiles_doubling and n > 1 and n & (n - 1) == 0
+    def _run_job(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        with self.record_phases(job.phases):
+            return self._sync_group(job)
+
+    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        """One fused group: members' units in one index space, synced; (member, average, summed units)."""
+        members = job.members
+        width, dtype, device = self.unit_width(members[0]), self.params[members[0]].dtype, self.device
+        with self.timed("encode"):
+            offsets, ids, values = [0], [], []
+            for i in members:
+                offsets.append(offsets[-1] + self.units(i))
+                if i not in job.grads:  # no gradient this step on this rank: contribute nothing
+                    continue
+                local_ids, local_values = units_of(job.grads[i][0], width)
+                ids.append(local_ids + offsets[-2])
+                # Scale before summing, as the dense path does, so exact data gives the same bits.
+                values.append(local_values * (1.0 / self.world_size))
+            ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
+            values = torch.cat(values) if values else torch.empty((0, width), dtype=dtype, device=device)
+        total_ids, total_values = self.sync_sparse(members, offsets[-1], width, ids, values)
+        with self.timed("decode"):
+            order = torch.argsort(total_ids)
+            total_ids, total_values = total_ids[order], total_values[order]
+            cuts = torch.searchsorted(total_ids, torch.tensor(offsets, device=total_ids.device)).tolist()
+            out = []
+            for k, i in enumerate(members):
+                mine = slice(cuts[k], cuts[k + 1])
+                sparse_dim = job.grads[i][1] if i in job.grads else self.layout.get(i)
+                grad = grad_of(total_ids[mine] - offsets[k], total_values[mine], self.params[i], sparse_dim,
+                               ids_sorted=True)
+                out.append((i, grad, cuts[k + 1] - cuts[k]))
+            return out
 
     def finish(self) -> None:
         super().finish()  # dense buckets first: they were launched during backward
+        self._launch_ready_groups(everything=True)
         drifted = False
-        for group in self._sparse_groups():
-            drifted |= self._finish_group(group)
+        for job in self._jobs:
+            if job.future is None:
+                results = self._sync_group(job)
+            else:
+                start = time.perf_counter()
+                results = job.future.result()
+                self.fold_phases(job.phases, (start, time.perf_counter()))
+            for i, grad, summed in results:
+                self.params[i].grad = grad
+                drifted |= self._drifted(i, summed)
+            job.grads, job.future, job.phases = {}, None, []
+        self._next_group = 0
         if self._profile_left:
             self._profile()
         elif drifted:
@@ -138,154 +276,78 @@ class SparseSync(DenseAllreduce):
         """Sparse tensors fused by :meth:`group_key`, in backward order: one push and one pull per
         group, so the per-message latency is paid once, not once per tensor."""
         groups: dict[Any, list[list[int]]] = {}
-        filled: dict[Any, int] = {}  # elements in each key's last group
+        filled: dict[Any, int] = {}  # units in each key's last group
         for i in self.backward_order:
             if i in self._sparse_set:
-                numel, key = self.params[i].numel(), self.group_key(i)
-                if numel > self.max_group_numel:
-                    raise ValueError(f"{self.names[i]} has {numel} elements, more than the {self.max_group_numel} "
+                units, key = self.units(i), self.group_key(i)
+                if units > self.max_group_units:
+                    raise ValueError(f"{self.names[i]} has {units} units, more than the {self.max_group_units} "
                                      f"its sparse indices can address on the wire; keep it dense (sync.sparse_params)")
                 chain = groups.setdefault(key, [[]])
                 # Past the wire's index range a new group starts, rather than indices wrapping around.
-                if filled.get(key, 0) + numel > self.max_group_numel:
+                if filled.get(key, 0) + units > self.max_group_units:
                     chain.append([])
                     filled[key] = 0
                 chain[-1].append(i)
-                filled[key] = filled.get(key, 0) + numel
-        return [group for chain in groups.values() for group in chain]
+                filled[key] = filled.get(key, 0) + units
+        return sorted((group for chain in groups.values() for group in chain),
+                      key=lambda group: self.backward_order.index(group[-1]))
 
     def group_key(self, index: int) -> Any:
-        """Tensors with equal keys are fused: same dtype (and, in subclasses, same scheme)."""
-        return str(self.params[index].dtype)
+        """Tensors with equal keys are fused: same dtype and unit width (subclasses add their scheme)."""
+        return str(self.params[index].dtype), self.unit_width(index)
 
-    def _finish_group(self, group: list[int]) -> bool:
-        """Sync one fused group; True when a tensor's summed density drifted from its profile."""
-        start = time.perf_counter()
-        sizes = [self.params[i].numel() for i in group]
-        offsets = [0, *itertools.accumulate(sizes)]
-        parts_idx, parts_val, sparse_dims = [], [], {}
-        for k, i in enumerate(group):
-            pending = self._pending_sparse.pop(i, None)
-            if pending is None:  # no gradient this step on this rank: contribute nothing
-                continue
-            indices, values, sparse_dims[i] = pending
-            parts_idx.append(indices + offsets[k])  # one index space over the fused tensors
-            parts_val.append(values)
-        dtype = self.params[group[0]].dtype
-        indices = torch.cat(parts_idx) if parts_idx else torch.empty(0, dtype=torch.int64)
-        values = torch.cat(parts_val) if parts_val else torch.empty(0, dtype=dtype)
-        self._timers["encode"] += time.perf_counter() - start
-        total_idx, total_val = self.sync_sparse(group, offsets[-1], indices, values)
-        start = time.perf_counter()
-        owner = torch.bucketize(total_idx, torch.tensor(offsets[1:-1], dtype=torch.int64), right=True)
-        drifted = False
-        for k, i in enumerate(group):
-            mine = owner == k
-            p = self.params[i]
-            local_idx = total_idx[mine] - offsets[k]
-            sparse_dim = sparse_dims.get(i)
-            if sparse_dim is None:
-                p.grad = scatter_dense(local_idx, total_val[mine], p)
-            else:
-                p.grad = coo_slices(local_idx, total_val[mine], p, sparse_dim)
-            drifted |= self._drifted(i, local_idx)
-        self._timers["decode"] += time.perf_counter() - start
-        return drifted
-
-    def _drifted(self, index: int, indices: torch.Tensor) -> bool:
-        """Has the summed density (identical on every rank) left its profile by reprofile_drift?
-        ``indices``: the tensor's flat indices in this step's sum."""
+    def _drifted(self, index: int, summed_units: int) -> bool:
+        """Has the summed density (identical on every rank) left its profile by reprofile_drift?"""
         if self.reprofile_drift is None or index not in self.density:
             return False
-        summed, profiled = self.summed_size(index, indices)
+        summed, profiled = self.summed_size(index, summed_units)
         ratio = max(1.0, summed) / max(1.0, profiled)
         return not 1 / self.reprofile_drift <= ratio <= self.reprofile_drift
 
-    def summed_size(self, index: int, indices: torch.Tensor) -> tuple[float, float]:
-        """The sum's size this step and as profiled, in one unit (override where the scheme returns
-        more than the non-zeros, or routes by another unit)."""
-        return indices.numel(), self.density[index] * self.gamma.get(index, 1.0) * self.params[index].numel()
+    def summed_size(self, index: int, summed_units: int) -> tuple[float, float]:
+        """The sum's size this step and as profiled, in one unit (override where routing counts
+        another unit)."""
+        return summed_units, self.density[index] * self.gamma.get(index, 1.0) * self.units(index)
 
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
-        """Global sum of every rank's (indices, values) over the fused index space of ``group``
-        (``numel`` elements), as flat COO (override)."""
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor,
+                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global sum of every rank's units (``ids`` < ``units``, rows ``values`` of ``width``) over the
+        fused index space of ``group``, as (distinct ids, rows) in any order (override). Runs on the
+        lane when overlapping: collectives go through :attr:`sparse_comm`."""
         raise NotImplementedError
 
-    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
-        """Bytes per worker this scheme moves for one tensor of ``value_bytes``-byte elements
-        (override); compared with dense's."""
+    def sparse_volume(self, s: Sparsity) -> float:
+        """Bytes per worker this scheme moves for one tensor (override); compared with dense's."""
         raise NotImplementedError
 
-    # -- profiling and routing -------------------------------------------------------------------
-    def _profile(self) -> None:
-        """Fold this step's densities into the profile (collective: every rank calls it together)."""
-        everyone = range(len(self.params))
-        local = torch.tensor([self._local_nnz.get(i, 0) for i in everyone], dtype=torch.float64)
-        summed = [int(to_flat_coo(p.grad)[0].numel()) if p.grad is not None else 0 for p in self.params]
-        if self.world_size > 1:
-            self.comm.allreduce(local).wait()  # accounted: profiling traffic is real traffic
-        local /= self.world_size
-        fresh = self._samples == 0
-        weight = self._samples / (self._samples + 1)  # running mean over this round's steps
-        unions = self._profile_unions(local)
-        if fresh:  # a tensor no longer a candidate must not keep, nor later blend in, the last round's gammas
-            self.gammas.clear()
-        for i in everyone:
-            numel = self.params[i].numel()
-            d = float(local[i]) / numel
-            gamma = summed[i] / float(local[i]) if local[i] > 0 else 1.0
-            self.density[i] = d if fresh else weight * self.density[i] + (1 - weight) * d
-            self.gamma[i] = gamma if fresh else weight * self.gamma[i] + (1 - weight) * gamma
-            if i in unions:
-                old = self.gammas.get(i) if not fresh else None
-                new = unions[i]
-                self.gammas[i] = new if old is None else [weight * a + (1 - weight) * b for a, b in zip(old, new, strict=True)]
-        self._local_nnz.clear()
-        self._local_masks.clear()
-        self._samples += 1
-        self._profile_left -= 1
-        if not self._profile_left:
-            self.profiles += 1
-            self._route()
+    def sparse_messages(self, s: Sparsity) -> int:
+        """Message steps per worker in sequence (override): by default a push and a pull, each one
+        exchange with every peer."""
+        per_peer = s.density * s.units / s.n * s.pair_bytes
+        return 2 * self.exchange_steps(s.n, per_peer)
 
-    def _profile_unions(self, mean_nnz: torch.Tensor) -> dict[int, list[float]]:
-        """gamma_{2^i} for i = 0..log2 n of the tensors sparse could serve (d below 1/2)."""
-        if not self._doubling_profiled():
-            return {}
-        candidates = [i for i in range(len(self.params))
-                      if 0 < float(mean_nnz[i]) < 0.5 * self.params[i].numel()]
-        if not candidates:
-            return {}
-        empty = torch.empty(0, dtype=torch.uint8)
-        maps = [self._local_masks.get(i, empty) for i in candidates]
-        lengths = [(self.params[i].numel() + 7) // 8 for i in candidates]
-        maps = [m if m.numel() else torch.zeros(n, dtype=torch.uint8) for m, n in zip(maps, lengths, strict=True)]
-        stages = union_counts(self.comm, torch.cat(maps), lengths)
-        # Average each group's union over all ranks (members of a group report the same count).
-        mean_union = torch.tensor(stages, dtype=torch.float64)
-        self.comm.allreduce(mean_union).wait()
-        mean_union /= self.world_size
-        gammas = {}
-        for k, i in enumerate(candidates):
-            per_stage = [float(mean_union[s, k]) / float(mean_nnz[i]) for s in range(len(stages))]
-            # Ranks' densities differ, so clip to gamma_k's definition range [1, k].
-            gammas[i] = [1.0] + [min(2.0 ** (s + 1), max(1.0, g)) for s, g in enumerate(per_stage)]
-        return gammas
+    def exchange_steps(self, n: int, message_bytes: float) -> int:
+        """Message steps of one :meth:`Communicator.exchange` with n-1 peers: one message each, and a
+        second where a message outgrows the first segment (or where sizes must go first, on NCCL)."""
+        first = self.sparse_comm.segment_bytes if hasattr(self, "sparse_comm") else None
+        longer = first is None or rows_bytes(0, 0) + message_bytes > first
+        return (n - 1) * (2 if longer else 1)
 
-    def sparse_latency_steps(self) -> int:
-        """Sequential message steps the sparse scheme adds per tensor (push counts, push, sizes, pull)."""
-        return 4 * (self.world_size - 1)
+    # -- the cost model ---------------------------------------------------------------------------
+    def wire_seconds(self, nbytes: float, messages: int) -> float:
+        """alpha per message step plus the bytes at the bandwidth: one price list for every method."""
+        return nbytes * 8 / self.network.bandwidth_bps + messages * self.network.latency_s
 
     def sparse_seconds(self, index: int) -> float:
         """The cost model's time for one profiled tensor on the sparse path (override to refine)."""
-        p = self.params[index]
-        sparse_bytes = self.sparse_volume(p.numel(), self.density.get(index, 1.0), self.gamma.get(index, 1.0),
-                                          p.element_size())
-        return sparse_bytes * 8 / self.network.bandwidth_bps + self.sparse_latency_steps() * self.network.latency_s
+        s = self.sparsity(index)
+        return self.wire_seconds(self.sparse_volume(s), self.sparse_messages(s))
 
     def dense_seconds(self, index: int) -> float:
-        """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`
-        (override where the sparse scheme is priced over another split)."""
+        """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`:
+        its bytes only, as a bucket's messages are paid whatever it holds (override where the sparse
+        scheme is priced over another split)."""
         p = self.params[index]
         return self.ring_seconds(p.numel(), p.element_size(), self.world_size)
 
@@ -297,17 +359,120 @@ class SparseSync(DenseAllreduce):
         """The cost model's verdict for one profiled tensor."""
         return self.sparse_seconds(index) < self.dense_seconds(index)
 
+    # -- profiling and routing -------------------------------------------------------------------
+    def _observe(self, index: int, grad: torch.Tensor) -> None:
+        """Record one local gradient's non-zero elements and rows for the profile."""
+        self.layout[index] = grad.sparse_dim() if grad.is_sparse else None
+        width = self.row_width(index)
+        rows, _ = units_of(grad, width)
+        elements = rows.numel() * width if grad.is_sparse else int(torch.count_nonzero(grad.reshape(-1) != 0))
+        self._local[index] = (elements, rows)
+
+    def _footprint(self, grad: torch.Tensor | None, index: int) -> tuple[int, int]:
+        """(non-zero elements, non-zero rows) of a gradient (the sum, after this step's sync)."""
+        if grad is None:
+            return 0, 0
+        width = self.row_width(index)
+        rows = units_of(grad, width)[0].numel()
+        return (rows * width if grad.is_sparse else int(torch.count_nonzero(grad.reshape(-1) != 0))), rows
+
+    def _profile(self) -> None:
+        """Fold this step's densities into the profile (collective: every rank calls it together)."""
+        everyone = range(len(self.params))
+        local = torch.tensor([[self._local[i][0], self._local[i][1].numel()] if i in self._local else [0, 0]
+                              for i in everyone], dtype=torch.float64).reshape(-1, 2)
+        summed = [self._footprint(p.grad, i) for i, p in enumerate(self.params)]
+        if self.world_size > 1:
+            self.comm.allreduce(local).wait()  # accounted: profiling traffic is real traffic
+        local /= self.world_size
+        fresh = self._samples == 0
+        weight = self._samples / (self._samples + 1)  # running mean over this round's steps
+        mean_units = {}
+        for i in everyone:
+            elements, rows = float(local[i, 0]), float(local[i, 1])
+            width = self._decide_width(i, elements, rows)
+            if fresh:
+                self.width[i] = width
+            units = rows if self.width[i] == self.row_width(i) else elements
+            summed_units = summed[i][1] if self.width[i] == self.row_width(i) else summed[i][0]
+            mean_units[i] = units
+            d = units / self.units(i)
+            gamma = summed_units / units if units > 0 else 1.0
+            self.density[i] = d if fresh else weight * self.density[i] + (1 - weight) * d
+            self.gamma[i] = gamma if fresh else weight * self.gamma[i] + (1 - weight) * gamma
+        unions = self._profile_unions(mean_units)
+        if fresh:  # a tensor no longer a candidate must not keep, nor later blend in, the last round's gammas
+            self.gammas.clear()
+        for i, new in unions.items():
+            old = self.gammas.get(i) if not fresh else None
+            self.gammas[i] = new if old is None else [weight * a + (1 - weight) * b for a, b in zip(old, new, strict=True)]
+        self._local.clear()
+        self._samples += 1
+        self._profile_left -= 1
+        if self._profile_left == 0:
+            self.profiles += 1
+            self._samples = 0
+            self._route()
+
+    def _decide_width(self, index: int, elements: float, rows: float) -> int:
+        """Rows for sparse gradients; for dense ones rows when sending them beats sending elements."""
+        width = self.row_width(index)
+        if self.layout.get(index) is not None or width == 1:
+            return width
+        value = self.params[index].element_size()
+        return width if elements * (INDEX_BYTES + value) >= rows * (INDEX_BYTES + width * value) else 1
+
+    def _profile_unions(self, mean_units: dict[int, float]) -> dict[int, list[float]]:
+        """gamma_{2^i} per candidate tensor from this step's non-zero units (power-of-two n only),
+        where the units are the profiled rows (tensors counted in single elements of wider rows keep
+        the bound min(2^i, gamma_n))."""
+        if not self._doubling_profiled():
+            return {}
+        candidates = [i for i in range(len(self.params)) if self.unit_width(i) == self.row_width(i)
+                      and 0 < mean_units[i] < 0.5 * self.units(i)]
+        if not candidates:
+            return {}
+        empty = torch.empty(0, dtype=torch.int64)
+        stages = union_counts(self.comm, [self._local[i][1].cpu() if i in self._local else empty for i in candidates])
+        # Average each group's union over all ranks (members of a group report the same count).
+        mean_union = torch.tensor(stages, dtype=torch.float64)
+        self.comm.allreduce(mean_union).wait()
+        mean_union /= self.world_size
+        gammas = {}
+        for k, i in enumerate(candidates):
+            per_stage = [float(mean_union[s, k]) / mean_units[i] for s in range(len(stages))]
+            # Ranks' densities differ, so clip to gamma_k's definition range [1, k].
+            gammas[i] = [1.0] + [min(2.0 ** (s + 1), max(1.0, g)) for s, g in enumerate(per_stage)]
+        return gammas
+
+    def _doubling_profiled(self) -> bool:
+        n = self.world_size
+        return self.profiles_doubling and n > 1 and n & (n - 1) == 0
+
     def _route(self) -> None:
-        if self.measure_latency and self.world_size > 1:  # every rank: _route runs after a collective profile
+        if self.world_size > 1 and (self.measure_latency or self.measure_bandwidth):
+            self._measure_network()  # every rank: _route runs after a collective profile
+        if self.sparse_params != "auto":
+            self.sparse = [self.names.index(name) for name in self.sparse_params]
+        elif self.world_size == 1:
+            self.sparse = []
+        elif self.route == "sparse":
+            self.sparse = [i for i in range(len(self.params))
+                           if self.layout.get(i) is not None or self.density.get(i, 1.0) <= FORCED_DENSITY]
+        else:
+            self.sparse = [i for i in range(len(self.params)) if self.prefers_sparse(i)]
+        self.on_setup()  # rebuild the dense buckets without the sparse tensors, and the sparse groups
+
+    def _measure_network(self) -> None:
+        """Once, on every rank alike: the routing's alpha and/or beta as the sync group shows them."""
+        latency, bandwidth = self.network.latency_s, self.network.bandwidth_bps
+        if self.measure_latency:
             probe = probe_latency(self.comm.group, self.world_size, self.network.bandwidth_bps)
             latency, = self.agreed([probe["exchange_alpha_s"]])
-            self.network = dataclasses.replace(self.network, latency_s=latency)
-            self.measure_latency = False  # once: re-profiles keep it, so every rank stays in step
-        if self.sparse_params == "auto":
-            self.sparse = [i for i in range(len(self.params)) if self.world_size > 1 and self.prefers_sparse(i)]
-        else:
-            self.sparse = [self.names.index(name) for name in self.sparse_params]
-        self.on_setup()  # rebuild the dense buckets without the sparse tensors
+        if self.measure_bandwidth:
+            bandwidth, = self.agreed([probe_bandwidth(self.comm.group, self.world_size)])
+        self.network = dataclasses.replace(self.network, latency_s=latency, bandwidth_bps=bandwidth)
+        self.measure_latency = self.measure_bandwidth = False  # re-profiles keep it: every rank stays in step
 
     def agreed(self, values: list[float], slowest: bool = False) -> list[float]:
         """Rank 0's ``values`` on every rank (``slowest``: the largest of every rank's): measurements
@@ -323,24 +488,30 @@ class SparseSync(DenseAllreduce):
         return tensor.tolist()
 
     def routing(self) -> dict[str, dict[str, Any]]:
-        """Per parameter: path, profiled density and gammas (for logs and reports)."""
+        """Per parameter: path, unit width, profiled density and gammas (for logs and reports)."""
         return {self.names[i]: {"path": "sparse" if i in self._sparse_set else "dense",
-                                "density": self.density.get(i), "gamma": self.gamma.get(i),
-                                "gammas": self.gammas.get(i)}
+                                "width": self.unit_width(i), "density": self.density.get(i),
+                                "gamma": self.gamma.get(i), "gammas": self.gammas.get(i)}
                 for i in range(len(self.params))}
 
     def state_dict(self) -> dict[str, Any]:
+        measured = self.measure_latency or self.measure_bandwidth
         return {**super().state_dict(), "sparse": list(self.sparse), "density": dict(self.density),
-                "latency_s": None if self.measure_latency else self.network.latency_s,
+                "width": dict(self.width), "layout": dict(self.layout),
+                "latency_s": None if measured else self.network.latency_s,
+                "bandwidth_bps": None if measured else self.network.bandwidth_bps,
                 "gamma": dict(self.gamma), "gammas": dict(self.gammas), "profiles": self.profiles,
                 "profile_left": self._profile_left, "samples": self._samples}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sparse = list(state["sparse"])
-        if state.get("latency_s") is not None:  # the routing's latency, measured or configured
-            self.network = dataclasses.replace(self.network, latency_s=state["latency_s"])
-            self.measure_latency = False
+        if state.get("latency_s") is not None:  # the routing's network, measured or configured
+            self.network = dataclasses.replace(self.network, latency_s=state["latency_s"],
+                                               bandwidth_bps=state.get("bandwidth_bps") or self.network.bandwidth_bps)
+            self.measure_latency = self.measure_bandwidth = False
         self.density = {int(k): v for k, v in state["density"].items()}
+        self.width = {int(k): int(v) for k, v in state.get("width", {}).items()}
+        self.layout = {int(k): v for k, v in state.get("layout", {}).items()}
         self.gamma = {int(k): v for k, v in state["gamma"].items()}
         self.gammas = {int(k): list(v) for k, v in state.get("gammas", {}).items()}
         self.profiles = int(state.get("profiles", 1 if self.sparse else 0))

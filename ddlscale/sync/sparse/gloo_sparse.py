@@ -1,35 +1,41 @@
-"""gloo's built-in sparse allreduce, as PyTorch ships it: the reference point for "where it applies".
+"""PyTorch's own sparse allreduce, as its users call it: ``dist.all_reduce`` on a sparse COO tensor.
 
-``dist.all_reduce`` on a sparse COO tensor over gloo exchanges non-zero counts, ring-allgathers every
-rank's int64 indices and values, and sums locally — AGsparse with 8-byte indices, so each worker
-receives 12 d M (n-1) bytes of fp32 pairs. NCCL has no sparse allreduce: CPU (gloo) only.
+On gloo it exchanges every rank's non-zero count, ring-allgathers every rank's int64 indices and its
+values, and sums locally — AGsparse with 8-byte indices over three ring allgathers of n-1 steps each.
+A hybrid tensor (an embedding's gradient: one index per row, values (nnz, D)) goes as it is: one
+index per row. Here each fused group of units is that hybrid tensor, shaped (units, width); a lone
+embedding table is exactly its gradient. NCCL has no sparse allreduce: CPU (gloo) only.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.base import SparseSync, Sparsity
 
 
 class GlooSparseSync(SparseSync):
-    """``sync=gloo_sparse``: each fused group through ``dist.all_reduce`` of one sparse COO tensor."""
+    """``sync=gloo_sparse``: each fused group through ``dist.all_reduce`` of one hybrid sparse COO tensor."""
 
-    max_group_numel = torch.iinfo(torch.int64).max  # gloo sends int64 indices
+    max_group_units = torch.iinfo(torch.int64).max  # gloo sends int64 indices
 
     def on_setup(self) -> None:
         if self.world_size > 1 and self.device.type != "cpu":
             raise ValueError(f"sync=gloo_sparse runs on CPU tensors over gloo, got device {self.device}")
         super().on_setup()
 
-    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
-        return (torch.int64.itemsize + value_bytes) * density * numel * (self.world_size - 1)
+    def sparse_volume(self, s: Sparsity) -> float:
+        return (torch.int64.itemsize + s.unit_bytes) * s.density * s.units * (s.n - 1)
 
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
+    def sparse_messages(self, s: Sparsity) -> int:
+        return 3 * (s.n - 1)  # gloo: counts, indices and values, each a ring allgather
+
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         with self.timed("encode"):
-            local = torch.sparse_coo_tensor(indices[None], values, (numel,), check_invariants=False)
+            local = torch.sparse_coo_tensor(ids[None], values, (units, width), is_coalesced=True,
+                                            check_invariants=False)
         with self.timed("comm"):
-            total = self.comm.sparse_allreduce(local).wait()
+            total = self.sparse_comm.sparse_allreduce(local).wait()
         with self.timed("decode"):
             total = total.coalesce()
             return total.indices()[0], total.values()

@@ -1,19 +1,16 @@
-"""Zen's balanced partitioning: a fixed hash h0 of the flat index decides which server owns it.
+"""Zen's balanced partitioning: a fixed hash h0 of a unit's index decides which server owns it.
 
-Why a hash: push balance needs every worker to send ~|I_i|/n of its non-zeros to each server, and
-pull balance needs every server to own ~|union I|/n of them — so the same index must always go to
-the same server (a function of the index alone, identical on every rank), and that function must
+Why a hash: push balance needs every worker to send ~|I_i|/n of its units to each server, and pull
+balance needs every server to own ~|union I|/n of them — so the same index must always go to the
+same server (a function of the index alone, identical on every rank), and that function must
 scatter the skewed, clustered indices of real gradients evenly. Contiguous splits fail the second
 need under skew (>60% of non-zeros in the first 1/8 of embedding tables); data-dependent splits
-(sorting, thresholds) cost too much. h0 here is MurmurHash3's 64-bit finalizer (fmix64) of the index
-xor a seed — full avalanche, so clusters of nearby indices spread over all servers.
+(sorting, thresholds) cost too much. h0 is MurmurHash3's 64-bit finalizer (fmix64) of the index
+xor a seed — full avalanche, so clusters of nearby indices spread over all servers
+(:func:`ddlscale.sync.sparse.kernels.server_of`).
 
 Indices are 0-based and every value 0..M-1 is hashed, index 0 included (a known bug class in
-1-based hash tables is dropping it).
-
-``server_of_reference`` and ``layout_reference`` are the pure-PyTorch definitions; the partitioner
-calls them through :mod:`ddlscale.sync.sparse.native`, which runs the C++ kernels (bit-identical)
-where they were measured faster.
+1-based hash tables is dropping it). A unit is a row of an embedding table or a single element.
 """
 
 from __future__ import annotations
@@ -23,53 +20,17 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ddlscale.sync.sparse import native
+from ddlscale.sync.sparse import kernels
 
 _MASK63 = (1 << 63) - 1
-# fmix64 multipliers as signed int64 (torch has no uint64 arithmetic; multiplication wraps).
-_C1 = 0xFF51AFD7ED558CCD - (1 << 64)
-_C2 = 0xC4CEB9FE1A85EC53 - (1 << 64)
-
-
-def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x >> bits as if x were unsigned 64-bit (torch's >> on int64 is arithmetic)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def fmix64(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 64-bit finalizer on int64 tensors (bit-exact with the unsigned original)."""
-    x = x ^ _logical_shift_right(x, 33)
-    x = x * _C1
-    x = x ^ _logical_shift_right(x, 33)
-    x = x * _C2
-    return x ^ _logical_shift_right(x, 33)
-
-
-def server_of_reference(indices: torch.Tensor, seed: int, num_servers: int) -> torch.Tensor:
-    """h0: (fmix64(index ^ seed) & (2^63 - 1)) % num_servers, int64 in, int64 out."""
-    hashed = fmix64(indices.to(torch.int64) ^ seed)
-    return (hashed & _MASK63) % num_servers
-
-
-def layout_reference(numel: int, seed: int, num_servers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(owned index set per server, sorted; position of every index within its owner's set)."""
-    all_indices = torch.arange(numel, dtype=torch.int64)
-    owner = server_of_reference(all_indices, seed, num_servers)
-    order = torch.argsort(owner, stable=True)  # stable: each set comes out sorted
-    counts = torch.bincount(owner, minlength=num_servers).tolist()
-    owned = list(torch.split(order, counts))
-    position = torch.empty(numel, dtype=torch.int64)
-    for members in owned:
-        position[members] = torch.arange(members.numel(), dtype=torch.int64)
-    return owned, position
 
 
 class HashPartitioner:
-    """Maps flat indices of a tensor to ``num_servers`` partitions by h0 = fmix64(index ^ seed).
+    """Maps unit indices of a tensor to ``num_servers`` partitions by h0 = fmix64(index ^ seed).
 
-    Also precomputes, per tensor size ``M``, each server's owned index set ``I_s`` (sorted) and
-    every index's position inside it, so a server aggregates into a compact ``|I_s|``-long buffer
-    and the hash-bitmap pull can send one bit per owned index.
+    For the hash-bitmap pull it also keeps, per tensor size ``M`` (in units), each server's owned
+    set ``I_s`` (sorted): int32 where it fits, so 4 bytes per unit, and nothing else. A server
+    finds its sums' positions in ``I_s`` by binary search instead of a per-unit position table.
     """
 
     def __init__(self, num_servers: int, seed: int = 0x5EED):
@@ -77,21 +38,26 @@ class HashPartitioner:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
         self.seed = int(seed) & _MASK63
-        self._layouts: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+        self._owned: dict[int, list[torch.Tensor]] = {}
 
     def server_of(self, indices: torch.Tensor) -> torch.Tensor:
-        """Owning server of each flat index (int64 in, int64 out)."""
-        return native.server_of(indices, self.seed, self.num_servers)
+        """Owning server of each index (int64 in, int64 out)."""
+        return kernels.server_of(indices, self.seed, self.num_servers)
 
-    def layout(self, numel: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(owned index set per server, position of every index within its owner's set)."""
-        if numel not in self._layouts:
-            self._layouts[numel] = native.hash_layout(numel, self.seed, self.num_servers)
-        return self._layouts[numel]
+    def group(self, indices: torch.Tensor, values: torch.Tensor):
+        """(indices, values) with each server's units contiguous (input order kept), and the counts."""
+        return kernels.partition(indices, values, self.seed, self.num_servers)
 
-    def clear_layouts(self) -> None:
-        """Forget the cached layouts (16 bytes per element each), e.g. when the fused sizes change."""
-        self._layouts.clear()
+    def owned(self, numel: int, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Each server's owned indices among 0..numel-1, sorted (views of one array of numel entries)."""
+        if numel not in self._owned:
+            flat, counts = kernels.owned_sets(numel, self.seed, self.num_servers)
+            self._owned[numel] = list(torch.split(flat.to(device), counts))
+        return self._owned[numel]
+
+    def clear(self) -> None:
+        """Forget the owned sets (4 bytes per unit each), e.g. when the fused sizes change."""
+        self._owned.clear()
 
     def fingerprint(self) -> str:
         return hashlib.sha256(f"fmix64:{self.seed}:{self.num_servers}".encode()).hexdigest()

@@ -1,9 +1,8 @@
-"""Native kernels for Zen's hash partitioning (``csrc/``), with the pure-PyTorch references as fallback.
+"""Loading the native kernels (``csrc/``): build once, cache, and say which op may run natively.
 
-Each function here takes the same arguments as its reference (``hashing.server_of_reference``,
-``partition.split_by_server_reference``, ``pushpull.pack_bits_reference`` ...) and returns the same
-result bit for bit; it runs the native kernel only where ``experiments/native_kernels`` measured it
-beating the reference (``NATIVE_FROM``), and the reference everywhere else.
+This module only finds the compiled extension for a device; :mod:`ddlscale.sync.sparse.kernels`
+holds each op's pure-PyTorch definition beside its dispatch, and asks :func:`ops_for` whether the
+extension should run it on the given tensors (``NATIVE_FROM``).
 
 The C++ extension is compiled on first use with ``torch.utils.cpp_extension`` into
 ``$DDLSCALE_EXT_DIR`` (default ``~/.cache/ddlscale/ext``), under a name that carries a hash of the
@@ -37,14 +36,22 @@ CUDA_FLAGS = ["-O3"]
 # Smallest input (elements) from which the native kernel measurably beat the reference on this
 # project's 2-core machine (experiments/results/native_kernels/results.md): every op won at every
 # size measured, 1 to 1e7 elements, by 2.5-20x, so all start at 0. An op missing here never runs
-# natively; CUDA has no entries until a GPU run of experiments/gpu_check.py (section C) measures it.
+# natively. CUDA: the kernels replace a chain of elementwise launches (fmix64 alone is ten) and a
+# general sort by one fused pass and a counting sort, so they run from the first element; no GPU
+# has timed them yet (experiments/gpu_check.py section C does, and checks them bit for bit).
 NATIVE_FROM: dict[tuple[str, str], int] = {
     ("cpu", "server_of"): 0,
     ("cpu", "partition"): 0,
     ("cpu", "split_by_server"): 0,
-    ("cpu", "hash_layout"): 0,
+    ("cpu", "owned_sets"): 0,
+    ("cpu", "merge_rows"): 0,
     ("cpu", "pack_bits"): 0,
     ("cpu", "unpack_bits"): 0,
+    ("cuda", "server_of"): 0,
+    ("cuda", "partition"): 0,
+    ("cuda", "split_by_server"): 0,
+    ("cuda", "pack_bits"): 0,
+    ("cuda", "unpack_bits"): 0,
 }
 
 
@@ -170,7 +177,7 @@ def unavailable_reason(kind: str = "cpu") -> str | None:
     return None if _ops(kind) is not None else _reasons.get(kind)
 
 
-def _native(op: str, *tensors: torch.Tensor, device: str | None = None, numel: int | None = None):
+def ops_for(op: str, *tensors: torch.Tensor, device: str | None = None, numel: int | None = None):
     """The extension to run ``op`` on these tensors (or on a size on ``device``), or None for the reference."""
     device = device or tensors[0].device.type
     numel = tensors[0].numel() if numel is None else numel
@@ -182,74 +189,3 @@ def _native(op: str, *tensors: torch.Tensor, device: str | None = None, numel: i
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None  # the kernels have no backward
     return cuda_ops() if device == "cuda" else cpu_ops()
-
-
-def _int64(t: torch.Tensor) -> bool:
-    return t.dtype == torch.int64
-
-
-def server_of(indices: torch.Tensor, seed: int, num_servers: int) -> torch.Tensor:
-    """Owning server h0(index) = (fmix64(index ^ seed) & (2^63 - 1)) % num_servers."""
-    ops = _native("server_of", indices) if num_servers >= 1 and not indices.is_floating_point() else None
-    if ops is not None:
-        return ops.server_of(indices.to(torch.int64), int(seed), num_servers)
-    from ddlscale.sync.sparse.hashing import server_of_reference
-
-    return server_of_reference(indices, seed, num_servers)
-
-
-def split_by_server(server: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, num_servers: int):
-    """(indices, values) with each server's pairs contiguous, in input order; the count per server."""
-    ops = None
-    if _int64(server) and _int64(indices) and server.dim() == indices.dim() == 1 and values.dim() >= 1:
-        ops = _native("split_by_server", server, indices, values)
-    if ops is not None:
-        idx, val, counts = ops.group_by_server(server, indices, values, num_servers)
-        return idx, val, counts.tolist()
-    from ddlscale.sync.sparse.partition import split_by_server_reference
-
-    return split_by_server_reference(server, indices, values, num_servers)
-
-
-def partition(indices: torch.Tensor, values: torch.Tensor, seed: int, num_servers: int):
-    """``split_by_server(server_of(indices, ...), indices, values, ...)`` in one hash + counting-sort pass."""
-    ops = None
-    if _int64(indices) and indices.dim() == 1 and values.dim() >= 1 and num_servers >= 1:
-        ops = _native("partition", indices, values)
-    if ops is not None:
-        idx, val, counts = ops.partition(indices, values, int(seed), num_servers)
-        return idx, val, counts.tolist()
-    from ddlscale.sync.sparse.partition import partition_reference
-
-    return partition_reference(indices, values, seed, num_servers)
-
-
-def hash_layout(numel: int, seed: int, num_servers: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``HashPartitioner.layout``: each server's sorted owned indices, and every index's position there."""
-    ops = _native("hash_layout", device="cpu", numel=numel) if numel >= 0 and num_servers >= 1 else None
-    if ops is not None:
-        owned, counts, position = ops.hash_layout(numel, int(seed), num_servers)
-        return list(torch.split(owned, counts.tolist())), position
-    from ddlscale.sync.sparse.hashing import layout_reference
-
-    return layout_reference(numel, seed, num_servers)
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean mask -> uint8 bitmap, 8 entries per byte (little-endian bit order)."""
-    ops = _native("pack_bits", mask) if mask.dtype == torch.bool and mask.dim() == 1 else None
-    if ops is not None:
-        return ops.pack_bits(mask)
-    from ddlscale.sync.sparse.pushpull import pack_bits_reference
-
-    return pack_bits_reference(mask)
-
-
-def unpack_bits(bitmap: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` bits of a bitmap as a bool tensor."""
-    ops = _native("unpack_bits", bitmap) if bitmap.dtype == torch.uint8 and bitmap.dim() == 1 and length >= 0 else None
-    if ops is not None:
-        return ops.unpack_bits(bitmap, length)
-    from ddlscale.sync.sparse.pushpull import unpack_bits_reference
-
-    return unpack_bits_reference(bitmap, length)

@@ -11,113 +11,98 @@ the imbalance Zen's hash partition removes.
 
 Decisions the paper leaves to an implementation (ours):
 
+- A block is a run of whole units (rows of an embedding table, or elements): ``block_size // width``
+  rows of ``width`` values, at least one row. A row never straddles two blocks, so the sparse
+  gradient's rows map to blocks without touching the rest of the table.
 - Blocks are cut per tensor: in a fused group each tensor starts on a block boundary, so a block
   never mixes two tensors and the block density profiled per tensor is exactly what travels. A
-  tensor's last block may be partial; it travels padded to ``block_size`` (fixed-size rows, like
-  OmniReduce's fixed-size packets), and the padding is charged.
-- A block travels as one row: its int32 block id, then its values. One all-to-all carries a worker's
-  blocks to every aggregator; one uneven allgather carries every aggregator's sums back.
+  tensor's last block may be partial; it travels padded (fixed-size rows, like OmniReduce's
+  fixed-size packets), and the padding is charged.
+- A block travels as one row of the sparse syncs' wire format (int32 block id, then its values).
+  One exchange carries a worker's blocks to every aggregator; one exchange carries every
+  aggregator's sums back.
 - A block is non-zero if any value is non-zero or NaN (NaN must propagate). A summed block that
   cancels to all zeros is not sent back.
 
-Bytes per worker and step for one tensor of M elements of s bytes, cut into nb = ceil(M / B) blocks
-of which a fraction p is non-zero on a worker and gamma_b * p after summing over the n workers, with
+Bytes per worker and step for one tensor of M values of s bytes, cut into nb blocks of B values of
+which a fraction p is non-zero on a worker and gamma_b * p after summing over the n workers, with
 rows of w = 4 + B s bytes: push (n-1)/n p nb w, pull (n-1)/n gamma_b p nb w, so
 
     (n - 1) / n * (1 + gamma_b) * p * nb * (4 + B s)
 
-on average over workers (plus 16 (n-1) bytes of counts and sizes). That average is what routing
-assumes, as for ``sparse_ps``; with the even split the busiest aggregator moves more.
+on average over workers. That average is what routing assumes, as for ``sparse_ps``; with the even
+split the busiest aggregator moves more.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import torch
 
-from ddlscale.comm import Communicator
-from ddlscale.sync.sparse.base import SparseSync
-from ddlscale.sync.sparse.coo import to_flat_coo
+from ddlscale.sync.sparse import pushpull
+from ddlscale.sync.sparse.base import SparseSync, Sparsity
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
-
-BLOCK_ID_BYTES = 4  # block ids travel as int32
-
-
-def num_blocks(numel: int, block_size: int) -> int:
-    return -(-numel // block_size)
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES
+from ddlscale.sync.sparse.rows import units_of
 
 
-def omnireduce_bytes(numel: int, block_density: float, block_gamma: float, n: int,
-                     block_size: int = 256, elem_size: int = 4) -> float:
+def num_blocks(units: int, rows_per_block: int) -> int:
+    return -(-units // rows_per_block)
+
+
+def rows_per_block(block_size: int, width: int) -> int:
+    """Whole units in a block of about ``block_size`` values (at least one)."""
+    return max(1, block_size // width)
+
+
+def omnireduce_bytes(units: int, block_density: float, block_gamma: float, n: int, block_rows: int,
+                     unit_bytes: int) -> float:
     """Mean bytes a worker sends (and receives) per step for one tensor (module docstring)."""
-    row = BLOCK_ID_BYTES + block_size * elem_size
-    return (n - 1) / n * (1 + block_gamma) * block_density * num_blocks(numel, block_size) * row
+    row = INDEX_BYTES + block_rows * unit_bytes
+    return (n - 1) / n * (1 + block_gamma) * block_density * num_blocks(units, block_rows) * row
 
 
-def scattered_block_density(density: float, block_size: int) -> float:
-    """Fraction of non-zero blocks when non-zeros fall independently at random: a block is empty
+def scattered_block_density(density: float, block_rows: int) -> float:
+    """Fraction of non-zero blocks when non-zero units fall independently at random: a block is empty
     with probability (1 - d)^B. Clustered non-zeros (embedding rows) fill far fewer blocks."""
-    return 1.0 - (1.0 - min(1.0, density)) ** block_size
+    return 1.0 - (1.0 - min(1.0, density)) ** block_rows
 
 
 class BlockLayout:
-    """The block grid over a fused group: element j of tensor k lies in block
-    ``first_block[k] + j // B`` at lane ``j % B``; each tensor starts on a fresh block."""
+    """The block grid over a fused group: unit j of tensor k lies in block ``first_block[k] + j // B``
+    at slot ``j % B`` (B units per block); each tensor starts on a fresh block."""
 
-    def __init__(self, sizes: list[int], block_size: int):
-        self.block_size = block_size
+    def __init__(self, sizes: list[int], block_rows: int):
+        self.block_rows = block_rows
         self.sizes = torch.tensor(sizes, dtype=torch.int64)
         self.starts = torch.tensor([0, *itertools.accumulate(sizes)], dtype=torch.int64)
-        blocks = [num_blocks(s, block_size) for s in sizes]
+        blocks = [num_blocks(s, block_rows) for s in sizes]
         self.first_block = torch.tensor([0, *itertools.accumulate(blocks)], dtype=torch.int64)
         self.num_blocks = int(self.first_block[-1])
 
-    def to_blocks(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fused flat COO -> sorted ids of the non-zero blocks and their values, shape (k, B)."""
-        tensor_of = torch.bucketize(indices, self.starts[1:-1], right=True)
-        local = indices - self.starts[tensor_of]
-        ids, row = torch.unique(self.first_block[tensor_of] + local // self.block_size, return_inverse=True)
-        blocks = values.new_zeros((ids.numel(), self.block_size))
-        blocks[row, local % self.block_size] = values
-        return ids, blocks
+    def to_blocks(self, ids: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused unit ids (ascending) and rows -> sorted ids of the non-zero blocks and their values,
+        shape (k, B * width)."""
+        width = values.shape[1]
+        tensor_of = torch.bucketize(ids, self.starts[1:-1], right=True)
+        local = ids - self.starts[tensor_of]
+        block = self.first_block[tensor_of] + local // self.block_rows
+        block_ids, slot = torch.unique_consecutive(block, return_inverse=True)  # ids ascending: blocks too
+        blocks = values.new_zeros((block_ids.numel(), self.block_rows, width))
+        blocks[slot, local % self.block_rows] = values
+        return block_ids, blocks.view(block_ids.numel(), self.block_rows * width)
 
-    def to_coo(self, ids: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Blocks -> fused flat COO of every lane that belongs to a tensor (padding dropped)."""
-        tensor_of = torch.bucketize(ids, self.first_block[1:-1], right=True)
-        lanes = torch.arange(self.block_size, dtype=torch.int64)
-        local = (ids - self.first_block[tensor_of])[:, None] * self.block_size + lanes
-        keep = local < self.sizes[tensor_of][:, None]
-        return (local + self.starts[tensor_of][:, None])[keep], blocks[keep]
-
-
-def pack_blocks(ids: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks as rows of bytes — int32 id, then the values — so one message carries both."""
-    k = ids.numel()
-    rows = torch.empty((k, BLOCK_ID_BYTES + blocks.shape[1] * blocks.element_size()), dtype=torch.uint8)
-    rows[:, :BLOCK_ID_BYTES] = ids.to(torch.int32).view(torch.uint8).view(k, BLOCK_ID_BYTES)
-    rows[:, BLOCK_ID_BYTES:] = blocks.contiguous().view(torch.uint8)
-    return rows
-
-
-def unpack_blocks(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # Fresh column blocks: a column slice of the rows is strided, and view(dtype) needs stride 1.
-    id_bytes = torch.empty((rows.shape[0], BLOCK_ID_BYTES), dtype=torch.uint8).copy_(rows[:, :BLOCK_ID_BYTES])
-    value_bytes = torch.empty((rows.shape[0], rows.shape[1] - BLOCK_ID_BYTES), dtype=torch.uint8)
-    value_bytes.copy_(rows[:, BLOCK_ID_BYTES:])
-    return id_bytes.view(torch.int32).reshape(-1).to(torch.int64), value_bytes.view(dtype)
-
-
-def push_blocks(comm: Communicator, rows: torch.Tensor, servers: torch.Tensor) -> torch.Tensor:
-    """All-to-all of block rows to their aggregators; ``servers`` must be sorted (ids are)."""
-    send_counts = torch.bincount(servers, minlength=comm.size)
-    recv_counts = torch.empty(comm.size, dtype=torch.int64)
-    comm.all_to_all(recv_counts, send_counts).wait()
-    recv_splits = recv_counts.tolist()
-    received = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    comm.all_to_all(received, rows, recv_splits, send_counts.tolist()).wait()
-    return received
+    def to_units(self, block_ids: torch.Tensor, blocks: torch.Tensor, width: int):
+        """Blocks -> fused unit ids and rows of every non-zero unit that belongs to a tensor (padding dropped)."""
+        tensor_of = torch.bucketize(block_ids, self.first_block[1:-1], right=True)
+        slots = torch.arange(self.block_rows, dtype=torch.int64)
+        local = (block_ids - self.first_block[tensor_of])[:, None] * self.block_rows + slots
+        rows = blocks.view(-1, self.block_rows, width)
+        keep = (local < self.sizes[tensor_of][:, None]) & (rows != 0).any(dim=2)  # NaN != 0
+        return (local + self.starts[tensor_of][:, None])[keep], rows[keep]
 
 
 class OmniReduceSync(SparseSync):
@@ -129,7 +114,7 @@ class OmniReduceSync(SparseSync):
     Routing judges each tensor by its profiled *block* density (fraction of non-zero blocks per
     worker) and block gamma (of the sum / per worker), not by element density: 1% of elements
     scattered over every block saves nothing here, 1% in one contiguous run saves 99%. Drift
-    (``reprofile_drift``) is judged in non-zero blocks too.
+    (``reprofile_drift``) is judged in non-zero units, as for every sparse sync.
     """
 
     def __init__(self, block_size: int = 256, **kwargs: Any):
@@ -145,60 +130,59 @@ class OmniReduceSync(SparseSync):
         super().on_setup()
         self._local_blocks: dict[int, int] = {}
 
-    # -- the scheme ------------------------------------------------------------------------------
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
-        with self.timed("encode"):
-            layout = BlockLayout([self.params[i].numel() for i in group], self.block_size)
-            ids, blocks = layout.to_blocks(indices, values)
-            rows = pack_blocks(ids, blocks)
-            servers = self.partitioner.server_of(ids, layout.num_blocks)
-        with self.timed("comm"):
-            received = push_blocks(self.comm, rows, servers)
-        with self.timed("decode"):
-            recv_ids, recv_blocks = unpack_blocks(received, values.dtype)
-            # The compact buffer holds only blocks that arrived: the work is O(received), not O(M / n).
-            arrived, slot = torch.unique(recv_ids, return_inverse=True)
-            compact = recv_blocks.new_zeros((arrived.numel(), self.block_size))
-            compact.index_add_(0, slot, recv_blocks)  # arrival order (rank 0 first): deterministic
-            nonzero = (compact != 0).any(dim=1)  # NaN != 0, so NaN blocks go back too
-            summed = pack_blocks(arrived[nonzero], compact[nonzero])
-        with self.timed("comm"):
-            sizes = self.comm.allgather_sizes(summed.numel(), summed.device)
-            pieces = self.comm.allgather_uneven(summed, sizes).wait()
-        with self.timed("decode"):
-            all_ids, all_blocks = unpack_blocks(torch.cat(pieces).view(-1, rows.shape[1]), values.dtype)
-            return layout.to_coo(all_ids, all_blocks)
+    def block_rows(self, index: int) -> int:
+        return rows_per_block(self.block_size, self.unit_width(index))
 
-    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
-        """Bytes per worker from element figures alone, were the non-zeros scattered at random.
+    # -- the scheme ------------------------------------------------------------------------------
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
+        comm = self.sparse_comm
+        with self.timed("encode"):
+            layout = BlockLayout([self.units(i) for i in group], rows_per_block(self.block_size, width))
+            block_ids, blocks = layout.to_blocks(ids, values)
+        # Block ids ascend, so each aggregator's blocks are already one contiguous run.
+        group_by = functools.partial(self.partitioner.group, numel=layout.num_blocks)
+        received = pushpull.push(comm, block_ids, blocks, group_by, self.timed)
+        with self.timed("decode"):
+            summed = pushpull.aggregate(received)  # arrival order (rank 0 first): deterministic
+        pieces = pushpull.pull_coo(comm, *summed, self.timed)
+        with self.timed("decode"):
+            return layout.to_units(torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]), width)
+
+    def sparse_volume(self, s: Sparsity) -> float:
+        """Bytes per worker from unit figures alone, were the non-zero units scattered at random.
         Routing uses the profiled block figures instead (:meth:`sparse_seconds`)."""
-        local = scattered_block_density(density, self.block_size)
-        summed = scattered_block_density(gamma * density, self.block_size)
-        return omnireduce_bytes(numel, local, summed / local if local > 0 else 1.0, self.world_size,
-                                self.block_size, value_bytes)
+        block_rows = rows_per_block(self.block_size, s.width)
+        local = scattered_block_density(s.density, block_rows)
+        summed = scattered_block_density(s.gamma * s.density, block_rows)
+        return omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows, s.unit_bytes)
 
     # -- profiling and routing by block density -----------------------------------------------------
-    def nonzero_blocks(self, indices: torch.Tensor) -> int:
-        """Blocks of a tensor's own grid that hold one of these flat non-zero indices."""
-        return int(torch.unique(indices // self.block_size).numel())
+    def _row_blocks(self, index: int) -> int:
+        """Units per block on the tensor's grid of rows (its profiled rows)."""
+        return rows_per_block(self.block_size, self.row_width(index))
 
-    def _observe(self, index: int, indices: torch.Tensor) -> None:
-        super()._observe(index, indices)
-        self._local_blocks[index] = self.nonzero_blocks(indices)
+    def _nonzero_blocks(self, index: int, rows: torch.Tensor) -> int:
+        """Blocks of a tensor's own grid that hold one of these non-zero rows."""
+        return int(torch.unique(rows // self._row_blocks(index)).numel())
+
+    def _observe(self, index: int, grad: torch.Tensor) -> None:
+        super()._observe(index, grad)
+        self._local_blocks[index] = self._nonzero_blocks(index, self._local[index][1])
 
     def _profile(self) -> None:
         # Block figures first: the base routes at the end of its own profiling, reading them.
         everyone = range(len(self.params))
         local = torch.tensor([self._local_blocks.get(i, 0) for i in everyone], dtype=torch.float64)
         # After this step's sync p.grad is the average: its non-zero blocks are the sum's.
-        summed = [self.nonzero_blocks(to_flat_coo(p.grad)[0]) if p.grad is not None else 0 for p in self.params]
+        summed = [0 if p.grad is None else self._nonzero_blocks(i, units_of(p.grad, self.row_width(i))[0])
+                  for i, p in enumerate(self.params)]
         if self.world_size > 1:
             self.comm.allreduce(local).wait()  # accounted: profiling traffic is real traffic
         local /= self.world_size
         fresh = self._samples == 0
         weight = self._samples / (self._samples + 1)  # running mean over the round, as the base's
         for i in everyone:
-            blocks = num_blocks(self.params[i].numel(), self.block_size)
+            blocks = num_blocks(self.params[i].numel() // self.row_width(i), self._row_blocks(i))
             p = float(local[i]) / blocks if blocks else 0.0
             gamma = summed[i] / float(local[i]) if local[i] > 0 else 1.0
             self.block_density[i] = p if fresh else weight * self.block_density[i] + (1 - weight) * p
@@ -206,21 +190,14 @@ class OmniReduceSync(SparseSync):
         self._local_blocks.clear()
         super()._profile()
 
-    def summed_size(self, index: int, indices: torch.Tensor) -> tuple[float, float]:
-        # The sum comes back as every lane of its non-zero blocks, zeros included, so count blocks
-        # against the block profile: lanes against profiled non-zeros read as drift of up to B times.
-        if index not in self.block_density:
-            return super().summed_size(index, indices)
-        blocks = num_blocks(self.params[index].numel(), self.block_size)
-        return self.nonzero_blocks(indices), self.block_density[index] * self.block_gamma[index] * blocks
-
     def sparse_seconds(self, index: int) -> float:
-        if index not in self.block_density:  # no block profile (an old checkpoint): element figures
-            return super().sparse_seconds(index)
-        p = self.params[index]
-        sparse_bytes = omnireduce_bytes(p.numel(), self.block_density[index], self.block_gamma[index],
-                                        self.world_size, self.block_size, p.element_size())
-        return sparse_bytes * 8 / self.network.bandwidth_bps + self.sparse_latency_steps() * self.network.latency_s
+        if index not in self.block_density or self.unit_width(index) != self.row_width(index):
+            return super().sparse_seconds(index)  # no block profile in these units: unit figures
+        s = self.sparsity(index)
+        nbytes = omnireduce_bytes(s.units, self.block_density[index], self.block_gamma[index], s.n,
+                                  self.block_rows(index), s.unit_bytes)
+        per_peer = nbytes / max(1, 2 * (s.n - 1))
+        return self.wire_seconds(nbytes, 2 * self.exchange_steps(s.n, per_peer))
 
     def routing(self) -> dict[str, dict[str, Any]]:
         table = super().routing()

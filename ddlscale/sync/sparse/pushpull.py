@@ -1,114 +1,144 @@
-"""Parallel sparse aggregation: push each index to its owner, sum there, pull the sums back.
+"""Parallel sparse aggregation: push each unit to its owner, sum there, pull the sums back.
 
-Push: worker w sends server s the (index, value) pairs it owns (all-to-all, uneven sizes); server s
-adds what arrives into a compact buffer over its owned set (incremental aggregation: the server's
-bytes out are its *summed* non-zeros, not n copies). Pull: every server's sums go to every worker
-(allgather), either as COO (index + value, 2 words per non-zero) or as a hash bitmap (one bit per
-owned index, then the values in owned order) — the bitmap wins once the summed density exceeds
-about 1/32 (SYSTEMS.md).
+Push: worker w sends server s the units it owns (one exchange, uneven sizes); server s sums what
+arrives (incremental aggregation: the server's bytes out are its *summed* units, not n copies).
+Pull: every server's sums go to every worker, either as COO (an index and a row per unit) or as a
+hash bitmap (one bit per owned unit, then the rows in owned order). An index costs 32 bits and a
+bitmap one bit per unit of the tensor, so the bitmap wins once more than 1/32 of the units are in the
+sum (SYSTEMS.md), whatever the row width; for wide rows the two differ by little, as the values
+dominate both.
+
+Wire format of a set of rows (one message): int64 count k, then k int32 indices (padded to 8 bytes),
+then the k rows of values. Indices and values are two contiguous blocks, so packing is two copies
+and unpacking two views, whatever the row width.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 
 from ddlscale.comm import Communicator
-from ddlscale.sync.sparse import native
-from ddlscale.sync.sparse.partition import split_by_server
+from ddlscale.comm.collectives import Message
+from ddlscale.sync.sparse import kernels
 
 # Indices travel as int32, half of int64's bytes; SparseSync keeps each fused group's index space in range.
 INDEX_DTYPE = torch.int32
 INDEX_BYTES = INDEX_DTYPE.itemsize
-
-
-def pack_pairs(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """(index, value) pairs as rows of bytes — int32 index then the value — so one message carries both."""
-    width = INDEX_BYTES + values.element_size()
-    rows = torch.empty((indices.numel(), width), dtype=torch.uint8)
-    rows[:, :INDEX_BYTES] = indices.to(INDEX_DTYPE).view(torch.uint8).view(-1, INDEX_BYTES)
-    rows[:, INDEX_BYTES:] = values.contiguous().view(torch.uint8).view(-1, values.element_size())
-    return rows
-
-
-def unpack_pairs(rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # Fresh column blocks: .contiguous() may keep a one-row slice's odd stride, which view() rejects.
-    count, width = rows.shape
-    index_bytes = torch.empty((count, INDEX_BYTES), dtype=torch.uint8).copy_(rows[:, :INDEX_BYTES])
-    value_bytes = torch.empty((count, width - INDEX_BYTES), dtype=torch.uint8).copy_(rows[:, INDEX_BYTES:])
-    return index_bytes.view(INDEX_DTYPE).reshape(-1).to(torch.int64), value_bytes.view(dtype).reshape(-1)
-
-
-def push(comm: Communicator, indices: torch.Tensor, values: torch.Tensor, servers: torch.Tensor):
-    """All-to-all of (index, value) pairs by owning server; returns what this rank received."""
-    n = comm.size
-    indices, values, counts = split_by_server(servers, indices, values, n)
-    send_counts = torch.tensor(counts, dtype=torch.int64)
-    recv_counts = torch.empty(n, dtype=torch.int64)
-    comm.all_to_all(recv_counts, send_counts).wait()
-    recv_splits = recv_counts.tolist()
-    rows = pack_pairs(indices, values)
-    received = rows.new_empty((sum(recv_splits), rows.shape[1]))
-    comm.all_to_all(received, rows, recv_splits, counts).wait()
-    return unpack_pairs(received, values.dtype)
-
-
-def aggregate(recv_idx: torch.Tensor, recv_val: torch.Tensor, owned: torch.Tensor, position: torch.Tensor):
-    """Sum received pairs over this server's owned set; return the owned mask of non-zero sums.
-
-    Pairs are added in arrival order (rank 0's first), the same on every run: deterministic.
-    """
-    compact = torch.zeros(owned.numel(), dtype=recv_val.dtype)
-    compact.index_add_(0, position[recv_idx], recv_val)
-    nonzero = (compact != 0) | torch.isnan(compact)
-    return compact, nonzero
-
-
-def pull_coo(comm: Communicator, owned: torch.Tensor, compact: torch.Tensor, nonzero: torch.Tensor):
-    """Allgather each server's summed non-zeros as (index, value); returns the global sum's COO."""
-    rows = pack_pairs(owned[nonzero], compact[nonzero])
-    sizes = comm.allgather_sizes(rows.numel(), rows.device)
-    pieces = comm.allgather_uneven(rows, sizes).wait()
-    return unpack_pairs(torch.cat(pieces).view(-1, rows.shape[1]), compact.dtype)
-
-
-def pack_bits_reference(mask: torch.Tensor) -> torch.Tensor:
-    """Boolean mask -> uint8 bitmap, 8 entries per byte (little-endian bit order)."""
-    padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
-    padded[: mask.numel()] = mask.to(torch.uint8)
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
-    return (padded.view(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
-
-
-def unpack_bits_reference(bitmap: torch.Tensor, length: int) -> torch.Tensor:
-    bits = (bitmap[:, None] >> torch.arange(8, dtype=torch.uint8, device=bitmap.device)) & 1
-    return bits.reshape(-1)[:length].bool()
-
-
-# The C++ kernels where measured faster (bit-identical; see native.NATIVE_FROM).
-pack_bits = native.pack_bits
-unpack_bits = native.unpack_bits
-
-
-def pull_bitmap(comm: Communicator, owned_sets: list[torch.Tensor], compact: torch.Tensor, nonzero: torch.Tensor):
-    """Allgather each server's bitmap over its owned set, then its non-zero values in owned order.
-
-    Every worker knows every owned set (the partition is a fixed function of the index), so the
-    bitmaps total M/8 bytes whatever n is and no index travels. Bitmap and values go as one message
-    (the bitmap padded to 8 bytes so the values stay aligned): one exchange of sizes, one allgather.
-    """
-    bitmap_bytes = [_aligned((s.numel() + 7) // 8) for s in owned_sets]
-    own_bitmap, values = bitmap_bytes[comm.rank], compact[nonzero].view(torch.uint8)
-    packed = pack_bits(nonzero)
-    message = torch.zeros(own_bitmap + values.numel(), dtype=torch.uint8)
-    message[: packed.numel()] = packed
-    message[own_bitmap:] = values
-    pieces = comm.allgather_uneven(message).wait()
-    indices, values = [], []
-    for owned, skip, piece in zip(owned_sets, bitmap_bytes, pieces, strict=True):
-        indices.append(owned[unpack_bits(piece[:skip], owned.numel())])
-        values.append(piece[skip:].view(compact.dtype))
-    return torch.cat(indices), torch.cat(values)
+COUNT_BYTES = 8
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
+
+
+def rows_bytes(count: int, row_bytes: int) -> int:
+    """Payload bytes of ``count`` rows of ``row_bytes`` bytes each in the wire format."""
+    return COUNT_BYTES + _aligned(count * INDEX_BYTES) + count * row_bytes
+
+
+def pack_rows(ids: torch.Tensor, values: torch.Tensor) -> Message:
+    """One message holding ``ids`` (int64, < 2^31) and their rows ``values`` (k, width)."""
+    k = ids.numel()
+    row_bytes = values[0].numel() * values.element_size() if k else 0
+    message = Message(rows_bytes(k, row_bytes), ids.device)
+    payload = message.payload
+    payload[:COUNT_BYTES].copy_(torch.tensor([k], dtype=torch.int64).view(torch.uint8))
+    start = COUNT_BYTES + _aligned(k * INDEX_BYTES)
+    payload[COUNT_BYTES: COUNT_BYTES + k * INDEX_BYTES].view(INDEX_DTYPE).copy_(ids)
+    if k:
+        payload[start:].view(values.dtype).view(values.shape).copy_(values)
+    return message
+
+
+def unpack_rows(payload: torch.Tensor, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64, values (k, width)) from a payload of :func:`pack_rows` (the values are a view)."""
+    k = int(payload[:COUNT_BYTES].view(torch.int64))
+    ids = payload[COUNT_BYTES: COUNT_BYTES + k * INDEX_BYTES].view(INDEX_DTYPE).to(torch.int64)
+    start = COUNT_BYTES + _aligned(k * INDEX_BYTES)
+    return ids, payload[start: start + k * width * dtype.itemsize].view(dtype).view(k, width)
+
+
+GroupBy = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, list[int]]]
+Timed = Callable[[str], contextlib.AbstractContextManager]
+
+
+def _untimed(phase: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def push(comm: Communicator, ids: torch.Tensor, values: torch.Tensor, group_by: GroupBy,
+         timed: Timed = _untimed) -> list[tuple]:
+    """Send every unit to its server; return what this rank received as a server, one (ids, values)
+    per source rank in rank order (its own share among them, never sent). ``group_by(ids, values)``
+    orders the units by server and counts them; ``timed(phase)`` splits encode, comm and decode."""
+    peers = [p for p in range(comm.size) if p != comm.rank]
+    with timed("encode"):
+        ids, values, counts = group_by(ids, values)
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        share = {p: (ids[starts[p]: starts[p + 1]], values[starts[p]: starts[p + 1]]) for p in range(comm.size)}
+        messages = {p: pack_rows(*share[p]) for p in peers}
+    with timed("comm"):
+        received = comm.exchange(messages, peers, op="push")
+    width, dtype = values.shape[1], values.dtype
+    return [share[p] if p == comm.rank else unpack_rows(received[p], width, dtype) for p in range(comm.size)]
+
+
+def aggregate(pieces: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the pieces a server received (rank 0's first: the same bits on every run); sorted ids.
+    Units whose sum is exactly zero are dropped; NaN is kept."""
+    ids = torch.cat([p[0] for p in pieces])
+    values = torch.cat([p[1] for p in pieces])
+    ids, values = kernels.sum_rows(ids, values)
+    keep = (values != 0).any(dim=1)  # NaN != 0
+    if bool(keep.all()):
+        return ids, values
+    return ids[keep], values[keep]
+
+
+def pull_coo(comm: Communicator, ids: torch.Tensor, values: torch.Tensor, timed: Timed = _untimed) -> list[tuple]:
+    """Every server's sums to every worker as (index, row) sets; one (ids, values) per server."""
+    with timed("encode"):
+        message = pack_rows(ids, values)
+    peers = [p for p in range(comm.size) if p != comm.rank]
+    with timed("comm"):
+        received = comm.exchange(dict.fromkeys(peers, message), peers, op="pull")
+    width, dtype = values.shape[1], values.dtype
+    return [(ids, values) if p == comm.rank else unpack_rows(received[p], width, dtype) for p in range(comm.size)]
+
+
+def pull_bitmap(comm: Communicator, owned: list[torch.Tensor], ids: torch.Tensor, values: torch.Tensor,
+                timed: Timed = _untimed) -> list[tuple]:
+    """Every server's sums as a bitmap over its owned set (sorted, known to every worker: the partition
+    is a fixed function of the index), then the rows in owned order: no index travels, and the
+    bitmaps total one bit per unit of the tensor whatever n is. Decoding a server's piece is one
+    pass over its owned set: O(M/n)."""
+    with timed("encode"):
+        mine = owned[comm.rank]
+        position = torch.searchsorted(mine, ids.to(mine.dtype))  # ids are sorted: rows stay in owned order
+        present = torch.zeros(mine.numel(), dtype=torch.bool, device=ids.device)
+        present[position] = True
+        bitmap = kernels.pack_bits(present)
+        skip = _aligned(bitmap.numel())
+        message = Message(skip + values.numel() * values.element_size(), ids.device)
+        message.payload[:skip].zero_()  # the padding after the bitmap too
+        message.payload[: bitmap.numel()] = bitmap
+        message.payload[skip:].view(values.dtype).view(values.shape).copy_(values)
+    peers = [p for p in range(comm.size) if p != comm.rank]
+    with timed("comm"):
+        received = comm.exchange(dict.fromkeys(peers, message), peers, op="pull")
+    width, dtype = values.shape[1], values.dtype
+    out = []
+    with timed("decode"):
+        for p, members in enumerate(owned):
+            if p == comm.rank:
+                out.append((ids, values))
+                continue
+            piece, skip = received[p], _aligned((members.numel() + 7) // 8)
+            hits = kernels.unpack_bits(piece[:skip], members.numel()).nonzero().reshape(-1)
+            out.append((members[hits].to(torch.int64), piece[skip:].view(dtype).view(-1, width)))
+    return out

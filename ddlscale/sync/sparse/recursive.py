@@ -1,8 +1,8 @@
 """Recursive doubling with merging: SparCML's sparse allreduce and Zen's Hierarchical Centralization.
 
-Stage i (i = 0 .. log2 p - 1): each rank swaps its partial sum with rank ``r XOR 2^i`` and merges
-the two, so after stage i it holds the sum of its aligned group of 2^(i+1) ranks and after log2 p
-stages the global sum. Stage i moves the merged non-zeros of 2^i workers, gamma_{2^i} d M of them:
+Stage i (i = 0 .. log2 p - 1): each rank swaps its partial sum (a set of units: rows or elements)
+with rank ``r XOR 2^i`` and merges the two, so after stage i it holds the sum of its aligned group
+of 2^(i+1) ranks and after log2 p stages the global sum. Stage i moves the merged non-zeros of 2^i workers, gamma_{2^i} d M of them:
 the T_hc formula. When n is not a power of two, the ranks r >= p = 2^floor(log2 n) first fold their
 vector into rank r - p and get the result back at the end (SparCML's reduction to a power of two).
 
@@ -23,12 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from ddlscale.comm import Communicator
-from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_pairs, unpack_pairs
+from ddlscale.comm.collectives import Message
+from ddlscale.sync.sparse import kernels
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_rows, unpack_rows
 
 
-def break_even_density(value_bytes: int) -> float:
-    """Density where an (int32 index, value) pair list weighs as much as the dense vector."""
-    return value_bytes / (INDEX_BYTES + value_bytes)
+def break_even_density(unit_bytes: int) -> float:
+    """Density where an (int32 index, unit) list weighs as much as the dense vector of units."""
+    return unit_bytes / (INDEX_BYTES + unit_bytes)
 
 
 def doubling(comm: Communicator, part, swap: Callable, send: Callable, recv: Callable, merge: Callable,
@@ -59,7 +61,8 @@ def doubling(comm: Communicator, part, swap: Callable, send: Callable, recv: Cal
 
 @dataclass
 class Partial:
-    """A partial sum: sorted distinct ``indices`` with ``values``, or ``dense`` (then indices is None)."""
+    """A partial sum of units: sorted distinct ``indices`` with rows ``values`` (k, width), or, with
+    ``indices`` None, every unit's row (units, width): the dense form."""
 
     indices: torch.Tensor | None
     values: torch.Tensor
@@ -70,62 +73,60 @@ class Partial:
 
 
 class SparseDoubling:
-    """Sum COO vectors of length ``numel`` by recursive doubling; ``dense_threshold=None`` never switches.
+    """Sum row sets over ``units`` units by recursive doubling; ``dense_threshold=None`` never switches.
 
-    ``timed(phase)``, a context manager such as ``GradSync.timed``, splits the time into "comm"
-    (swaps) and "decode" (merges).
+    Each stage is one message each way (the set's own length travels in front, see
+    :meth:`Communicator.exchange`). Merging two sets is one linear pass over their sorted indices
+    (:func:`kernels.merge_rows`). ``timed(phase)``, a context manager such as ``GradSync.timed``,
+    splits the time into "comm" (swaps) and "decode" (merges).
     """
 
-    def __init__(self, comm: Communicator, numel: int, dtype: torch.dtype, dense_threshold: float | None,
-                 timed: Callable[[str], contextlib.AbstractContextManager] | None = None):
-        self.comm, self.numel, self.dtype = comm, numel, dtype
+    def __init__(self, comm: Communicator, units: int, width: int, dtype: torch.dtype,
+                 dense_threshold: float | None, timed: Callable[[str], contextlib.AbstractContextManager] | None = None):
+        self.comm, self.units, self.width, self.dtype = comm, units, width, dtype
         self.dense_threshold = dense_threshold
         self.timed = timed or (lambda phase: contextlib.nullcontext())
 
     def run(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global sum as flat COO (indices ascending); zeros that cancel are dropped."""
-        order = torch.argsort(indices)  # distinct already (one gradient's non-zeros)
-        part = self._maybe_dense(Partial(indices[order], values[order]))
+        """The global sum as (ascending ids, rows); units that cancel to zero are dropped."""
+        self.device = values.device
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            indices, order = torch.sort(indices)
+            values = values[order]
+        part = self._maybe_dense(Partial(indices, values))
         total = doubling(self.comm, part, self._swap, self._send, self._recv, self._merge)
         if total.is_dense:
-            nonzero = torch.nonzero(total.values).reshape(-1)  # NaN counts as non-zero
+            nonzero = (total.values != 0).any(dim=1).nonzero().reshape(-1)  # NaN counts as non-zero
             return nonzero, total.values[nonzero]
         return total.indices, total.values
 
-    # -- the wire format: a header (non-zero count, -1 for dense), then pairs or the dense vector --
-    def _header(self, part: Partial) -> torch.Tensor:
-        return torch.tensor([-1 if part.is_dense else part.indices.numel()], dtype=torch.int64)
+    # -- the wire: a row set (pushpull's format) or, flagged by a count of -1, every unit's row --
+    def _message(self, part: Partial) -> Message:
+        if not part.is_dense:
+            return pack_rows(part.indices, part.values)
+        message = Message(8 + part.values.numel() * part.values.element_size(), part.values.device)
+        message.payload[:8].copy_(torch.tensor([-1], dtype=torch.int64).view(torch.uint8))
+        message.payload[8:].view(self.dtype).copy_(part.values.reshape(-1))
+        return message
 
-    def _payload(self, part: Partial) -> torch.Tensor:
-        return part.values if part.is_dense else pack_pairs(part.indices, part.values)
-
-    def _buffer(self, count: int) -> torch.Tensor:
-        if count < 0:
-            return torch.empty(self.numel, dtype=self.dtype)
-        return torch.empty((count, INDEX_BYTES + self.dtype.itemsize), dtype=torch.uint8)
-
-    def _decode(self, count: int, payload: torch.Tensor) -> Partial:
-        if count < 0:
-            return Partial(None, payload)
-        return Partial(*unpack_pairs(payload, self.dtype))
+    def _decode(self, payload: torch.Tensor) -> Partial:
+        if int(payload[:8].view(torch.int64)) < 0:
+            return Partial(None, payload[8:].view(self.dtype).view(self.units, self.width))
+        return Partial(*unpack_rows(payload, self.width, self.dtype))
 
     def _swap(self, part: Partial, peer: int) -> Partial:
         with self.timed("comm"):
-            count = torch.empty(1, dtype=torch.int64)
-            self.comm.sendrecv(self._header(part), count, peer).wait()
-            payload = self.comm.sendrecv(self._payload(part), self._buffer(int(count)), peer).wait()
-        return self._decode(int(count), payload)
+            received = self.comm.exchange({peer: self._message(part)}, [peer], op="swap")
+        return self._decode(received[peer])
 
     def _send(self, part: Partial, peer: int) -> None:
         with self.timed("comm"):
-            self.comm.send(self._header(part), peer).wait()
-            self.comm.send(self._payload(part), peer).wait()
+            self.comm.exchange({peer: self._message(part)}, [], op="send")
 
     def _recv(self, peer: int) -> Partial:
         with self.timed("comm"):
-            count = int(self.comm.recv(torch.empty(1, dtype=torch.int64), peer).wait())
-            payload = self.comm.recv(self._buffer(count), peer).wait()
-        return self._decode(count, payload)
+            received = self.comm.exchange({}, [peer], op="recv", device=self.device)
+        return self._decode(received[peer])
 
     # -- merging ---------------------------------------------------------------------------------
     def _merge(self, lower: Partial, upper: Partial) -> Partial:
@@ -140,45 +141,51 @@ class SparseDoubling:
             else:
                 total.index_add_(0, upper.indices, upper.values)
             return Partial(None, total)
-        indices, slot = torch.unique(torch.cat([lower.indices, upper.indices]), return_inverse=True)
-        summed = torch.zeros(indices.numel(), dtype=self.dtype)
-        summed.index_add_(0, slot, torch.cat([lower.values, upper.values]))  # lower group's first
-        keep = summed != 0  # NaN != 0: NaN is kept
-        return self._maybe_dense(Partial(indices[keep], summed[keep]))
+        indices, values = kernels.merge_rows(lower.indices, lower.values, upper.indices, upper.values)
+        keep = (values != 0).any(dim=1)  # NaN != 0: NaN is kept
+        if not bool(keep.all()):
+            indices, values = indices[keep], values[keep]
+        return self._maybe_dense(Partial(indices, values))
 
     def _densify(self, part: Partial) -> torch.Tensor:
         if part.is_dense:
             return part.values.clone()
-        dense = torch.zeros(self.numel, dtype=self.dtype)
+        dense = torch.zeros((self.units, self.width), dtype=self.dtype, device=part.values.device)
         dense[part.indices] = part.values
         return dense
 
     def _maybe_dense(self, part: Partial) -> Partial:
         if (self.dense_threshold is not None and not part.is_dense
-                and part.indices.numel() > self.dense_threshold * self.numel):
+                and part.indices.numel() > self.dense_threshold * self.units):
             return Partial(None, self._densify(part))
         return part
 
 
-def union_counts(comm: Communicator, bitmaps: torch.Tensor, lengths: list[int]) -> list[list[int]]:
-    """Profile densification: OR packed non-zero bitmaps up the doubling stages.
+def union_counts(comm: Communicator, id_sets: list[torch.Tensor]) -> list[list[int]]:
+    """Profile densification: merge non-zero index sets up the doubling stages.
 
-    ``bitmaps``: this rank's packed masks of several tensors, concatenated (``lengths`` bytes each).
-    Returns, per stage i, the set-bit count per tensor of the union over this rank's aligned group
-    of 2^(i+1) ranks (the non-zeros HC's stage i+1 sends). ``comm.size`` must be a power of two.
+    ``id_sets``: this rank's sorted distinct unit ids of several tensors. Returns, per stage i, the
+    size per tensor of the union over this rank's aligned group of 2^(i+1) ranks (the units HC's
+    stage i+1 sends). The sets travel as they are, so time and memory follow the non-zeros, never
+    the tables' sizes. ``comm.size`` must be a power of two.
     """
     if comm.size & (comm.size - 1):
         raise ValueError(f"union_counts needs a power-of-two group, got {comm.size} ranks")
     counts: list[list[int]] = []
 
-    def swap(part: torch.Tensor, peer: int) -> torch.Tensor:
-        return comm.sendrecv(part, torch.empty_like(part), peer).wait()
+    def swap(sets: list[torch.Tensor], peer: int) -> list[torch.Tensor]:
+        sizes = torch.tensor([s.numel() for s in sets], dtype=torch.int64)
+        message = Message.of(torch.cat([sizes, *sets]))
+        payload = comm.exchange({peer: message}, [peer], op="profile")[peer].view(torch.int64)
+        theirs = payload[len(sets):]
+        return list(torch.split(theirs, payload[: len(sets)].tolist()))
 
-    def count(_: int, part: torch.Tensor) -> None:
-        counts.append([int(c.sum()) for c in torch.split(_POPCOUNT[part.to(torch.int64)], lengths)])
+    def merge(lower: list[torch.Tensor], upper: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [kernels.merge_rows(a, torch.empty((a.numel(), 0)), b, torch.empty((b.numel(), 0)))[0]
+                for a, b in zip(lower, upper, strict=True)]
 
-    doubling(comm, bitmaps, swap, None, None, torch.bitwise_or, on_stage=count)
+    def count(_: int, sets: list[torch.Tensor]) -> None:
+        counts.append([s.numel() for s in sets])
+
+    doubling(comm, [s.to(torch.int64) for s in id_sets], swap, None, None, merge, on_stage=count)
     return counts
-
-
-_POPCOUNT = torch.tensor([bin(b).count("1") for b in range(256)], dtype=torch.int64)  # set bits per byte

@@ -1,10 +1,12 @@
 """SparCML: sparse allreduce by recursive doubling with merging, switching to dense past fill-in.
 
-Each of the log2 n stages swaps the partial sum of 2^i workers with a partner and merges it, so a
-worker receives gamma_{2^i} d M non-zeros at stage i — little while the index sets overlap, much
-when they are disjoint. Once a partial sum is full enough that (index, value) pairs outweigh the
-dense vector (``dense_threshold``, by default the break-even density: 1/2 for fp32 with int32
-indices), it travels dense. Non-power-of-two n folds the extra ranks in first and out at the end.
+Each of the log2 n stages swaps the partial sum of 2^i workers with a partner and merges it — one
+linear pass over two sorted index lists (:func:`kernels.merge_rows`) — so a worker receives
+gamma_{2^i} d M units at stage i: little while the index sets overlap, much when they are disjoint.
+Units are an embedding's rows (one index per row) or single elements. Once a partial sum is full
+enough that (index, unit) pairs outweigh the dense vector (``dense_threshold``, by default the
+break-even density: u / (4 + u) for u-byte units), it travels dense. Non-power-of-two n folds the
+extra ranks in first and out at the end.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density
 class SparCMLSync(SparseSync):
     """``sync=sparcml``. Args beyond :class:`SparseSync`'s:
 
-    dense_threshold: ``"auto"`` (break-even density of the value type) or a density in (0, 1]
-        past which a partial sum is sent dense.
+    dense_threshold: ``"auto"`` (break-even density of the unit) or a density in (0, 1] past which
+        a partial sum is sent dense.
     """
 
     profiles_doubling = True
@@ -31,30 +33,28 @@ class SparCMLSync(SparseSync):
             raise ValueError(f"sync.dense_threshold must be 'auto' or a density in (0, 1], got {dense_threshold!r}")
         self.dense_threshold = dense_threshold
 
-    def threshold(self, value_bytes: int) -> float:
-        return break_even_density(value_bytes) if self.dense_threshold == "auto" else float(self.dense_threshold)
+    def threshold(self, unit_bytes: int) -> float:
+        return break_even_density(unit_bytes) if self.dense_threshold == "auto" else float(self.dense_threshold)
 
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
-        doubling = SparseDoubling(self.comm, numel, values.dtype, self.threshold(values.element_size()), self.timed)
-        return doubling.run(indices, values)
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
+        doubling = SparseDoubling(self.sparse_comm, units, width, values.dtype,
+                                  self.threshold(width * values.element_size()), self.timed)
+        return doubling.run(ids, values)
 
     def sparse_seconds(self, index: int) -> float:
-        """Stage by stage: the partial's pairs or its dense vector, whichever it travels as."""
-        p = self.params[index]
-        n, numel, value = self.world_size, p.numel(), p.element_size()
-        d, gamma_n = self.density.get(index, 1.0), self.gamma.get(index, 1.0)
-        core = 1 << (n.bit_length() - 1)
+        """Stage by stage: the partial's pairs or its dense vector, whichever it travels as, one
+        message per stage each way."""
+        s = self.sparsity(index)
+        core = 1 << (s.n.bit_length() - 1)
         stages = core.bit_length() - 1
         # Measured gamma_{2^i} where profiled, else the bound min(2^i, gamma_n).
-        gammas = self.gammas.get(index) or [max(1.0, min(2.0**s, gamma_n)) for s in range(stages + 1)]
-        switch = self.threshold(value)
+        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
+        switch = self.threshold(s.unit_bytes)
 
         def message(density: float) -> float:
-            return numel * value if density > switch else density * numel * (4 + value)
+            return s.units * s.unit_bytes if density > switch else density * s.units * s.pair_bytes
 
-        nbytes = sum(message(min(1.0, gammas[s] * d)) for s in range(stages))
-        steps = 2 * stages
-        if core < n:  # fold in (one worker's vector) and out (the sum)
-            nbytes += message(d) + message(min(1.0, gamma_n * d))
-            steps += 4
-        return nbytes * 8 / self.network.bandwidth_bps + steps * self.network.latency_s
+        sizes = [message(min(1.0, gammas[i] * s.density)) for i in range(stages)]
+        if core < s.n:  # fold in (one worker's set) and out (the sum)
+            sizes += [message(s.density), message(min(1.0, s.gamma * s.density))]
+        return self.wire_seconds(sum(sizes), sum(self.exchange_steps(2, b) for b in sizes))

@@ -1,16 +1,19 @@
 """A sparse parameter server with an even contiguous split (the baseline Zen's hashing fixes).
 
-Same push / incremental sum / COO pull as Zen, but server s owns indices [sM/n, (s+1)M/n). Under the
-skew of embedding gradients (most non-zeros among the first rows) the first servers receive and
-send most of the traffic, so the busiest NIC, not the average, sets the time.
+Same push / incremental sum / COO pull as Zen, at the same granularity (rows of an embedding), but
+server s owns units [sM/n, (s+1)M/n). Under the skew of embedding gradients (most non-zeros among
+the first rows) the first servers receive and send most of the traffic, so the busiest NIC, not the
+average, sets the time.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.base import SparseSync, Sparsity
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.zen import zen_coo_bytes
 
@@ -22,14 +25,15 @@ class SparsePSSync(SparseSync):
         self.partitioner = ContiguousPartitioner(self.world_size)
         super().on_setup()
 
-    def sparse_volume(self, numel: int, density: float, gamma: float, value_bytes: int) -> float:
-        return zen_coo_bytes(numel, density, gamma, self.world_size, value_bytes)  # if it were balanced
+    def sparse_volume(self, s: Sparsity) -> float:
+        return zen_coo_bytes(s.units, s.density, s.gamma, s.n, s.unit_bytes)  # as if it were balanced
 
-    def sync_sparse(self, group: list[int], numel: int, indices: torch.Tensor, values: torch.Tensor):
-        owned_sets, position = self.partitioner.layout(numel)
-        with self.timed("comm"):
-            recv_idx, recv_val = pushpull.push(self.comm, indices, values, self.partitioner.server_of(indices, numel))
+    def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
+        comm = self.sparse_comm
+        group_by = functools.partial(self.partitioner.group, numel=units)  # ids ascending: runs, no reorder
+        received = pushpull.push(comm, ids, values, group_by, self.timed)
         with self.timed("decode"):
-            compact, nonzero = pushpull.aggregate(recv_idx, recv_val, owned_sets[self.rank], position)
-        with self.timed("comm"):
-            return pushpull.pull_coo(self.comm, owned_sets[self.rank], compact, nonzero)
+            summed = pushpull.aggregate(received)
+        pieces = pushpull.pull_coo(comm, *summed, self.timed)
+        with self.timed("decode"):
+            return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])

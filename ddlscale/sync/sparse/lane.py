@@ -1,0 +1,40 @@
+"""A second lane for sparse syncs: its own process group and its own thread, so that a sparse tensor's
+push and pull run while backward goes on, as the dense buckets' allreduces do.
+
+A sparse scheme is a chain of dependent exchanges (a push, then a pull; or log n doubling stages):
+unlike an allreduce it cannot be launched as one asynchronous call. So a group's whole sync runs as a
+job on one worker thread. Collectives must reach every rank in one order per process group, and the
+training thread keeps issuing dense allreduces meanwhile, so the jobs use a process group of their
+own, created once per process (every rank creates it at the same point of set-up) and shared by every
+sparse backend of the process; jobs run in submission order, which is the same on every rank.
+``concurrent.futures`` supplies the thread and hands back results and exceptions.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+_lanes: dict[Any, SyncLane] = {}
+
+
+class SyncLane:
+    """One process group over the world's ranks and one thread running submitted jobs in order."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend())
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-sparse")
+
+    def submit(self, job, *args: Any) -> Future:
+        return self._executor.submit(job, *args)
+
+
+def shared_lane() -> SyncLane:
+    """This process's lane for the current default process group (a new one after re-initialization)."""
+    world = dist.distributed_c10d._get_default_group()
+    if world not in _lanes:
+        _lanes.clear()  # lanes of a destroyed world are dead
+        _lanes[world] = SyncLane()
+    return _lanes[world]

@@ -1,0 +1,281 @@
+"""PyTorch's own sparse allreduce beside every sparse sync, on an embedding gradient, on the emulated cluster.
+
+    python -m experiments.sparse_allreduce [--nodes 2,4,8] [--bandwidths 1gbit,100mbit]
+        [--densities 0.01,0.04] [--rows 200000] [--width 64] [--reps 5] [--sweep 10]
+
+The gradient a user has: ``nn.Embedding(rows, width, sparse=True)`` looked up with Zipf-distributed
+tokens (exponent 1.1, hot ids first), so each worker's gradient is a hybrid sparse COO tensor whose
+non-zero rows are a target fraction of the table (the token count per worker is solved for that
+expected fraction). One worker per emulated machine; fresh tokens every repetition, the same for
+every method within it. Methods:
+
+- ``torch``: ``dist.all_reduce(grad)`` on the sparse gradient over gloo, the one-line call a user has;
+- every ddlscale sync (``dense``, ``gloo_sparse``, ``agsparse``, ``sparse_ps``, ``omnireduce``,
+  ``sparcml``, ``zen``), fed the gradient as the strategy's hook does, and finishing the step, under
+  two routings: ``auto`` (each backend's cost model decides sparse or dense for the table, every
+  backend given the same network: the configured bandwidth and one latency probed at the start) and
+  ``sparse`` (``sync.route=sparse``: the table goes sparse for every method).
+
+Time: from the last rank's barrier exit to the last rank's finish, no compute overlapping; methods
+take turns step by step, the first rotating. Each sync runs its profiling steps first, untimed.
+Wire limit: the busiest NIC's bytes (max over ranks of bytes sent or received) at the NIC's payload
+rate (the configured rate x 1448/1514, TCP over Ethernet); a ratio near 1 means the method moved its
+bytes as fast as the NIC allows. ``--sweep 10`` repeats the 8-machine, 1 Gbit/s cells for the sparse
+methods with 10x the rows at the same non-zero rows: COO pulls must not grow with the table.
+
+Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from experiments.harness import ROOT, Results, spread
+
+PORT = 29541
+ZIPF = 1.1
+SYNCS = ("dense", "gloo_sparse", "agsparse", "sparse_ps", "omnireduce", "sparcml", "zen")
+SPARSE_SYNCS = tuple(s for s in SYNCS if s != "dense")
+WARMUP = 4  # untimed steps per method: backward-order learning and the sparse syncs' profiling
+
+
+def tokens_for(rows: int, density: float, exponent: float = ZIPF) -> int:
+    """Tokens per worker whose expected distinct rows are ``density`` of the table (bisection on
+    sum_i 1 - (1 - p_i)^T over the Zipf probabilities)."""
+    import torch
+
+    p = torch.arange(1, rows + 1, dtype=torch.float64).pow(-exponent)
+    p /= p.sum()
+    target = density * rows
+    low, high = 1, 1
+    while float((1 - (1 - p).pow(high)).sum()) < target:
+        high *= 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if float((1 - (1 - p).pow(mid)).sum()) < target else (low, mid)
+    return high
+
+
+def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from ddlscale.comm.probe import probe_latency
+    from ddlscale.workloads.zipf import zipf_probabilities
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://10.213.0.1:{PORT}", rank=rank, world_size=world)
+    # One latency for every method's routing: probed once here, on the same group every method uses.
+    alpha = probe_latency(None, world, 1e9)["exchange_alpha_s"]
+    latency = [alpha]
+    dist.broadcast_object_list(latency, src=0)
+    rows_out: list[dict[str, Any]] = []
+    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+        for cell in cells:
+            rows, width = cell["rows"], cell["width"]
+            weight = torch.nn.Parameter(torch.zeros(1, width).expand(rows, width))  # no table in memory
+            probabilities = zipf_probabilities(rows, ZIPF)
+            methods = cell["methods"]
+            syncs = {}
+            for m in methods:
+                if m == "torch":
+                    continue
+                name, *tweaks = m.split("+")  # e.g. zen+sync.pull=coo
+                overrides = [f"sync={name}", *tweaks]
+                if name != "dense":
+                    overrides += [f"sync.route={cell['route']}", f"sync.network_bandwidth={cell['bandwidth']}",
+                                  f"sync.network_latency={latency[0]}s"]
+                sync = instantiate(compose("config", overrides).sync)
+                sync.setup([("embedding.weight", weight)])
+                syncs[m] = sync
+
+            def gradient(step: int, cell=cell, weight=weight, probabilities=probabilities) -> torch.Tensor:
+                generator = torch.Generator().manual_seed(1_000_003 * step + 7919 * rank + cell["seed"])
+                tokens = torch.multinomial(probabilities, cell["tokens"], replacement=True, generator=generator)
+                upstream = torch.randn(cell["tokens"], cell["width"], generator=generator)
+                weight.grad = None
+                (F.embedding(tokens, weight, sparse=True) * upstream).sum().backward()
+                return weight.grad
+
+            for step in range(WARMUP + reps):
+                order = methods[step % len(methods):] + methods[: step % len(methods)]
+                for m in order:
+                    grad = gradient(step)
+                    local_rows = grad.coalesce()._nnz()
+                    dist.barrier()
+                    start = time.monotonic()
+                    if m == "torch":
+                        dist.all_reduce(grad)
+                        encode = comm = decode = 0.0
+                        sent = recv = -1.0  # filled below from every rank's row count
+                    else:
+                        sync = syncs[m]
+                        sync.grad_ready(weight)
+                        stats = sync.finish_step()
+                        encode, comm, decode = stats.encode_s, stats.comm_s, stats.decode_s
+                        sent, recv = float(stats.bytes_sent), float(stats.bytes_recv)
+                    end = time.monotonic()
+                    stamps = [torch.zeros(8, dtype=torch.float64) for _ in range(world)]
+                    dist.all_gather(stamps, torch.tensor([start, end, sent, recv, encode, comm, decode, local_rows],
+                                                         dtype=torch.float64))
+                    if step < WARMUP:
+                        continue
+                    if m == "torch":  # gloo's ring allgathers of int64 row ids and rows, from every count
+                        counts = [float(t[7]) * (8 + 4 * width) for t in stamps]
+                        for r, t in enumerate(stamps):
+                            t[2] = sum(counts) - counts[(r + 1) % world]
+                            t[3] = sum(counts) - counts[r]
+                    route = "dense"
+                    if m != "torch" and not m.startswith("dense"):
+                        route = syncs[m].routing()["embedding.weight"]
+                        route = route.get("plan", route["path"]) if route["path"] == "sparse" else "dense"
+                    rows_out.append({
+                        **{k: cell[k] for k in ("nodes", "bandwidth", "density", "rows", "width", "route", "tokens")},
+                        "method": m, "rep": step - WARMUP, "path": "sparse" if m == "torch" else route,
+                        "sync_s": max(float(t[1]) for t in stamps) - max(float(t[0]) for t in stamps),
+                        "busiest_nic_bytes": max(max(float(t[2]), float(t[3])) for t in stamps),
+                        "comm_s": max(float(t[5]) for t in stamps),
+                        "encode_decode_s": max(float(t[4]) + float(t[6]) for t in stamps),
+                        "mean_rows_per_worker": statistics.mean(float(t[7]) for t in stamps),
+                    })
+            del syncs
+    if rank == 0:
+        print("RESULT " + json.dumps(rows_out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(nodes: int, bandwidth: str, cells: list[dict[str, Any]], reps: int) -> list[dict[str, Any]]:
+    from ddlscale.cluster.emulated import EmulatedCluster
+
+    with EmulatedCluster(nodes, bandwidth) as cluster:
+        argv = [sys.executable, "-m", "experiments.sparse_allreduce", "--world", str(nodes), "--reps", str(reps),
+                "--cells", json.dumps(cells)]
+        procs = [cluster.popen(i, [*argv, "--worker", str(i)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+                 for i in range(nodes)]
+        outputs = [p.communicate(timeout=7200)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"workers failed on {nodes} machines: codes {[p.returncode for p in procs]}")
+    line = next(x for x in outputs[0].splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", default="2,4,8")
+    parser.add_argument("--bandwidths", default="1gbit,100mbit")
+    parser.add_argument("--densities", default="0.01,0.04")
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--sweep", type=int, default=10, help="rows multiplier of the table-size sweep (0: none)")
+    parser.add_argument("--methods", default=",".join(("torch", *SYNCS)))
+    parser.add_argument("--name", default="sparse_allreduce")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--cells", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        worker(args.worker, args.world, json.loads(args.cells), args.reps)
+        return
+    methods = args.methods.split(",")
+    densities = [float(d) for d in args.densities.split(",")]
+    tokens = {(args.rows, d): tokens_for(args.rows, d) for d in densities}
+    results = Results(args.name)
+    rows: list[dict[str, Any]] = []
+    plan = [(int(n), bw) for n in args.nodes.split(",") for bw in args.bandwidths.split(",")]
+    for k, (nodes, bandwidth) in enumerate(plan):
+        cells = []
+        for d in densities:
+            for route in ("auto", "sparse"):
+                # Dense and the library call do not route: measured once, with the auto cells.
+                here = [m for m in methods if route == "auto" or m not in ("torch", "dense")]
+                cells.append({"nodes": nodes, "bandwidth": bandwidth, "density": d, "rows": args.rows,
+                              "width": args.width, "route": route, "tokens": tokens[(args.rows, d)],
+                              "seed": 0, "methods": here})
+            if args.sweep and nodes == max(int(n) for n in args.nodes.split(",")) and bandwidth == "1gbit":
+                big = args.rows * args.sweep
+                cells.append({"nodes": nodes, "bandwidth": bandwidth, "density": d / args.sweep, "rows": big,
+                              "width": args.width, "route": "sparse", "tokens": tokens[(args.rows, d)],
+                              "seed": 0, "methods": [m for m in methods if m not in ("dense",)],
+                              "sweep_of": d})
+        rows += [{**r, "sweep": r["rows"] != args.rows} for r in measure(nodes, bandwidth, cells, args.reps)]
+        results.progress(k + 1, len(plan), f"{nodes} machines at {bandwidth} done")
+        results.write_csv(rows)
+    report(results, rows, args)
+
+
+def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
+    from ddlscale.comm.cost import parse_bandwidth
+
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["nodes"], r["bandwidth"], r["rows"], r["tokens"], r["route"], r["method"])
+
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(key(r), []).append(r)
+    torch_time = {k[:4]: statistics.median(x["sync_s"] for x in v) for k, v in groups.items() if k[5] == "torch"}
+    table = []
+    for k, runs in groups.items():
+        nodes, bandwidth, table_rows, _, route, method = k
+        med, low, high = spread([r["sync_s"] for r in runs])
+        payload_bps = parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION
+        wire = statistics.median(r["busiest_nic_bytes"] for r in runs) * 8 / payload_bps
+        comm = statistics.median(r["comm_s"] for r in runs)
+        base = torch_time.get(k[:4]) or torch_time.get((nodes, bandwidth, args.rows, runs[0]["tokens"]))
+        table.append([nodes, bandwidth, table_rows, f"{runs[0]['density']:.4f}",
+                      f"{runs[0]['mean_rows_per_worker'] / table_rows:.4f}", route, method, runs[0]["path"],
+                      f"{med * 1e3:.1f} ({low * 1e3:.1f}-{high * 1e3:.1f})",
+                      comm * 1e3 if method != "torch" else "", wire * 1e3,
+                      med / wire if wire else math.nan, (comm / wire) if wire and method != "torch" else "",
+                      base / med if base else ""])
+    results.write_markdown(
+        f"Sparse allreduce of an embedding gradient ({args.rows} x {args.width}, Zipf {ZIPF}): "
+        "PyTorch's call beside every sync, emulated machines",
+        ["machines", "NIC", "table rows", "target density", "measured rows/worker", "routing", "method",
+         "table went", "sync ms (min-max)", "comm ms", "wire limit ms", "sync / wire", "comm / wire",
+         "speed-up vs torch call"],
+        table,
+        notes=f"{args.reps} timed repetitions per cell after {WARMUP} untimed ones, methods taking turns, medians "
+              "(min-max for sync). 'sync ms': from the last rank's barrier exit to the last rank's finish. "
+              "'comm ms': the slowest rank's time blocked on collectives (the library call has no split). "
+              "'wire limit': the busiest NIC's bytes (max over ranks of bytes sent or received) at the NIC's "
+              "payload rate. 'speed-up vs torch call': the library call's median over the method's, same cell "
+              "(for the table-size sweep, the call at the original size). Every emulated machine shares this "
+              "host's 2 cores: encode/decode and per-message costs are a CPU share, not a machine's.",
+        command=f"python -m experiments.sparse_allreduce --nodes {args.nodes} --bandwidths {args.bandwidths} "
+                f"--densities {args.densities} --rows {args.rows} --width {args.width} --reps {args.reps} "
+                f"--sweep {args.sweep}" + (f" --name {args.name}" if args.name != "sparse_allreduce" else ""),
+    )
+    cells = sorted({(r["nodes"], r["bandwidth"], r["density"]) for r in rows if not r["sweep"]})
+    fig, axes = plt.subplots(1, len(cells), figsize=(3.2 * len(cells), 3.4), squeeze=False)
+    for ax, (nodes, bandwidth, density) in zip(axes[0], cells, strict=True):
+        mine = [(k, v) for k, v in groups.items() if k[:2] == (nodes, bandwidth) and v[0]["density"] == density
+                and not v[0]["sweep"]]
+        labels = [f"{k[5]}" + ("" if k[5] in ("torch", "dense") else f"/{k[4][0]}") for k, _ in mine]
+        ax.bar(labels, [statistics.median(r["sync_s"] for r in v) * 1e3 for _, v in mine])
+        ax.set(title=f"{nodes} x {bandwidth}, d={density}", ylabel="ms (median)")
+        ax.tick_params(axis="x", rotation=90, labelsize=6)
+    fig.tight_layout()
+    fig.savefig(results.figure_path(), dpi=110)
+    print(f"wrote {results.dir}")
+
+
+if __name__ == "__main__":
+    main()
