@@ -134,3 +134,32 @@ def test_skewed_all_to_all_takes_one_path_on_every_rank():
         splits = [10_000, 10, 10]
         expected = torch.cat([torch.full((splits[rank],), float(10 * src + rank)) for src in range(world)])
         assert torch.equal(shared, expected)
+
+
+def _exchange(rank, world, framed):
+    """Messages of sizes the receivers do not know: empty, small, and past the first segment."""
+    from ddlscale.comm.collectives import HEADER_BYTES, Message
+
+    comm = Communicator()
+    comm.piece_bytes = 4096 if framed else None  # None: sizes first, as on NCCL (gloo runs both)
+    peers = [p for p in range(world) if p != rank]
+    sizes = {p: (0, 17, 4096 - HEADER_BYTES, 5 * 4096 + 3)[(rank + p) % 4] for p in peers}
+    messages = {p: Message.of(torch.full((sizes[p],), rank * 16 + p, dtype=torch.uint8)) for p in peers}
+    got = comm.exchange(messages, peers)
+    # Sizes depend on rank + peer: what p sends this rank is as long as what this rank sends p.
+    ok = all(torch.equal(got[p], torch.full((sizes[p],), p * 16 + rank, dtype=torch.uint8)) for p in peers)
+    same = Message.of(torch.arange(10_000, dtype=torch.int32))  # one message to everyone: an allgather
+    gathered = comm.exchange(dict.fromkeys(peers, same), peers)
+    ok &= all(torch.equal(gathered[p].view(torch.int32), torch.arange(10_000, dtype=torch.int32)) for p in peers)
+    record = comm.ledger.records[0]
+    return ok, record.bytes_sent, record.bytes_recv, sizes
+
+
+@pytest.mark.parametrize("framed", [True, False])
+def test_exchange_of_unknown_sizes(framed):
+    world = 4
+    results = run_workers(_exchange, world, framed)
+    for rank, (ok, sent, recv, sizes) in enumerate(results):
+        assert ok, rank
+        assert sent == sum(8 + size for size in sizes.values())  # every length travels and is charged
+        assert recv == sum(8 + results[p][3][rank] for p in sizes)

@@ -128,13 +128,16 @@ def _merge_priced(rank, world):
     p.grad = local.clone()
     sync.grad_ready(p)
     sync.finish_step()
+    measured = sync.merge_s_per_byte  # routing with scheme=auto measured this host's merge rate
+    sync.merge_s_per_byte, sync.plans = 0.0, {}
     free = sync.plan_times(0)
     sync.merge_s_per_byte, sync.plans = 1e-6, {}  # what merging costs on a slow CPU
-    return free, sync.plan_times(0), sync.plan(0)
+    return measured, free, sync.plan_times(0), sync.plan(0)
 
 
 def test_hc_pays_for_its_merges():
-    for free, priced, plan in run_workers(_merge_priced, 4):
+    for measured, free, priced, plan in run_workers(_merge_priced, 4):
+        assert 0 < measured < 1e-6
         # Two stages, each merging two partial sums of gamma d M = 1000 (index, value) pairs of 8 bytes.
         assert priced["hc"] == pytest.approx(free["hc"] + 1e-6 * 2 * 2 * 1000 * 8)
         assert priced["bp-coo"] == free["bp-coo"]

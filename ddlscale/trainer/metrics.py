@@ -159,6 +159,9 @@ class StepMetrics(pl.Callback):
             "param_sha256": param_sha256(pl_module),
         }
         summary.update({k: v for k, v in extra.items() if k not in summary})
+        routing = getattr(self._sync(trainer), "routing", None)
+        if callable(routing):  # the sparse syncs: which tensors went sparse, in what units, how dense
+            summary["routing"] = routing()
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
         summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -239,8 +239,9 @@ class SparseSync(DenseAllreduce):
             values = torch.cat(values) if values else torch.empty((0, width), dtype=dtype, device=device)
         total_ids, total_values = self.sync_sparse(members, offsets[-1], width, ids, values)
         with self.timed("decode"):
-            order = torch.argsort(total_ids)
-            total_ids, total_values = total_ids[order], total_values[order]
+            if total_ids.numel() > 1 and not bool((total_ids[1:] > total_ids[:-1]).all()):
+                order = torch.argsort(total_ids)
+                total_ids, total_values = total_ids[order], total_values[order]
             cuts = torch.searchsorted(total_ids, torch.tensor(offsets, device=total_ids.device)).tolist()
             out = []
             for k, i in enumerate(members):
@@ -330,7 +331,7 @@ class SparseSync(DenseAllreduce):
     def exchange_steps(self, n: int, message_bytes: float) -> int:
         """Message steps of one :meth:`Communicator.exchange` with n-1 peers: one message each, and a
         second where a message outgrows the first segment (or where sizes must go first, on NCCL)."""
-        first = self.sparse_comm.segment_bytes if hasattr(self, "sparse_comm") else None
+        first = self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None
         longer = first is None or rows_bytes(0, 0) + message_bytes > first
         return (n - 1) * (2 if longer else 1)
 
@@ -488,8 +489,10 @@ class SparseSync(DenseAllreduce):
         return tensor.tolist()
 
     def routing(self) -> dict[str, dict[str, Any]]:
-        """Per parameter: path, unit width, profiled density and gammas (for logs and reports)."""
+        """Per parameter: path, whether its gradient arrives sparse, unit width, profiled density and
+        gammas (for logs, reports and summary.json)."""
         return {self.names[i]: {"path": "sparse" if i in self._sparse_set else "dense",
+                                "sparse_grad": self.layout.get(i) is not None,
                                 "width": self.unit_width(i), "density": self.density.get(i),
                                 "gamma": self.gamma.get(i), "gammas": self.gammas.get(i)}
                 for i in range(len(self.params))}

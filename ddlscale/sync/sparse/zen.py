@@ -15,10 +15,10 @@ length): two rounds of messages per group.
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
 T_hc formulas rate faster on the profiled d and gamma_{2^i}, each charged the messages it sends;
-tensors whose density makes any sparse scheme slower than dense allreduce stay dense. With
-``network_latency: measured`` the alpha is what a message step costs on the cluster, and T_hc also
-pays its merges at the CPU's measured rate (on a GPU the paper's merges are nearly free; on this
-host they outweigh the messages HC saves).
+tensors whose density makes any sparse scheme slower than dense allreduce stay dense. T_hc also
+pays its merges, at the rate measured on the sync's device when routing (on a GPU the paper's merges
+are nearly free; on a CPU they can outweigh the messages HC saves). With ``network_latency:
+measured`` the alpha is what a message step costs on the cluster.
 
 Hierarchical mode (``hierarchical=True``, the paper's multi-GPU machines): a dense reduce-scatter
 inside each machine leaves local rank j with chunk j of the machine's sum (the paper uses NVLink for
@@ -60,17 +60,20 @@ def zen_bitmap_bytes(units: int, density: float, gamma: float, n: int, unit_byte
     return (n - 1) / n * units * ((INDEX_BYTES + unit_bytes) * density + unit_bytes * gamma * density + 1 / 8)
 
 
-def merge_seconds_per_byte(rows: int = 1 << 12, width: int = 16, calls: int = 5, budget_s: float = 0.05) -> float:
-    """Seconds per (index, row) byte of HC's merge of two sorted row sets on this host (median of at
+def merge_seconds_per_byte(rows: int = 1 << 12, width: int = 16, calls: int = 5, budget_s: float = 0.05,
+                           device: torch.device | str = "cpu") -> float:
+    """Seconds per (index, row) byte of HC's merge of two sorted row sets on ``device`` (median of at
     least ``calls``, timed for at least ``budget_s`` so that ranks measuring together overlap)."""
     generator = torch.Generator().manual_seed(0)
-    sets = [(torch.randperm(rows * 8, generator=generator)[:rows].sort().values, torch.ones(rows, width))
-            for _ in range(2)]
+    sets = [(torch.randperm(rows * 8, generator=generator)[:rows].sort().values.to(device),
+             torch.ones(rows, width, device=device)) for _ in range(2)]
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     times: list[float] = []
     deadline = time.perf_counter() + budget_s
     while len(times) < calls or time.perf_counter() < deadline:
         start = time.perf_counter()
         kernels.merge_rows(*sets[0], *sets[1])
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / (2 * rows * (INDEX_BYTES + 4 * width))
 
@@ -102,7 +105,7 @@ class ZenSync(SparseSync):
         self.scheme, self.pull, self.seed = scheme, pull, seed
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.plans: dict[int, str] = {}  # sparse tensor -> hc, bp-coo or bp-bitmap
-        self.merge_s_per_byte = 0.0  # HC's merge on this host; measured with network_latency=measured
+        self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
 
     def on_setup(self) -> None:
         if not hasattr(self, "partitioner"):
@@ -195,14 +198,13 @@ class ZenSync(SparseSync):
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
                 partitioner.clear()
-        if self.measure_latency and self.world_size > 1 and self.scheme != "bp":
-            # With the measured latency, T_hc's few stages can look cheaper than BP's many messages;
-            # what HC also pays is its merges, which on a CPU cost more than the messages. Every rank
-            # merges at once, as in HC's stages, and the slowest one counts, since each stage waits
-            # for it: timed by rank 0 alone, emulated machines sharing cores saw a fraction of the
-            # real cost.
+        if self.world_size > 1 and self.scheme == "auto":
+            # What HC pays beside its messages is its merges, which on a CPU cost more than the
+            # messages it saves; priced at the rate this sync's device merges. Every rank merges at
+            # once, as in HC's stages, and the slowest one counts, since each stage waits for it:
+            # timed by rank 0 alone, emulated machines sharing cores saw a fraction of the real cost.
             dist.barrier(group=self.comm.group)
-            self.merge_s_per_byte, = self.agreed([merge_seconds_per_byte()], slowest=True)
+            self.merge_s_per_byte, = self.agreed([merge_seconds_per_byte(device=self.device)], slowest=True)
         super()._route()
 
     def group_key(self, index: int):
