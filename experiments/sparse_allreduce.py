@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", type=int, default=10, help="rows multiplier of the table-size sweep (0: none)")
     parser.add_argument("--methods", default=",".join(("torch", *SYNCS)))
     parser.add_argument("--name", default="sparse_allreduce")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the folder's measured (machines, bandwidth) pairs and measure the rest")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--cells", default=None, help=argparse.SUPPRESS)
@@ -196,9 +198,13 @@ def main(argv: list[str] | None = None) -> None:
     densities = [float(d) for d in args.densities.split(",")]
     tokens = {(args.rows, d): tokens_for(args.rows, d) for d in densities}
     results = Results(args.name)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = read_rows(results.dir / "results.csv") if args.resume else []
+    done = {(r["nodes"], r["bandwidth"]) for r in rows}
     plan = [(int(n), bw) for n in args.nodes.split(",") for bw in args.bandwidths.split(",")]
     for k, (nodes, bandwidth) in enumerate(plan):
+        if (nodes, bandwidth) in done:
+            results.progress(k + 1, len(plan), f"{nodes} machines at {bandwidth}: kept from the folder's CSV")
+            continue
         cells = []
         for d in densities:
             for route in ("auto", "sparse"):
@@ -219,6 +225,16 @@ def main(argv: list[str] | None = None) -> None:
         results.progress(k + 1, len(plan), f"{nodes} machines at {bandwidth} done")
         results.write_csv(rows)
     report(results, rows, args)
+
+
+def read_rows(path) -> list[dict[str, Any]]:
+    """A previous run's rows, typed as :func:`worker` wrote them (for ``--resume``)."""
+    import csv
+
+    types = {"nodes": int, "rows": int, "width": int, "tokens": int, "rep": int, "density": float,
+             "sweep": lambda v: v == "True", "method": str, "bandwidth": str, "route": str, "path": str}
+    with open(path, newline="") as f:
+        return [{k: types.get(k, float)(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
 def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespace) -> None:

@@ -10,7 +10,6 @@ bucket is small, so communication starts early in backward.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -30,15 +29,40 @@ def to_sparse_slices(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
                                    check_invariants=False)
 
 
-@dataclass
 class Bucket:
-    """A flat buffer holding several parameters' gradients, all of one dtype."""
+    """A flat buffer holding several parameters' gradients, all of one dtype.
 
-    members: list[int]
-    buffer: torch.Tensor
-    views: list[torch.Tensor]  # per member, shaped like its parameter, aliasing `buffer`
-    filled: set[int] = field(default_factory=set)
-    pending: Pending | None = None
+    The buffer is allocated when first used: a sparse sync's tensors sit in a bucket until their
+    first gradients route them sparse, and an embedding table's worth of zeros must not be paid
+    for a bucket that is rebuilt without it.
+    """
+
+    def __init__(self, members: list[int], params: list[torch.Tensor], device: torch.device | str):
+        self.members = members
+        self.shapes = [p.shape for p in params]
+        self.numel = sum(p.numel() for p in params)
+        self.dtype, self.device = params[0].dtype, device
+        self.filled: set[int] = set()
+        self.pending: Pending | None = None
+        self._buffer: torch.Tensor | None = None
+        self._views: list[torch.Tensor] = []
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            start = 0
+            for shape in self.shapes:
+                size = shape.numel()
+                self._views.append(self._buffer[start : start + size].view(shape))
+                start += size
+        return self._buffer
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """Per member, shaped like its parameter, aliasing :attr:`buffer`."""
+        self.buffer  # noqa: B018 - allocates on first use
+        return self._views
 
 
 class DenseAllreduce(GradSync):
@@ -91,13 +115,7 @@ class DenseAllreduce(GradSync):
         return groups
 
     def _make_bucket(self, members: list[int]) -> Bucket:
-        params = [self.params[i] for i in members]
-        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
-        views, start = [], 0
-        for p in params:
-            views.append(buffer[start : start + p.numel()].view(p.shape))
-            start += p.numel()
-        return Bucket(members, buffer, views)
+        return Bucket(members, [self.params[i] for i in members], self.device)
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         b, slot = self.slot_of[index]

@@ -486,7 +486,7 @@ class PlannedSync(CompressSync):
         self._work_steps += 1
         if self._work_steps % WORK_EVERY:
             return
-        groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.buffer.numel(),
+        groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.numel,
                    **{f"{kind}_s": statistics.median(done[b].seconds[kind] for done in self._executed)
                       for kind in ("encode", "decode", "finish")}}
                   for b, bucket in enumerate(self.buckets)]
