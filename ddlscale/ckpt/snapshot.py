@@ -1,66 +1,64 @@
-"""A training-state payload as a byte stream that can be sent without first copying it.
+"""A training-state payload as a byte stream: JSON for its structure, raw bytes for its tensors.
 
-``torch.save`` of a whole state copies every tensor into one buffer before a byte leaves. Gemini
-instead sends parameters and optimizer state straight from where they live, chunk by chunk, while
-the next iteration computes: they change only at that iteration's optimizer step, and the sender
-finishes before it. Everything else that the next iteration mutates earlier (BatchNorm statistics in
-forward, error feedback in backward, RNG, loop counters) is copied at capture.
+``torch.save`` of a whole state copies every tensor into one buffer before a byte leaves, and
+``torch.load`` of it unpickles, which runs whatever code the bytes name. This stream does neither:
 
-A :class:`Snapshot` is therefore a small ``skeleton`` (the payload with each large tensor replaced by
-a :class:`TensorSlot` and each small one by an :class:`InlineTensor`, pickled) followed by the
-tensors' raw bytes in order. :func:`rebuild` turns the received stream back into the payload, bit
-for bit.
+* a :class:`Snapshot` is a header, a JSON *skeleton* (the payload with every large tensor replaced by a
+  reference to a segment, small ones written inline) and then the tensors' raw bytes, in order.
+  Gemini sends parameters and optimizer state straight from where they live, chunk by chunk, while
+  the next iteration computes (they change only at its optimizer step, which waits for the send);
+  everything the next iteration mutates earlier (BatchNorm statistics, error feedback, RNG, loop
+  counters) is copied at capture;
+* :func:`rebuild` parses the JSON and cuts the tensors out of the stream. It creates only JSON values,
+  tensors and numpy arrays of numeric dtypes, and containers (dict, OrderedDict, list, tuple): no
+  code named by the bytes ever runs, whoever wrote them. Every length is checked against the
+  stream before anything is allocated.
+
+JSON has no tuples, non-string keys, tensors or bytes: those become tagged objects
+``{"__ddl__": tag, ...}`` (a user dict that happens to hold the key ``"__ddl__"`` is tagged too, so
+nothing is ambiguous). What the payload may hold is exactly what the encoder accepts; anything else
+(a set, a user class) is refused at capture with its path named, as ``torch.load(weights_only=True)``
+would refuse it at load. Other dict subclasses come back as plain dicts; tensors come back on the CPU.
+
+The same stream is the persistent tier's shard format (:mod:`ddlscale.ckpt.state`).
 """
 
 from __future__ import annotations
 
-import copy
-import pickle
+import base64
+import json
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
-MAGIC = b"DDLSNAP2"
+MAGIC = b"DDLSNAP3"
 _HEADER = struct.Struct("<8sQ")  # magic, skeleton length
-# Tensors smaller than this (scalars: step counters) stay inside the pickled skeleton; anything larger is a
-# segment, since pickling tensor data into the skeleton costs more on every capture than the segment.
+TAG = "__ddl__"
+# Tensors smaller than this (scalars: optimizer step counters) are written inline in the skeleton;
+# anything larger is a segment of the stream, sent without a copy when it is live.
 INLINE_BYTES = 64
 
-
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where a tensor was: its index among the snapshot's segments, dtype and shape."""
-
-    index: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class InlineTensor:
-    """A small tensor inside the skeleton as plain bytes: pickling a torch tensor costs ~20 us, this ~1 us,
-    and an optimizer holds one step counter per parameter."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    data: bytes
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> InlineTensor:
-        flat = tensor.detach().cpu().reshape(-1)
-        return cls(tensor.dtype, tuple(tensor.shape), flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
-
-    def tensor(self) -> torch.Tensor:
-        if not self.data:
-            return torch.empty(self.shape, dtype=self.dtype)
-        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8).view(self.dtype).reshape(self.shape)
+# The dtypes a stream may name: looked up in these tables, never by attribute name.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+              torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+              *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+                if hasattr(torch, n)))
+}
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    np.dtype(n).name: np.dtype(n)
+    for n in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+              "float32", "float64", "complex64", "complex128")
+}
 
 
 class Snapshot:
-    """``header + skeleton + tensor bytes``; ``segments`` are contiguous tensors (possibly on a GPU)."""
+    """``header + skeleton + segments``; ``tensors`` are the segments (contiguous, possibly on a GPU)."""
 
     def __init__(self, skeleton: bytes, tensors: list[torch.Tensor]) -> None:
         head = _HEADER.pack(MAGIC, len(skeleton)) + skeleton
@@ -85,7 +83,7 @@ class Snapshot:
         return self.head if index == 0 else self.tensors[index - 1].reshape(-1).view(torch.uint8)
 
     def to_bytes(self) -> bytes:
-        """The whole stream in one buffer (tests, and the blocking path's checksum reference)."""
+        """The whole stream in one buffer."""
         out = bytearray(self.nbytes)
         view = memoryview(out)
         position = 0
@@ -96,50 +94,213 @@ class Snapshot:
         return bytes(out)
 
 
-def _map_leaves(obj: Any, fn: Any) -> Any:
-    """``obj`` with ``fn`` applied to every leaf inside dicts, lists and plain tuples, keeping each
-    container's type (OrderedDict, defaultdict...); named tuples and other objects are leaves."""
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = _map_leaves(value, fn)
-        return out
-    if isinstance(obj, list):
-        return [_map_leaves(v, fn) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_map_leaves(v, fn) for v in obj)
-    return fn(obj)
+# -- encoding ---------------------------------------------------------------------------------------
+class _Encoder:
+    """Turns a payload into a JSON-able skeleton, collecting its large tensors as segments."""
 
+    def __init__(self, live: set[int] | None) -> None:
+        self.live = live
+        self.tensors: list[torch.Tensor] = []
 
-def capture(payload: Any, live: set[int]) -> Snapshot:
-    """Snapshot ``payload``; tensors whose storage pointer is in ``live`` are referenced, others copied.
-
-    ``live``: ``data_ptr()`` of tensors that stay unchanged until the send completes (parameters and
-    optimizer state). Small tensors and non-strided ones stay inside the pickled skeleton.
-    """
-    tensors: list[torch.Tensor] = []
-
-    def strip(obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor):
+    def encode(self, obj: Any, path: str) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
             return obj
-        if obj.layout != torch.strided:
-            return obj.detach().clone()
-        if obj.numel() * obj.element_size() < INLINE_BYTES:
-            return InlineTensor.of(obj)
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if isinstance(obj, OrderedDict):
+            return {TAG: "odict", "items": self.pairs(obj, path)}
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) for k in obj) and TAG not in obj:
+                return {k: self.encode(v, f"{path}[{k!r}]") for k, v in obj.items()}
+            return {TAG: "dict", "items": self.pairs(obj, path)}
+        if isinstance(obj, list):
+            return [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+        if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+            return {TAG: "tuple", "items": [self.encode(v, f"{path}[{i}]") for i, v in enumerate(obj)]}
+        if isinstance(obj, np.ndarray):
+            return self.ndarray(obj, path)
+        if isinstance(obj, np.generic) and obj.dtype.name in NUMPY_DTYPES:
+            value = obj.item()
+            return {TAG: "np", "dtype": obj.dtype.name,
+                    "value": [value.real, value.imag] if isinstance(value, complex) else value}
+        if isinstance(obj, (bytes, bytearray)):
+            return {TAG: "bytes", "b64": base64.b64encode(obj).decode()}
+        if isinstance(obj, torch.dtype) and str(obj).removeprefix("torch.") in TORCH_DTYPES:
+            return {TAG: "dtype", "name": str(obj).removeprefix("torch.")}
+        raise TypeError(
+            f"checkpoint state holds a {type(obj).__module__}.{type(obj).__qualname__} at {path}: checkpoints "
+            "hold tensors, numpy arrays, numbers, strings, bytes and dicts, lists and tuples of them (nothing "
+            "is pickled); return plain values from that state_dict()"
+        )
+
+    def pairs(self, obj: dict, path: str) -> list[list[Any]]:
+        return [[self.encode(k, f"{path}.keys()"), self.encode(v, f"{path}[{k!r}]")] for k, v in obj.items()]
+
+    def tensor(self, obj: torch.Tensor, path: str) -> dict[str, Any]:
+        if obj.layout == torch.sparse_coo:
+            sparse = obj.detach().coalesce() if not obj.is_coalesced() else obj.detach()
+            return {TAG: "sparse_coo", "shape": list(sparse.shape),
+                    "indices": self.tensor(sparse._indices(), path), "values": self.tensor(sparse._values(), path)}
+        dtype = str(obj.dtype).removeprefix("torch.")
+        if obj.layout != torch.strided or dtype not in TORCH_DTYPES:
+            raise TypeError(f"checkpoint state holds a {obj.layout} tensor of {obj.dtype} at {path}")
         data = obj.detach()
-        if data.data_ptr() not in live:
+        head = {TAG: "tensor", "dtype": dtype, "shape": list(data.shape)}
+        if data.numel() * data.element_size() < INLINE_BYTES:
+            flat = data.cpu().contiguous().reshape(-1).view(torch.uint8)
+            return {**head, "b64": base64.b64encode(flat.numpy().tobytes()).decode()}
+        if self.live is not None and data.data_ptr() not in self.live:
             data = data.clone(memory_format=torch.contiguous_format)
         elif not data.is_contiguous():
             data = data.contiguous()
-        tensors.append(data)
-        return TensorSlot(len(tensors) - 1, data.dtype, tuple(data.shape))
+        self.tensors.append(data)
+        return {**head, "segment": len(self.tensors) - 1}
 
-    skeleton = _map_leaves(payload, strip)
-    return Snapshot(pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), tensors)
+    def ndarray(self, obj: np.ndarray, path: str) -> dict[str, Any]:
+        if obj.dtype.name not in NUMPY_DTYPES:
+            raise TypeError(f"checkpoint state holds a numpy array of dtype {obj.dtype} at {path}")
+        raw = np.ascontiguousarray(obj).reshape(-1).view(np.uint8).copy()  # copied: numpy state is not live
+        self.tensors.append(torch.from_numpy(raw))
+        return {TAG: "ndarray", "dtype": obj.dtype.name, "shape": list(obj.shape), "segment": len(self.tensors) - 1}
+
+
+def capture(payload: Any, live: set[int] | None = None) -> Snapshot:
+    """Snapshot ``payload``.
+
+    ``live``: ``data_ptr()`` of tensors that stay unchanged until the stream is sent (parameters and
+    optimizer state): they are referenced, every other tensor is copied now. ``None``: reference every
+    tensor (the caller writes the stream out before anything changes).
+    """
+    encoder = _Encoder(live)
+    skeleton = encoder.encode(payload, "state")
+    return Snapshot(json.dumps(skeleton, separators=(",", ":")).encode(), encoder.tensors)
+
+
+def to_bytes(payload: Any) -> bytes:
+    """The stream of ``payload`` in one buffer, tensors read where they are."""
+    return capture(payload, live=None).to_bytes()
+
+
+# -- decoding ---------------------------------------------------------------------------------------
+def _shape(raw: Any) -> tuple[int, ...]:
+    if not isinstance(raw, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw):
+        raise ValueError(f"bad tensor shape {raw!r}")
+    return tuple(raw)
+
+
+def _lookup(table: dict[str, Any], name: Any) -> Any:
+    if not isinstance(name, str) or name not in table:
+        raise ValueError(f"dtype {name!r} is not one a checkpoint may hold")
+    return table[name]
+
+
+class _Decoder:
+    """Rebuilds a payload from its skeleton; segments are cut from ``view`` in order."""
+
+    def __init__(self, view: memoryview, start: int) -> None:
+        self.view, self.position = view, start
+        self.expected = 0  # the next segment's index
+
+    def segment(self, index: Any, nbytes: int) -> bytearray:
+        """The bytes of segment ``index``; segments appear in the skeleton in stream order."""
+        if index != self.expected:
+            raise ValueError(f"segment {index!r} out of order (expected {self.expected})")
+        self.expected += 1
+        lo, hi = self.position, self.position + nbytes
+        if hi > len(self.view):
+            raise ValueError(f"snapshot stream truncated: {len(self.view)} bytes, its skeleton needs {hi}")
+        self.position = hi
+        return bytearray(self.view[lo:hi])  # allocated only once the stream is known to hold it
+
+    def decode(self, obj: Any) -> Any:
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return obj
+        if isinstance(obj, list):
+            return [self.decode(v) for v in obj]
+        if not isinstance(obj, dict):
+            raise ValueError(f"unexpected JSON value {type(obj).__name__}")
+        if TAG not in obj:
+            return {k: self.decode(v) for k, v in obj.items()}
+        tag = obj[TAG]
+        handler: Callable[[dict[str, Any]], Any] | None = getattr(self, f"_tag_{tag}", None) if isinstance(
+            tag, str) and tag.isidentifier() else None
+        if handler is None:
+            raise ValueError(f"unknown tag {tag!r} in snapshot skeleton")
+        return handler(obj)
+
+    def _items(self, obj: dict[str, Any]) -> list[Any]:
+        items = obj.get("items")
+        if not isinstance(items, list):
+            raise ValueError(f"{obj.get(TAG)} without items")
+        return items
+
+    def _pairs(self, obj: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+        for pair in self._items(obj):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise ValueError("a mapping item is not a [key, value] pair")
+            key = self.decode(pair[0])
+            if isinstance(key, (dict, list)):
+                raise ValueError("an unhashable mapping key")
+            yield key, self.decode(pair[1])
+
+    def _tag_tuple(self, obj: dict[str, Any]) -> tuple:
+        return tuple(self.decode(v) for v in self._items(obj))
+
+    def _tag_dict(self, obj: dict[str, Any]) -> dict:
+        return dict(self._pairs(obj))
+
+    def _tag_odict(self, obj: dict[str, Any]) -> OrderedDict:
+        return OrderedDict(self._pairs(obj))
+
+    def _tag_bytes(self, obj: dict[str, Any]) -> bytes:
+        return base64.b64decode(str(obj.get("b64", "")), validate=True)
+
+    def _tag_dtype(self, obj: dict[str, Any]) -> torch.dtype:
+        return _lookup(TORCH_DTYPES, obj.get("name"))
+
+    def _tag_np(self, obj: dict[str, Any]) -> np.generic:
+        dtype, value = _lookup(NUMPY_DTYPES, obj.get("dtype")), obj.get("value")
+        if isinstance(value, list) and len(value) == 2:
+            value = complex(*value)
+        if not isinstance(value, (bool, int, float, complex)):
+            raise ValueError(f"numpy scalar of {dtype} holds {value!r}")
+        return dtype.type(value)
+
+    def _raw(self, obj: dict[str, Any], nbytes: int) -> bytearray:
+        if "b64" in obj:
+            raw = bytearray(base64.b64decode(str(obj["b64"]), validate=True))
+            if len(raw) != nbytes:
+                raise ValueError(f"inline tensor of {len(raw)} bytes, its shape needs {nbytes}")
+            return raw
+        return self.segment(obj.get("segment"), nbytes)
+
+    def _tag_tensor(self, obj: dict[str, Any]) -> torch.Tensor:
+        dtype, shape = _lookup(TORCH_DTYPES, obj.get("dtype")), _shape(obj.get("shape"))
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        raw = self._raw(obj, nbytes)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+
+    def _tag_ndarray(self, obj: dict[str, Any]) -> np.ndarray:
+        dtype, shape = _lookup(NUMPY_DTYPES, obj.get("dtype")), _shape(obj.get("shape"))
+        raw = self._raw(obj, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+        return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+    def _tag_sparse_coo(self, obj: dict[str, Any]) -> torch.Tensor:
+        indices, values = self._tag_tensor(obj.get("indices") or {}), self._tag_tensor(obj.get("values") or {})
+        shape = _shape(obj.get("shape"))
+        if indices.dtype != torch.int64 or indices.dim() != 2 or indices.shape[1] != values.shape[0]:
+            raise ValueError("sparse tensor with inconsistent indices and values")
+        return torch.sparse_coo_tensor(indices, values, shape, check_invariants=True).coalesce()
 
 
 def rebuild(data: bytes | bytearray | memoryview) -> Any:
-    """The payload of a received snapshot stream (tensors on CPU, owning their memory)."""
+    """The payload of a snapshot stream (tensors on the CPU, owning their memory).
+
+    ValueError for anything that is not a well-formed stream: a foreign magic, a skeleton or segment
+    running past the end, unknown tags or dtypes, bytes left over.
+    """
     view = memoryview(data)
     if len(view) < _HEADER.size:
         raise ValueError("snapshot stream too short")
@@ -147,26 +308,19 @@ def rebuild(data: bytes | bytearray | memoryview) -> Any:
     if magic != MAGIC:
         raise ValueError("not a ddlscale snapshot stream")
     start = _HEADER.size + skeleton_len
-    try:  # our own stream, checksum-verified before it gets here
-        skeleton = pickle.loads(view[_HEADER.size:start])
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, TypeError, AttributeError) as exc:
+    if start > len(view):
+        raise ValueError(f"snapshot skeleton of {skeleton_len} bytes runs past the stream's {len(view)}")
+    try:
+        skeleton = json.loads(bytes(view[_HEADER.size:start]))
+    except (ValueError, RecursionError) as exc:
         raise ValueError(f"snapshot skeleton unreadable: {exc}") from None
-    position = [start]
-
-    def fill(obj: Any) -> Any:
-        if isinstance(obj, InlineTensor):
-            return obj.tensor()
-        if not isinstance(obj, TensorSlot):
-            return obj
-        n = torch.Size(obj.shape).numel() * obj.dtype.itemsize
-        lo = position[0]
-        position[0] += n
-        if position[0] > len(view):
-            raise ValueError(f"snapshot stream truncated: {len(view)} bytes, its skeleton needs more")
-        raw = torch.frombuffer(bytearray(view[lo:lo + n]), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        return raw.view(obj.dtype).reshape(obj.shape)
-
-    payload = _map_leaves(skeleton, fill)
-    if position[0] != len(view):
-        raise ValueError(f"snapshot stream holds {len(view)} bytes, its skeleton describes {position[0]}")
+    decoder = _Decoder(view, start)
+    try:
+        payload = decoder.decode(skeleton)
+    except RecursionError:
+        raise ValueError("snapshot skeleton nested too deeply") from None
+    except (TypeError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"snapshot skeleton inconsistent: {exc}") from None
+    if decoder.position != len(view):
+        raise ValueError(f"snapshot stream holds {len(view)} bytes, its skeleton describes {decoder.position}")
     return payload

@@ -9,23 +9,24 @@ A rank's state splits in two:
   state (error feedback, Zen's profiled densities...).
 
 :func:`capture_shard` serializes both (or only the local part) into a :class:`Shard`: immutable bytes
-and their sha256 checksum, so the snapshot cannot change while it is being written or sent. :func:`assemble`
+and their sha256 checksum, so the snapshot cannot change while it is being written or sent. The bytes
+are a :mod:`~ddlscale.ckpt.snapshot` stream (JSON plus raw tensors), so reading a shard back never
+unpickles: a crafted file can at worst hold wrong numbers, never run code. :func:`assemble`
 turns a shared and a local payload back into one dict that Lightning restores on ``fit(ckpt_path=)``;
 :func:`restore_local` then applies what Lightning does not know about at train start.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from typing import Any
 
 import pytorch_lightning as pl
-import torch
 
 from ddlscale.ckpt.checksum import checksum, matches
 from ddlscale.ckpt.data import DataPosition, position_loader
 from ddlscale.ckpt.rng import capture_rng, restore_rng
+from ddlscale.ckpt.snapshot import rebuild, to_bytes
 
 PAYLOAD_FORMAT = "ddlscale-training-state/1"
 # DDLStrategy.load_model_state_dict reads the backend's per-rank state under this key.
@@ -44,9 +45,7 @@ class Shard:
 
     @classmethod
     def encode(cls, rank: int, payload: dict[str, Any]) -> Shard:
-        buffer = io.BytesIO()
-        torch.save(payload, buffer)
-        data = buffer.getvalue()
+        data = to_bytes(payload)
         return cls(rank, data, checksum(data, "sha256"))
 
     def decode(self) -> dict[str, Any]:
@@ -57,8 +56,10 @@ def decode(data: bytes, expected_checksum: str | None = None, where: str = "shar
     """The payload inside shard bytes, after checking them against ``expected_checksum`` when given."""
     if expected_checksum is not None and not matches(data, expected_checksum):
         raise ValueError(f"{where}: checksum mismatch (corrupt shard)")
-    # Our own files: the payload holds python objects (RNG tuples, hyper-parameters), not only tensors.
-    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    try:
+        payload = rebuild(data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
     if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
         raise ValueError(f"{where}: not a ddlscale training-state payload")
     return payload
