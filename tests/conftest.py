@@ -15,3 +15,6 @@ def fresh_rendezvous_port():
         os.environ.pop("MASTER_PORT", None)
     else:
         os.environ["MASTER_PORT"] = saved
+
+
+pytest_plugins = ["gemini_job"]  # the job, agent fixtures of the Gemini tests

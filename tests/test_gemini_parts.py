@@ -2,7 +2,6 @@
 
 import collections
 import gc
-import socket
 import threading
 import time
 import weakref
@@ -10,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemini_job import free_port
 
 from ddlscale.ckpt import kvstore
-from ddlscale.ckpt.agent import Agent
 from ddlscale.ckpt.checksum import Checksum, checksum, matches
+from ddlscale.ckpt.control import corrupt_replica
 from ddlscale.ckpt.interleave import (
     ReplicaSender,
     Transfer,
@@ -86,160 +86,157 @@ def test_rebuild_rejects_foreign_and_truncated_streams():
 
 
 # -- the agent ------------------------------------------------------------------------------------
-@pytest.fixture
-def agent():
-    running = Agent(0, 1, "127.0.0.1:0").start()
-    yield running
-    running.stop()
-
-
-def _put(client, version, data, keep=NO_VERSION, sha=None, chunk=1000):
-    client.begin(version, 0, len(data), keep)
+def _put(job, client, version, data, mac=None, chunk=1000, outcome="failed"):
+    """Write ``version`` to the agent; then record its commit outcome (``None``: leave it undecided)."""
+    client.begin(version, 0, len(data))
     for offset in range(0, len(data), chunk):
         client.data(version, 0, offset, [memoryview(data)[offset:offset + chunk]])
-    client.end(version, 0, sha or checksum(data, "crc32"))
+    try:
+        client.end(version, 0, mac or checksum(data, "hmac-sha256", job.auth.replica))
+    finally:
+        if outcome == "committed":
+            job.commit(version, len(data))
+        elif outcome is not None:
+            job.decide(version, outcome)
 
 
-def test_agent_stores_verifies_and_returns_a_replica(agent):
+def test_agent_stores_verifies_and_returns_a_replica(job, agent):
     data = bytes(range(256)) * 40
-    with AgentClient(agent.address) as client:
-        _put(client, 1, data)
-        assert bytes(client.get(1, 0)) == data
-        client.verify(1, 0, checksum(data, "crc32"))
-        client.verify(1, 0, checksum(data, "sha256"))  # either algorithm, named in the text
-        assert client.stat() == {"0": [{"version": 1, "bytes": len(data), "complete": True}]}
+    with job.client(agent) as client:
+        _put(job, client, 1, data)
+        assert bytes(client.get(1, 0, max_bytes=len(data))) == data
+        client.verify(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
+        client.verify(1, 0, checksum(data, "blake2b", job.auth.replica))  # either MAC, named in the text
+        holds = client.stat()["holds"]
+        assert [{k: v[k] for k in ("version", "bytes", "complete")} for v in holds["0"]] == [
+            {"version": 1, "bytes": len(data), "complete": True}]
 
 
-def test_a_checksum_mismatch_never_completes_and_the_previous_version_stays(agent):
+def test_a_mac_mismatch_never_completes_and_the_previous_version_stays(job, agent):
     good, bad = b"a" * 5000, b"b" * 5000
-    with AgentClient(agent.address) as client:
-        _put(client, 1, good)
-        with pytest.raises(ReplicaError, match="checksum mismatch"):
-            _put(client, 2, bad, keep=1, sha=checksum(b"something else", "crc32"))
+    with job.client(agent) as client:
+        _put(job, client, 1, good, outcome="committed")
+        with pytest.raises(ReplicaError, match="MAC mismatch"):
+            _put(job, client, 2, bad, mac=checksum(b"something else", "hmac-sha256", job.auth.replica))
         with pytest.raises(ReplicaError, match="no complete version 2"):
-            client.get(2, 0)
-        assert bytes(client.get(1, 0)) == good
+            client.get(2, 0, max_bytes=5000)
+        assert bytes(client.get(1, 0, max_bytes=5000)) == good
+        # A plain checksum of the right bytes is no MAC: it never completes a replica either.
+        with pytest.raises(ReplicaError, match="MAC mismatch"):
+            _put(job, client, 3, bad, mac=checksum(bad, "sha256"))
 
 
-def test_the_committed_version_survives_any_number_of_newer_writes(agent):
-    """Two buffers per owner: v1 committed, v2 complete but not; v3 must overwrite v2, never v1."""
+def test_the_committed_version_survives_any_number_of_newer_writes(job, agent):
+    """Two buffers per owner: v1 committed, v2 complete but failed; v3 must overwrite v2, never v1."""
     versions = {v: bytes([v]) * 3000 for v in (1, 2, 3, 4)}
-    with AgentClient(agent.address) as client:
-        _put(client, 1, versions[1])
-        _put(client, 2, versions[2], keep=1)
-        _put(client, 3, versions[3], keep=1)
-        assert bytes(client.get(1, 0)) == versions[1] and bytes(client.get(3, 0)) == versions[3]
+    with job.client(agent) as client:
+        _put(job, client, 1, versions[1], outcome="committed")
+        _put(job, client, 2, versions[2])
+        _put(job, client, 3, versions[3])
+        assert bytes(client.get(1, 0, 3000)) == versions[1] and bytes(client.get(3, 0, 3000)) == versions[3]
         with pytest.raises(ReplicaError):
-            client.get(2, 0)
-        _put(client, 4, versions[4], keep=3)  # now 3 is committed: 1 may go
-        assert bytes(client.get(3, 0)) == versions[3] and bytes(client.get(4, 0)) == versions[4]
+            client.get(2, 0, 3000)
+        job.commit(3, 3000)  # now 3 is committed: 1 may go
+        _put(job, client, 4, versions[4])
+        assert bytes(client.get(3, 0, 3000)) == versions[3] and bytes(client.get(4, 0, 3000)) == versions[4]
     first, second = agent.replicas.slots[0]
     assert first.buf is not second.buf  # the two buffers never alias
 
 
-def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(agent):
+def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(job, agent):
     committed = b"c" * 4000
-    with AgentClient(agent.address) as client:
-        _put(client, 1, committed)
-    dying = AgentClient(agent.address)
-    dying.begin(2, 0, 4000, 1)
+    with job.client(agent) as client:
+        _put(job, client, 1, committed, outcome="committed")
+    dying = job.client(agent)
+    dying.begin(2, 0, 4000)
     dying.data(2, 0, 0, [memoryview(b"x" * 1000)])
-    dying.sock.shutdown(socket.SHUT_RDWR)
+    dying.sock.shutdown(__import__("socket").SHUT_RDWR)
     dying.close()
     time.sleep(0.1)
-    with AgentClient(agent.address) as client:
-        assert bytes(client.get(1, 0)) == committed
-        assert bytes(client.get(NO_VERSION, 0)) == committed  # the newest complete one
+    with job.client(agent) as client:
+        assert bytes(client.get(1, 0, 4000)) == committed
+        assert bytes(client.get(NO_VERSION, 0, 4000)) == committed  # the newest complete one
         with pytest.raises(ReplicaError):
-            client.get(2, 0)
+            client.get(2, 0, 4000)
 
 
-def test_the_committed_version_is_never_rewritten_not_even_by_its_own_number(agent):
+def test_the_committed_version_is_never_rewritten_not_even_by_its_own_number(job, agent):
     """After a fall-back to a disk version behind the committed one, replayed steps reach the committed
-    version's number again: BEGIN (v, keep=v) must not reset the only copy in memory."""
+    version's number again: that must not reset the only copy in memory, whatever the client sends."""
     committed, replayed = b"c" * 4000, b"r" * 4000
-    with AgentClient(agent.address) as client:
-        _put(client, 10, committed)
+    with job.client(agent) as client:
+        _put(job, client, 10, committed, outcome="committed")
         with pytest.raises(ReplicaError, match="version 10 of rank 0 is the committed one"):
-            client.begin(10, 0, len(replayed), keep=10)
-        assert bytes(client.get(10, 0)) == committed  # intact, and the connection still in step
-        _put(client, 10, replayed)  # nothing kept: the same version's buffer is reused
-        assert bytes(client.get(10, 0)) == replayed
+            client.begin(10, 0, len(replayed))
+        assert bytes(client.get(10, 0, 4000)) == committed  # intact, and the connection still in step
+    job.store.clear_manifest("fell back to disk")  # the job itself says nothing is committed any more
+    with job.client(agent) as client:
+        _put(job, client, 10, replayed)
+        assert bytes(client.get(10, 0, 4000)) == replayed
 
 
-@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
-def test_a_checksum_catches_every_single_bit_flip_and_streams_like_one_shot(algorithm):
+@pytest.mark.parametrize("algorithm, key", [("sha256", None), ("hmac-sha256", b"k" * 32), ("blake2b", b"k" * 32)])
+def test_a_checksum_catches_every_single_bit_flip_and_streams_like_one_shot(algorithm, key):
     data = bytearray(torch.randint(0, 256, (3000,), dtype=torch.uint8).numpy().tobytes())
-    expected = checksum(data, algorithm)
-    assert expected.startswith(f"{algorithm}:") and matches(data, expected)
-    streamed = Checksum(algorithm)
+    expected = checksum(data, algorithm, key)
+    assert expected.startswith(f"{algorithm}:") and matches(data, expected, key)
+    streamed = Checksum(algorithm, key)
     for offset in range(0, len(data), 700):
         streamed.update(memoryview(data)[offset:offset + 700])
     assert streamed.text() == expected
     for bit in range(0, len(data) * 8, 37):
         data[bit // 8] ^= 1 << bit % 8
-        assert not matches(data, expected)
+        assert not matches(data, expected, key)
         data[bit // 8] ^= 1 << bit % 8
+    if key is not None:
+        assert not matches(data, expected) and not matches(data, expected, b"another key")
     with pytest.raises(ValueError, match="md5"):
         Checksum("md5")
     with pytest.raises(ValueError, match="not a checksum"):
         matches(data, "md5:00")
 
 
-def test_an_unknown_checksum_algorithm_never_completes_a_replica(agent):
-    with AgentClient(agent.address) as client:
-        with pytest.raises(ReplicaError, match="checksum mismatch"):
-            _put(client, 1, b"q" * 100, sha="md5:0123")
+def test_an_unknown_mac_algorithm_never_completes_a_replica(job, agent):
+    with job.client(agent) as client:
+        with pytest.raises(ReplicaError, match="MAC mismatch"):
+            _put(job, client, 1, b"q" * 100, mac="md5:0123")
         client.stat()  # the connection is still in step
 
 
-def test_corruption_is_caught_by_verify(agent):
+def test_corruption_is_caught_by_verify(job, agent):
     data = b"z" * 4000
-    with AgentClient(agent.address) as client:
-        _put(client, 1, data)
-        client.corrupt(1, 0, 1234)
+    with job.client(agent) as client:
+        _put(job, client, 1, data)
+        corrupt_replica(client.stat()["holds"], 0, 1, 1234)  # bit rot in the shared-memory file
         with pytest.raises(ReplicaError, match="missing or corrupt"):
-            client.verify(1, 0, checksum(data, "crc32"))
+            client.verify(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
 
 
-def test_unreachable_agent_and_store_fail_clearly():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+def test_unreachable_agent_and_store_fail_clearly(job):
+    port = free_port()
     with pytest.raises(ReplicaError, match=f"127.0.0.1:{port} unreachable"):
-        AgentClient(f"127.0.0.1:{port}", timeout_s=1)
+        AgentClient(f"127.0.0.1:{port}", job.auth, 0, timeout_s=1)
     with pytest.raises(ConnectionError, match=f"ckpt.store 127.0.0.1:{port}: key-value store unreachable"):
         kvstore.connect(f"127.0.0.1:{port}", timeout_s=1)
     with pytest.raises(ValueError, match="ckpt.store must be HOST:PORT"):
         kvstore.connect("nowhere")
 
 
-def test_agents_elect_one_root_that_reports_a_dead_machine():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    store = kvstore.serve(f"127.0.0.1:{port}")
-    keys = kvstore.Keys("election")
-    agents = [Agent(m, 3, "127.0.0.1:0", f"127.0.0.1:{port}", "election", heartbeat_s=0.1,
-                    failure_timeout_s=0.6).start() for m in range(3)]
-    try:
-        time.sleep(0.5)
-        assert sum(a.is_root for a in agents) == 1
-        root = next(a for a in agents if a.is_root)
-        root.stop()  # the root's machine dies: another agent must take over and report it
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not store.check([keys.failed(root.machine)]):
-            time.sleep(0.1)
-        assert store.check([keys.failed(root.machine)])
-        survivors = [a for a in agents if a is not root]
-        assert sum(a.is_root for a in survivors) == 1
-        events = kvstore.get_json(store, keys.events)
-        assert {"event": "failed", "machine": root.machine} in [{k: e[k] for k in ("event", "machine")} for e in events]
-        assert root.machine not in kvstore.get_json(store, keys.alive)
-    finally:
-        for a in agents:
-            if not a.stopped.is_set():
-                a.stop()
+def test_agents_elect_one_root_that_reports_a_dead_machine(job):
+    agents = [job.agent(m, 3, heartbeat_s=0.1, failure_timeout_s=0.6) for m in range(3)]
+    time.sleep(0.5)
+    assert sum(a.is_root for a in agents) == 1
+    root = next(a for a in agents if a.is_root)
+    root.stop()  # the root's machine dies: another agent must take over and report it
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and job.store.get(job.keys.failed(root.machine)) is None:
+        time.sleep(0.1)
+    assert job.store.get(job.keys.failed(root.machine)) is not None
+    survivors = [a for a in agents if a is not root]
+    assert sum(a.is_root for a in survivors) == 1
+    events = job.store.get(job.keys.events)
+    assert {"event": "failed", "machine": root.machine} in [{k: e[k] for k in ("event", "machine")} for e in events]
+    assert root.machine not in job.store.get(job.keys.alive)
 
 
 # -- interleaving ---------------------------------------------------------------------------------
@@ -252,6 +249,16 @@ def test_gaps_between_merged_busy_periods():
     assert is_stable([1.0] * 9 + [5.0]) and not is_stable([1.0, 1.5, 2.0, 1.0])
 
 
+KEY = b"k" * 32  # a replica key for senders writing to stand-ins
+
+
+def _sender(destinations, mode="gemini", chunk_bytes=1000, subbuffers=2, on_done=lambda t: None, key=KEY, **kwargs):
+    """A sender of rank 0 whose destinations are machines 0, 1, ... in order."""
+    return ReplicaSender(0, destinations, list(range(len(destinations))), chunk_bytes=chunk_bytes,
+                         subbuffers=subbuffers, mode=mode, checksum="hmac-sha256", key=key,
+                         before_begin=kwargs.pop("before_begin", lambda t: None), on_done=on_done, **kwargs)
+
+
 class _Recorder:
     """Stands in for an agent connection; records when each chunk went and what the wire was doing."""
 
@@ -259,7 +266,7 @@ class _Recorder:
         self.wire, self.sent, self.data_bytes = wire, [], bytearray()
         self.address = "fake"
 
-    def begin(self, version, owner, nbytes, keep):
+    def begin(self, version, owner, nbytes):
         self.data_bytes = bytearray(nbytes)
 
     def data(self, version, owner, offset, pieces):
@@ -268,8 +275,8 @@ class _Recorder:
         self.data_bytes[offset:offset + len(blob)] = blob
 
     def end(self, version, owner, expected):
-        if not matches(self.data_bytes, expected):
-            raise ReplicaError("checksum mismatch")
+        if not matches(self.data_bytes, expected, KEY):
+            raise ReplicaError("MAC mismatch")
 
     def close(self):
         pass
@@ -280,8 +287,7 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     state = {"wire": Wire(completed=0, idle=True, finished=False)}
     recorder = _Recorder(lambda: state["wire"])
     done = []
-    sender = ReplicaSender(0, [recorder], chunk_bytes=1024, subbuffers=3, mode=mode, checksum="crc32",
-                           keep_for=lambda t: NO_VERSION, on_done=done.append, wire=lambda: state["wire"])
+    sender = _sender([recorder], mode, chunk_bytes=1024, subbuffers=3, on_done=done.append, wire=lambda: state["wire"])
     sender.plan = [2, 0, 1]  # gap 0: two chunks, gap 1: none, last gap: one
     data = torch.randint(0, 255, (40 * 1024,), dtype=torch.uint8)
     snapshot = capture({"x": data}, set())
@@ -300,44 +306,41 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     assert all(w.idle for w in recorder.sent)
     sender.deadline()  # everything left goes now, and is checked
     assert bytes(recorder.data_bytes) == snapshot.to_bytes()
-    assert done and done[0].verified == 1 and done[0].error is None
+    assert done and done[0].verified == [0] and done[0].error is None
     sender.close()
 
 
 def test_blocking_mode_sends_everything_before_submit_returns():
     recorder = _Recorder(lambda: None)
-    sender = ReplicaSender(0, [recorder], chunk_bytes=4096, subbuffers=2, mode="blocking", checksum="sha256",
-                           keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
+    sender = _sender([recorder], "blocking", chunk_bytes=4096)
     snapshot = capture({"x": torch.arange(10_000)}, set())
     transfer = Transfer(1, snapshot)
     sender.submit(transfer)
     assert transfer.done.is_set() and bytes(recorder.data_bytes) == snapshot.to_bytes()
     with pytest.raises(ValueError, match="ckpt.mode must be one of"):
-        ReplicaSender(0, [], 1024, 1, "eager", "crc32", keep_for=lambda t: 0, on_done=lambda t: None)
+        _sender([], "eager")
 
 
-def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(agent):
-    client = AgentClient(agent.address)
-    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=4, mode="gemini", checksum="crc32",
-                           keep_for=lambda t: NO_VERSION, on_done=lambda t: None)
+def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(job, agent):
+    sender = _sender([job.client(agent)], subbuffers=4, key=job.auth.replica)
     snapshot = capture({"x": torch.randn(50_000)}, set())
     transfer = Transfer(3, snapshot)
     sender.submit(transfer)
     threading.Timer(0.01, sender.iteration_started).start()
     sender.deadline()
-    assert transfer.error is None and transfer.verified == 1
-    with AgentClient(agent.address) as reader:
-        assert bytes(reader.get(3, 0)) == snapshot.to_bytes()
+    assert transfer.error is None and transfer.verified == [0]
+    with job.client(agent) as reader:
+        assert bytes(reader.get(3, 0, snapshot.nbytes)) == snapshot.to_bytes()
     sender.close()
 
 
 class _Flaky(AgentClient):
     """A real agent connection whose requests fail like a timeout: ``fail`` holds (op, version) pairs
     failed once — DATA with half its payload on the wire, END with its reply unread; the first byte of
-    every version in ``corrupt`` is flipped on the way, so the agent's checksum fails."""
+    every version in ``corrupt`` is flipped on the way, so the agent's MAC check fails."""
 
-    def __init__(self, address, fail=(), corrupt=()):
-        super().__init__(address, timeout_s=5.0)
+    def __init__(self, job, agent, fail=(), corrupt=()):
+        super().__init__(agent.address, job.auth, job.incarnation, timeout_s=5.0)
         self.fail, self.corrupt = set(fail), set(corrupt)
 
     def data(self, version, owner, offset, pieces):
@@ -355,26 +358,25 @@ class _Flaky(AgentClient):
         if ("end", version) in self.fail:
             self.fail.discard(("end", version))
             text = expected.encode()
-            self._request(END, version, owner, len(text), payload=text)
+            self._request(END, version, owner, len(text), text=text)
             raise TimeoutError("timed out")
         super().end(version, owner, expected)
 
 
 @pytest.mark.parametrize("op", ["data", "end"])
-def test_a_failed_request_gets_a_fresh_connection_and_a_failed_checksum_never_counts(agent, op):
+def test_a_failed_request_gets_a_fresh_connection_and_a_failed_mac_never_counts(job, agent, op):
     """On the old connection the agent would read the next header as DATA payload, or the next END would
-    read BEGIN's OK and count a copy that failed its checksum."""
-    client = _Flaky(agent.address, fail=[(op, 1)], corrupt=[2])
+    read BEGIN's OK and count a copy that failed its MAC."""
+    client = _Flaky(job, agent, fail=[(op, 1)], corrupt=[2])
     done = []
-    sender = ReplicaSender(0, [client], chunk_bytes=1000, subbuffers=2, mode="blocking", checksum="crc32",
-                           keep_for=lambda t: NO_VERSION, on_done=done.append)
+    sender = _sender([client], "blocking", on_done=done.append, key=job.auth.replica)
     snapshots = {v: capture({"x": torch.full((1000,), float(v))}, set()) for v in (1, 2, 3)}
     for version, snapshot in snapshots.items():
         sender.submit(Transfer(version, snapshot))
-    assert [t.verified for t in done] == [0, 0, 1]
-    assert "timed out" in done[0].error and "checksum mismatch" in done[1].error and done[2].error is None
-    with AgentClient(agent.address) as reader:
-        assert bytes(reader.get(3, 0)) == snapshots[3].to_bytes()
+    assert [t.verified for t in done] == [[], [], [0]]
+    assert "timed out" in done[0].error and "MAC mismatch" in done[1].error and done[2].error is None
+    with job.client(agent) as reader:
+        assert bytes(reader.get(3, 0, snapshots[3].nbytes)) == snapshots[3].to_bytes()
     sender.close()
 
 
@@ -407,8 +409,7 @@ def test_a_failed_copy_or_send_fails_the_version_without_hanging_and_frees_its_s
     left the copier waiting for a sub-buffer forever, holding the snapshot."""
     holder = (_Recorder if failing == "copier" else _Breaks)(lambda: None)
     done = []
-    sender = ReplicaSender(0, [holder], chunk_bytes=1000, subbuffers=3, mode="gemini", checksum="crc32",
-                           keep_for=lambda t: NO_VERSION, on_done=done.append)
+    sender = _sender([holder], subbuffers=3, on_done=done.append)
     snapshot = _failing_snapshot(10_000) if failing == "copier" else capture({"x": torch.randn(20_000)}, set())
     released = weakref.ref(snapshot)
     transfer = Transfer(1, snapshot)
@@ -416,7 +417,7 @@ def test_a_failed_copy_or_send_fails_the_version_without_hanging_and_frees_its_s
     sender.submit(transfer)
     sender.iteration_started()
     assert transfer.done.wait(10) and transfer.settled.wait(10), "the sender hung"
-    assert done == [transfer] and transfer.verified == 0
+    assert done == [transfer] and transfer.verified == []
     assert ("staging buffer failed" if failing == "copier" else "connection reset") in transfer.error
     gc.collect()
     assert released() is None  # nothing (no stuck copier) holds the snapshot
@@ -434,9 +435,7 @@ def test_a_failed_commit_fails_its_version_and_the_sender_goes_on():
         if transfer.version == 1:
             raise ConnectionError("store unreachable")
 
-    recorder = _Recorder(lambda: None)
-    sender = ReplicaSender(0, [recorder], chunk_bytes=1000, subbuffers=2, mode="gemini", checksum="crc32",
-                           keep_for=lambda t: NO_VERSION, on_done=on_done)
+    sender = _sender([_Recorder(lambda: None)], on_done=on_done)
     transfers = [Transfer(v, capture({"x": torch.full((500,), float(v))}, set())) for v in (1, 2)]
     with pytest.warns(UserWarning, match="committing version 1: store unreachable"):
         for transfer in transfers:
@@ -447,23 +446,19 @@ def test_a_failed_commit_fails_its_version_and_the_sender_goes_on():
     sender.close()
 
 
-def _one_rank_checkpointer(monkeypatch, keys, captured):
-    """Rank 0 of a one-machine job: a Gemini checkpointer on a real store, its sender writing into a
+def _one_rank_checkpointer(monkeypatch, job, captured):
+    """Rank 0 of a one-machine job: a Gemini checkpointer on the job's store, its sender writing into a
     recorder, with each save capturing ``captured()``; and a stand-in trainer."""
     from types import SimpleNamespace
 
     from ddlscale.ckpt import gemini
     from ddlscale.ckpt.placement import PlacementPlan
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     checkpointer = gemini.GeminiCheckpointer(replicas=1)
-    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys(keys)
+    checkpointer.store, checkpointer.auth = job.store, job.auth
     checkpointer.plan, checkpointer.machine_of = PlacementPlan(1, 1, "mixed"), [0]
-    checkpointer.sender = ReplicaSender(0, [_Recorder(lambda: None)], chunk_bytes=4096, subbuffers=2, mode="gemini",
-                                        checksum="crc32", keep_for=checkpointer._keep_for,
-                                        on_done=checkpointer._on_sent)
+    checkpointer.sender = _sender([_Recorder(lambda: None)], chunk_bytes=4096, before_begin=checkpointer._before_begin,
+                                  on_done=checkpointer._on_sent)
     monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": captured()})
     monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
     monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
@@ -484,11 +479,11 @@ def _save_steps(checkpointer, trainer, steps: int) -> list[float]:
     return waited
 
 
-def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
+def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch, job):
     """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
     state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
     residual = torch.randn(10_000)  # not live: copied at every capture, like error feedback
-    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, "held", lambda: residual)
+    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, job, lambda: residual)
     _save_steps(checkpointer, trainer, 4)
     assert [t.snapshot is not None for t in checkpointer.transfers] == [False, False, False, True]
     checkpointer.sender.close()
@@ -497,50 +492,48 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch):
     assert figures["ckpt_committed"] == 4 and figures["ckpt_bytes"] > residual.numel() * 4
 
 
-def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch):
+def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch, job):
     """Every rank's next version waits for the outcome key; a commit that raised before writing it held
     each of them for commit_timeout_s + slack (40 s), and that version then failed too."""
     from ddlscale.ckpt import gemini
 
-    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, "raises", lambda: torch.randn(1000))
-    to_json, calls = gemini.Manifest.to_json, []
+    checkpointer, trainer = _one_rank_checkpointer(monkeypatch, job, lambda: torch.randn(1000))
+    to_dict, calls = gemini.Manifest.to_dict, []
 
     def first_fails(manifest):
         calls.append(manifest.step)
         if len(calls) == 1:
             raise OSError("manifest could not be written")
-        return to_json(manifest)
+        return to_dict(manifest)
 
-    monkeypatch.setattr(gemini.Manifest, "to_json", first_fails)
+    monkeypatch.setattr(gemini.Manifest, "to_dict", first_fails)
     with pytest.warns(UserWarning, match="committing version 1: manifest could not be written"):
         waited = _save_steps(checkpointer, trainer, 3)
         checkpointer.sender.close()
     assert max(waited) < checkpointer.commit_timeout_s  # no version sat out the outcome wait
     assert calls == [1, 2, 3] and checkpointer.committed == [2, 3]
-    assert checkpointer.store.get(checkpointer.keys.outcome(checkpointer.incarnation, 1)) == b"failed"
+    assert job.store.get(job.keys.outcome(checkpointer.incarnation, 1)) == "failed"
 
 
-def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, tmp_path):
+def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, tmp_path, job):
     """Training goes back to the disk version, so its replayed steps must not be kept from their buffers
     by the old manifest (whose version could not be restored); with no disk version it stays, so a
     restart fails the same clear way instead of starting from scratch."""
     from ddlscale.ckpt import gemini
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    checkpointer = gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=str(tmp_path))
-    checkpointer.store, checkpointer.keys = kvstore.serve(f"127.0.0.1:{port}"), kvstore.Keys("stale")
-    checkpointer.store.set(checkpointer.keys.manifest, "{}")
+    (tmp_path / "disk").mkdir()
+    checkpointer = gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=str(tmp_path / "disk"))
+    checkpointer.store = job.store
+    job.commit(12)
     monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: None)
     with pytest.raises(RuntimeError, match="there is no persistent checkpoint"):
         checkpointer._fall_back(0, time.perf_counter())
-    assert checkpointer.store.check([checkpointer.keys.manifest])
+    assert checkpointer.committed_manifest().step == 12
     persistent = tmp_path / "step-9.manifest.json"
     monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: persistent)
     monkeypatch.setattr(gemini, "load_version", lambda path, rank, bps: {"from": path})
     assert checkpointer._fall_back(0, time.perf_counter()) == {"from": persistent}
-    assert not checkpointer.store.check([checkpointer.keys.manifest])
+    assert checkpointer.committed_manifest() is None and job.store.manifest() == kvstore.CLEARED
 
 
 def _fall_back_on(rank, world, directory):
@@ -628,6 +621,7 @@ def test_the_placement_check_counts_machines_as_the_workers_do(monkeypatch, env)
     (["ckpt.persist_every=3", "ckpt.persist_bandwidth=fast"], "ckpt\\.persist_bandwidth: bad bandwidth 'fast'"),
     (["ckpt.persist_every=3", "ckpt.persist_bandwidth=0"], "ckpt\\.persist_bandwidth must be > 0"),
     (["ckpt.checksum=md5"], "ckpt.checksum must be one of"),
+    (["ckpt.checksum=crc32"], "ckpt.checksum must be one of hmac-sha256, blake2b"),  # no MAC: refused
     (["ckpt.every=highfreq"], "highfreq is for ckpt=disk"),
 ])
 def test_bad_gemini_values_name_the_key(overrides, message):
@@ -642,29 +636,30 @@ def test_bad_gemini_values_name_the_key(overrides, message):
         check_config(cfg)
 
 
-def test_own_machine_writes_go_straight_into_the_agents_shared_memory(agent):
+def test_own_machine_writes_go_straight_into_the_agents_shared_memory(job, agent):
     from ddlscale.ckpt.replica import LocalAgentClient
 
     data = bytes(range(200)) * 100
-    with LocalAgentClient(agent.address) as local:
+    with job.client(agent, cls=LocalAgentClient) as local:
         path = local.begin(1, 0, len(data))
         local.data(1, 0, 0, [memoryview(data)[:5000], memoryview(data)[5000:]])
-        local.end(1, 0, checksum(data, "sha256"))
+        local.end(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
         assert Path(path).read_bytes()[:len(data)] == data  # the replica is the shared-memory file
-    with AgentClient(agent.address) as reader:
-        assert bytes(reader.get(1, 0)) == data
+        assert Path(path).stat().st_mode & 0o077 == 0  # readable by the job's user only
+    with job.client(agent) as reader:
+        assert bytes(reader.get(1, 0, len(data))) == data
 
 
-def test_a_replacement_agent_starts_empty_and_stopping_frees_the_memory(agent):
+def test_a_replacement_agent_starts_empty_and_stopping_frees_the_memory(job, agent):
     from ddlscale.ckpt.agent import ReplicaStore, shm_dir
 
     store = ReplicaStore("ddl-test-leftover-m0")
-    slot = store.begin(0, 1, 4096, NO_VERSION)
-    assert slot.path.exists()
+    slot = store.begin(0, 1, 4096, 0, None, lambda inc, v: False)
+    assert slot.path.exists() and slot.path.stat().st_blocks * 512 >= 4096  # reserved, not sparse
     ReplicaStore("ddl-test-leftover-m0")  # a new agent of that machine: the old memory is gone
     assert not slot.path.exists()
-    with AgentClient(agent.address) as client:
-        _put(client, 1, b"q" * 3000)
+    with job.client(agent) as client:
+        _put(job, client, 1, b"q" * 3000)
     files = list(shm_dir().glob(f"{agent.replicas.prefix}-*"))
     assert files
     agent.stop()

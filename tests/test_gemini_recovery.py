@@ -11,9 +11,9 @@ from ckpt_runs import summary as _summary
 from ckpt_runs import train as _train
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.auth import SECRET_ENV, JobKeys, read_secret
+from ddlscale.ckpt.control import agent_client, corrupt_replica
 from ddlscale.ckpt.launch import local_gemini
-from ddlscale.ckpt.manifest import Manifest
-from ddlscale.ckpt.replica import AgentClient
 
 CNN = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=8", "model.num_samples=192",
        "model.optimizer=sgd", "model.momentum=0.9"]
@@ -28,11 +28,12 @@ def straight(tmp_path_factory):
 
 
 def _corrupt(env, rank, machine):
-    store = kvstore.connect(env["DDLSCALE_STORE"])
-    keys = kvstore.Keys(env["DDLSCALE_JOB"])
-    manifest = Manifest.from_json(store.get(keys.manifest).decode())
-    with AgentClient(store.get(keys.agent(machine)).decode()) as client:
-        client.corrupt(manifest.step, rank, manifest.shard(rank).bytes // 2)
+    """Flip a byte of ``rank``'s committed replica in ``machine``'s agent's shared memory (bit rot)."""
+    job = env["DDLSCALE_JOB"]
+    store = kvstore.JobStore(kvstore.connect(env["DDLSCALE_STORE"]), job, JobKeys(read_secret(env[SECRET_ENV]), job))
+    manifest = store.manifest()
+    with agent_client(store, machine) as client:
+        corrupt_replica(client.stat()["holds"], rank, manifest.step, manifest.shard(rank).bytes // 2)
 
 
 @pytest.mark.parametrize("corrupt, source, from_step", [

@@ -1,13 +1,15 @@
-"""Watch a Gemini job from inside its network, and inject replica faults.
+"""Watch a Gemini job from inside its network, and damage replicas for drills.
 
 Prints one JSON line per newly committed version (``{"committed": step, "unix": ...}``) and per root
 agent event (``{"event": "failed", "machine": m, ...}``). Commands on stdin, one per line:
 
-* ``corrupt RANK MACHINE`` — flip one byte of RANK's committed replica on MACHINE's agent;
-* ``stat MACHINE`` — what MACHINE's agent holds.
+* ``corrupt RANK MACHINE`` — flip one byte of RANK's committed replica on MACHINE, in the agent's
+  shared-memory file (as bit rot would: the replica protocol has no fault-injection op);
+* ``stat MACHINE`` — what MACHINE's agent holds, and what it refused.
 
-On the emulated cluster it runs in machine 0's namespace (the store is reachable only there); the
-failure drills in :mod:`ddlscale.ckpt.drill` read its output::
+It holds the job's secret (``$DDLSCALE_SECRET_FILE``), as everything that talks to a job must. On the
+emulated cluster it runs in machine 0's namespace (the store is reachable only there); the failure
+drills in :mod:`ddlscale.ckpt.drill` read its output::
 
     python -m ddlscale.ckpt.control --store 10.213.0.1:29400 --job myrun
 """
@@ -19,8 +21,11 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.manifest import Manifest
 from ddlscale.ckpt.replica import AgentClient, ReplicaError
 
@@ -32,52 +37,77 @@ def emit(record: dict) -> None:
         print(json.dumps(record), flush=True)
 
 
-def watch(address: str, keys: kvstore.Keys, poll_s: float) -> None:
-    store = kvstore.connect(address)
+def agent_client(store: kvstore.JobStore, machine: int) -> AgentClient:
+    """A connection to ``machine``'s agent as the job's current incarnation."""
+    address = store.get(store.keys.agent(machine))
+    if address is None:
+        raise ReplicaError(f"no agent registered for machine {machine}")
+    return AgentClient(address, store.auth, int(store.get(store.keys.incarnation, 0)))
+
+
+def corrupt_replica(holds: dict[str, Any], owner: int, version: int, offset: int) -> Path:
+    """Flip the byte at ``offset`` of ``owner``'s complete replica of ``version`` in its agent's
+    shared-memory file (``holds``: the agent's STAT)."""
+    for slot in holds.get(str(owner), []):
+        if slot["complete"] and slot["version"] == version:
+            path = Path(slot["path"])
+            with open(path, "r+b") as file:
+                file.seek(offset)
+                byte = file.read(1)
+                file.seek(offset)
+                file.write(bytes([byte[0] ^ 0xFF]))
+            return path
+    raise ReplicaError(f"no complete version {version} of rank {owner} there to corrupt")
+
+
+def watch(store: kvstore.JobStore, poll_s: float) -> None:
     last_step, seen_events = None, 0
     while True:
-        if store.check([keys.manifest]):
-            manifest = Manifest.from_json(store.get(keys.manifest).decode(), "gemini manifest")
-            if manifest.step != last_step:
-                last_step = manifest.step
-                emit({"committed": manifest.step, "incarnation": manifest.placement.get("incarnation"),
-                      "unix": time.time()})
-        events = kvstore.get_json(store, keys.events, [])
+        manifest = store.manifest()
+        if isinstance(manifest, Manifest) and manifest.step != last_step:
+            last_step = manifest.step
+            emit({"committed": manifest.step, "incarnation": manifest.placement.get("incarnation"), "unix": time.time()})
+        events = store.get(store.keys.events, [])
         for event in events[seen_events:]:
             emit(event)
         seen_events = len(events)
         time.sleep(poll_s)
 
 
-def command(address: str, keys: kvstore.Keys, line: str) -> dict:
-    store = kvstore.connect(address)
+def command(store: kvstore.JobStore, line: str) -> dict:
     words = line.split()
     if words[:1] == ["corrupt"] and len(words) == 3:
         rank, machine = int(words[1]), int(words[2])
-        manifest = Manifest.from_json(store.get(keys.manifest).decode(), "gemini manifest")
-        record = manifest.shard(rank)
-        with AgentClient(store.get(keys.agent(machine)).decode()) as client:
-            client.corrupt(manifest.step, rank, record.bytes // 2)
+        manifest = store.manifest()
+        if not isinstance(manifest, Manifest):
+            return {"error": "nothing committed"}
+        with agent_client(store, machine) as client:
+            corrupt_replica(client.stat()["holds"], rank, manifest.step, manifest.shard(rank).bytes // 2)
         return {"corrupted": {"rank": rank, "machine": machine, "version": manifest.step}}
     if words[:1] == ["stat"] and len(words) == 2:
-        with AgentClient(store.get(keys.agent(int(words[1]))).decode()) as client:
-            return {"stat": {"machine": int(words[1]), "holds": client.stat()}}
+        with agent_client(store, int(words[1])) as client:
+            stat = client.stat()
+        return {"stat": {"machine": int(words[1]), "holds": stat["holds"], "refused": stat["refused"]}}
     return {"error": f"unknown command {line.strip()!r}"}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="watch a Gemini job; inject replica faults")
+    parser = argparse.ArgumentParser(description="watch a Gemini job; damage replicas for drills")
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--poll", type=float, default=0.05)
     args = parser.parse_args(argv)
-    keys = kvstore.Keys(args.job)
-    threading.Thread(target=watch, args=(args.store, keys, args.poll), daemon=True).start()
+
+    def connect() -> kvstore.JobStore:
+        return kvstore.JobStore(kvstore.connect(args.store), args.job, JobKeys.from_env(args.job))
+
+    threading.Thread(target=watch, args=(connect(), args.poll), daemon=True).start()
     emit({"ready": True})
+    commands = connect()
     for line in sys.stdin:
         if line.strip():
             try:
-                emit(command(args.store, keys, line))
+                emit(command(commands, line))
             except (ReplicaError, OSError, ValueError, RuntimeError) as exc:
                 emit({"error": str(exc)})
 

@@ -9,13 +9,17 @@ agent's failure events. Then a test or experiment injects failures:
 * :meth:`kill_machine` — every process of the machine dies (trainer, replica agent, torchrun agent);
   :meth:`replace` then starts a fresh replica agent and torchrun agent there, as a cloud operator
   would start a replacement machine at the same address;
-* :meth:`corrupt` — flip a byte of a committed replica.
+* :meth:`corrupt` — flip a byte of a committed replica (in its agent's shared-memory file).
 
 Each torchrun agent's output goes to ``<run dir>/logs/machine<i>.<n>.log``.
+
+``python -m ddlscale.ckpt.drill security`` runs the hostile-client drill instead
+(:mod:`ddlscale.ckpt.security_drill`): no cluster needed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -28,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from ddlscale.ckpt.agent import remove_replicas
+from ddlscale.ckpt.auth import SECRET_ENV
 from ddlscale.ckpt.gemini import job_name
-from ddlscale.ckpt.launch import emulated_env, start_emulated_agent
+from ddlscale.ckpt.launch import emulated_env, job_secret, start_emulated_agent
 from ddlscale.cluster.emulated import EmulatedCluster
 
 
@@ -51,13 +56,16 @@ class GeminiDrill:
 
     # -- life cycle ------------------------------------------------------------------------------
     def __enter__(self) -> GeminiDrill:
+        self._exit_stack = contextlib.ExitStack()
+        self.secret = self._exit_stack.enter_context(job_secret())
         self.cluster.up()
         try:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
             self._store = self.cluster.start_rendezvous_store(self.port)
             self._control = self.cluster.popen(
                 0, [sys.executable, "-m", "ddlscale.ckpt.control", "--store", f"{self.cluster.address(0)}:{self.port}",
-                    "--job", self.job], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                    "--job", self.job], env={SECRET_ENV: str(self.secret)}, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True)
             if json.loads(self._control.stdout.readline()).get("ready") is not True:
                 raise RuntimeError("the drill's control process did not start")
             threading.Thread(target=self._read_control, daemon=True).start()
@@ -71,11 +79,12 @@ class GeminiDrill:
     def __exit__(self, *exc: Any) -> None:
         self.cluster.down()
         remove_replicas(self.job)  # the killed agents' shared memory
+        self._exit_stack.close()
 
     def _start_machine(self, machine: int) -> None:
-        self.agents[machine] = start_emulated_agent(self.cluster, machine, self.port, self.job)
+        self.agents[machine] = start_emulated_agent(self.cluster, machine, self.port, self.job, self.secret)
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (self.nodes * self.devices)))}
-        env = {**threads, **emulated_env(self.cluster, machine, self.port, self.job)}
+        env = {**threads, **emulated_env(self.cluster, machine, self.port, self.job, self.secret)}
         self._launches += 1
         log = open(self.run_dir / "logs" / f"machine{machine}.{self._launches}.log", "w")  # noqa: SIM115
         self.trainers[machine] = self.cluster.torchrun(machine, self.args, nproc_per_node=self.devices,
@@ -176,5 +185,18 @@ class GeminiDrill:
         return self._command(f"corrupt {rank} {machine}", "corrupted")
 
     def stat(self, machine: int) -> dict[str, Any]:
-        """What ``machine``'s agent holds: {owner rank: [{version, bytes, complete}, ...]}."""
+        """What ``machine``'s agent holds: {owner rank: [{version, bytes, complete, ...}, ...]}."""
         return self._command(f"stat {machine}", "stat")["holds"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] != ["security"]:
+        sys.exit("usage: python -m ddlscale.ckpt.drill security   (the failure drills run from tests and experiments)")
+    from ddlscale.ckpt.security_drill import main as security
+
+    security(args[1:])
+
+
+if __name__ == "__main__":
+    main()

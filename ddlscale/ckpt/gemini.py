@@ -8,21 +8,27 @@ Per version v (the state after optimizer step v), on every rank:
    first, then its placement peers), chunks in the profiled idle spans, the rest at the deadline —
    the optimizer step of v+1, which the training thread enters only once every chunk of v is out;
    ``END`` with the stream's checksum, which each agent checks against what it holds;
-3. **commit**: each rank adds its verified replicas to the version's count in the store; rank 0 waits
-   for world size x m of them and publishes the manifest (version, world size, placement, sizes,
-   hashes) as one key. The next version's BEGIN waits for that outcome, and agents never overwrite
-   the committed version's buffer, so a committed version is never lost.
+3. **commit**: each rank writes a signed record of its version (size, MAC, the holders whose END
+   check passed); rank 0 counts the verified replicas over all records and publishes the manifest
+   (version, world size, placement, sizes, MACs) as one signed key only when there are world size x
+   m of them: a version missing any one replica is never committed. The next version's BEGIN waits
+   for that outcome, and each agent, reading the manifest itself, never overwrites the committed
+   version's buffer, so a committed version is never lost.
+
+Everything is authenticated with the job's secret (:mod:`ddlscale.ckpt.auth`): agent messages, store
+records, the replicas' MACs. Restoring parses a snapshot stream (JSON and raw tensors): no unpickling.
 
 Recovery (``resume=auto``, before workers start): the committed manifest in the store names the
 version; every rank fetches its own replica — from its machine's agent (software failure), else from
 a live holder (machine failure, the replacement took the rank) — and checks its checksum. All ranks
 agree by one collective: if any rank found no intact replica (whole group lost, checksum mismatch),
-everyone loads the newest persistent checkpoint instead.
+everyone loads the newest persistent checkpoint instead. When a launch ends, its launcher writes the
+committed version to the persistent directory (:func:`persist_committed`), so running the same
+command again in the same run directory continues from there.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import statistics
@@ -37,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.checksum import ALGORITHMS, matches
+from ddlscale.ckpt.checksum import KEYED, matches
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.disk import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable, write_rate
 from ddlscale.ckpt.interleave import (
@@ -53,9 +60,9 @@ from ddlscale.ckpt.interleave import (
     profile_gaps,
 )
 from ddlscale.ckpt.io import load_version
-from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord
+from ddlscale.ckpt.manifest import SUFFIX, Manifest, ManifestError, ShardRecord, step_of
 from ddlscale.ckpt.placement import KINDS, PlacementPlan
-from ddlscale.ckpt.replica import NO_VERSION, AgentClient, LocalAgentClient, ReplicaError
+from ddlscale.ckpt.replica import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.snapshot import capture, rebuild
 from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture_shared
 
@@ -115,17 +122,19 @@ class GeminiCheckpointer(Checkpointer):
             ``blocking`` (sent whole at the end of the step, for comparison).
         chunk_kib, subbuffers: staging buffer of ``subbuffers`` chunks of ``chunk_kib`` KiB.
         mu: fraction of each idle span the chunks may fill, 0 < mu < 1.
-        checksum: ``crc32`` or ``sha256``, computed by the sender and checked by every holder at END.
+        checksum: the replicas' MAC, ``hmac-sha256`` or ``blake2b`` (keyed with the job's secret), computed
+            by the sender and checked by every holder at END and by every reader.
         profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
         persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
-        persist_dir, persist_bandwidth: the persistent tier's directory and write-rate emulation.
+        persist_dir, persist_bandwidth: the persistent tier's directory (default ``<run dir>/checkpoints``,
+            also where a launch's last committed version is written when it ends) and write-rate emulation.
         store: ``HOST:PORT`` of the job's TCPStore; null: ``$DDLSCALE_STORE`` (set by the launchers).
         commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
         resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
     """
 
     def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
-                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "crc32",
+                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "hmac-sha256",
                  profile_steps: int = 20,
                  persist_every: int | None = None, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
@@ -148,8 +157,8 @@ class GeminiCheckpointer(Checkpointer):
         if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu < 1:
             raise ValueError(f"ckpt.mu must be in (0, 1), got {mu!r}")
         self.mu = float(mu)
-        if checksum not in ALGORITHMS:
-            raise ValueError(f"ckpt.checksum must be one of {', '.join(ALGORITHMS)}, got {checksum!r}")
+        if checksum not in KEYED:
+            raise ValueError(f"ckpt.checksum must be one of {', '.join(KEYED)}, got {checksum!r}")
         self.checksum = checksum
         self.profile_steps = _positive_int("profile_steps", profile_steps)
         self.store_address = store
@@ -159,16 +168,17 @@ class GeminiCheckpointer(Checkpointer):
         self.commit_timeout_s = float(commit_timeout_s)
         self.run_dir = run_dir
         self.persistent: DiskCheckpointer | None = None
+        self.persist_dir = Path(persist_dir) if persist_dir is not None else (
+            Path(run_dir) / DEFAULT_SUBDIR if run_dir else None)
         # Parsed here so that a bad value is reported under this key, not the disk tier's ckpt.bandwidth.
-        persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
+        self.persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
         if persist_every is not None:
             self.persistent = DiskCheckpointer(
-                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=persist_bps,
-                dir=persist_dir if persist_dir is not None else (str(Path(run_dir) / DEFAULT_SUBDIR) if run_dir else None),
-                resume=None, run_dir=run_dir)
+                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=self.persist_bps,
+                dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None, run_dir=run_dir)
         # Set in setup (workers).
-        self.store: Any = None
-        self.keys: kvstore.Keys | None = None
+        self.store: kvstore.JobStore | None = None
+        self.auth: JobKeys | None = None
         self.sender: ReplicaSender | None = None
         self.plan: PlacementPlan | None = None
         self.machine = 0  # this rank's machine (placement id)
@@ -197,10 +207,11 @@ class GeminiCheckpointer(Checkpointer):
             )
         return address
 
-    def _connect(self) -> Any:
+    def _connect(self) -> kvstore.JobStore:
         """A new store connection (one per process: a connection inherited through fork is shared)."""
-        self.keys = kvstore.Keys(job_name(self.run_dir))
-        return kvstore.connect(self._store_address())
+        job = job_name(self.run_dir)
+        self.auth = JobKeys.from_env(job)
+        return kvstore.JobStore(kvstore.connect(self._store_address()), job, self.auth)
 
     def __getstate__(self) -> dict[str, Any]:
         # Lightning's spawn launcher pickles callbacks into the workers: connections stay behind.
@@ -209,18 +220,18 @@ class GeminiCheckpointer(Checkpointer):
         return state
 
     def _agent(self, machine: int, timeout_s: float = 30.0, local: bool = False) -> AgentClient:
-        key = self.keys.agent(machine)
+        key = self.store.keys.agent(machine)
         deadline = time.monotonic() + timeout_s
-        while not self.store.check([key]):
+        while (address := self.store.get(key)) is None:
             if time.monotonic() > deadline:
-                raise ReplicaError(f"no replica agent registered for machine {machine} after {timeout_s:g} s")
+                raise ReplicaError(f"no replica agent registered (signed with this job's secret) for machine "
+                                   f"{machine} after {timeout_s:g} s")
             time.sleep(0.05)
-        return (LocalAgentClient if local else AgentClient)(self.store.get(key).decode())
+        return (LocalAgentClient if local else AgentClient)(address, self.auth, self.incarnation)
 
-    def committed_manifest(self, store: Any = None) -> Manifest | None:
-        store = store if store is not None else self.store
-        text = store.get(self.keys.manifest).decode() if store.check([self.keys.manifest]) else None
-        return Manifest.from_json(text, "gemini manifest") if text else None
+    def committed_manifest(self, store: kvstore.JobStore | None = None) -> Manifest | None:
+        manifest = (store if store is not None else self.store).manifest()
+        return manifest if isinstance(manifest, Manifest) else None
 
     # -- before workers start -----------------------------------------------------------------------
     def resume_path(self, world_size: int) -> str | None:
@@ -229,12 +240,16 @@ class GeminiCheckpointer(Checkpointer):
         manifest = self.committed_manifest(self._connect())
         if manifest is not None and manifest.world_size == world_size:
             return f"{PATH_PREFIX}{manifest.step}"
-        return self._persistent_path(world_size)
+        found = self._persistent_path(world_size)
+        if found is not None and os.environ.get("RANK", "0") == "0":
+            print(f"ckpt=gemini: resuming from step {step_of(Path(found))}, the newest version in {self.persist_dir} "
+                  "(no committed version in memory)", flush=True)
+        return found
 
     def _persistent_path(self, world_size: int) -> str | None:
-        if self.persistent is None or self.persistent.dir is None or not self.persistent.dir.exists():
+        if self.persist_dir is None or not self.persist_dir.exists():
             return None
-        found = find_resumable(self.persistent.dir, world_size, set_aside=False)
+        found = find_resumable(self.persist_dir, world_size, set_aside=False)
         return str(found) if found is not None else None
 
     # -- set-up in the workers ----------------------------------------------------------------------
@@ -253,14 +268,19 @@ class GeminiCheckpointer(Checkpointer):
             gathered: list[Any] = [None] * world
             dist.all_gather_object(gathered, machine)
             self.machine_of = [int(m) for m in gathered]
-        if rank == 0:
-            self.incarnation = int(self.store.add(self.keys.incarnation, 1))
+        if rank == 0:  # a new incarnation: the agents refuse whatever the previous one's trainers still send
+            manifest = self.committed_manifest()
+            last = max(int(self.store.get(self.store.keys.incarnation, 0)),
+                       int(manifest.placement.get("incarnation", 0)) if manifest is not None else 0)
+            self.incarnation = last + 1
+            self.store.set(self.store.keys.incarnation, self.incarnation)
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
-        holders = self.plan.holders_of(machine)
+        holders = list(self.plan.holders_of(machine))
         destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
-        self.sender = ReplicaSender(rank, destinations, self.chunk_bytes, self.subbuffers,
-                                    self.mode, self.checksum, keep_for=self._keep_for, on_done=self._on_sent, wire=self._wire,
-                                    device=trainer.strategy.root_device)
+        self._check_shared_memory(destinations[0], pl_module, world, machines)
+        self.sender = ReplicaSender(rank, destinations, holders, self.chunk_bytes, self.subbuffers, self.mode,
+                                    self.checksum, self.auth.replica, before_begin=self._before_begin,
+                                    on_done=self._on_sent, wire=self._wire, device=trainer.strategy.root_device)
         self._sync = getattr(trainer.strategy, "sync", None)
 
     # -- checkpointing ------------------------------------------------------------------------------
@@ -276,40 +296,37 @@ class GeminiCheckpointer(Checkpointer):
         if self.persistent is not None and self.persistent.due(trainer.global_step):
             self.persistent.save(trainer, batch_idx)
 
-    def _keep_for(self, transfer: Transfer) -> int:
-        """Wait for the previous version's outcome; keep whatever is committed then."""
+    def _before_begin(self, transfer: Transfer) -> None:
+        """Wait for the previous version's outcome, so the agents see it when they choose a buffer."""
         previous, self.previous = self.previous, transfer
         if previous is not None:
             # The client's default timeout (kvstore.connect's) would give up before a long commit_timeout_s.
-            self.store.wait([self.keys.outcome(self.incarnation, previous.version)],
-                            datetime.timedelta(seconds=self.commit_timeout_s + OUTCOME_SLACK_S))
-        manifest = self.committed_manifest()
-        return manifest.step if manifest is not None else NO_VERSION
+            self.store.wait(self.store.keys.outcome(self.incarnation, previous.version),
+                            self.commit_timeout_s + OUTCOME_SLACK_S)
 
     def _on_sent(self, transfer: Transfer) -> None:
-        """Report this rank's verified replicas; rank 0 commits once all are in."""
+        """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
         rank = self.sender.owner
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
-        record = ShardRecord(rank, f"memory:rank{rank}", transfer.nbytes, transfer.checksum)
-        kvstore.set_json(self.store, self.keys.shard(self.incarnation, transfer.version, rank), record.__dict__)
-        self.store.add(self.keys.acks(self.incarnation, transfer.version), transfer.verified)
+        self.store.set(self.store.keys.shard(self.incarnation, transfer.version, rank),
+                       {"bytes": transfer.nbytes, "checksum": transfer.checksum, "verified": transfer.verified})
         if rank == 0:
             self._commit(transfer)
 
     def _commit(self, transfer: Transfer) -> None:
+        """Publish the manifest of ``transfer.version`` if every replica of every rank was verified."""
         version, world = transfer.version, len(self.machine_of)
         expected = world * self.replicas
-        acks_key = self.keys.acks(self.incarnation, version)
-        deadline = time.monotonic() + self.commit_timeout_s
-        while (acks := int(self.store.add(acks_key, 0))) < expected and time.monotonic() < deadline:
-            time.sleep(0.002)
+        keys = [self.store.keys.shard(self.incarnation, version, r) for r in range(world)]
         outcome = "failed"
         try:
-            if acks >= expected:
-                shards = tuple(ShardRecord(**kvstore.get_json(self.store, self.keys.shard(self.incarnation, version, r)))
-                               for r in range(world))
+            records = [self.store.get(k) for k in keys] if self.store.wait_all(keys, self.commit_timeout_s) else []
+            verified = self.verified_replicas(records)
+            if verified >= expected:
+                shards = tuple(ShardRecord(r, f"memory:rank{r}", int(rec["bytes"]), str(rec["checksum"]))
+                               for r, rec in enumerate(records))
                 position = transfer.position
                 holders = {str(r): list(self.plan.holders_of(m)) for r, m in enumerate(self.machine_of)}
                 manifest = Manifest(step=version, world_size=world, shards=shards, epoch=position.epoch,
@@ -317,14 +334,41 @@ class GeminiCheckpointer(Checkpointer):
                                     placement={"kind": self.placement, "machines": self.plan.machines,
                                                "replicas": self.replicas, "machine_of": self.machine_of,
                                                "holders": holders, "incarnation": self.incarnation})
-                self.store.set(self.keys.manifest, manifest.to_json())  # one key: the version now exists
+                self.store.publish(manifest)  # one signed key: the version now exists
                 self.committed.append(version)
                 outcome = "committed"
             else:
-                warnings.warn(f"gemini: version {version} not committed ({acks} of {expected} replicas verified)",
+                warnings.warn(f"gemini: version {version} not committed ({verified} of {expected} replicas verified)",
                               stacklevel=2)
         finally:  # every rank's next version waits for this key: a commit that raised says "failed"
-            self.store.set(self.keys.outcome(self.incarnation, version), outcome)
+            self.store.set(self.store.keys.outcome(self.incarnation, version), outcome)
+
+    def verified_replicas(self, records: list[Any]) -> int:
+        """Replicas verified by their holders, over every rank's record (a missing or forged record
+        counts none); only holders the placement names for that rank count."""
+        total = 0
+        for rank, record in enumerate(records):
+            if record is not None and rank < len(self.machine_of):
+                total += len(set(record.get("verified", ())) & set(self.plan.holders_of(self.machine_of[rank])))
+        return total
+
+    def _check_shared_memory(self, own: AgentClient, pl_module: pl.LightningModule, world: int, machines: int) -> None:
+        """At start-up: refuse clearly when this machine's shared memory cannot hold even the parameters'
+        share of the buffers it will keep (the first version's BEGIN checks the full size)."""
+        need = 2 * self.replicas * math.ceil(world / machines) * sum(
+            p.numel() * p.element_size() for p in pl_module.parameters())
+        free = int(own.stat()["shm"]["free"])
+        if need > free:
+            raise RuntimeError(self._space_message(f"{mib(free)} free in {shm_dir()} on machine {self.machine}",
+                                                   need // (2 * self.replicas * math.ceil(world / machines)),
+                                                   world, machines))
+
+    def _space_message(self, refusal: str, version_bytes: int, world: int, machines: int) -> str:
+        per_machine = math.ceil(world / machines)
+        return (f"ckpt=gemini: {refusal}. Each machine keeps 2 buffers for each rank of the ckpt.replicas="
+                f"{self.replicas} machines whose replicas it holds ({per_machine} rank(s) each): versions of "
+                f"{mib(version_bytes)} need about {mib(2 * self.replicas * per_machine * version_bytes)} of "
+                f"{shm_dir()} per machine. Enlarge it (docker run --shm-size=...) or lower ckpt.replicas")
 
     # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -354,6 +398,12 @@ class GeminiCheckpointer(Checkpointer):
         waited = self.sender.deadline()
         if waited and self.stalls:
             self.stalls[-1] += waited
+        sent = self.transfers[-1] if self.transfers else None
+        if sent is not None and sent.space_error is not None:
+            message = self._space_message(sent.space_error, sent.nbytes, trainer.world_size, self.plan.machines)
+            if len(self.transfers) == 1:  # the first version: stop at start-up rather than train unprotected
+                raise RuntimeError(message)
+            warnings.warn(message, stacklevel=2)
 
     def _record_profile(self, start: float) -> None:
         """One iteration's gaps between training collectives; settle the plan once they are stable."""
@@ -387,6 +437,11 @@ class GeminiCheckpointer(Checkpointer):
 
     # -- recovery ----------------------------------------------------------------------------------
     def load_path(self, path: str) -> dict[str, Any] | None:
+        if path.endswith(SUFFIX):  # a persistent version resume_path chose: read at the tier's rate, timed
+            start = time.perf_counter()
+            loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps)
+            self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+            return loaded
         if not path.startswith(PATH_PREFIX):
             return None
         if self.store is None:
@@ -413,17 +468,17 @@ class GeminiCheckpointer(Checkpointer):
         record = manifest.shard(rank)
         machine = self.machine
         holders = [int(h) for h in manifest.placement["holders"][str(rank)]]
-        alive = kvstore.get_json(self.store, self.keys.alive, list(range(manifest.placement["machines"])))
+        alive = self.store.get(self.store.keys.alive, list(range(manifest.placement["machines"])))
         order = ([machine] if machine in holders else []) + [h for h in holders if h != machine and h in alive]
         for holder in order:
             try:
                 with self._agent(holder, timeout_s=5.0) as client:
-                    data = client.get(step, rank)
+                    data = client.get(step, rank, max_bytes=record.bytes)
             except (ReplicaError, OSError) as exc:
                 warnings.warn(f"gemini: rank {rank} cannot read its replica on machine {holder}: {exc}", stacklevel=2)
                 continue
-            if not matches(data, record.checksum):
-                warnings.warn(f"gemini: replica of rank {rank} on machine {holder} fails its checksum", stacklevel=2)
+            if len(data) != record.bytes or not matches(data, record.checksum, self.auth.replica):
+                warnings.warn(f"gemini: replica of rank {rank} on machine {holder} fails its MAC", stacklevel=2)
                 continue
             return data, "local" if holder == machine else f"peer:{holder}"
         return None, "none"
@@ -439,8 +494,8 @@ class GeminiCheckpointer(Checkpointer):
                 choice[1] = str(exc)
             if choice[0] is not None:
                 # Training goes back to that version: the committed one in memory (unrestorable) is stale,
-                # and replaying its step would send BEGIN (v, keep=v), which the agents refuse.
-                self.store.delete_key(self.keys.manifest)
+                # and the agents would keep its buffers from the replayed steps.
+                self.store.clear_manifest(f"fell back to {choice[0]}")
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:
@@ -448,11 +503,11 @@ class GeminiCheckpointer(Checkpointer):
         if choice[0] is None:
             raise RuntimeError(
                 "gemini: the committed version cannot be restored (a whole placement group is lost or its "
-                "replicas fail their checksums) and there is no persistent checkpoint: set ckpt.persist_every"
+                "replicas fail their MACs) and there is no persistent checkpoint: set ckpt.persist_every"
             )
         warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
         try:
-            loaded = load_version(Path(choice[0]), rank, self.persistent.bandwidth_bps)
+            loaded = load_version(Path(choice[0]), rank, self.persist_bps)
         except ManifestError as exc:
             raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
         self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
@@ -479,7 +534,22 @@ class GeminiCheckpointer(Checkpointer):
         figures.update({f"ckpt_interleave_{k}": v for k, v in self._interleave.items()})
         if self.persistent is not None:
             figures["ckpt_persistent_count"] = len(self.persistent.bytes_written)
+        if trainer.is_global_zero and self.store is not None:
+            figures["ckpt_store_refused"] = self.store.refused  # values that failed their signature, read here
+            figures["ckpt_agent_refused"] = self._agent_refusals()
         return figures
+
+    def _agent_refusals(self) -> dict[str, int] | None:
+        """Requests every agent refused, by reason, summed (None when some agent could not be asked)."""
+        total: dict[str, int] = {}
+        try:
+            for machine in range(self.plan.machines):
+                with self._agent(machine, timeout_s=1.0) as client:
+                    for reason, n in client.stat()["refused"].items():
+                        total[reason] = total.get(reason, 0) + int(n)
+        except (ReplicaError, OSError):
+            return None
+        return total
 
 
 def _unchanged_until_step(trainer: pl.Trainer) -> set[int]:

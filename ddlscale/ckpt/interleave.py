@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ddlscale.ckpt.checksum import Checksum
-from ddlscale.ckpt.replica import AgentClient, ReplicaError
+from ddlscale.ckpt.replica import AgentClient, ReplicaError, ReplicaRefused, ReplicaSpaceError
 from ddlscale.ckpt.snapshot import Snapshot
 
 MODES = ("gemini", "unpipelined", "blocking")
@@ -102,12 +102,12 @@ class Transfer:
 
     version: int
     snapshot: Snapshot | None
-    keep: int = -1  # the committed version the agents must not overwrite; resolved before BEGIN
     position: Any = None  # where in the data the version is (for the manifest)
     captured: float = field(default_factory=time.perf_counter)
-    checksum: str = ""  # of the whole stream, "<algorithm>:<hex>"
+    checksum: str = ""  # the whole stream's MAC, "<algorithm>:<hex>"
     error: str | None = None
-    verified: int = 0  # holders whose END check passed
+    space_error: str | None = None  # a holder could not reserve the version's buffer
+    verified: list[int] = field(default_factory=list)  # holders (machines) whose END check passed
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
     settled: threading.Event = field(default_factory=threading.Event)  # commit bookkeeping finished too
     finished: float | None = None
@@ -123,26 +123,31 @@ class ReplicaSender:
     Args:
         owner: this rank (the replicas' owner id at the agents).
         destinations: connections to every holder's agent, own machine first.
+        holders: the machine of each destination (what a verified END acknowledges).
         chunk_bytes, subbuffers: staging layout (p sub-buffers of one chunk each).
         mode: ``"gemini"``, ``"unpipelined"`` (p = 1) or ``"blocking"`` (all at once on the caller).
-        checksum: the algorithm of the stream's checksum sent at END (:mod:`ddlscale.ckpt.checksum`).
-        keep_for: called before a version's BEGIN; returns the version the agents must keep (it may
-            wait for the previous version's commit outcome).
+        checksum, key: the MAC algorithm of the stream sent at END (:mod:`ddlscale.ckpt.checksum`) and
+            the job's replica key.
+        before_begin: called before a version's BEGIN (waits for the previous version's commit outcome,
+            so that the agents see it when they pick the buffer to overwrite).
         on_done: called after each version's END round (commit bookkeeping).
         wire: the training communication's state now (see :class:`Wire`); needed once ``plan`` is set.
     """
 
-    def __init__(self, owner: int, destinations: list[AgentClient], chunk_bytes: int, subbuffers: int, mode: str,
-                 checksum: str, keep_for: Callable[[Transfer], int], on_done: Callable[[Transfer], None],
-                 wire: Callable[[], Wire] | None = None, device: torch.device | None = None) -> None:
+    def __init__(self, owner: int, destinations: list[AgentClient], holders: list[int], chunk_bytes: int,
+                 subbuffers: int, mode: str, checksum: str, key: bytes, before_begin: Callable[[Transfer], None],
+                 on_done: Callable[[Transfer], None], wire: Callable[[], Wire] | None = None,
+                 device: torch.device | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
-        self.owner, self.destinations, self.mode = owner, destinations, mode
-        self.chunk_bytes, self.checksum = chunk_bytes, checksum
+        if len(holders) != len(destinations):
+            raise ValueError("one holder machine per destination")
+        self.owner, self.destinations, self.holders, self.mode = owner, destinations, holders, mode
+        self.chunk_bytes, self.checksum, self.key = chunk_bytes, checksum, key
         self.subbuffers = 1 if mode == "unpipelined" else subbuffers
         pin = device is not None and device.type == "cuda"
         self.staging = torch.empty((self.subbuffers, chunk_bytes), dtype=torch.uint8, pin_memory=pin)
-        self.keep_for, self.on_done = keep_for, on_done
+        self.before_begin, self.on_done = before_begin, on_done
         self.wire = wire
         self.plan: list[int] | None = None  # chunks per gap, set once profiling settles
         self.chunk_times: list[float] = []  # seconds per chunk to all holders, measured
@@ -216,7 +221,9 @@ class ReplicaSender:
         leaves the connection out of step, so the next version gets a fresh one."""
         try:
             return call(*args)
-        except ReplicaError:
+        except ReplicaError as exc:
+            if isinstance(exc, ReplicaRefused):  # the agent closed the connection after saying why
+                self._stale.add(client)
             raise
         except Exception:
             self._stale.add(client)
@@ -224,26 +231,28 @@ class ReplicaSender:
 
     def _send(self, transfer: Transfer, plan: list[int] | None) -> None:
         snapshot = transfer.snapshot
-        digest = Checksum(self.checksum)
+        digest = Checksum(self.checksum, self.key)
         chunks = None
         try:
-            transfer.keep = self.keep_for(transfer)
+            self.before_begin(transfer)
             for client in list(self._stale):
                 client.reconnect()  # unreachable: ReplicaError, this version fails, retried with the next
                 self._stale.discard(client)
             for client in self.destinations:
-                self._request(client, client.begin, transfer.version, self.owner, snapshot.nbytes, transfer.keep)
+                self._request(client, client.begin, transfer.version, self.owner, snapshot.nbytes)
             chunks = self._staged_chunks(snapshot)
             if plan is not None and self.wire is not None and not self._deadline.is_set():
                 self._send_in_gaps(transfer, chunks, digest, plan)
             self._send_chunks(transfer, chunks, digest, None)
             transfer.checksum = digest.text()
-            for client in self.destinations:
+            for client, machine in zip(self.destinations, self.holders, strict=True):
                 try:
                     self._request(client, client.end, transfer.version, self.owner, transfer.checksum)
-                    transfer.verified += 1
+                    transfer.verified.append(machine)
                 except ReplicaError as exc:
                     transfer.error = str(exc)
+        except ReplicaSpaceError as exc:
+            transfer.error = transfer.space_error = f"sending version {transfer.version}: {exc}"
         except Exception as exc:  # any failure fails this version only: training must not wait on it forever
             transfer.error = f"sending version {transfer.version}: {exc}"
         finally:

@@ -3,16 +3,26 @@
 The store must outlive every training process (on the emulated cluster it is the rendezvous store on
 machine 0, where no failure is injected). All of one job's keys share a prefix, so several jobs can
 use one store. A single ``set`` is atomic: the commit record of a version is one key.
+
+Anyone who reaches the store can write to it, so every value Gemini trusts is signed with the job's
+record key (:class:`JobStore`): a value that fails its signature reads as absent, is counted in
+``refused`` and warned about. Deleting keys stays possible for such a writer — a store-level attacker
+can stop a job, never make it restore or overwrite state the job did not write. Counters (``add``)
+cannot be signed, so nothing trusted is one: acknowledgements and heartbeats are signed records.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import time
+import warnings
 from typing import Any
 
 import torch.distributed as dist
 
+from ddlscale.ckpt.auth import JobKeys
+from ddlscale.ckpt.manifest import Manifest, ManifestError
 from ddlscale.ckpt.replica import parse_address
 
 
@@ -48,7 +58,7 @@ class Keys:
         return f"{self.prefix}/agent/{machine}"  # "HOST:PORT" of machine's replica agent
 
     def heartbeat(self, machine: int) -> str:
-        return f"{self.prefix}/hb/{machine}"  # a counter the agent bumps; staleness = failure
+        return f"{self.prefix}/hb/{machine}"  # a count the agent raises; staleness = failure
 
     @property
     def root(self) -> str:
@@ -59,35 +69,92 @@ class Keys:
 
     @property
     def alive(self) -> str:
-        return f"{self.prefix}/alive"  # JSON list of live machines, kept by the root
+        return f"{self.prefix}/alive"  # list of live machines, kept by the root
 
     @property
     def events(self) -> str:
-        return f"{self.prefix}/events"  # JSON list of failure and replacement events
+        return f"{self.prefix}/events"  # list of failure and replacement events
 
     @property
     def incarnation(self) -> str:
-        return f"{self.prefix}/incarnation"  # bumped by every (re)start of the trainers
-
-    def acks(self, incarnation: int, version: int) -> str:
-        return f"{self.prefix}/i{incarnation}/v{version}/acks"  # verified replicas of the version
+        return f"{self.prefix}/incarnation"  # raised by every (re)start of the trainers
 
     def outcome(self, incarnation: int, version: int) -> str:
         return f"{self.prefix}/i{incarnation}/v{version}/outcome"  # "committed" or "failed", set by rank 0
 
     def shard(self, incarnation: int, version: int, rank: int) -> str:
-        return f"{self.prefix}/i{incarnation}/v{version}/rank{rank}"
+        return f"{self.prefix}/i{incarnation}/v{version}/rank{rank}"  # rank's record: size, MAC, verified holders
 
     @property
     def manifest(self) -> str:
-        return f"{self.prefix}/manifest"  # the newest committed version's manifest
+        return f"{self.prefix}/manifest"  # the newest committed version's manifest (or "cleared")
 
 
-def get_json(store: dist.TCPStore, key: str, default: Any = None) -> Any:
-    if not store.check([key]):
-        return default
-    return json.loads(store.get(key))
+class JobStore:
+    """One job's keys in a TCPStore, every value JSON signed under its key name with the job's key."""
+
+    def __init__(self, store: dist.TCPStore, job: str, auth: JobKeys) -> None:
+        self.raw, self.keys, self.auth = store, Keys(job), auth
+        self.refused = 0  # values read that failed their signature
+
+    def set(self, key: str, value: Any) -> None:
+        self.raw.set(key, self.signed(key, value))
+
+    def signed(self, key: str, value: Any) -> str:
+        return self.auth.sign(key, json.dumps(value))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The value under ``key``; ``default`` when absent or not signed by this job."""
+        if not self.raw.check([key]):
+            return default
+        return self.open(key, self.raw.get(key), default)
+
+    def open(self, key: str, raw: bytes, default: Any = None) -> Any:
+        text = self.auth.open(key, raw)
+        if text is None:
+            self.refused += 1
+            warnings.warn(f"gemini: store key {key} holds a value not signed with this job's secret: ignored",
+                          stacklevel=3)
+            return default
+        return json.loads(text)
+
+    def wait(self, key: str, timeout_s: float) -> None:
+        self.raw.wait([key], datetime.timedelta(seconds=timeout_s))
+
+    def wait_all(self, keys: list[str], timeout_s: float, poll_s: float = 0.002) -> bool:
+        """Until every key exists (True) or ``timeout_s`` passed (False); the store's own ``wait``
+        would raise after its client timeout instead."""
+        deadline = time.monotonic() + timeout_s
+        while not self.raw.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def delete(self, key: str) -> None:
+        self.raw.delete_key(key)
+
+    # -- the commit record ------------------------------------------------------------------------
+    def manifest(self) -> Manifest | None | str:
+        """The committed manifest; None when there is none; ``CLEARED`` when the job declared that it
+        has none any more (it went back to a persistent version)."""
+        value = self.get(self.keys.manifest)
+        if value is None:
+            return None
+        if value.get("cleared"):
+            return CLEARED
+        try:
+            return Manifest.from_dict(value, f"store key {self.keys.manifest}")
+        except ManifestError as exc:
+            warnings.warn(f"gemini: {exc}", stacklevel=2)
+            return None
+
+    def publish(self, manifest: Manifest) -> None:
+        """One signed key: from here on the version is committed."""
+        self.set(self.keys.manifest, manifest.to_dict())
+
+    def clear_manifest(self, reason: str) -> None:
+        self.set(self.keys.manifest, {"cleared": True, "reason": reason})
 
 
-def set_json(store: dist.TCPStore, key: str, value: Any) -> None:
-    store.set(key, json.dumps(value))
+CLEARED = "cleared"

@@ -75,12 +75,22 @@ class Manifest:
         raise ManifestError(f"step {self.step}: no shard for rank {rank} (world size {self.world_size})")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1) + "\n"
+        return json.dumps(self.to_dict(), indent=1) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> Manifest:
         try:
             raw = json.loads(text)
+        except ValueError as exc:
+            raise ManifestError(f"{where}: not a readable manifest ({exc})") from exc
+        return cls.from_dict(raw, where)
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "manifest") -> Manifest:
+        try:
             if raw.get("format") != FORMAT:
                 raise ManifestError(f"{where}: unknown format {raw.get('format')!r}, expected {FORMAT}")
             shards = tuple(ShardRecord(int(s["rank"]), str(s["file"]), int(s["bytes"]), str(s["checksum"]))
@@ -88,7 +98,7 @@ class Manifest:
             manifest = cls(**{**raw, "shards": shards})
         except ManifestError:
             raise
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"{where}: not a readable manifest ({exc})") from exc
         if sorted(s.rank for s in manifest.shards) != list(range(manifest.world_size)):
             raise ManifestError(f"{where}: shards do not cover ranks 0..{manifest.world_size - 1}")

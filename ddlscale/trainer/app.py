@@ -23,7 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
-from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agent
+from ddlscale.ckpt.launch import (
+    emulated_env,
+    job_secret,
+    local_gemini,
+    persist_emulated,
+    start_emulated_agent,
+)
 from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
@@ -200,7 +206,7 @@ def _gemini_infrastructure(trainer: pl.Trainer, output_dir: Path) -> contextlib.
     gemini = next((c for c in trainer.callbacks if isinstance(c, GeminiCheckpointer)), None)
     if gemini is None or gemini.store_address or os.environ.get(STORE_ENV) or "WORLD_SIZE" in os.environ:
         return contextlib.nullcontext()
-    return local_gemini(trainer.world_size, job_name(str(output_dir)))
+    return local_gemini(trainer.world_size, job_name(str(output_dir)), persist_dir=gemini.persist_dir)
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:
@@ -253,7 +259,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
     """
     nodes, devices = int(cfg.cluster.nodes), int(cfg.trainer.devices)
     worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
-    with EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency)) as cluster:
+    with job_secret() as secret, EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency)) as cluster:
         print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
               f"{cfg.cluster.bandwidth} NICs", flush=True)
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
@@ -266,14 +272,16 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
             job = job_name(str(output_dir))
             for i in range(nodes):
-                start_emulated_agent(cluster, i, port, job)
-                envs[i].update(emulated_env(cluster, i, port, job))
+                start_emulated_agent(cluster, i, port, job, secret)
+                envs[i].update(emulated_env(cluster, i, port, job, secret))
         agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port, env=envs[i],
                                    max_restarts=int(cfg.cluster.get("max_restarts", 0)))
                   for i in range(nodes)]
         try:
             codes = _wait_all_or_first_failure(agents)
         finally:
+            if gemini:  # the same command in this run directory then continues from it
+                persist_emulated(cluster, port, job, secret, _build("ckpt", cfg.ckpt, run_dir=str(output_dir)).persist_dir)
             cluster.down()
             if gemini:
                 remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
