@@ -44,46 +44,23 @@ Gemini (``ckpt=gemini``), the peer-memory tier, adds:
   :mod:`~ddlscale.ckpt.control` and :mod:`~ddlscale.ckpt.drill` — watching a job and failure drills.
 """
 
-from ddlscale.ckpt.base import HIGHFREQ, Checkpointer
-from ddlscale.ckpt.data import DataPosition
-from ddlscale.ckpt.disk import DiskCheckpointer, find_resumable
-from ddlscale.ckpt.gemini import GeminiCheckpointer
-from ddlscale.ckpt.io import ManifestCheckpointIO, load_version
-from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, read_manifest, verify
-from ddlscale.ckpt.placement import PlacementPlan, monte_carlo, paper_bound, recovery_probability
-from ddlscale.ckpt.state import (
-    RANK_STATE_KEY,
-    SYNC_STATE_KEY,
-    Shard,
-    assemble,
-    capture_shard,
-    decode,
-    restore_local,
-)
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "HIGHFREQ",
-    "RANK_STATE_KEY",
-    "SYNC_STATE_KEY",
-    "Checkpointer",
-    "DataPosition",
-    "DiskCheckpointer",
-    "GeminiCheckpointer",
-    "Manifest",
-    "ManifestCheckpointIO",
-    "ManifestError",
-    "PlacementPlan",
-    "Shard",
-    "ShardRecord",
-    "assemble",
-    "capture_shard",
-    "decode",
-    "find_resumable",
-    "load_version",
-    "monte_carlo",
-    "paper_bound",
-    "read_manifest",
-    "recovery_probability",
-    "restore_local",
-    "verify",
-]
+# Loaded on first use: the replica agent, the drain and the control tool import this package too, and
+# must not pay for Lightning's import (seconds) every time a machine's agent starts.
+_EXPORTS = {
+    "HIGHFREQ": "base", "Checkpointer": "base", "DataPosition": "data", "DiskCheckpointer": "disk",
+    "find_resumable": "disk", "GeminiCheckpointer": "gemini", "ManifestCheckpointIO": "io", "load_version": "io",
+    "Manifest": "manifest", "ManifestError": "manifest", "ShardRecord": "manifest", "read_manifest": "manifest",
+    "verify": "manifest", "PlacementPlan": "placement", "monte_carlo": "placement", "paper_bound": "placement",
+    "recovery_probability": "placement", "RANK_STATE_KEY": "state", "SYNC_STATE_KEY": "state", "Shard": "state",
+    "assemble": "state", "capture_shard": "state", "decode": "state", "restore_local": "state",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ddlscale.ckpt' has no attribute {name!r}")
+    return getattr(import_module(f"ddlscale.ckpt.{_EXPORTS[name]}"), name)

@@ -276,14 +276,18 @@ class _Handler(socketserver.BaseRequestHandler):
             seq = 0
             while True:
                 try:
-                    raw = recv_bytes(sock, REQUEST.size + MAC_BYTES)
+                    magic = bytes(recv_bytes(sock, len(MAGIC)))
+                    if magic != MAGIC:  # answered at once: a stranger's protocol need not fill our header
+                        agent.count("unauthenticated", f"{self.client_address[0]}: not the replica protocol")
+                        self.reply(sock, nonce, REQUEST.pack(MAGIC, 0, 0, 0, 0, 0, 0, 0), REFUSED,
+                                   b"not the replica protocol")
+                        return
+                    raw = magic + recv_bytes(sock, REQUEST.size - len(MAGIC) + MAC_BYTES)
                 except ConnectionError:
                     return
                 header, mac = bytes(raw[:REQUEST.size]), bytes(raw[REQUEST.size:])
-                magic, op, rseq, incarnation, version, owner, a, b = REQUEST.unpack(header)
+                _, op, rseq, incarnation, version, owner, a, b = REQUEST.unpack(header)
                 try:
-                    if magic != MAGIC:
-                        raise Refused("unauthenticated", "not the replica protocol")
                     text = b""
                     if op in (END, VERIFY):
                         if not 0 < a <= MAX_TEXT:
@@ -320,9 +324,9 @@ class _Handler(socketserver.BaseRequestHandler):
         agent = self.server.agent
         store = agent.replicas
         if op == BEGIN:
-            if not MIN_VERSION_BYTES <= a <= agent.max_version_bytes:
+            if a < MIN_VERSION_BYTES or (agent.max_version_bytes is not None and a > agent.max_version_bytes):
                 raise Refused("bounds", f"a version of {a} bytes (this agent takes {MIN_VERSION_BYTES} to "
-                                        f"{agent.max_version_bytes})")
+                                        f"{agent.max_version_bytes or 'what its shared memory holds'})")
             try:
                 committed = agent.view.committed(owner)
             except (RuntimeError, OSError) as exc:
@@ -388,8 +392,9 @@ class Agent:
         self.view = JobView(self._job_store())
         host, port = parse_address(bind)
         self.replicas = ReplicaStore(file_prefix(job, machine) + (f"-p{os.getpid()}" if port == 0 else ""))
-        # No version larger than the shared memory itself; reservations check the free space as they go.
-        self.max_version_bytes = max_version_bytes or shutil.disk_usage(shm_dir()).total
+        # Beyond this limit (if any) a version is refused outright; below it, BEGIN checks the shared
+        # memory's free space before reserving, and refuses naming it.
+        self.max_version_bytes = max_version_bytes
         self.server = _Server((host, port), self)
         self.address = f"{host}:{self.server.server_address[1]}"
         self.heartbeat_s, self.failure_timeout_s = heartbeat_s, failure_timeout_s
@@ -416,7 +421,8 @@ class Agent:
                 "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total}}
 
     def start(self) -> Agent:
-        threading.Thread(target=self.server.serve_forever, daemon=True, name="replica-server").start()
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
+                         name="replica-server").start()
         store = self._job_store()
         store.set(store.keys.agent(self.machine), self.address)
         threading.Thread(target=self._monitor, args=(store,), daemon=True, name="heartbeat").start()
@@ -498,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
                         help=f"the job's secret (default: ${SECRET_ENV})")
     parser.add_argument("--failure-timeout", type=float, default=3.0)
     parser.add_argument("--max-version-bytes", type=int, default=None,
-                        help="largest version accepted (default: the size of the shared memory)")
+                        help="largest version accepted (default: what the shared memory's free space allows)")
     args = parser.parse_args(argv)
     if not 0 <= args.machine < args.machines:
         parser.error(f"--machine must be in 0..{args.machines - 1}")

@@ -323,7 +323,7 @@ class GeminiCheckpointer(Checkpointer):
         outcome = "failed"
         try:
             records = [self.store.get(k) for k in keys] if self.store.wait_all(keys, self.commit_timeout_s) else []
-            verified = self.verified_replicas(records)
+            verified = self.plan.verified([r and r.get("verified") for r in records], self.machine_of)
             if verified >= expected:
                 shards = tuple(ShardRecord(r, f"memory:rank{r}", int(rec["bytes"]), str(rec["checksum"]))
                                for r, rec in enumerate(records))
@@ -342,15 +342,6 @@ class GeminiCheckpointer(Checkpointer):
                               stacklevel=2)
         finally:  # every rank's next version waits for this key: a commit that raised says "failed"
             self.store.set(self.store.keys.outcome(self.incarnation, version), outcome)
-
-    def verified_replicas(self, records: list[Any]) -> int:
-        """Replicas verified by their holders, over every rank's record (a missing or forged record
-        counts none); only holders the placement names for that rank count."""
-        total = 0
-        for rank, record in enumerate(records):
-            if record is not None and rank < len(self.machine_of):
-                total += len(set(record.get("verified", ())) & set(self.plan.holders_of(self.machine_of[rank])))
-        return total
 
     def _check_shared_memory(self, own: AgentClient, pl_module: pl.LightningModule, world: int, machines: int) -> None:
         """At start-up: refuse clearly when this machine's shared memory cannot hold even the parameters'

@@ -92,6 +92,13 @@ class PlacementPlan:
         start = ring.index(shard)
         return tuple(ring[(start + i) % len(ring)] for i in range(self.replicas))
 
+    def verified(self, acknowledged: list[list[int] | None], machine_of: list[int]) -> int:
+        """Replicas acknowledged as verified, over ranks: ``acknowledged[r]`` are the holders that checked
+        rank r's replica (None: no trustworthy acknowledgement); only holders this plan names for the
+        rank's machine count, each once. A version is complete at ``len(machine_of) * replicas``."""
+        return sum(len(set(holders or ()) & set(self.holders_of(machine_of[rank])))
+                   for rank, holders in enumerate(acknowledged[:len(machine_of)]))
+
     def peers_of(self, machine: int) -> tuple[int, ...]:
         """Machines ``machine`` sends its checkpoint to."""
         return self.holders_of(machine)[1:]

@@ -19,14 +19,15 @@ turns a shared and a local payload back into one dict that Lightning restores on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import pytorch_lightning as pl
+from typing import TYPE_CHECKING, Any
 
 from ddlscale.ckpt.checksum import checksum, matches
 from ddlscale.ckpt.data import DataPosition, position_loader
 from ddlscale.ckpt.rng import capture_rng, restore_rng
 from ddlscale.ckpt.snapshot import rebuild, to_bytes
+
+if TYPE_CHECKING:  # decoding shards (agents, drills, tools) needs no Lightning
+    import pytorch_lightning as pl
 
 PAYLOAD_FORMAT = "ddlscale-training-state/1"
 # DDLStrategy.load_model_state_dict reads the backend's per-rank state under this key.
