@@ -32,6 +32,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from ddlscale.ckpt.state import SYNC_STATE_KEY
+from ddlscale.cluster.elastic import store_per_round
 from ddlscale.sync import DenseAllreduce, GradSync
 
 
@@ -100,6 +101,13 @@ class DDLStrategy(DDPStrategy):
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
             super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        # Under torchrun, a process-group store of this restart round's own: the store torchrun shares
+        # across rounds still holds the last round's peer addresses (ddlscale/cluster/elastic.py).
+        self.set_world_ranks()
+        with store_per_round(self.global_rank, self.world_size, self._timeout):
+            super().setup_distributed()
 
     # -- set-up: replaces wrapping the model in DistributedDataParallel ------------------------
     def configure_ddp(self) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Iterator
@@ -30,7 +32,7 @@ from ddlscale.ckpt.launch import (
     persist_emulated,
     start_emulated_agent,
 )
-from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
+from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
@@ -66,6 +68,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
     if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
+    if OmegaConf.select(cfg, "cluster.max_restarts") is not None:
+        _positive_int(cfg, "cluster.max_restarts", allow=(0,))
     _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
@@ -177,6 +181,9 @@ def run(
         info["cluster"] = f"emulated-fallback-loopback: {reason}"
         cfg = cfg.copy()
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
+    if cfg.cluster.kind == "local" and cfg.cluster.get("max_restarts", 0) and "WORLD_SIZE" not in os.environ:
+        check_config(cfg)
+        return run_with_restarts(cfg, output_dir, overrides or [])
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info)
     with _gemini_infrastructure(trainer, output_dir):
@@ -251,6 +258,34 @@ def _own_rendezvous_port() -> Iterator[None]:
             os.environ["MASTER_PORT"] = saved
 
 
+def _configured_gemini(cfg: DictConfig, output_dir: Path) -> GeminiCheckpointer | None:
+    """The run's Gemini checkpointer, as its workers will build it; None for other tiers."""
+    target = OmegaConf.select(cfg, "ckpt._target_")
+    if target is None or not issubclass(get_class(target), GeminiCheckpointer):
+        return None
+    return _build("ckpt", cfg.ckpt, run_dir=str(output_dir))
+
+
+def run_with_restarts(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
+    """``cluster=local`` with ``cluster.max_restarts`` > 0: torchrun's elastic agent (torch's restart
+    engine) runs train.py's workers on this machine and restarts them all when one dies, up to that
+    many times; each restart resumes from the checkpointer. Gemini's store and agents belong to this
+    process, so they outlive the workers, and restarted workers recover from their memory."""
+    devices = int(cfg.trainer.devices)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
+            f"--max-restarts={int(cfg.cluster.max_restarts)}", str(TRAIN_SCRIPT), *overrides,
+            f"hydra.run.dir={output_dir}"]
+    if OmegaConf.select(cfg, "ckpt._target_") is None:
+        warnings.warn("cluster.max_restarts without a checkpointer (ckpt=none): restarts begin at step 0", stacklevel=2)
+    gemini = _configured_gemini(cfg, output_dir)
+    with (local_gemini(devices, job_name(str(output_dir)), gemini.persist_dir) if gemini else contextlib.nullcontext()):
+        code = subprocess.run(argv).returncode
+    if code:
+        raise RuntimeError(f"torchrun exited with code {code} after at most {cfg.cluster.max_restarts} restarts; "
+                           "see the output above")
+    return json.loads((output_dir / "summary.json").read_text())
+
+
 def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
     """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
 
@@ -266,8 +301,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cfg.cluster.port)
         cluster.start_rendezvous_store(port)
-        target = OmegaConf.select(cfg, "ckpt._target_")
-        gemini = target is not None and issubclass(get_class(target), GeminiCheckpointer)
+        gemini = _configured_gemini(cfg, output_dir)
         envs = [dict(threads) for _ in range(nodes)]
         if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
             job = job_name(str(output_dir))
@@ -281,7 +315,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
             codes = _wait_all_or_first_failure(agents)
         finally:
             if gemini:  # the same command in this run directory then continues from it
-                persist_emulated(cluster, port, job, secret, _build("ckpt", cfg.ckpt, run_dir=str(output_dir)).persist_dir)
+                persist_emulated(cluster, port, job, secret, gemini.persist_dir)
             cluster.down()
             if gemini:
                 remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
