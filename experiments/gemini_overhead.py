@@ -11,17 +11,18 @@ shaped to ``--bandwidth``), checkpointing every iteration to m = 2 machines' CPU
 - ``unpipelined``: interleaved into the profiled gaps, one staging sub-buffer (copy, then send);
 - ``gemini``: interleaved, 4 staging sub-buffers (copy of chunk i+1 overlaps sending chunk i).
 
-Measured: rank 0's median step time over the steps after profiling (the last half of the run);
-reported per variant and as a ratio to ``none`` per repetition (target: Gemini within 5%), and the
-same for the time the training thread spent in gradient synchronization — where checkpoint traffic
-competing for the NIC shows, and what interleaving is there to protect. The paper
-measured +10.1% (blocking), +3.5% (unpipelined) and about 0 (Gemini) on 16 GPU machines.
+Measured: rank 0's *mean* step time over the steps after profiling (the last half of the run), every
+checkpoint stall included; reported per variant and as a ratio to ``none`` per repetition (target:
+Gemini's overhead <= 3% with device time), with the median step beside it, and the same for the time
+the training thread spent in gradient synchronization — where checkpoint traffic competing for the NIC
+shows, and what interleaving is there to protect. The paper measured +10.1% (blocking), +3.5%
+(unpipelined) and about 0 (Gemini) on 16 GPU machines.
 
 Here all emulated machines share the host's cores, which the workers' compute saturates, so the
 checkpoint's host work (copies, hashes, TCP) competes with training in a way it does not next to
 GPUs. ``--device-time T`` adds T seconds per step in which the CPU idles, as while an accelerator
 computes (``strategy.device_time_s``); results then go to ``gemini_overhead_device_time``. That is
-the setting the paper measured (GPU machines, host cores idle during compute) and the one the 5%
+the setting the paper measured (GPU machines, host cores idle during compute) and the one the 3%
 target is judged on; the CPU-bound run shows what the same work costs when nothing is idle.
 """
 
@@ -48,11 +49,10 @@ def _overrides(variant: str, model: str, nodes: int, bandwidth: str, steps: int,
     return [*common, "ckpt=gemini", f"ckpt.mode={variant}", f"ckpt.profile_steps={PROFILE_STEPS}"]
 
 
-def _late_median(run: Path, steps: int, column: str) -> float:
-    """Median of rank 0's per-step ``column`` over the last half of the run (after profiling settled)."""
+def _late(run: Path, steps: int, column: str) -> list[float]:
+    """Rank 0's per-step ``column`` over the last half of the run (after profiling settled)."""
     with open(run / "metrics.csv") as file:
-        values = [float(r[column]) for r in csv.DictReader(file) if r.get(column) and int(r["step"]) > steps // 2]
-    return statistics.median(values)
+        return [float(r[column]) for r in csv.DictReader(file) if r.get(column) and int(r["step"]) > steps // 2]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--bandwidth", default="1gbit")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=4)
     parser.add_argument("--device-time", type=float, default=0.0,
                         help="seconds per step the CPU idles as if an accelerator computed (strategy.device_time_s)")
     args = parser.parse_args(argv)
@@ -72,17 +72,20 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     results = Results("gemini_overhead" if not args.device_time else "gemini_overhead_device_time")
-    rows, times, syncs, extra = [], defaultdict(list), defaultdict(list), defaultdict(list)
+    rows, times, medians, syncs, extra = [], defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     total = args.reps * len(VARIANTS)
     for done, (rep, variant) in enumerate(alternating(VARIANTS, args.reps), start=1):
         with tempfile.TemporaryDirectory(prefix="ddlscale-gemini-") as scratch:
             run = Path(scratch) / "run"
             summary = train(_overrides(variant, args.model, args.nodes, args.bandwidth, args.steps, args.device_time), run_dir=run)
-            step = _late_median(run, args.steps, "step_time_s")
-            sync = _late_median(run, args.steps, "sync_time_s")
+            steps = _late(run, args.steps, "step_time_s")
+            step, median_step = statistics.fmean(steps), statistics.median(steps)
+            sync = statistics.fmean(_late(run, args.steps, "sync_time_s"))
         times[variant].append(step)
+        medians[variant].append(median_step)
         syncs[variant].append(sync)
-        row = {"variant": variant, "rep": rep, "step_time_s": step, "sync_time_s": sync,
+        row = {"variant": variant, "rep": rep, "mean_step_time_s": step, "median_step_time_s": median_step,
+               "max_step_time_s": max(steps), "sync_time_s": sync,
                "ckpt_bytes": summary.get("ckpt_bytes"), "ckpt_complete_s": summary.get("ckpt_complete_s"),
                "ckpt_stall_s": summary.get("ckpt_stall_s"), "committed": summary.get("ckpt_committed"),
                "planned_chunks": summary.get("ckpt_interleave_planned_chunks"),
@@ -99,22 +102,24 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = extra[variant][0]
         complete = [r["ckpt_complete_s"] for r in extra[variant] if r["ckpt_complete_s"] is not None]
         sync_ratio = spread([a / b for a, b in zip(syncs[variant], syncs["none"], strict=True)])[0]
-        table.append([variant, spread(times[variant])[0] * 1e3, ratio, lo, hi, spread(syncs[variant])[0] * 1e3,
-                      sync_ratio,
+        median_ratio = spread([a / b for a, b in zip(medians[variant], medians["none"], strict=True)])[0]
+        table.append([variant, spread(times[variant])[0] * 1e3, ratio, lo, hi, median_ratio,
+                      spread(syncs[variant])[0] * 1e3, sync_ratio,
                       (ckpt["ckpt_bytes"] or 0) / 2**20, statistics.median(complete) * 1e3 if complete else "-",
-                      ("yes" if ratio <= 1.05 else "no") if variant == "gemini" else "-"])
+                      ("yes" if ratio <= 1.03 else "no") if variant == "gemini" else "-"])
     results.write_markdown(
         "Checkpointing every iteration: iteration time side by side",
-        ["variant", "ms/step (median)", "vs none (median)", "min", "max", "sync ms/step", "sync vs none",
-         "checkpoint MiB per rank",
-         "checkpoint complete ms", "Gemini within 5%"],
+        ["variant", "mean ms/step", "mean vs none (median of reps)", "min", "max", "median step vs none",
+         "sync ms/step", "sync vs none", "checkpoint MiB per rank", "checkpoint complete ms", "Gemini overhead <= 3%"],
         table,
         notes=f"{args.nodes} emulated machines x 1 worker, {args.bandwidth} NICs, model={args.model}, "
               f"emulated device time {args.device_time:g} s per step (CPU idle, as while a GPU computes), "
-              f"{args.steps} steps, step time = rank 0's median over steps > {args.steps // 2}; m = 2 replicas "
-              f"(own machine + its group peer); {args.reps} alternating repetitions. Target: Gemini within 5% "
-              "of no checkpoint. All machines share this host's cores, so checkpoint copies and hashing "
-              "compete with training compute here, unlike on separate machines.",
+              f"{args.steps} steps, step time = rank 0's mean over steps > {args.steps // 2}, stalls included "
+              f"(each repetition's ratio to none's, then the median over repetitions, min and max); m = 2 replicas "
+              f"(own machine + its group peer), every replica MACed (HMAC-SHA256) by its sender and by its "
+              f"holder; {args.reps} alternating repetitions. Target: Gemini's overhead <= 3% with device time. "
+              "All machines share this host's cores, so checkpoint copies and hashing compete with training "
+              "compute here, unlike on separate machines.",
         command=f"python -m experiments.gemini_overhead --model {args.model} --nodes {args.nodes} "
                 f"--bandwidth {args.bandwidth} --steps {args.steps} --reps {args.reps} --device-time {args.device_time:g}",
     )

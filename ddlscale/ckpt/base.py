@@ -13,6 +13,7 @@ collectives; the state it persists is :func:`ddlscale.ckpt.state.capture_shard`'
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 import warnings
@@ -29,6 +30,17 @@ HIGHFREQ = "highfreq"
 PROGRESS_FILE = "ckpt_progress.log"  # in the run directory
 # HighFreq's probe: the first checkpoint, after two steps whose time is not warm-up.
 HIGHFREQ_PROBE_STEP = 3
+
+
+def process_started_unix() -> float | None:
+    """When this process started (Linux: /proc), so a restart's time can be split at the worker's launch."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def parse_every(every: Any, key: str = "ckpt.every") -> int | str:
@@ -62,8 +74,9 @@ class Checkpointer(pl.Callback):
         self._last_step = 0
         self._pending_local: dict[str, Any] | None = None
         self.recovery: dict[str, Any] = {}  # how the resumed state was retrieved (source, seconds)
-        # Rank 0 appends "step N unix" per step and "start|resumed N unix retrieve_s" per (re)start:
-        # where a failure left training, and how long getting back took, survive the processes.
+        # Rank 0 appends "step N unix" per step, "launched|setup 0 unix" and "start|resumed N unix
+        # retrieve_s" per (re)start: where a failure left training, and how long getting back took (and
+        # where that time went), survive the processes.
         self.progress_path: Path | None = None
 
     # -- to implement --------------------------------------------------------------------------
@@ -108,6 +121,12 @@ class Checkpointer(pl.Callback):
         warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
         if not isinstance(strategy.checkpoint_io, ManifestCheckpointIO):
             strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank, self.load_path)
+        # Where a (re)start's time goes: the process launched, then got here with its trainer and process
+        # group up; "start"/"resumed" follows once the state is restored.
+        launched = process_started_unix()
+        if launched is not None:
+            self._progress(trainer, f"launched {trainer.global_step} {launched:.3f}")
+        self._progress(trainer, f"setup {trainer.global_step} {time.time():.3f}")
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_local = checkpoint.get(RANK_STATE_KEY)

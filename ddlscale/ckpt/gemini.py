@@ -175,7 +175,7 @@ class GeminiCheckpointer(Checkpointer):
         if persist_every is not None:
             self.persistent = DiskCheckpointer(
                 every=_positive_int("persist_every", persist_every), keep=2, bandwidth=self.persist_bps,
-                dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None, run_dir=run_dir)
+                dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None)
         # Set in setup (workers).
         self.store: kvstore.JobStore | None = None
         self.auth: JobKeys | None = None
