@@ -31,17 +31,24 @@ Modules, one job each:
 
 Gemini (``ckpt=gemini``), the peer-memory tier, adds:
 
-* :mod:`~ddlscale.ckpt.snapshot` — the state as a byte stream sent straight from live tensors
-  (parameters and optimizer state; the rest copied at capture), rebuilt bit for bit.
-* :mod:`~ddlscale.ckpt.replica` — the agent wire protocol and its client; :mod:`~ddlscale.ckpt.agent`
-  — the per-machine agent: two buffers per owner, checksum on END, heartbeats, root election.
+* :mod:`~ddlscale.ckpt.snapshot` — the state as a byte stream (JSON plus raw tensors, never pickle) sent
+  straight from live tensors (parameters and optimizer state; the rest copied at capture), rebuilt bit
+  for bit; disk shards use the same stream.
+* :mod:`~ddlscale.ckpt.auth` — the job's secret and the keys it derives (agent messages, store
+  records, replica MACs).
+* :mod:`~ddlscale.ckpt.replica` — the authenticated agent wire protocol and its client;
+  :mod:`~ddlscale.ckpt.agent` — the per-machine agent: two reserved buffers per owner, MAC on END,
+  fencing from the signed manifest and incarnation, heartbeats, root election.
 * :mod:`~ddlscale.ckpt.interleave` — gaps between training collectives, the chunk plan, the sender
   with its staging sub-buffers (modes gemini / unpipelined / blocking).
-* :mod:`~ddlscale.ckpt.kvstore` — the job's keys in torch's TCPStore; the manifest is one key.
+* :mod:`~ddlscale.ckpt.kvstore` — the job's keys in torch's TCPStore, every trusted value signed;
+  the manifest is one key.
 * :mod:`~ddlscale.ckpt.gemini` — ``GeminiCheckpointer``: capture, commit, recovery (local, peer,
   persistent fallback agreed by all ranks).
-* :mod:`~ddlscale.ckpt.launch` — store and agents for cluster=local / emulated;
-  :mod:`~ddlscale.ckpt.control` and :mod:`~ddlscale.ckpt.drill` — watching a job and failure drills.
+* :mod:`~ddlscale.ckpt.launch` — secret, store and agents for cluster=local / emulated;
+  :mod:`~ddlscale.ckpt.drain` — a launch's committed version to disk when it ends;
+  :mod:`~ddlscale.ckpt.control`, :mod:`~ddlscale.ckpt.drill` and :mod:`~ddlscale.ckpt.security_drill` —
+  watching a job, failure drills, the hostile-client drill.
 """
 
 from importlib import import_module

@@ -421,6 +421,11 @@ class GeminiCheckpointer(Checkpointer):
         if self.sender is not None:
             self.sender.settle()  # the last version goes out, and is committed, before the summary
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.sender is not None:  # before teardown, which would wait for the version in flight
+            self.sender.abandon()
+            self.sender = None
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.sender is not None:
             self.sender.close()

@@ -206,6 +206,14 @@ class ReplicaSender:
         for client in self.destinations:
             client.close()
 
+    def abandon(self) -> None:
+        """Stop without waiting: training failed, so a peer may be gone and the version in flight would
+        wait for a commit that cannot come (rank 0 for commit_timeout_s) and hold up the restart."""
+        self._deadline.set()
+        self._jobs.put(None)
+        for client in self.destinations:
+            client.close()  # a send in progress fails at once; the daemon thread ends with the process
+
     # -- the sender thread -------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
