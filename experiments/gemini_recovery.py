@@ -42,6 +42,8 @@ import argparse
 import math
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -171,6 +173,19 @@ def simulate(machines: int, failures_per_machine_day: float, wasted_s: float, ov
     return useful / horizon
 
 
+def import_seconds(processes: int, reps: int = 3) -> list[float]:
+    """Wall time of ``processes`` fresh interpreters importing train.py's modules at once, as a restart's
+    workers do on this shared host: the part of start-up that is torch's, Lightning's and ours to import."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        procs = [subprocess.Popen([sys.executable, "-c", "import ddlscale.trainer"]) for _ in range(processes)]
+        for proc in procs:
+            proc.wait()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def mtbf_s(machines: int) -> float:
     return 86400.0 / (machines * FAILURES_PER_MACHINE_DAY)
 
@@ -198,20 +213,25 @@ def main(argv: list[str] | None = None) -> None:
     import matplotlib.pyplot as plt
 
     results = Results(args.name)
-    rows, per, t_iter = [], defaultdict(list), defaultdict(dict)
+    imports = import_seconds(args.nodes)
+    results.progress(0, 0, f"{args.nodes} interpreters importing train.py's modules at once: "
+                     + ", ".join(f"{t:.1f}s" for t in imports))
+    rows, runs, per, t_iter = [], [], defaultdict(list), defaultdict(dict)
     total = args.reps * len(STRATEGIES)
     for done, (rep, strategy) in enumerate(alternating(STRATEGIES, args.reps), start=1):
         rng = random.Random(args.seed * 1000 + rep)  # the same failure schedule for every strategy
         failures, iterations = run_strategy(strategy, args, rng)
         t_iter[strategy][rep] = statistics.fmean(iterations)
-        rows.append({"strategy": strategy, "rep": rep, "failure": "", "mean_iteration_s": t_iter[strategy][rep],
-                     "median_iteration_s": statistics.median(iterations), "iterations": len(iterations)})
+        runs.append({"strategy": strategy, "rep": rep, "mean_iteration_s": t_iter[strategy][rep],
+                     "median_iteration_s": statistics.median(iterations), "max_iteration_s": max(iterations),
+                     "iterations": len(iterations)})
         for i, failure in enumerate(failures):
             rows.append({"strategy": strategy, "rep": rep, "failure": i, **failure})
             per[strategy].append(failure)
         results.progress(done, total, f"rep {rep} {strategy}: {t_iter[strategy][rep] * 1e3:.1f} ms/iteration; wasted "
                          + ", ".join(f"{f['wasted_s']:.1f}s" for f in failures))
-    results.write_csv(rows)
+    results.write_csv(rows)  # one row per failure
+    results.write_csv(runs, "iterations.csv")  # one row per run
     reps = range(args.reps)
 
     def median(strategy: str, key: str) -> float:
@@ -250,7 +270,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.device_time:g} s per step, storage at 1/{args.storage_fraction:g} of the NIC rate both ways, "
               f"model={args.model}, {args.steps} steps, {args.failures} software failures (a random machine's trainer "
               f"killed at a random moment) per run, {args.reps} alternating repetitions; none's mean iteration "
-              f"{statistics.median(t_iter['none'].values()) * 1e3:.1f} ms (median over repetitions). Medians over "
+              f"{statistics.median(t_iter['none'].values()) * 1e3:.1f} ms (median over repetitions). Start-up "
+              f"includes importing torch, Lightning and ddlscale: {args.nodes} fresh interpreters doing only that, "
+              f"at once, took {statistics.median(imports):.1f} s (median of {', '.join(f'{t:.1f}' for t in imports)}) "
+              "here. Medians over "
               "all failures and repetitions; overhead = median over repetitions of mean T_iter / none's - 1. "
               f"Totals add MTBF x (1 - T_none/T_iter) at {100 * FAILURES_PER_MACHINE_DAY:g}% failures per "
               f"machine-day (MTBF {mtbf_s(16) / 3600:.0f} h on 16 machines, {mtbf_s(1000) / 60:.0f} min on 1000). "
