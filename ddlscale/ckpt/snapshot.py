@@ -50,6 +50,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
               *(getattr(torch, n) for n in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
                 if hasattr(torch, n)))
 }
+_NAME_OF = {d: name for name, d in TORCH_DTYPES.items()}
 NUMPY_DTYPES: dict[str, np.dtype] = {
     np.dtype(n).name: np.dtype(n)
     for n in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
@@ -141,10 +142,10 @@ class _Encoder:
             sparse = obj.detach().coalesce() if not obj.is_coalesced() else obj.detach()
             return {TAG: "sparse_coo", "shape": list(sparse.shape),
                     "indices": self.tensor(sparse._indices(), path), "values": self.tensor(sparse._values(), path)}
-        dtype = str(obj.dtype).removeprefix("torch.")
-        if obj.layout != torch.strided or dtype not in TORCH_DTYPES:
+        dtype = _NAME_OF.get(obj.dtype)  # per tensor of every capture: kept to table look-ups
+        if obj.layout != torch.strided or dtype is None:
             raise TypeError(f"checkpoint state holds a {obj.layout} tensor of {obj.dtype} at {path}")
-        data = obj.detach()
+        data = obj.detach() if obj.requires_grad else obj
         head = {TAG: "tensor", "dtype": dtype, "shape": list(data.shape)}
         if data.numel() * data.element_size() < INLINE_BYTES:
             flat = data.cpu().contiguous().reshape(-1).view(torch.uint8)
