@@ -298,7 +298,10 @@ class _Handler(socketserver.BaseRequestHandler):
                     if rseq != seq + 1:
                         raise Refused("replayed", f"request {rseq} where {seq + 1} was due (replayed or reordered)")
                     seq = rseq
-                    current = agent.view.incarnation(at_least=incarnation)
+                    try:
+                        current = agent.view.incarnation(at_least=incarnation)
+                    except (RuntimeError, OSError) as exc:  # the store is unreachable: nothing can be decided
+                        raise Refused(None, f"cannot read the job's incarnation from the store: {exc}") from None
                     if incarnation != current:
                         raise Refused("stale", f"incarnation {incarnation} is not the job's current one ({current})")
                     self.dispatch(sock, nonce, header, op, incarnation, version, owner, a, b, text)

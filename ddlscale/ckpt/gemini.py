@@ -216,7 +216,7 @@ class GeminiCheckpointer(Checkpointer):
     def __getstate__(self) -> dict[str, Any]:
         # Lightning's spawn launcher pickles callbacks into the workers: connections stay behind.
         state = dict(self.__dict__)
-        state.update(store=None, sender=None)
+        state.update(store=None, sender=None, auth=None)  # each worker derives its keys from the secret again
         return state
 
     def _agent(self, machine: int, timeout_s: float = 30.0, local: bool = False) -> AgentClient:
