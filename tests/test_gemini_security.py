@@ -70,6 +70,17 @@ def test_requests_without_the_secret_or_from_a_stale_incarnation_are_refused_and
     assert refused == {"unauthenticated": 1, "stale": 1}
 
 
+def test_a_trainer_of_an_earlier_incarnation_cannot_begin_a_version_after_a_restart(job, agent):
+    """The agent reads the incarnation afresh at BEGIN: no client of the new incarnation need have spoken
+    to it first."""
+    job.store.set(job.keys.incarnation, 1)
+    with job.client(agent, incarnation=1) as zombie:
+        _put(job, zombie, 1, b"z" * 1000, outcome=None)
+        job.store.set(job.keys.incarnation, 2)  # the job restarted; this trainer was left behind
+        with pytest.raises(ReplicaRefused, match="incarnation 1 is not the job's current one \\(2\\)"):
+            zombie.begin(2, 0, 1000)
+
+
 def test_store_values_not_signed_by_the_job_read_as_absent_and_are_counted(job):
     job.commit(4)
     raw = job.store.raw

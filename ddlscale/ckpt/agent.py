@@ -240,10 +240,10 @@ class JobView:
         self._incarnation = 0
         self._committed: Any = None  # the last manifest seen: kept if the key disappears uncleared
 
-    def incarnation(self, at_least: int) -> int:
-        """The job's current incarnation, read again when a client claims a newer one."""
+    def incarnation(self, at_least: int, fresh: bool = False) -> int:
+        """The job's current incarnation, read again when a client claims a newer one (or ``fresh``)."""
         with self.lock:
-            if at_least > self._incarnation:
+            if fresh or at_least > self._incarnation:
                 self._incarnation = max(self._incarnation, int(self.store.get(self.store.keys.incarnation, 0)))
             return self._incarnation
 
@@ -299,7 +299,9 @@ class _Handler(socketserver.BaseRequestHandler):
                         raise Refused("replayed", f"request {rseq} where {seq + 1} was due (replayed or reordered)")
                     seq = rseq
                     try:
-                        current = agent.view.incarnation(at_least=incarnation)
+                        # BEGIN reads it afresh: a trainer left from an earlier incarnation must not start
+                        # writing after a restart this agent has not heard of yet.
+                        current = agent.view.incarnation(at_least=incarnation, fresh=op == BEGIN)
                     except (RuntimeError, OSError) as exc:  # the store is unreachable: nothing can be decided
                         raise Refused(None, f"cannot read the job's incarnation from the store: {exc}") from None
                     if incarnation != current:
