@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
               + ".\n" + "\n".join(lines),
         command=f"python -m experiments.gemini_recovery --model {args.model} --nodes {args.nodes} --bandwidth "
                 f"{args.bandwidth} --device-time {args.device_time:g} --storage-fraction {args.storage_fraction:g} "
-                f"--failures {args.failures} --reps {args.reps} --seed {args.seed}",
+                f"--steps {args.steps} --failures {args.failures} --reps {args.reps} --seed {args.seed}",
     )
     fig, ax = plt.subplots(figsize=(6, 3.4))
     names = list(STRATEGIES[1:])
