@@ -4,6 +4,7 @@ never unpickle."""
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from ddlscale.ckpt import kvstore
+from ddlscale.ckpt.base import PROGRESS_FILE
 from ddlscale.ckpt.checksum import checksum
 from ddlscale.ckpt.interleave import ReplicaSender
 from ddlscale.ckpt.manifest import Manifest, ShardRecord
@@ -239,6 +241,25 @@ def test_a_small_dev_shm_refuses_clearly_and_a_reserved_version_never_faults(tmp
     assert "refused: agent" in out and "cannot reserve 8.0 MiB" in out and "in /dev/shm" in out
     assert "MiB free of 4.0 MiB" in out
     assert "filled /dev/shm: No space left on device" in out and "written through shared memory: True" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
+def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
+    """``python train.py ckpt=gemini`` with a 4 MiB /dev/shm (the GPT's buffers need about 14 MiB per
+    machine) stops before its first step with the error naming the free space, ckpt.replicas and the
+    version size, instead of training unprotected or dying of SIGBUS."""
+    run = tmp_path / "run"
+    command = " ".join([sys.executable, str(ROOT / "train.py"), "model=gpt", "ckpt=gemini", "trainer.devices=2",
+                        "trainer.max_steps=5", "trainer.enable_progress_bar=false", f"hydra.run.dir={run}"])
+    shell = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {command}"
+    result = subprocess.run(["unshare", "-m", "sh", "-c", shell], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0, out[-3000:]
+    assert re.search(r"MiB free (in /dev/shm|of 4\.0 MiB)", out), out[-3000:]
+    assert "ckpt.replicas=2" in out and "need about" in out and "Enlarge it" in out, out[-3000:]
+    progress = run / PROGRESS_FILE
+    assert not progress.exists() or not any(line.startswith("step ") for line in progress.read_text().splitlines())
 
 
 def test_the_space_error_names_the_free_space_ckpt_replicas_and_the_version_size():
