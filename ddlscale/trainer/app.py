@@ -1,7 +1,11 @@
 """Build a training run from a composed config and fit it.
 
 Everything that can be wrong with a config is found here, in the launching process, before any
-worker starts: :class:`ConfigError` names the offending key.
+worker starts: :class:`ConfigError` names the offending key and the values it takes.
+
+The launching process also answers SIGINT, SIGTERM and SIGHUP by stopping every process it started
+(:mod:`ddlscale.cluster.stop`), keeps what the run prints in ``train.log``, and ends by printing a
+short summary and the run directory.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import signal
 import time
 import warnings
 from collections.abc import Iterator
@@ -18,40 +24,70 @@ from typing import Any
 import pytorch_lightning as pl
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
 from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agent
-from ddlscale.cluster.emulated import EmulatedCluster, unavailable_reason
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
+from ddlscale.cluster import stop
+from ddlscale.cluster.emulated import MAX_NODES, EmulatedCluster, unavailable_reason
+from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.probe import MEASURED
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
+from ddlscale.trainer.loggers import metrics_rows
 from ddlscale.trainer.metrics import StepMetrics
+from ddlscale.trainer.runlog import run_log
+from ddlscale.trainer.signals import StopOnSignals
 
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
+FALLBACKS = ("loopback", "error")
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key."""
 
 
-def _positive_int(cfg: DictConfig, key: str, allow: tuple[int, ...] = ()) -> None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(cfg: DictConfig, key: str, least: int = 1, most: int | None = None, allow: tuple[int, ...] = ()) -> int:
+    value = OmegaConf.select(cfg, key)
+    if value in allow and _is_int(value):
+        return value
+    if not _is_int(value) or value < least or (most is not None and value > most):
+        wanted = f"an integer in [{least}, {most}]" if most is not None else f"an integer >= {least}"
+        also = "".join(f" or {a}" for a in allow)
+        raise ConfigError(f"{key} must be {wanted}{also}, got {value!r}")
+    return value
+
+
+def _quantity(cfg: DictConfig, key: str, parse: Any, allow: tuple[str, ...] = ()) -> None:
     value = OmegaConf.select(cfg, key)
     if value in allow:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    try:
+        parse(value)
+    except (ValueError, TypeError) as exc:
+        also = f" (or {', '.join(allow)})" if allow else ""
+        raise ConfigError(f"{key}: {exc}{also}") from None
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Ranks the config asks for: workers per machine times machines."""
+    machines = cfg.cluster.get("nodes", 1) if cfg.cluster.kind == "emulated" else cfg.trainer.num_nodes
+    return cfg.trainer.devices * machines
 
 
 def check_config(cfg: DictConfig) -> None:
     """Reject values no component would catch before workers start."""
-    _positive_int(cfg, "trainer.devices")
-    _positive_int(cfg, "trainer.num_nodes")
-    _positive_int(cfg, "trainer.accumulate_grad_batches")
-    _positive_int(cfg, "trainer.max_steps", allow=(-1,))
-    if not isinstance(cfg.seed, int):
+    _int_in(cfg, "trainer.devices")
+    _int_in(cfg, "trainer.num_nodes")
+    _int_in(cfg, "trainer.accumulate_grad_batches")
+    _int_in(cfg, "trainer.max_steps", allow=(-1,))  # -1: no limit (then trainer.max_epochs ends the run)
+    if not _is_int(cfg.seed):
         raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.get("keep_freed_memory", True), bool):
         raise ConfigError(f"keep_freed_memory must be true or false, got {cfg.keep_freed_memory!r}")
@@ -60,11 +96,53 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
     if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
+    if kind == "emulated":
+        _check_emulated(cfg)
+    _check_sync_keys(cfg)
     _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
+    if OmegaConf.select(cfg, "strategy._target_") is not None:
+        _build("strategy", cfg.strategy)  # its own keys (strategy.timeout_s, strategy.start_method...)
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
         if isinstance(checkpointer, GeminiCheckpointer):
             _check_placement(cfg, checkpointer, kind)
+
+
+def _check_emulated(cfg: DictConfig) -> None:
+    _int_in(cfg, "cluster.nodes", 1, MAX_NODES)
+    _int_in(cfg, "cluster.port", 1, 65535)
+    _int_in(cfg, "cluster.max_restarts", 0)
+    _quantity(cfg, "cluster.bandwidth", parse_bandwidth)
+    _quantity(cfg, "cluster.latency", parse_time)
+    if cfg.cluster.get("fallback", "loopback") not in FALLBACKS:
+        raise ConfigError(f"cluster.fallback must be one of {', '.join(FALLBACKS)}, got {cfg.cluster.fallback!r}")
+
+
+def _check_sync_keys(cfg: DictConfig) -> None:
+    """Keys several syncs share, checked against the run (the backends see the world size only in
+    their workers). ``sync.sparse_params`` is checked against the model when it is built."""
+    if "network_bandwidth" in cfg.sync:
+        _quantity(cfg, "sync.network_bandwidth", parse_bandwidth)
+    if "network_latency" in cfg.sync:
+        _quantity(cfg, "sync.network_latency", parse_time, allow=(MEASURED,))
+    local_size = cfg.sync.get("local_size")
+    if local_size is not None:
+        world = world_size(cfg)
+        if not _is_int(local_size) or local_size < 1 or world % local_size:
+            raise ConfigError(f"sync.local_size (ranks per machine) must be an integer >= 1 dividing the "
+                              f"{world} ranks (trainer.devices x machines), or null; got {local_size!r}")
+
+
+def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
+    """Config keys that name the model's parameters."""
+    names = cfg.sync.get("sparse_params", "auto")
+    if names == "auto" or not isinstance(names, (list, ListConfig)):
+        return
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    unknown = [name for name in names if name not in trainable]
+    if unknown:
+        raise ConfigError(f"sync.sparse_params names {unknown}, not parameters of model={type(model).__name__}; "
+                          f"its parameters: {', '.join(trainable)} (or sync.sparse_params=auto)")
 
 
 def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
@@ -111,10 +189,14 @@ def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
         raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -> tuple[pl.Trainer, pl.LightningModule]:
-    """Instantiate model, sync backend, strategy, logger and Trainer from the config."""
-    check_config(cfg)
+def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
+                  config: dict[str, Any] | None = None, check: bool = True) -> tuple[pl.Trainer, pl.LightningModule]:
+    """Instantiate model, sync backend, strategy, logger and Trainer from the config (``check``:
+    :func:`check_config` first). ``config`` is what the loggers record as the run's config."""
+    if check:
+        check_config(cfg)
     model = _build("model", cfg.model)
+    _check_model_keys(cfg, model)
     strategy_cfg = cfg.strategy
     try:
         strategy_cls = get_class(strategy_cfg._target_)
@@ -125,7 +207,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -
         extra["sync"] = _build("sync", cfg.sync, **_sync_components(cfg))
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
-    callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info)]
+    callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info, config), StopOnSignals()]
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         # First, so that a blocking checkpoint's time shows in the step time the metrics measure.
         callbacks.insert(0, _build("ckpt", cfg.ckpt, run_dir=str(output_dir)))
@@ -149,21 +231,46 @@ def run(
     output_dir: str | Path,
     run_info: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train as configured; return the summary (written to ``output_dir/summary.json``).
 
     ``overrides`` are the command line's Hydra overrides: an emulated cluster re-runs train.py with
-    them on every emulated machine.
+    them on every emulated machine. ``config`` is what the loggers record as the run's config. A stop
+    signal ends the run with :class:`~ddlscale.cluster.stop.StopRequested` once every process it
+    started is gone and the summary of what it did is written.
     """
     output_dir = Path(output_dir)
+    check_config(cfg)
     if cfg.get("keep_freed_memory", True) is True:  # before any tensor, and inherited by every worker
         keep_freed_memory()
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
+    launching = "WORLD_SIZE" not in os.environ  # else torchrun or SLURM started this process as a worker
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
+        try:
+            with stop.stop_on_signals() if launching else contextlib.nullcontext():
+                summary = _run(cfg, output_dir, info, overrides or [], config)
+        except BaseException as exc:
+            signal_name = stop.received() if launching else None
+            if signal_name is None:
+                raise
+            summary = _stopped_summary(output_dir, info, signal_name)
+            print_summary(summary, output_dir)
+            raise stop.StopRequested(signal.Signals[signal_name]) from exc
+        if summary:
+            print_summary(summary, output_dir)
+    return summary
+
+
+def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: list[str],
+         config: dict[str, Any] | None) -> dict[str, Any]:
     if cfg.cluster.kind == "emulated" and "WORLD_SIZE" not in os.environ:
-        check_config(cfg)
         reason = unavailable_reason()
         if reason is None:
-            return run_on_emulated_cluster(cfg, output_dir, overrides or [])
+            if isinstance(cfg.sync.get("sparse_params"), ListConfig):  # checked where the workers cannot
+                _check_model_keys(cfg, _build("model", cfg.model))
+            return run_on_emulated_cluster(cfg, output_dir, overrides)
         if cfg.cluster.get("fallback", "loopback") != "loopback":
             raise ConfigError(f"cluster=emulated cannot run here: {reason} (cluster.fallback={cfg.cluster.fallback})")
         warnings.warn(f"emulated cluster unavailable ({reason}): running on loopback, NO bandwidth limit",
@@ -172,7 +279,7 @@ def run(
         cfg = cfg.copy()
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer, model = build_trainer(cfg, output_dir, info)
+    trainer, model = build_trainer(cfg, output_dir, info, config, check=False)
     with _gemini_infrastructure(trainer, output_dir):
         ckpt_path = resume_path(trainer)
         with _own_rendezvous_port():
@@ -182,6 +289,66 @@ def run(
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
         return {}
     return json.loads(summary_path.read_text())
+
+
+def _stopped_summary(output_dir: Path, info: dict[str, Any], signal_name: str) -> dict[str, Any]:
+    """The summary rank 0 wrote when it stopped, or, where it could not (killed in a collective, or a
+    strategy whose workers write none), what metrics.csv says, marked as such."""
+    path = output_dir / "summary.json"
+    if path.exists():
+        summary = json.loads(path.read_text())
+        if summary.get("status") != "finished":  # not an earlier run's in the same directory
+            return summary
+    rows = [row for row in metrics_rows(output_dir) if row.get("step_loss")]
+    summary = {**info, "status": "interrupted", "stopped_by": signal_name,
+               "figures_from": "metrics.csv (no rank wrote a summary before it stopped)",
+               "steps": int(rows[-1]["step"]) + 1 if rows else 0,
+               "final_loss": float(rows[-1]["step_loss"]) if rows else None}
+    output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
+    """A few lines at the end of a run: what ran, how it went, where its files are."""
+    def number(key: str, scale: float = 1.0, unit: str = "", digits: int = 1) -> str:
+        value = summary.get(key)
+        return "n/a" if value is None else f"{value * scale:,.{digits}f}{unit}"
+
+    what = f"{summary.get('world_size', '?')} workers, sync={summary.get('sync')}, model={summary.get('model')}"
+    status = summary.get("status", "finished")
+    head = (f"finished {summary.get('steps')} steps" if status == "finished"
+            else f"{status} ({summary.get('stopped_by')}) after {summary.get('steps')} steps")
+    sent = summary.get("bytes_sent_per_step")
+    volume = "n/a" if sent is None else f"{sent / 1e6:,.2f} MB" if sent >= 1e5 else f"{sent / 1e3:,.1f} kB"
+    lines = [f"ddlscale: {head} ({what})",
+             f"  final loss {number('final_loss', digits=4)}, {number('samples_per_s', digits=0)} samples/s, "
+             f"step {number('step_time_s', 1e3, ' ms')} (sync {number('sync_time_s', 1e3, ' ms')}), "
+             f"{volume} sent per step"]
+    if summary.get("figures_from"):
+        lines.append(f"  figures from {summary['figures_from']}")
+    if "plan_state" in summary:
+        lines.append(f"  plan: {summary.get('plan_source') or 'none'}, {summary['plan_state']}")
+    files = ", ".join(name for name in ("summary.json", "metrics.csv", "train.log") if (output_dir / name).exists())
+    lines.append(f"  run directory: {output_dir.resolve()} ({files})")
+    print("\n".join(lines), flush=True)
+
+
+def discard_refused_run(output_dir: str | Path, sweep_dir: str | Path | None = None) -> None:
+    """Remove the directory Hydra made for a run refused before it started (only Hydra's files in
+    it), the sweep's too when nothing else is left there, and parents left empty."""
+    run_dir = Path(output_dir)
+    hydra_files = {".hydra", "train.log", "multirun.yaml"}
+    if run_dir.is_dir() and {p.name for p in run_dir.iterdir()} <= hydra_files:
+        shutil.rmtree(run_dir)
+        top = Path(sweep_dir) if sweep_dir is not None else run_dir
+        if sweep_dir is not None and top.is_dir() and {p.name for p in top.iterdir()} <= hydra_files:
+            shutil.rmtree(top)
+        cwd = Path.cwd()
+        for parent in top.resolve().parents:  # outputs/<date> once its last run is gone, inside cwd only
+            if parent == cwd or cwd not in parent.parents or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def resume_path(trainer: pl.Trainer) -> str | None:
@@ -273,6 +440,9 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
                   for i in range(nodes)]
         try:
             codes = _wait_all_or_first_failure(agents)
+        except BaseException:
+            cluster.down(grace_s=stop.GRACE_S)  # SIGTERM first: the workers write what they have
+            raise
         finally:
             cluster.down()
             if gemini:
