@@ -50,10 +50,11 @@ def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
             os.kill(launcher.pid, signum)  # what `timeout`, schedulers and `kill` do: the launcher alone
         else:
             os.killpg(launcher.pid, signum)  # a terminal's Ctrl-C: the whole foreground group
-        output = launcher.communicate(timeout=10)[0]
         while time.monotonic() - sent < 10 and any(start_time(p) == t for p, t in started.items()):
             time.sleep(0.1)
-        assert not [p for p, t in started.items() if start_time(p) == t], "processes alive 10 s after the signal"
+        alive = [p for p, t in started.items() if start_time(p) == t]
+        output = launcher.communicate(timeout=30)[0]
+        assert not alive, f"processes alive 10 s after the signal: {alive}\n{output[-3000:]}"
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import sys
 import threading
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from typing import BinaryIO
 
 ENV = "DDLSCALE_RUN_LOG"  # set while a process's output is being kept: its children keep none of their own
 CHUNK = 1 << 16
+QUIET_S = 0.2  # at the end, what is left in the pipes is copied until they are this long quiet
 
 
 def _last_state(line: bytes) -> bytes:
@@ -26,10 +28,18 @@ def _last_state(line: bytes) -> bytes:
     return next((part for part in reversed(line.split(b"\r")) if part), b"")
 
 
-def _copy(source: int, terminal: int, log: BinaryIO, lock: threading.Lock) -> None:
+def _copy(source: int, terminal: int, log: BinaryIO, lock: threading.Lock, closing: threading.Event) -> None:
+    """Copy ``source`` to ``terminal`` and the log until it ends — or, once ``closing`` is set, until
+    it has been quiet for ``QUIET_S``: a process that outlives the run (multiprocessing's resource
+    tracker ends with this process) keeps the pipe open, and no end would come."""
     line = b""  # the line being written, for the log
     try:
-        while chunk := os.read(source, CHUNK):
+        while True:
+            if closing.is_set() and not select.select([source], [], [], QUIET_S)[0]:
+                break
+            chunk = os.read(source, CHUNK)
+            if not chunk:
+                break
             view = memoryview(chunk)
             while view:  # a pipe or terminal may take part of a write
                 view = view[os.write(terminal, view):]
@@ -58,7 +68,7 @@ def run_log(path: str | Path) -> Iterator[None]:
     saved_env = {key: os.environ.get(key) for key in (ENV, "PYTHONUNBUFFERED")}
     # Workers' prints arrive as they happen (a pipe would make their stdout block-buffered).
     os.environ.update({ENV: str(path), "PYTHONUNBUFFERED": "1"})
-    lock = threading.Lock()
+    lock, closing = threading.Lock(), threading.Event()
     copies: list[tuple[int, int, threading.Thread]] = []
     with open(path, "ab") as log:
         sys.stdout.flush()
@@ -68,7 +78,7 @@ def run_log(path: str | Path) -> Iterator[None]:
             terminal = os.dup(fd)
             os.dup2(write_end, fd)
             os.close(write_end)
-            thread = threading.Thread(target=_copy, args=(read_end, terminal, log, lock), daemon=True,
+            thread = threading.Thread(target=_copy, args=(read_end, terminal, log, lock, closing), daemon=True,
                                       name=f"ddlscale-run-log-{fd}")
             thread.start()
             copies.append((fd, terminal, thread))
@@ -79,10 +89,10 @@ def run_log(path: str | Path) -> Iterator[None]:
             sys.stderr.flush()
             for fd, terminal, _ in copies:
                 os.dup2(terminal, fd)  # drops this process's end of the pipe
+            closing.set()
             for _, terminal, thread in copies:
-                thread.join(timeout=2.0)  # a process left holding the pipe must not hold the run up
-                if not thread.is_alive():
-                    os.close(terminal)
+                thread.join()
+                os.close(terminal)
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)
