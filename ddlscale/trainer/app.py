@@ -32,7 +32,6 @@ from ddlscale.ckpt.launch import emulated_env, local_gemini, start_emulated_agen
 from ddlscale.cluster import stop
 from ddlscale.cluster.emulated import MAX_NODES, EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
-from ddlscale.comm.probe import MEASURED
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
@@ -64,15 +63,11 @@ def _int_in(cfg: DictConfig, key: str, least: int = 1, most: int | None = None, 
     return value
 
 
-def _quantity(cfg: DictConfig, key: str, parse: Any, allow: tuple[str, ...] = ()) -> None:
-    value = OmegaConf.select(cfg, key)
-    if value in allow:
-        return
+def _quantity(cfg: DictConfig, key: str, parse: Any) -> None:
     try:
-        parse(value)
+        parse(OmegaConf.select(cfg, key))
     except (ValueError, TypeError) as exc:
-        also = f" (or {', '.join(allow)})" if allow else ""
-        raise ConfigError(f"{key}: {exc}{also}") from None
+        raise ConfigError(f"{key}: {exc}") from None
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -99,7 +94,8 @@ def check_config(cfg: DictConfig) -> None:
     if kind == "emulated":
         _check_emulated(cfg)
     _check_sync_keys(cfg)
-    _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
+    if not _sync_components(cfg):  # compressor= and memory= fit the sync, and the sync accepts them
+        _build("sync", cfg.sync)  # any other sync checks its own keys here too
     if OmegaConf.select(cfg, "strategy._target_") is not None:
         _build("strategy", cfg.strategy)  # its own keys (strategy.timeout_s, strategy.start_method...)
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
@@ -119,12 +115,8 @@ def _check_emulated(cfg: DictConfig) -> None:
 
 
 def _check_sync_keys(cfg: DictConfig) -> None:
-    """Keys several syncs share, checked against the run (the backends see the world size only in
-    their workers). ``sync.sparse_params`` is checked against the model when it is built."""
-    if "network_bandwidth" in cfg.sync:
-        _quantity(cfg, "sync.network_bandwidth", parse_bandwidth)
-    if "network_latency" in cfg.sync:
-        _quantity(cfg, "sync.network_latency", parse_time, allow=(MEASURED,))
+    """Sync keys that must fit the run, which the backends see only in their workers (the world
+    size); ``sync.sparse_params`` is checked against the model when it is built."""
     local_size = cfg.sync.get("local_size")
     if local_size is not None:
         world = world_size(cfg)
