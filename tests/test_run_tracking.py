@@ -69,6 +69,28 @@ def test_a_run_reports_one_loss_keeps_its_log_and_a_resume_appends_to_it(tmp_pat
     assert json.loads((out / "summary.json").read_text())["steps"] == 6
 
 
+STRAGGLER = """
+import subprocess, sys, time
+from ddlscale.trainer.runlog import run_log
+with run_log(sys.argv[1]):
+    # Like multiprocessing's resource tracker: it inherits the run's stdout and outlives the run.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    print("last line", flush=True)
+    time.sleep(1)  # the copying threads wait in their read when the run ends
+print("after the log", flush=True)
+child.kill()
+"""
+
+
+def test_train_log_ends_with_the_run_when_a_child_still_holds_its_output(tmp_path):
+    """The launcher of a run hung for ever in train.log's copying threads, joined at the end while a
+    read waited on the pipe that the resource tracker keeps open."""
+    log = tmp_path / "train.log"
+    done = subprocess.run([sys.executable, "-c", STRAGGLER, str(log)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["last line", "after the log"], done.stderr
+    assert log.read_text() == "last line\n"
+
+
 def test_labels_name_the_class_that_ran_not_the_option():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for overrides, expected in ((["sync=zen"], "zen"),

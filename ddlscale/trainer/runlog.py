@@ -35,8 +35,12 @@ def _copy(source: int, terminal: int, log: BinaryIO, lock: threading.Lock, closi
     line = b""  # the line being written, for the log
     try:
         while True:
-            if closing.is_set() and not select.select([source], [], [], QUIET_S)[0]:
-                break
+            # Never a blocking read: one that began just before ``closing`` was set would wait for
+            # the straggler forever (and the launcher with it, joining this thread).
+            if not select.select([source], [], [], QUIET_S)[0]:
+                if closing.is_set():
+                    break
+                continue
             chunk = os.read(source, CHUNK)
             if not chunk:
                 break
