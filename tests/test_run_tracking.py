@@ -86,7 +86,7 @@ def test_train_log_ends_with_the_run_when_a_child_still_holds_its_output(tmp_pat
     """The launcher of a run hung for ever in train.log's copying threads, joined at the end while a
     read waited on the pipe that the resource tracker keeps open."""
     log = tmp_path / "train.log"
-    done = subprocess.run([sys.executable, "-c", STRAGGLER, str(log)], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-c", STRAGGLER, str(log)], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0 and done.stdout.splitlines() == ["last line", "after the log"], done.stderr
     assert log.read_text() == "last line\n"
 
