@@ -3,6 +3,7 @@
     python train.py                                  # lstm, 2 CPU workers, dense sync
     python train.py model=deepfm trainer.devices=3
     python train.py -m sync=dense seed=1,2           # a sweep: one run directory per job
+    python train.py --help                           # every option and its values
 """
 
 import sys
@@ -10,21 +11,27 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from ddlscale.trainer import ConfigError, run
-
-RUN_INFO_GROUPS = ("sync", "compressor", "memory", "ckpt", "model", "strategy", "cluster")
+from ddlscale.cluster.stop import StopRequested
+from ddlscale.trainer import ConfigError, discard_refused_run, run, runinfo
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
-    runtime = HydraConfig.get().runtime
-    run_info = {group: runtime.choices.get(group) for group in RUN_INFO_GROUPS}
+    hydra_cfg = HydraConfig.get()
+    output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        summary = run(cfg, Path(runtime.output_dir), run_info, list(HydraConfig.get().overrides.task))
+        info = {**runinfo.labels(cfg, hydra_cfg.runtime.choices), "seed": cfg.seed, "run_name": cfg.run_name,
+                "overrides": runinfo.task_overrides(), **runinfo.version()}
+        summary = run(cfg, output_dir, info, list(hydra_cfg.overrides.task), runinfo.logged_config(cfg))
     except ConfigError as exc:
+        sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
+        discard_refused_run(output_dir, sweep_dir)
         sys.exit(f"ddlscale: invalid config: {exc}")
+    except StopRequested as stop:
+        sys.exit(128 + stop.signum)  # the shell's convention for "ended by signal N"
     return summary.get("final_loss")
 
 

@@ -13,14 +13,20 @@ per-parameter post-accumulate-grad hooks:
 * gradient accumulation: Lightning's ``block_backward_sync`` pauses the hooks on micro-batches
   that do not step, so only the accumulated gradient is synchronized;
 * buffers (BatchNorm statistics) follow rank 0 before every training step, as in DDP.
+
+Collectives give up after ``timeout_s`` (a rank waiting for a peer that never comes raises instead
+of hanging for torch's default 30 minutes), and ``debug_collectives`` makes a rank-mismatched
+collective an error that names both sides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import pytorch_lightning as pl
@@ -50,6 +56,12 @@ class DDLStrategy(DDPStrategy):
         device_time_s: seconds each training step idles before its forward pass, emulating an
             accelerator computing while the host CPU is free (0: off). For CPU-only emulations of
             GPU clusters, where otherwise every byte of host work competes with the training compute.
+        timeout_s: seconds a collective may wait for the other ranks before it raises (the config's
+            way to set Lightning's ``timeout``; torch's default is 30 minutes).
+        debug_collectives: check before every collective that all ranks issue the same one (kind
+            and shapes), through torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` process-group wrapper:
+            a mismatch raises naming both sides instead of hanging. Costs an extra exchange per
+            collective: for debugging only.
     """
 
     strategy_name = "ddlscale"
@@ -67,6 +79,8 @@ class DDLStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         device_time_s: float = 0.0,
+        timeout_s: float | None = None,
+        debug_collectives: bool = False,
     ) -> None:
         if start_method not in ("spawn", "popen", "fork", "forkserver"):
             raise ValueError(
@@ -74,6 +88,15 @@ class DDLStrategy(DDPStrategy):
             )
         if isinstance(device_time_s, bool) or not isinstance(device_time_s, (int, float)) or device_time_s < 0:
             raise ValueError(f"strategy.device_time_s must be a number >= 0, got {device_time_s!r}")
+        if timeout is not None and not isinstance(timeout, timedelta):
+            raise ValueError(f"strategy.timeout must be a datetime.timedelta, got {timeout!r}; "
+                             "from a config, set strategy.timeout_s (seconds)")
+        if timeout_s is not None:  # the config's spelling; it wins over ``timeout``
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+                raise ValueError(f"strategy.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+            timeout = timedelta(seconds=timeout_s)
+        if not isinstance(debug_collectives, bool):
+            raise ValueError(f"strategy.debug_collectives must be true or false, got {debug_collectives!r}")
         if sync is not None and not isinstance(sync, GradSync):
             raise TypeError(f"sync must be a ddlscale.sync.GradSync, got {type(sync).__name__}")
         super().__init__(
@@ -89,6 +112,7 @@ class DDLStrategy(DDPStrategy):
         self.sync = sync if sync is not None else DenseAllreduce()
         self.broadcast_buffers = broadcast_buffers
         self.device_time_s = float(device_time_s)
+        self.debug_collectives = debug_collectives
         self._sync_paused = False
         self._hook_handles: list[Any] = []
         self._pending_sync_state: dict[str, Any] | None = None
@@ -99,10 +123,15 @@ class DDLStrategy(DDPStrategy):
         if self.cluster_environment.creates_processes_externally:
             # torchrun / SLURM started every process already: never spawn more.
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
+        elif self._start_method == "popen":
             super()._configure_launcher()
+        else:
+            self._launcher = _WorkerLauncher(self, start_method=self._start_method)
 
     def setup_distributed(self) -> None:
+        if self.debug_collectives:
+            # Read when a process group is made: every group from here on is wrapped in the checker.
+            dist.set_debug_level(dist.DebugLevel.DETAIL)
         # Under torchrun, a process-group store of this restart round's own: the store torchrun shares
         # across rounds still holds the last round's peer addresses (ddlscale/cluster/elastic.py).
         self.set_world_ranks()
@@ -205,6 +234,31 @@ class DDLStrategy(DDPStrategy):
             "ddlscale_popen", cls, description="ddlscale, workers started by re-running the script",
             start_method="popen",
         )
+
+
+class _WorkerLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, whose workers handle an exception the way Lightning does where it
+    starts no processes (torchrun): the callbacks' ``on_exception`` (a stopped run's summary), the
+    strategy's, loggers finalized as failed. Lightning's own does that in the launching process
+    only, which holds none of the run's state."""
+
+    def _wrapping_function(self, process_idx: int, trainer: pl.Trainer | None, *args: Any, **kwargs: Any) -> None:
+        try:
+            super()._wrapping_function(process_idx, trainer, *args, **kwargs)
+        except BaseException as exc:
+            if trainer is not None:
+                _report_exception(trainer, exc)
+            raise
+
+
+def _report_exception(trainer: pl.Trainer, exc: BaseException) -> None:
+    hooks = [partial(c.on_exception, trainer, trainer.lightning_module, exc) for c in trainer.callbacks]
+    hooks.append(partial(trainer.strategy.on_exception, exc))
+    hooks += [partial(logger.finalize, "failed") for logger in trainer.loggers]
+    hooks.append(trainer.strategy.teardown)  # gloo's threads end in order (see DDLStrategy.teardown)
+    for hook in hooks:
+        with contextlib.suppress(Exception):  # one failing hook must not hide the error or skip the rest
+            hook()
 
 
 if "ddlscale" not in StrategyRegistry:

@@ -1,6 +1,7 @@
 """Espresso: near brute force on small instances, never worse than uniform plans, fast on 300
 tensors; the cost of an option; profiles; the plan tool; sync=espresso in a run."""
 
+import csv
 import dataclasses
 import itertools
 import json
@@ -567,6 +568,12 @@ def test_train_py_with_espresso_and_topk(tmp_path):
     profile = Profile.load(out / "plan_profile.json")
     assert profile.world_size == 2 and profile.compressors["default"].name == "topk"
     assert "predicted iteration" in (out / "plan.txt").read_text()
+    # metrics.csv marks what each step did; the run ended as the trial began, and the summary says so.
+    with (out / "metrics.csv").open() as handle:
+        phases = [row["sync_phase"] for row in csv.DictReader(handle) if row.get("sync_phase")]
+    assert phases == ["warmup", "profile", "profile", "settle", "calibrate", "calibrate", "calibrate"]
+    assert summary["plan_source"] is None and summary["plan_state"].startswith("none kept: the run ended in turn 1")
+    assert summary["sync_phase_steps"] == {"warmup": 1, "profile": 2, "settle": 1, "calibrate": 3}
 
 
 def test_iteration_time_is_simulate():

@@ -169,10 +169,12 @@ def test_reported_ks_double_up_to_workers():
     assert reported_ks(2) == [2]
 
 
-def test_cli_end_to_end_on_a_tiny_lstm(tmp_path, capsys):
-    argv = ["model=lstm", "workers=4", "steps=1", "model.vocab_size=2000", "model.num_samples=512", f"out={tmp_path}"]
+def test_cli_end_to_end_on_a_tiny_lstm(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output goes under the working directory's outputs/, never into the repo
+    argv = ["model=lstm", "workers=4", "steps=1", "model.vocab_size=2000", "model.num_samples=512"]
     assert main(argv) == 0
     assert "input_embedding.weight" in capsys.readouterr().out
+    tmp_path = tmp_path / "outputs" / "sparsity" / "lstm"
     with (tmp_path / "results.csv").open() as handle:
         rows = {row["tensor"]: row for row in csv.DictReader(handle)}
     embedding = rows["input_embedding.weight"]

@@ -2,8 +2,11 @@
 
     python -m ddlscale.cluster up --nodes 4 --bandwidth 1gbit       # prints the cluster's name
     python -m ddlscale.cluster run --name ddl1a2b3c --machine 1 -- ip addr
-    python -m ddlscale.cluster down --name ddl1a2b3c                # or: down --all
-A cluster made with `up` stays until `down`; train.py's `cluster=emulated` makes and removes its own.
+    python -m ddlscale.cluster down --name ddl1a2b3c
+    python -m ddlscale.cluster down --all     # every cluster whose owning process is gone
+A cluster made with `up` stays until `down --name`; train.py's `cluster=emulated` makes and removes
+its own. `down --all` never touches a cluster whose owner still runs (someone else's run on this
+host), one kept by `up`, nor namespaces that recorded no owner: remove those by name.
 """
 
 from __future__ import annotations
@@ -12,7 +15,19 @@ import argparse
 import subprocess
 import sys
 
-from ddlscale.cluster.emulated import PREFIX, EmulatedCluster, list_namespaces, remove_namespaces
+from ddlscale.cluster.emulated import (
+    PREFIX,
+    EmulatedCluster,
+    forget_owner,
+    list_namespaces,
+    owner_alive,
+    owner_record,
+    owners_dir,
+    remove_namespaces,
+)
+from ddlscale.cluster.stop import start_time
+
+PROBE = f"{PREFIX}probe"  # unavailable_reason()'s short-lived namespace, named after its pid
 
 
 def _clusters() -> dict[str, int]:
@@ -23,6 +38,38 @@ def _clusters() -> dict[str, int]:
         found.setdefault(name, 0)
         found[name] += role.startswith("m")
     return found
+
+
+def ownership(name: str) -> tuple[bool, str]:
+    """(whether ``down --all`` may remove cluster ``name``, who owns it)."""
+    if name.startswith(PROBE):
+        pid = name[len(PROBE):]
+        alive = pid.isdigit() and start_time(int(pid)) is not None
+        return not alive, f"probe of process {pid} ({'running' if alive else 'gone'})"
+    record = owner_record(name)
+    if record is None:
+        return False, "no owner recorded (made elsewhere): remove it with down --name"
+    if record.get("kept"):
+        return False, f"kept by `up` on {record.get('created')}: remove it with down --name"
+    if owner_alive(record):
+        return False, f"owned by running process {record['owner_pid']}"
+    return True, f"owner process {record.get('owner_pid')} gone"
+
+
+def _down_all() -> None:
+    removed = 0
+    for name in sorted(_clusters()):
+        removable, owner = ownership(name)
+        if removable:
+            remove_namespaces(list_namespaces(name if name.startswith(PROBE) else f"{name}-"))
+            forget_owner(name)
+            removed += 1
+        print(f"{name}: {'removed' if removable else 'left up'} ({owner})")
+    live = set(_clusters())
+    for record in owners_dir().glob(f"{PREFIX}*.json"):  # records of clusters already gone
+        if record.stem not in live:
+            record.unlink(missing_ok=True)
+    print(f"removed {removed} clusters")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("cmd", nargs=argparse.REMAINDER)
     down = sub.add_parser("down", help="remove a cluster (kills everything inside it)")
     down.add_argument("--name")
-    down.add_argument("--all", action="store_true", help=f"remove every {PREFIX}* namespace")
+    down.add_argument("--all", action="store_true", help="remove every cluster whose owning process is gone")
     sub.add_parser("list", help="list emulated clusters")
     args = parser.parse_args(argv)
 
@@ -52,13 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     clusters = _clusters()
     if args.command == "list":
         for name, machines in sorted(clusters.items()):
-            print(f"{name}: {machines} machines")
+            print(f"{name}: {machines} machines, {ownership(name)[1]}")
         return 0
     if args.command == "down":
-        if not args.all and not args.name:
+        if args.all == bool(args.name):
             parser.error("down needs --name NAME or --all")
-        names = list_namespaces(PREFIX if args.all else f"{args.name}-")
+        if args.all:
+            _down_all()
+            return 0
+        names = list_namespaces(f"{args.name}-")
         remove_namespaces(names)
+        forget_owner(args.name)
         print(f"removed {len(names)} namespaces")
         return 0
     if args.name not in clusters:

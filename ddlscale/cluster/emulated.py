@@ -8,22 +8,30 @@ NIC of the configured bandwidth — the bottleneck real clusters have, on real s
 Safety rules this module keeps: every link is created from inside namespaces it created (the
 host's own interfaces are never touched), addresses exist only inside those namespaces, and
 everything is torn down on exit, on Ctrl-C, on SIGTERM and when the owning block raises.
-``python -m ddlscale.cluster down --all`` removes what a SIGKILLed owner left behind.
+
+Several people may run clusters on one host. Each cluster records its owner when it is made (a
+JSON file per cluster under ``/run/ddlscale/clusters``, or ``$DDLSCALE_CLUSTER_DIR``: the owning
+process's pid and start time, which tell it from a later process given the same pid), so
+``python -m ddlscale.cluster down --all`` removes only clusters whose owner is gone — what a
+SIGKILLed owner left behind — never a live one, nor one made by ``up`` to be kept.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddlscale.cluster.stop import start_time
 from ddlscale.comm.collectives import SEGMENT_BYTES
 from ddlscale.comm.cost import NetworkModel, SharedHost, parse_bandwidth, parse_time
 
@@ -34,7 +42,44 @@ ALPHA = "100us"  # per message step across veth + bridge + TCP, as measured on t
 
 PREFIX = "ddl"  # every namespace this module creates starts with it
 SUBNET = "10.213.0"  # machine i has SUBNET.(i+1)/24, inside its namespace only
+MAX_NODES = 250  # addresses .1 to .250 of the /24
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
+
+
+OWNERS_ENV = "DDLSCALE_CLUSTER_DIR"
+OWNERS_DIR = "/run/ddlscale/clusters"  # /run is emptied at boot, like the namespaces themselves
+
+
+def owners_dir() -> Path:
+    return Path(os.environ.get(OWNERS_ENV) or OWNERS_DIR)
+
+
+def owner_record(name: str) -> dict[str, Any] | None:
+    """What cluster ``name`` recorded about its owner when it was made (None: no record)."""
+    try:
+        return json.loads((owners_dir() / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether the process that made a cluster still runs (the same process, not a reused pid)."""
+    pid = record.get("owner_pid")
+    return pid is not None and start_time(pid) == record.get("owner_start")
+
+
+def _record_owner(name: str, keep: bool) -> None:
+    pid = os.getpid()
+    record = {"name": name, "kept": keep, "owner_pid": None if keep else pid,
+              "owner_start": None if keep else start_time(pid), "owner_argv": sys.argv,
+              "created": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path = owners_dir() / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def forget_owner(name: str) -> None:
+    (owners_dir() / f"{name}.json").unlink(missing_ok=True)
 
 
 def unavailable_reason() -> str | None:
@@ -71,17 +116,28 @@ def list_namespaces(prefix: str = PREFIX) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def _kill_namespace_processes(ns: str) -> None:
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-    for pid in pids:
+def _namespace_pids(ns: str) -> list[int]:
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in out if pid.isdigit()]
+
+
+def _kill_namespace_processes(ns: str, signum: int = signal.SIGKILL) -> None:
+    for pid in _namespace_pids(ns):
         try:
-            os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
+            os.kill(pid, signum)
+        except ProcessLookupError:
             pass
 
 
-def remove_namespaces(names: Sequence[str]) -> None:
-    """Kill every process inside, then delete the namespaces (their veths go with them)."""
+def remove_namespaces(names: Sequence[str], grace_s: float = 0.0) -> None:
+    """Kill every process inside, then delete the namespaces (their veths go with them). With
+    ``grace_s``, the processes are asked first (SIGTERM) and given that long to finish."""
+    if grace_s > 0:
+        for ns in names:
+            _kill_namespace_processes(ns, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_namespace_pids(ns) for ns in names):
+            time.sleep(0.1)
     for ns in names:
         _kill_namespace_processes(ns)
     for ns in names:
@@ -97,8 +153,8 @@ class EmulatedCluster:
 
     def __init__(self, nodes: int, bandwidth: str = "1gbit", latency: str = "0ms", name: str | None = None,
                  keep: bool = False):
-        if not isinstance(nodes, int) or nodes < 1 or nodes > 250:
-            raise ValueError(f"cluster.nodes must be an integer in [1, 250], got {nodes!r}")
+        if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
+            raise ValueError(f"cluster.nodes must be an integer in [1, {MAX_NODES}], got {nodes!r}")
         self.nodes = nodes
         self.bandwidth_bps = parse_bandwidth(bandwidth)
         self.latency_s = parse_time(latency)
@@ -146,6 +202,7 @@ class EmulatedCluster:
         if not self.keep:
             atexit.register(self.down)
             _teardown_on_sigterm()
+        _record_owner(self.name, self.keep)  # first: a build that dies half-way is owned too
         try:
             self._build()
         except BaseException:
@@ -191,8 +248,10 @@ class EmulatedCluster:
         else:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
 
-    def down(self) -> None:
-        remove_namespaces([ns for ns in self.namespaces if ns in set(list_namespaces(self.name))])
+    def down(self, grace_s: float = 0.0) -> None:
+        """Remove the cluster; ``grace_s``: first let its processes stop on SIGTERM for up to that long."""
+        remove_namespaces([ns for ns in self.namespaces if ns in set(list_namespaces(self.name))], grace_s)
+        forget_owner(self.name)
         self.is_up = False
 
     def __enter__(self) -> EmulatedCluster:

@@ -75,6 +75,7 @@ from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.dense import DenseAllreduce
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
+PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense"}
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 def _hydra_run_dir() -> str | None:
     """The Hydra run directory when built inside a Hydra app (train.py), else None."""
@@ -222,6 +223,7 @@ class PlannedSync(CompressSync):
         super().on_grad_ready(index, param)
 
     def finish(self) -> None:
+        self.step_phase = self.phase  # what this step did, for the trainer's metrics (it may move on below)
         if self.calibrating:
             super().finish()
             self._calibration_step()
@@ -247,6 +249,46 @@ class PlannedSync(CompressSync):
                 self._start_calibration()
             else:
                 self._plan_and_switch()
+
+    # -- what the trainer reports: the phase of each step (metrics.csv), the kept plan (summary.json) --
+    @property
+    def phase(self) -> str:
+        """What the current step does: warmup, profile, settle, calibrate, trial settle / trial (with
+        the candidate's label), replan settle / replan, or plan (the kept plan runs)."""
+        if self.calibrating:
+            return "settle" if self._calibration_seen < self.settle_steps else "calibrate"
+        if self.computed is None:
+            return "warmup" if len(self.recorder.steps) < self.warmup_steps else "profile"
+        if self.trial is not None:
+            plan = self.trial["plans"][self.trial["index"]]
+            label = plan["context"].get("candidate", plan["system"])
+            return f"trial settle: {label}" if self.trial["seen"] == 0 else f"trial: {label}"
+        if self.replanning is not None:
+            return "replan settle" if self.replanning["seen"] < self.settle_steps else "replan"
+        return "plan"
+
+    def plan_report(self) -> dict[str, Any]:
+        """The plan the run kept, for its summary: where it came from, its predicted step, and in what
+        state the run left it (a short run can end before planning or during the trial)."""
+        plan = self.computed
+        if plan is None:
+            return {"plan_source": None, "plan_state": f"none: the run ended in the {self.phase} phase, "
+                                                      "before planning"}
+        if self.trial is not None:
+            turns = len(self.trial["plans"]) * self.trial_steps
+            return {"plan_source": None, "plan_state": f"none kept: the run ended in turn {self.trial['turn'] + 1} "
+                                                       f"of {turns} of the trial ({self.phase})"}
+        report = {"plan_source": PLAN_SOURCES.get(plan.system, plan.system),
+                  "plan_candidate": plan.context.get("candidate"),
+                  "plan_predicted_step_s": plan.iteration_s, "plan_units": len(plan.units)}
+        if "trial_step_s" in plan.context:
+            report["plan_state"] = "kept after its trial on the cluster"
+            report["plan_trial_step_s"] = dict(plan.context["trial_step_s"])
+        else:
+            report["plan_state"] = "chosen by the cost model"
+        if self.replanning is not None:
+            report["plan_state"] += "; the closed-loop re-plan did not finish"
+        return report
 
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:

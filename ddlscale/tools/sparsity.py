@@ -11,6 +11,10 @@ Usage::
 
     python -m ddlscale.tools.sparsity model=lstm workers=8 [steps=3] [seed=0] [out=DIR] [model.key=value ...]
 
+It writes ``results.csv``, ``results.md`` and ``results.png`` into ``out`` (default
+``outputs/sparsity/<model>``; the figures in ``experiments/results/sparsity/`` were made with
+``out=experiments/results/sparsity/<model>``).
+
 Decisions the papers leave open, and why:
 
 * Worker w's batch at step s is what rank w gets under DDP. Lightning replaces the model's sequential
@@ -55,7 +59,7 @@ from ddlscale.workloads.base import Workload
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
-RESULTS_DIR = REPO_ROOT / "experiments" / "results" / "sparsity"
+OUT_DIR = Path("outputs") / "sparsity"  # default out=: <model> below it, relative to the working directory
 # Past half non-zero, a dense allreduce is cheaper than any sparse scheme, so such tensors are dense.
 SPARSE_DENSITY = 0.5
 USAGE = (
@@ -544,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(console_report(stats, args))
     command = " ".join(["python -m ddlscale.tools.sparsity", *argv])
-    paths = write_outputs(stats, args, command, args.out or RESULTS_DIR / args.model)
+    paths = write_outputs(stats, args, command, args.out or OUT_DIR / args.model)
     print("\nwrote " + ", ".join(str(path) for path in paths))
     return 0
 

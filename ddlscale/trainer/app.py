@@ -1,7 +1,11 @@
 """Build a training run from a composed config and fit it.
 
 Everything that can be wrong with a config is found here, in the launching process, before any
-worker starts: :class:`ConfigError` names the offending key.
+worker starts: :class:`ConfigError` names the offending key and the values it takes.
+
+The launching process also answers SIGINT, SIGTERM and SIGHUP by stopping every process it started
+(:mod:`ddlscale.cluster.stop`), keeps what the run prints in ``train.log``, and ends by printing a
+short summary and the run directory.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +25,7 @@ from typing import Any
 import pytorch_lightning as pl
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.agent import remove_replicas
@@ -32,34 +37,60 @@ from ddlscale.ckpt.launch import (
     persist_emulated,
     start_emulated_agent,
 )
-from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel
+from ddlscale.cluster import stop
+from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
+from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
+from ddlscale.trainer.report import print_summary, stopped_summary
+from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
+from ddlscale.trainer.runlog import run_log
+from ddlscale.trainer.signals import StopOnSignals
 
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
+FALLBACKS = ("loopback", "error")
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key."""
 
 
-def _positive_int(cfg: DictConfig, key: str, allow: tuple[int, ...] = ()) -> None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(cfg: DictConfig, key: str, least: int = 1, most: int | None = None, allow: tuple[int, ...] = ()) -> int:
     value = OmegaConf.select(cfg, key)
-    if value in allow:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key} must be an integer >= 1, got {value!r}")
+    if value in allow and _is_int(value):
+        return value
+    if not _is_int(value) or value < least or (most is not None and value > most):
+        wanted = f"an integer in [{least}, {most}]" if most is not None else f"an integer >= {least}"
+        also = "".join(f" or {a}" for a in allow)
+        raise ConfigError(f"{key} must be {wanted}{also}, got {value!r}")
+    return value
+
+
+def _quantity(cfg: DictConfig, key: str, parse: Any) -> None:
+    try:
+        parse(OmegaConf.select(cfg, key))
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Ranks the config asks for: workers per machine times machines."""
+    machines = cfg.cluster.get("nodes", 1) if cfg.cluster.kind == "emulated" else cfg.trainer.num_nodes
+    return cfg.trainer.devices * machines
 
 
 def check_config(cfg: DictConfig) -> None:
     """Reject values no component would catch before workers start."""
-    _positive_int(cfg, "trainer.devices")
-    _positive_int(cfg, "trainer.num_nodes")
-    _positive_int(cfg, "trainer.accumulate_grad_batches")
-    _positive_int(cfg, "trainer.max_steps", allow=(-1,))
-    if not isinstance(cfg.seed, int):
+    _int_in(cfg, "trainer.devices")
+    _int_in(cfg, "trainer.num_nodes")
+    _int_in(cfg, "trainer.accumulate_grad_batches")
+    _int_in(cfg, "trainer.max_steps", allow=(-1,))  # -1: no limit (then trainer.max_epochs ends the run)
+    if not _is_int(cfg.seed):
         raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
     if not isinstance(cfg.get("keep_freed_memory", True), bool):
         raise ConfigError(f"keep_freed_memory must be true or false, got {cfg.keep_freed_memory!r}")
@@ -69,12 +100,51 @@ def check_config(cfg: DictConfig) -> None:
     if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
     if OmegaConf.select(cfg, "cluster.max_restarts") is not None:
-        _positive_int(cfg, "cluster.max_restarts", allow=(0,))
-    _sync_components(cfg)  # compressor= and memory= fit the sync, and the sync accepts them
+        _int_in(cfg, "cluster.max_restarts", least=0)
+    if kind == "emulated":
+        _check_emulated(cfg)
+    _check_sync_keys(cfg)
+    if not _sync_components(cfg):  # compressor= and memory= fit the sync, and the sync accepts them
+        _build("sync", cfg.sync)  # any other sync checks its own keys here too
+    if OmegaConf.select(cfg, "strategy._target_") is not None:
+        _build("strategy", cfg.strategy)  # its own keys (strategy.timeout_s, strategy.start_method...)
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
         if isinstance(checkpointer, GeminiCheckpointer):
             _check_placement(cfg, checkpointer, kind)
+
+
+def _check_emulated(cfg: DictConfig) -> None:
+    _int_in(cfg, "cluster.nodes", 1, MAX_NODES)
+    _int_in(cfg, "cluster.port", 1, 65535)
+    _int_in(cfg, "cluster.max_restarts", 0)
+    _quantity(cfg, "cluster.bandwidth", parse_bandwidth)
+    _quantity(cfg, "cluster.latency", parse_time)
+    if cfg.cluster.get("fallback", "loopback") not in FALLBACKS:
+        raise ConfigError(f"cluster.fallback must be one of {', '.join(FALLBACKS)}, got {cfg.cluster.fallback!r}")
+
+
+def _check_sync_keys(cfg: DictConfig) -> None:
+    """Sync keys that must fit the run, which the backends see only in their workers (the world
+    size); ``sync.sparse_params`` is checked against the model when it is built."""
+    local_size = cfg.sync.get("local_size")
+    if local_size is not None:
+        world = world_size(cfg)
+        if not _is_int(local_size) or local_size < 1 or world % local_size:
+            raise ConfigError(f"sync.local_size (ranks per machine) must be an integer >= 1 dividing the "
+                              f"{world} ranks (trainer.devices x machines), or null; got {local_size!r}")
+
+
+def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
+    """Config keys that name the model's parameters."""
+    names = cfg.sync.get("sparse_params", "auto")
+    if names == "auto" or not isinstance(names, (list, ListConfig)):
+        return
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    unknown = [name for name in names if name not in trainable]
+    if unknown:
+        raise ConfigError(f"sync.sparse_params names {unknown}, not parameters of model={type(model).__name__}; "
+                          f"its parameters: {', '.join(trainable)} (or sync.sparse_params=auto)")
 
 
 def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
@@ -121,10 +191,14 @@ def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
         raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
 
 
-def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -> tuple[pl.Trainer, pl.LightningModule]:
-    """Instantiate model, sync backend, strategy, logger and Trainer from the config."""
-    check_config(cfg)
+def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
+                  config: dict[str, Any] | None = None, check: bool = True) -> tuple[pl.Trainer, pl.LightningModule]:
+    """Instantiate model, sync backend, strategy, logger and Trainer from the config (``check``:
+    :func:`check_config` first). ``config`` is what the loggers record as the run's config."""
+    if check:
+        check_config(cfg)
     model = _build("model", cfg.model)
+    _check_model_keys(cfg, model)
     strategy_cfg = cfg.strategy
     try:
         strategy_cls = get_class(strategy_cfg._target_)
@@ -135,7 +209,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any]) -
         extra["sync"] = _build("sync", cfg.sync, **_sync_components(cfg))
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
-    callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info)]
+    callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info, config), StopOnSignals()]
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         # First, so that a blocking checkpoint's time shows in the step time the metrics measure.
         callbacks.insert(0, _build("ckpt", cfg.ckpt, run_dir=str(output_dir)))
@@ -159,21 +233,48 @@ def run(
     output_dir: str | Path,
     run_info: dict[str, Any] | None = None,
     overrides: list[str] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train as configured; return the summary (written to ``output_dir/summary.json``).
 
     ``overrides`` are the command line's Hydra overrides: an emulated cluster re-runs train.py with
-    them on every emulated machine.
+    them on every emulated machine. ``config`` is what the loggers record as the run's config. A stop
+    signal ends the run with :class:`~ddlscale.cluster.stop.StopRequested` once every process it
+    started is gone and the summary of what it did is written.
     """
     output_dir = Path(output_dir)
     if cfg.get("keep_freed_memory", True) is True:  # before any tensor, and inherited by every worker
         keep_freed_memory()
+    check_config(cfg)
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
+    launching = "WORLD_SIZE" not in os.environ  # else torchrun or SLURM started this process as a worker
+    rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+    # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
+    reporting = launching or not os.environ.get(RUN_LOG_ENV)
+    started = time.time()
+    with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
+        try:
+            with stop.stop_on_signals() if launching else contextlib.nullcontext():
+                summary = _run(cfg, output_dir, info, overrides or [], config)
+        except BaseException as exc:
+            signal_name = stop.received() if launching else None
+            if signal_name is None:
+                raise
+            print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
+            raise stop.StopRequested(signal.Signals[signal_name]) from exc
+        if summary and reporting:
+            print_summary(summary, output_dir)
+    return summary
+
+
+def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: list[str],
+         config: dict[str, Any] | None) -> dict[str, Any]:
     if cfg.cluster.kind == "emulated" and "WORLD_SIZE" not in os.environ:
-        check_config(cfg)
         reason = unavailable_reason()
         if reason is None:
-            return run_on_emulated_cluster(cfg, output_dir, overrides or [])
+            if isinstance(cfg.sync.get("sparse_params"), ListConfig):  # checked where the workers cannot
+                _check_model_keys(cfg, _build("model", cfg.model))
+            return run_on_emulated_cluster(cfg, output_dir, overrides)
         if cfg.cluster.get("fallback", "loopback") != "loopback":
             raise ConfigError(f"cluster=emulated cannot run here: {reason} (cluster.fallback={cfg.cluster.fallback})")
         warnings.warn(f"emulated cluster unavailable ({reason}): running on loopback, NO bandwidth limit",
@@ -185,7 +286,7 @@ def run(
         check_config(cfg)
         return run_with_restarts(cfg, output_dir, overrides or [])
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    trainer, model = build_trainer(cfg, output_dir, info)
+    trainer, model = build_trainer(cfg, output_dir, info, config, check=False)
     with _gemini_infrastructure(trainer, output_dir):
         ckpt_path = resume_path(trainer)
         with _own_rendezvous_port():
@@ -313,6 +414,9 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
                   for i in range(nodes)]
         try:
             codes = _wait_all_or_first_failure(agents)
+        except BaseException:
+            cluster.down(grace_s=stop.GRACE_S)  # SIGTERM first: the workers write what they have
+            raise
         finally:
             if gemini:  # the same command in this run directory then continues from it
                 persist_emulated(cluster, port, job, secret, gemini.persist_dir)

@@ -3,6 +3,14 @@
 The callback times each optimizer step (all its micro-batches), reads the sync backend's byte and
 time figures, logs them per step, and at the end reduces them over ranks into the summary every
 experiment reads. Medians skip the first step, which pays one-off costs (order learning, warm-up).
+
+``step_loss`` is the loss of an optimizer step on rank 0 as Lightning trains on it: the sum of its
+micro-batches' losses, each divided by the accumulation count (their mean) — the objective whose
+gradient the step applies; ``final_loss`` is its last value, the same number as metrics.csv's last
+row. (No reduction over ranks per step: logging must not add collectives to what is measured.)
+
+A run stopped by a signal or an error still writes its summary, from rank 0's figures alone
+(``status``: ``interrupted`` or ``failed``): the other ranks may be gone, so nothing is gathered.
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
+from ddlscale.trainer.loggers import record_config, record_summary
 
 
 def param_sha256(module: torch.nn.Module) -> str:
@@ -41,33 +51,46 @@ class StepMetrics(pl.Callback):
 
     Args:
         output_dir: where ``summary.json`` goes.
-        run_info: fixed keys copied into the summary (sync, compressor, ckpt, model names...).
+        run_info: fixed keys copied into the summary (sync, compressor, ckpt, model names, seed...).
+        config: the run's flattened config, given to every logger at the start (with the world size).
     """
 
-    def __init__(self, output_dir: str | Path, run_info: dict[str, Any] | None = None):
+    def __init__(self, output_dir: str | Path, run_info: dict[str, Any] | None = None,
+                 config: dict[str, Any] | None = None):
         self.output_dir = Path(output_dir)
         self.run_info = dict(run_info or {})
+        self.config = dict(config or {})
         self.history: dict[str, list[float]] = {
             k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss",
                             "encode_time_s", "comm_time_s", "decode_time_s")
         }
+        self.phases: dict[str, int] = {}  # steps per sync phase, for backends that have phases
         self._step_start: float | None = None
         self._last_step_end: float | None = None  # for the period: one optimizer step's end to the next
-        self._losses: list[float] = []
+        self._step_loss: torch.Tensor | None = None
         self._last_global_step = 0
+        self._started = False  # training ran in this process (not so in a spawn launcher's own)
+        self._written = False
 
     def _sync(self, trainer: pl.Trainer) -> GradSync | None:
         sync = getattr(trainer.strategy, "sync", None)
         return sync if isinstance(sync, GradSync) else None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._started, self._last_global_step = True, trainer.global_step
+        if trainer.is_global_zero and self.config:
+            record_config(trainer.loggers, {**self.config, "world_size": trainer.world_size})
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._step_start is None:
             self._step_start = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # Lightning hands over each micro-batch's loss divided by the accumulation count.
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
-            self._losses.append(float(loss.detach()))
+            part = loss.detach().float()
+            self._step_loss = part if self._step_loss is None else self._step_loss + part
         if trainer.global_step == self._last_global_step or self._step_start is None:
             return  # a micro-batch that only accumulated
         self._last_global_step = trainer.global_step
@@ -79,20 +102,28 @@ class StepMetrics(pl.Callback):
         self._step_start, self._last_step_end = None, now
         sync = self._sync(trainer)
         stats = sync.last_stats if sync is not None else None
+        step_loss, self._step_loss = self._step_loss, None
         row = {
             "step_time_s": step_time,
             "sync_time_s": stats.sync_s if stats else float("nan"),
             "bytes_sent": float(stats.bytes_sent) if stats else float("nan"),
             "bytes_recv": float(stats.bytes_recv) if stats else float("nan"),
-            "loss": statistics.fmean(self._losses) if self._losses else float("nan"),
+            "loss": float(step_loss) if step_loss is not None else float("nan"),
             # Where the sync time goes: packing/hashing, blocked on the wire, unpacking/summing.
             "encode_time_s": stats.encode_s if stats else float("nan"),
             "comm_time_s": stats.comm_s if stats else float("nan"),
             "decode_time_s": stats.decode_s if stats else float("nan"),
         }
-        self._losses = []
         for key, value in row.items():
             self.history[key].append(value)
+        phase = getattr(sync, "step_phase", None)
+        if phase is not None:
+            self.phases[phase] = self.phases.get(phase, 0) + 1
+            for logger in trainer.loggers:
+                if callable(getattr(logger, "annotate", None)):
+                    logger.annotate(sync_phase=phase)
+        if step_loss is not None:
+            pl_module.log("step_loss", step_loss, on_step=True, on_epoch=False, rank_zero_only=True)
         global_batch = self._global_batch(trainer)
         pl_module.log_dict(
             {
@@ -144,9 +175,10 @@ class StepMetrics(pl.Callback):
         traffic = ranks[:, 2] + ranks[:, 3]
         summary = {
             **self.run_info,
+            "status": "finished",
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
-            "final_loss": float(ranks[:, 4].mean()),
+            "final_loss": float(ranks[0, 4]),
             "samples_per_s": self._global_batch(trainer) / step_time,
             "step_time_s": step_time,
             "sync_time_s": float(ranks[:, 1].max()),
@@ -157,14 +189,59 @@ class StepMetrics(pl.Callback):
             "comm_time_s": float(ranks[:, 6].max()),
             "decode_time_s": float(ranks[:, 7].max()),
             "param_sha256": param_sha256(pl_module),
+            **self._sync_figures(trainer),
         }
         summary.update({k: v for k, v in extra.items() if k not in summary})
-        routing = getattr(self._sync(trainer), "routing", None)
+        self._write(trainer, summary)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A stopped or failed run: rank 0 writes what it has, alone (see the module doc)."""
+        if not self._started or self._written or not trainer.is_global_zero:
+            return
+        signal_name = exception.name if isinstance(exception, stop.StopRequested) else stop.received()
+        if signal_name is None and isinstance(exception, KeyboardInterrupt):
+            signal_name = "SIGINT"
+        h = self.history
+        step_time = _median_after_warmup(h["step_time_s"])
+        summary = {
+            **self.run_info,
+            "status": "interrupted" if signal_name else "failed",
+            "stopped_by": signal_name or f"{type(exception).__name__}: {exception}"[:500],
+            "figures_from": "rank 0 alone (the run did not finish)",
+            "world_size": trainer.world_size,
+            "steps": trainer.global_step,
+            "final_loss": h["loss"][-1] if h["loss"] else None,
+            "samples_per_s": self._global_batch(trainer) / step_time if step_time > 0 else None,
+            "step_time_s": step_time,
+            "sync_time_s": _median_after_warmup(h["sync_time_s"]),
+            "bytes_sent_per_step": _median_after_warmup(h["bytes_sent"]),
+            "bytes_recv_per_step": _median_after_warmup(h["bytes_recv"]),
+            "encode_time_s": _median_after_warmup(h["encode_time_s"]),
+            "comm_time_s": _median_after_warmup(h["comm_time_s"]),
+            "decode_time_s": _median_after_warmup(h["decode_time_s"]),
+            "param_sha256": param_sha256(pl_module),
+            **self._sync_figures(trainer),
+        }
+        self._write(trainer, summary)
+
+    def _sync_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What the backend says of itself (a planned sync's kept plan) and the steps of each phase."""
+        sync = self._sync(trainer)
+        report = getattr(sync, "plan_report", None)
+        figures = dict(report()) if callable(report) else {}
+        routing = getattr(sync, "routing", None)
         if callable(routing):  # the sparse syncs: which tensors went sparse, in what units, how dense
-            summary["routing"] = routing()
+            figures["routing"] = routing()
+        if self.phases:
+            figures["sync_phase_steps"] = dict(self.phases)
+        return figures
+
+    def _write(self, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
         summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in summary.items()}
         self.output_dir.mkdir(parents=True, exist_ok=True)
         partial = self.output_dir / "summary.json.partial"
         partial.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(partial, self.output_dir / "summary.json")  # readers never see half a file
+        self._written = True
+        record_summary(trainer.loggers, summary, trainer.global_step)

@@ -1,0 +1,123 @@
+"""What every logger records of a run: its whole configuration at the start, its summary at the end.
+
+Lightning's loggers record the model's hyper-parameters only; a run's sync, compressor, memory,
+checkpointer, trainer arguments, seed and world size are what a sweep varies, so they go to every
+logger, flattened (``sync.bucket_mb``), and the summary follows at the end: TensorBoard's HParams
+view pairs them, wandb keeps them as the run's config and summary, the CSV logger writes
+``hparams.yaml`` (its summary is ``summary.json``).
+
+:class:`RunCSVLogger` is Lightning's CSV logger for a run directory: it continues ``metrics.csv``
+instead of deleting it, and carries text columns (a planned sync's phase) that ``self.log`` cannot.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import numbers
+import os
+from typing import Any
+
+from lightning_fabric.utilities.logger import _add_prefix
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from pytorch_lightning.loggers.csv_logs import ExperimentWriter
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+
+class _ContinuedWriter(ExperimentWriter):
+    """Lightning's writer, except that an existing ``metrics.csv`` is continued: a run resumed in its
+    directory appends its steps after the earlier ones (Lightning's deletes the file, and warns so on
+    every run, since Hydra's ``.hydra/`` is always there first)."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.text: dict[str, str] = {}  # columns for the next row
+        super().__init__(log_dir)
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                header = next(csv.reader(file), [])
+            self.metrics_keys = sorted(header)  # the order Lightning's writer keeps its columns in
+            if header != self.metrics_keys:
+                self._rewrite_with_new_header(self.metrics_keys)
+
+    def _check_log_dir_exists(self) -> None:
+        """Nothing to warn about or delete: see the class doc."""
+
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        super().log_metrics(metrics_dict, step)
+        self.metrics[-1].update(self.text)
+        self.text = {}
+
+
+class RunCSVLogger(CSVLogger):
+    """``metrics.csv`` (and ``hparams.yaml``) in the run directory; see the module doc.
+
+    Args: as Lightning's CSVLogger; ``flush_logs_every_n_steps`` defaults to 1 here, so the file is
+        current while the run goes (one appended row per step) and complete if it is killed.
+    """
+
+    def __init__(self, save_dir: str, name: str | None = "", version: int | str | None = "", prefix: str = "",
+                 flush_logs_every_n_steps: int = 1):
+        super().__init__(save_dir, name=name, version=version, prefix=prefix,
+                         flush_logs_every_n_steps=flush_logs_every_n_steps)
+
+    @property
+    def experiment(self) -> _ContinuedWriter:
+        if self._experiment is None:
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = _ContinuedWriter(log_dir=self.log_dir)
+        return self._experiment
+
+    @rank_zero_only
+    def annotate(self, **text: str) -> None:
+        """Text columns joined to the next row of metrics (the current step's, when called from a
+        callback's ``on_train_batch_end``)."""
+        self.experiment.text.update(_add_prefix(text, self._prefix, self.LOGGER_JOIN_CHAR))
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested dict as one level of dotted keys; lists become JSON text, None stays None."""
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flat(value, f"{prefix}{key}."))
+        return out
+    key = prefix[:-1]
+    if isinstance(tree, list | tuple):
+        return {key: json.dumps(tree)}
+    return {key: tree}
+
+
+@rank_zero_only
+def record_config(loggers: list[Logger], config: dict[str, Any]) -> None:
+    """Give every logger the run's flattened config (its hyper-parameters)."""
+    for logger in loggers:
+        logger.log_hyperparams(config)
+
+
+@rank_zero_only
+def record_summary(loggers: list[Logger], summary: dict[str, Any], step: int) -> None:
+    """Give every logger the run's summary: wandb's run summary, TensorBoard's HParams metrics
+    (beside the config), ``summary/<key>`` scalars for any other logger; the CSV logger has
+    ``summary.json`` beside it."""
+    numbers_only = {k: float(v) for k, v in summary.items()
+                    if isinstance(v, numbers.Real) and not isinstance(v, bool)}
+    for logger in loggers:
+        if isinstance(logger, CSVLogger):
+            continue
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update({k: v for k, v in summary.items() if v is not None})
+        elif isinstance(logger, TensorBoardLogger):
+            logger.log_hyperparams(logger.hparams, metrics={f"summary/{k}": v for k, v in numbers_only.items()},
+                                   step=step)
+        else:
+            logger.log_metrics({f"summary/{k}": v for k, v in numbers_only.items()}, step=step)
+        logger.save()
+
+
+def metrics_rows(run_dir: str | os.PathLike) -> list[dict[str, str]]:
+    """The rows of a run's ``metrics.csv`` (empty when it has none)."""
+    path = os.path.join(run_dir, "metrics.csv")
+    if not os.path.isfile(path):
+        return []
+    with open(path, newline="") as file:
+        return list(csv.DictReader(file))

@@ -1,0 +1,149 @@
+"""No stray or hung process: a stopped run takes every process it started with it (and writes what it
+has), collectives give up after strategy.timeout_s and name a rank mismatch on request, and
+`cluster down --all` removes only clusters whose owner is gone."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddlscale.cluster.stop import descendants, start_time
+
+ROOT = Path(__file__).resolve().parents[1]
+QUIET = ["trainer.enable_progress_bar=false"]
+TINY = ["model=cnn", "model.width=4", "model.num_blocks=1", "model.image_size=8", "model.num_samples=256"]
+
+
+def _train(*overrides, env=None):
+    return subprocess.Popen([sys.executable, str(ROOT / "train.py"), *overrides], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = run_dir / "metrics.csv"
+        if metrics.exists() and len(metrics.read_text().splitlines()) > steps:  # flushed every step
+            return
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps in {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group"])
+def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
+    out = tmp_path / "run"
+    launcher = _train(*TINY, "trainer.max_steps=100000", f"hydra.run.dir={out}", *QUIET)
+    try:
+        _wait_for_steps(out, 3, launcher)
+        started = descendants(launcher.pid)
+        assert len(started) >= 2  # the spawned workers (and multiprocessing's resource tracker)
+        signum = signal.SIGTERM if how == "sigterm-to-launcher" else signal.SIGINT
+        sent = time.monotonic()
+        if signum == signal.SIGTERM:
+            os.kill(launcher.pid, signum)  # what `timeout`, schedulers and `kill` do: the launcher alone
+        else:
+            os.killpg(launcher.pid, signum)  # a terminal's Ctrl-C: the whole foreground group
+        while time.monotonic() - sent < 10 and any(start_time(p) == t for p, t in started.items()):
+            time.sleep(0.1)
+        alive = [p for p, t in started.items() if start_time(p) == t]
+        output = launcher.communicate(timeout=30)[0]
+        assert not alive, f"processes alive 10 s after the signal: {alive}\n{output[-3000:]}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 128 + signum, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["stopped_by"] == signum.name
+    assert summary["steps"] >= 3 and summary["final_loss"] is not None and summary["sync"] == "dense"
+    assert f"interrupted ({signum.name})" in output and f"run directory: {out}" in output
+    assert "Traceback" not in output
+
+
+STOPPED = """
+import subprocess, sys, time
+from ddlscale.cluster.stop import StopRequested, stop_on_signals
+try:
+    with stop_on_signals(grace_s=1.0):
+        child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                                  "signal.SIG_IGN); print('ready', flush=True); time.sleep(60)"],
+                                 stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
+        print(child.pid, flush=True)
+        time.sleep(60)
+except StopRequested as stop:
+    print("stopped by", stop.name, flush=True)
+    sys.exit(128 + stop.signum)
+"""
+
+
+def test_sighup_stops_the_launcher_and_kills_a_child_that_ignores_sigterm():
+    launcher = subprocess.Popen([sys.executable, "-c", STOPPED], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    started = start_time(child)
+    launcher.send_signal(signal.SIGHUP)
+    assert launcher.wait(timeout=10) == 128 + signal.SIGHUP
+    assert "stopped by SIGHUP" in launcher.stdout.read()
+    assert start_time(child) != started  # killed after the grace period (it ignored SIGTERM)
+
+
+@pytest.mark.parametrize("debug", [pytest.param(True, id="debug-names-the-mismatch"),
+                                   pytest.param(False, id="timeout-ends-the-hang", marks=pytest.mark.slow)])
+def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
+    """Rank 1 issues one collective more. With the debug check, rank 1 names both collectives and rank 0
+    gives up on rank 1 after strategy.timeout_s (the configured 10 s); without it, the collectives
+    themselves give up after strategy.timeout_s (slow: the same timeout, already shown)."""
+    out = tmp_path / "run"
+    started = time.monotonic()
+    run = _train(*TINY, "trainer.max_steps=50", "sync._target_=mismatched_sync.ExtraCollectiveOnRank1",
+                 "strategy.timeout_s=10", f"strategy.debug_collectives={str(debug).lower()}",
+                 f"hydra.run.dir={out}", *QUIET, env={"PYTHONPATH": str(ROOT / "tests")})
+    try:
+        output = run.communicate(timeout=150)[0]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode != 0 and time.monotonic() - started < 120, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["sync"] == "mismatched_sync.ExtraCollectiveOnRank1"
+    if debug:  # rank 1 names both sides; rank 0 (whose summary this is) names the rank it waited for
+        assert "Detected mismatch between collectives" in output and "Op type: ALLREDUCEvs BROADCAST" in output
+        assert "Ranks 1 failed to pass monitoredBarrier" in summary["stopped_by"]
+
+
+@pytest.mark.root
+def test_down_all_removes_only_clusters_whose_owner_is_gone(tmp_path, monkeypatch, capsys):
+    from ddlscale.cluster.__main__ import main
+    from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
+
+    if unavailable_reason():
+        pytest.skip(unavailable_reason())
+    monkeypatch.setenv("DDLSCALE_CLUSTER_DIR", str(tmp_path))  # this test's records: others' clusters stay unknown
+    owner = ("import time; from ddlscale.cluster.emulated import EmulatedCluster; "
+             "print(EmulatedCluster(1).up().name, flush=True); time.sleep(300)")
+    live, dead = (subprocess.Popen([sys.executable, "-c", owner], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                  for _ in range(2))
+    kept = EmulatedCluster(1, keep=True).up()  # what `cluster up` makes: no owning process
+    live_name = dead_name = "none"
+    try:
+        live_name, dead_name = live.stdout.readline().strip(), dead.stdout.readline().strip()
+        dead.kill()  # SIGKILL: no teardown, its namespaces stay
+        dead.wait()
+        assert list_namespaces(f"{dead_name}-")
+        assert main(["down", "--all"]) == 0
+        said = capsys.readouterr().out
+        assert not list_namespaces(f"{dead_name}-") and f"{dead_name}: removed" in said
+        assert len(list_namespaces(f"{live_name}-")) == 2 and f"owned by running process {live.pid}" in said
+        assert len(list_namespaces(f"{kept.name}-")) == 2 and f"{kept.name}: left up (kept by `up`" in said
+    finally:
+        live.terminate()  # its SIGTERM handler tears its cluster down
+        assert live.wait(timeout=30) is not None
+        kept.down()
+        for name in (live_name, dead_name):
+            assert not list_namespaces(f"{name}-")
