@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
+from ddlscale.compress import wire
 from ddlscale.compress.efsignsgd import EFSignSGD
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.onebit import OneBit
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.topk import TopK
-from ddlscale.sync.compress import CompressSync, Plan, TensorPlan, wire
+from ddlscale.sync.compress import CompressSync, Plan, TensorPlan
 from ddlscale.sync.compress.schemes import _clip
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8)}

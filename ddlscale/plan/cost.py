@@ -38,7 +38,7 @@ the training thread, so the plan says so when it offloads.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -47,11 +47,10 @@ import torch
 from ddlscale.comm.cost import NetworkModel, parse_time
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
+from ddlscale.plan.choices import TensorPlan
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
-from ddlscale.sync.compress.plan import TensorPlan
 
-SCHEMES = ("allreduce", "allgather", "alltoall", "gather")
 DEVICES = ("compute", "side")
 SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
 SMALL_BYTES = 64 << 10  # ddlscale.comm.collectives: below this gloo's ring allgather, above direct
@@ -106,6 +105,83 @@ class Unit:
     @property
     def label(self) -> str:
         return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]} ({len(self.names)})"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """What a scheme is priced from, for a row of units of one dtype under one option (arrays over
+    the units): ``numel`` the elements it carries (a hierarchical group's chunk), over ``ranks``
+    ranks on ``net``; ``payload(x)`` the packed bytes of a payload of x elements; ``encode(x)`` and
+    ``decode(x)`` one compressor call on x elements; ``sized`` 1 where payload sizes vary (sizes are
+    exchanged first), else 0; ``contexts``: decoding another rank's payload needs a context made by
+    compressing zeros."""
+
+    numel: np.ndarray
+    ranks: int
+    net: NetworkModel
+    payload: Callable[[np.ndarray], np.ndarray]
+    encode: Callable[[np.ndarray], np.ndarray]
+    decode: Callable[[np.ndarray], np.ndarray]
+    sized: float
+    contexts: bool
+
+    def exchange_sizes(self) -> float:
+        """The blocking exchange of one size per rank before an uneven collective (on the training
+        thread while the group is launched: charged to encode)."""
+        return self.sized * _exchange_sizes(self.net, self.ranks)
+
+
+Price = tuple[np.ndarray | float, np.ndarray | float, np.ndarray | float]  # (encode_s, comm_s, decode_s)
+
+
+def _price_allreduce(p: Pricing) -> Price:
+    """Encode, allreduce the payload, decode once."""
+    return p.encode(p.numel), p.net.allreduce(p.payload(p.numel), p.ranks), p.decode(p.numel)
+
+
+def _price_allgather(p: Pricing) -> Price:
+    """Encode (plus the local decode), sizes, allgather the packed payloads, decode and sum all n."""
+    return (p.encode(p.numel) + p.exchange_sizes(), _allgather(p.net, p.payload(p.numel), p.ranks),
+            p.ranks * p.decode(p.numel))
+
+
+def _price_alltoall(p: Pricing) -> Price:
+    """Encode the n partitions, all-to-all them (after their sizes); the owner decodes n pieces and
+    re-encodes their sum, every rank allgathers the n sums and decodes them. The re-encode and the
+    second collective run after backward: charged to decode and comm."""
+    part = -(-p.numel // p.ranks)
+    payload = p.payload(part)
+    comm = (p.net.all_to_all(payload, p.ranks) + p.sized * _exchange_sizes(p.net, p.ranks)
+            + _allgather(p.net, payload, p.ranks))
+    contexts = p.ranks - 1 if p.contexts else 0
+    return (p.ranks * p.encode(part) + p.exchange_sizes(), comm,
+            2 * p.ranks * p.decode(part) + (1 + contexts) * p.encode(part))
+
+
+def _price_gather(p: Pricing) -> Price:
+    """Encode, gather to rank 0, which decodes n payloads, re-encodes the sum and broadcasts it (its
+    size first); everyone decodes. Rank 0's path is the critical one."""
+    payload = p.payload(p.numel)
+    comm = (p.net.gather(payload, p.ranks) + p.sized * p.net.broadcast(SIZE_BYTES, p.ranks)
+            + p.net.broadcast(payload, p.ranks))
+    return (p.encode(p.numel) + p.exchange_sizes(), comm,
+            p.ranks * p.decode(p.numel) + p.encode(p.numel) + p.decode(p.numel))
+
+
+# One entry per aggregation scheme a plan may name (the executing classes are in
+# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its price here.
+PRICES: dict[str, Callable[[Pricing], Price]] = {
+    "allreduce": _price_allreduce, "allgather": _price_allgather, "alltoall": _price_alltoall,
+    "gather": _price_gather,
+}
+SCHEMES = tuple(PRICES)
+
+
+def check_scheme(name: str, key: str = "sync.comm") -> str:
+    """``name`` if it names a scheme, else a ValueError naming ``key``."""
+    if name not in PRICES:
+        raise ValueError(f"{key} must be one of {', '.join(PRICES)}; got {name!r}")
+    return name
 
 
 class CostModel:
@@ -282,12 +358,8 @@ class CostModel:
         if n == 1:
             return 0.0, 0.0, 0.0
         dense_bytes = total * element_size(dtype)
-        encode = comm = decode = 0.0
+        encode = decode = 0.0
         numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
-
-        def payload_of(numel: np.ndarray, shapes: list) -> np.ndarray:
-            return self._payload(dtype, kept, tensors, total, option, numel, shapes)
-
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
@@ -296,55 +368,30 @@ class CostModel:
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
         # per group beyond the 1/n copy that the profiled backward already holds.
         enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
-        scheme = option.scheme
-        # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
         extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
         if comp is not None and comp.per_member and not option.hierarchical:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = _extra_members(tensors, scheme, ranks)
+            extra = _extra_members(tensors, option.scheme, ranks)
             prof = self.profile.compressors[option.compressor]
             extra_encode, extra_decode = prof.member_encode_s * extra, prof.member_decode_s * extra
             extra_encode_per_element = np.where(extra > 0, prof.fused_encode_per_element_s, 0.0)
             extra_decode_per_element = np.where(extra > 0, prof.fused_decode_per_element_s, 0.0)
-
-        def enc(x: np.ndarray) -> np.ndarray:
-            return enc_fit.many(x, extra_encode, extra_encode_per_element)
-
-        def dec(x: np.ndarray) -> np.ndarray:
-            return dec_fit.many(x, extra_decode, extra_decode_per_element)
-
-        sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
-        if scheme == "allreduce":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel)
-            comm += across.allreduce(payload, ranks)
-            decode += dec(numel)
-        elif scheme == "allgather":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel) + sized * _exchange_sizes(across, ranks)  # blocking size exchange
-            comm += _allgather(across, payload, ranks)
-            decode += ranks * dec(numel)
-        elif scheme == "alltoall":
-            part = -(-numel // ranks)
-            payload = payload_of(part, [None] * part.size)
-            encode += ranks * enc(part) + sized * _exchange_sizes(across, ranks)
-            comm += across.all_to_all(payload, ranks)
-            comm += sized * _exchange_sizes(across, ranks) + _allgather(across, payload, ranks)
-            # Sum n pieces, re-encode the sum, decode the n gathered sums — each other partition's
-            # with a context built without data (Compressor.context: compressing zeros, unless the
-            # compressor knows it from shape and dtype alone).
-            contexts = ranks - 1 if comp is not None and type(comp).context is Compressor.context else 0
-            decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
-        elif scheme == "gather":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel) + sized * _exchange_sizes(across, ranks)
-            comm += across.gather(payload, ranks)
-            comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
-            decode += ranks * dec(numel) + enc(numel) + dec(numel)
-        return encode, comm, decode
+        priced = Pricing(
+            numel, ranks, across,
+            lambda x, shapes=shapes: self._payload(dtype, kept, tensors, total, option, x,
+                                                  shapes if x is numel else [None] * x.size),
+            lambda x: enc_fit.many(x, extra_encode, extra_encode_per_element),
+            lambda x: dec_fit.many(x, extra_decode, extra_decode_per_element),
+            # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
+            0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0,
+            # A receiver's context for another rank's payload, built without data (Compressor.context:
+            # compressing zeros, unless the compressor knows it from shape and dtype alone).
+            comp is not None and type(comp).context is Compressor.context)
+        scheme_encode, comm, scheme_decode = PRICES[option.scheme](priced)
+        return encode + scheme_encode, comm, decode + scheme_decode
 
 
 def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:

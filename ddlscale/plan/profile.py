@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor
+from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor, wire
 from ddlscale.plan.fit import CostFit
-from ddlscale.sync.compress import wire
 
 PROFILE_VERSION = 1
 

@@ -24,7 +24,7 @@ from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory, check_pairing
 from ddlscale.compress.none import NoCompression
-from ddlscale.sync.compress.plan import Plan, TensorPlan
+from ddlscale.plan.choices import Plan, TensorPlan
 from ddlscale.sync.compress.regroup import GroupLayout, regroup
 from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ddlscale.comm import Communicator, volume
+from ddlscale.compress import wire
 from ddlscale.compress.base import Compressed, Compressor
-from ddlscale.sync.compress import wire
 
 
 @dataclass
