@@ -310,19 +310,6 @@ class CostModel:
             return 0.0
         return prof.lag_s * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
 
-    def group_fits(self, option: Option, tensors: int) -> tuple[CostFit, CostFit]:
-        """The encode and decode fits one compressor call of a group of ``tensors`` tensors pays under
-        ``option`` (a per-member compressor's fused members included): what a call's time in training
-        is set against."""
-        enc, dec = self._fits(option)
-        comp = self.compressors.get(option.compressor)
-        if not option.compressed or option.hierarchical or not comp.per_member or tensors < 2:
-            return enc, dec
-        extra = int(_extra_members(tensors, option.scheme, self.n))
-        prof = self.profile.compressors[option.compressor]
-        return (enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0),
-                dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0))
-
     def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
         prof = self.profile.compressors.get(option.compressor)
         if prof is None:

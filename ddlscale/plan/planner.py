@@ -139,14 +139,12 @@ def _notes(profile: Profile, plan: CompressionPlan) -> list[str]:
 
 
 def _baselines(profile: Profile, model: CostModel, option: Option) -> dict[str, float]:
-    units = units_of(profile)
-
-    def uniform(option: Option) -> float:
-        return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
-
-    out = {"dense allreduce per tensor": uniform(DENSE)}
+    """The reference plans a plan is compared with: dense allreduce in DDP's buckets (what sync=dense
+    and DDP run, not one allreduce per tensor, which no one runs) and the configured option layer-wise."""
+    out = {"dense, DDP buckets": dense_plan(profile, model).iteration_s}
     if option.compressed:
-        out[f"layer-wise {_label(model, option)}"] = uniform(option)
+        out[f"layer-wise {_label(model, option)}"] = uniform_time(units_of(profile), option, model,
+                                                                  profile.backward_end_s, profile.rest_s)
     return out
 
 

@@ -76,7 +76,7 @@ class CompressionPlan:
         lines = [head, f"fusion: {self.fusion}",
                  f"predicted iteration: {self.iteration_s * 1e3:.3f} ms"]
         for name, seconds in self.baselines.items():
-            lines.append(f"  vs {name}: {seconds * 1e3:.3f} ms ({seconds / self.iteration_s:.2f}x)")
+            lines.append(f"  vs {name}: {seconds * 1e3:.3f} ms (speed-up {seconds / self.iteration_s:.2f}x)")
         if ctx.get("measured_dense_step_s"):
             lines.append(f"  measured step with dense sync while profiling: {ctx['measured_dense_step_s'] * 1e3:.3f} ms")
         lines.append(f"  {'#':>3}  {'tensor(s)':<44} {'elements':>11}  {'option':<28} {'saved (ms)':>10}")

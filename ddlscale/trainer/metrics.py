@@ -159,7 +159,10 @@ class StepMetrics(pl.Callback):
             "param_sha256": param_sha256(pl_module),
         }
         summary.update({k: v for k, v in extra.items() if k not in summary})
-        routing = getattr(self._sync(trainer), "routing", None)
+        sync = self._sync(trainer)
+        if sync is not None:  # what the backend resolved (memory=default: the error feedback it chose)
+            summary.update(sync.summary_fields())
+        routing = getattr(sync, "routing", None)
         if callable(routing):  # the sparse syncs: which tensors went sparse, in what units, how dense
             summary["routing"] = routing()
         # Figures a run could not measure (no ddlscale backend, say) are null, never NaN.
