@@ -283,8 +283,14 @@ class PlannedSync(CompressSync):
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
         extra = group_overhead(profile, option, measured, compressors)
-        prof = profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)
-        return replace(profile, compressors={**profile.compressors, "default": prof})
+        costs = {**profile.compressors,
+                 "default": profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)}
+        if "none" in costs:
+            # An uncompressed group off dense allreduce's own path (a hierarchical one: its fits are
+            # none's) runs the same per-group machinery — blocking machine collectives, a job, a
+            # scheme — so it pays the same overhead; flat dense groups pay nothing (their own path).
+            costs["none"] = costs["none"].with_group_overhead(extra)
+        return replace(profile, compressors=costs)
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
