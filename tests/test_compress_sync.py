@@ -476,3 +476,22 @@ def test_hierarchical_powersgd_sends_factors_not_the_matrix(comm):
         else:
             assert ops[1:-1] == ["allgather_uneven"] and across[0][1] < 64 * 48 * 4 / 8
         assert [records[0], records[-1]] == inside
+
+
+def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
+    """A scheme is a Scheme subclass (executed) and a PRICES entry (planned) of the same name; the
+    planners offer a compressor under a scheme exactly where the scheme would carry it."""
+    from ddlscale.compress import COMPRESSORS
+    from ddlscale.plan.cost import PRICES
+    from ddlscale.sync.compress.schemes import SCHEMES, scheme
+
+    assert list(SCHEMES) == list(PRICES)
+    for name in COMPRESSORS:
+        compressor = build_compressor(name)
+        for key in SCHEMES:
+            try:
+                scheme(key).check(compressor, "sync.comm")
+                carried = True
+            except ValueError:
+                carried = False
+            assert carried == PRICES[key].carries(compressor), (name, key)

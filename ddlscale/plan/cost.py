@@ -168,11 +168,22 @@ def _price_gather(p: Pricing) -> Price:
             p.ranks * p.decode(p.numel) + p.encode(p.numel) + p.decode(p.numel))
 
 
+@dataclass(frozen=True)
+class SchemePrice:
+    """How the planners see one aggregation scheme: its ``price`` and which compressors it ``carries``
+    (as the executing class's ``check`` refuses the others)."""
+
+    price: Callable[[Pricing], Price]
+    carries: Callable[[Compressor], bool] = lambda compressor: True
+
+
 # One entry per aggregation scheme a plan may name (the executing classes are in
-# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its price here.
-PRICES: dict[str, Callable[[Pricing], Price]] = {
-    "allreduce": _price_allreduce, "allgather": _price_allgather, "alltoall": _price_alltoall,
-    "gather": _price_gather,
+# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its entry here.
+PRICES: dict[str, SchemePrice] = {
+    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
+    "allgather": SchemePrice(_price_allgather),
+    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices),  # it cuts rows
+    "gather": SchemePrice(_price_gather),
 }
 SCHEMES = tuple(PRICES)
 
@@ -230,9 +241,9 @@ class CostModel:
             return False
         if option.device == "side" and not option.compressed:
             return False  # nothing to offload: the executor's own work stays on the training thread
-        if option.scheme == "allreduce":
-            return comp.summable or hasattr(comp, "reduce")
-        return option.compressed  # moving uncompressed tensors through allgather & co never wins
+        if not PRICES[option.scheme].carries(comp):
+            return False
+        return option.compressed or option.scheme == "allreduce"  # uncompressed through allgather & co never wins
 
     def options(self, schemes: Sequence[str] = SCHEMES, device: str = "compute") -> list[Option]:
         """Every allowed option on ``device``: dense allreduce plus each compressor x scheme x layout."""
@@ -377,7 +388,7 @@ class CostModel:
             # A receiver's context for another rank's payload, built without data (Compressor.context:
             # compressing zeros, unless the compressor knows it from shape and dtype alone).
             comp is not None and type(comp).context is Compressor.context)
-        scheme_encode, comm, scheme_decode = PRICES[option.scheme](priced)
+        scheme_encode, comm, scheme_decode = PRICES[option.scheme].price(priced)
         return encode + scheme_encode, comm, decode + scheme_decode
 
 
