@@ -21,12 +21,14 @@
    backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
    layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`) — computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
+   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
+   computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
+
 The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
 """
 
