@@ -11,6 +11,7 @@ from ddlscale.compress import build_compressor, wire
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
+from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.compress.topk import TopK
 from ddlscale.sync.compress import CompressSync, Plan, TensorPlan
 from ddlscale.sync.compress.regroup import _unchunk
@@ -362,6 +363,8 @@ def _identity_cases(rank, world, scheme):
                 continue
             if scheme == "alltoall" and compressor.needs_matrices:
                 continue
+            if scheme == "zen" and not isinstance(compressor, SparseCompressor):
+                continue
             sync = CompressSync(compressor, comm=scheme, memory="residual", hierarchical=hierarchical, local_size=2)
             sync.intra, sync.inter = base.intra, base.inter
             params = [(n, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))) for n, shape in SHAPES.items()]
@@ -387,14 +390,14 @@ def _identity_cases(rank, world, scheme):
     return out
 
 
-@pytest.mark.parametrize("scheme", ["allreduce", "allgather", "alltoall", "gather"])
+@pytest.mark.parametrize("scheme", ["allreduce", "allgather", "alltoall", "gather", "zen"])
 def test_what_was_sent_plus_the_residuals_is_the_true_sum(scheme):
     """Error feedback loses nothing in any scheme, flat or hierarchical, for any compressor it
     carries: sum over steps of the result + sum over ranks of the residuals = sum over steps and
     ranks of the averaged gradients. Where an owner compresses a partition's sum a second time
     (alltoall, gather), that compression's error is in the owner's residual. 4 ranks, 2 per machine."""
     for cases in run_workers(_identity_cases, 4, scheme):
-        assert len(cases) == {"allreduce": 10, "alltoall": 26, "allgather": 28, "gather": 28}[scheme]
+        assert len(cases) == {"allreduce": 10, "alltoall": 26, "allgather": 28, "gather": 28, "zen": 10}[scheme]
         for (name, hierarchical), (received, residual, true) in cases.items():
             for n in SHAPES:
                 where = f"{scheme} {name} hierarchical={hierarchical} {n}"
@@ -495,3 +498,52 @@ def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
             except ValueError:
                 carried = False
             assert carried == PRICES[key].carries(compressor), (name, key)
+
+
+# -- Zen as an aggregation scheme for sparsifiers -----------------------------------------------------
+def _zen_against_allgather(rank, world, name, kwargs, overlap):
+    """One 4096-element tensor (and the small ones) through allgather and zen, 2 steps: the results
+    and the bytes each scheme's collectives received. ``overlap``: every rank's largest entries lie
+    at the same positions (top-k of correlated gradients), else they are independent."""
+    params = [("big", torch.nn.Parameter(torch.zeros(64, 64))), *_params()]
+    out = {}
+    for comm in ("allgather", "zen"):
+        sync = CompressSync(build_compressor(name, **kwargs), comm=comm, memory="none")
+        sync.setup(params)
+        got, received = [], 0
+        for step in range(2):
+            grads = {n: g.float() for n, g in _grads(rank, step).items()}
+            noise = torch.randn(64, 64, generator=torch.Generator().manual_seed(7 * rank + step))
+            shared = torch.zeros(64, 64)
+            shared.view(-1)[torch.arange(0, 4096, 97)] = 50.0  # 43 positions, above any noise
+            grads["big"] = noise + (shared if overlap else 0)
+            result, stats = _sync_once(sync, params, grads)
+            got.append(result)
+            received += sum(r.bytes_recv for r in stats.collectives)
+        out[comm] = (got, received)
+    return out
+
+
+@pytest.mark.parametrize("name,kwargs", [("topk", {"ratio": 0.01}), ("dgc", {"ratio": 0.01}),
+                                         ("randomk", {"ratio": 0.05, "seed": None}), ("threshold", {"threshold": 2.0})])
+def test_zen_sums_the_selections_as_allgather_does(name, kwargs):
+    """sync.comm=zen: each rank's selection pushed to the owners its indices hash to, summed there and
+    pulled back, equals the allgather of every rank's selection summed (the same exact sum)."""
+    for by_scheme in run_workers(_zen_against_allgather, 3, name, kwargs, False):
+        for want, got in zip(by_scheme["allgather"][0], by_scheme["zen"][0], strict=True):
+            for n in want:
+                torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-6, msg=lambda m, n=n: f"{name} {n}: {m}")
+
+
+def test_zen_receives_the_union_not_every_selection():
+    """With overlapping selections (4 ranks, top-k 1% at the same positions) a rank receives about
+    2 (n-1)/n of one selection through zen (push, then the union's pull) against n-1 selections
+    through allgather."""
+    for by_scheme in run_workers(_zen_against_allgather, 4, "topk", {"ratio": 0.01}, True):
+        allgather, zen = by_scheme["allgather"][1], by_scheme["zen"][1]
+        assert zen < 0.75 * allgather, (zen, allgather)
+
+
+def test_zen_refuses_what_is_not_a_sparsifier():
+    with pytest.raises(ValueError, match="sync.comm: scheme zen .* qsgd is not a sparsifier"):
+        CompressSync(build_compressor("qsgd"), comm="zen").setup(_params())

@@ -18,7 +18,7 @@ class TensorPlan:
     """How one tensor (or fused group) is synchronized.
 
     ``compressor``: a key of the backend's compressors (``"none"`` always exists, ``"default"`` is
-    the configured one); ``scheme``: an aggregation scheme's name (allreduce, allgather, alltoall,
+    the configured one); ``scheme``: an aggregation scheme's name (allreduce, allgather, alltoall, zen,
     gather: executed by :mod:`ddlscale.sync.compress.schemes`, priced by :mod:`ddlscale.plan.cost`); ``hierarchical``:
     dense reduction inside each machine first, the scheme only across machines.
     """

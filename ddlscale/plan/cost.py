@@ -44,15 +44,18 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
+from ddlscale.comm import volume
 from ddlscale.comm.cost import NetworkModel, parse_time
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
+from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.plan.choices import TensorPlan
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
 
 DEVICES = ("compute", "side")
 SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
+INDEX_BYTES = 4  # an int32 index of Zen's pairs
 SMALL_BYTES = 64 << 10  # ddlscale.comm.collectives: below this gloo's ring allgather, above direct
 
 
@@ -168,6 +171,26 @@ def _price_gather(p: Pricing) -> Price:
             p.ranks * p.decode(p.numel) + p.encode(p.numel) + p.decode(p.numel))
 
 
+def _price_zen(p: Pricing) -> Price:
+    """Encode; push each (index, value) to the rank its index hashes to (one exchange of ~1/n of
+    the payload per peer); the owner sums, and every rank pulls each owner's share of the union as
+    pairs or as a hash bitmap (:func:`~ddlscale.comm.volume.pull_as_bitmap`, as the executor
+    decides). Both exchanges run after backward. The union is priced as if the ranks chose
+    independently (:func:`~ddlscale.comm.volume.expected_union`), an upper estimate for top-k."""
+    payload = p.payload(p.numel)
+    pair = p.payload(np.ones_like(p.numel)).astype(float)  # one kept element, its index and value
+    kept = np.maximum(1.0, payload / pair)
+    union = np.array([volume.expected_union(int(m), int(k), p.ranks) for m, k in zip(p.numel.tolist(), kept.tolist(),
+                                                                                      strict=True)])
+    bitmap = np.array([p.sized == 0 and volume.pull_as_bitmap(int(m), int(k), p.ranks) for m, k in
+                       zip(p.numel.tolist(), kept.tolist(), strict=True)])
+    value_bytes = pair - INDEX_BYTES
+    share = union / p.ranks
+    pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * value_bytes, share * pair)
+    comm = p.net.all_to_all(payload / p.ranks, p.ranks) + p.net.all_to_all(pulled, p.ranks)  # two exchanges
+    return p.encode(p.numel), comm, 2 * p.decode(p.numel)
+
+
 @dataclass(frozen=True)
 class SchemePrice:
     """How the planners see one aggregation scheme: its ``price`` and which compressors it ``carries``
@@ -184,6 +207,7 @@ PRICES: dict[str, SchemePrice] = {
     "allgather": SchemePrice(_price_allgather),
     "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices),  # it cuts rows
     "gather": SchemePrice(_price_gather),
+    "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
 }
 SCHEMES = tuple(PRICES)
 

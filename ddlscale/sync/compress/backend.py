@@ -76,7 +76,7 @@ class CompressSync(DenseAllreduce):
     """``sync=compress``. Args:
 
     compressor: the compressor (``compressor=`` config group), ``None`` for none.
-    comm: the aggregation scheme — allreduce, allgather, alltoall, gather.
+    comm: the aggregation scheme — allreduce, allgather, alltoall, gather, zen (sparsifiers: Zen's push / pull).
     memory: error feedback (``memory=`` config group) — a :class:`Memory`, or its name:
         ``residual`` (true EF), ``none``, ``decayed`` (with ``memory_beta``); ``None``: the
         compressor's default (:attr:`~ddlscale.compress.Compressor.default_memory`: residual for a

@@ -12,6 +12,10 @@ associative), except casts, shared-index sparsifiers and PowerSGD's factors. So:
   hands every rank every partition's compressed sum.
 - ``gather`` (centralized): rank 0 receives every payload, decodes and sums them, re-compresses
   and broadcasts the result.
+- ``zen`` (sparsifiers only): Zen's balanced push / sum / pull (:mod:`ddlscale.sync.sparse.pushpull`)
+  at element granularity: each selected (index, value) goes to the rank its index hashes to, which
+  sums what arrives; every rank pulls every owner's sums. A rank receives about the union of the
+  selections instead of n selections, and nothing is compressed twice.
 
 Each scheme has two halves: :meth:`Scheme.start` issues the first collective as soon as the
 tensor is ready (during backward), :meth:`Scheme.finish` completes it after backward. Both take a
@@ -39,6 +43,9 @@ import torch
 from ddlscale.comm import Communicator, volume
 from ddlscale.compress import wire
 from ddlscale.compress.base import Compressed, Compressor, Segment, pieces
+from ddlscale.compress.sparse import SparseCompressor
+from ddlscale.sync.sparse import pushpull
+from ddlscale.sync.sparse.hashing import HashPartitioner
 
 
 @dataclass
@@ -289,7 +296,57 @@ class GatherBroadcast(Scheme):
         return compressor.decompress(Compressed(wire.unpack(message), ctx)).reshape(-1)
 
 
-SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast)}
+class ZenPushPull(Scheme):
+    """Sparsifiers' selections through Zen's hash-partitioned push, sum and pull, one unit per
+    element (the thesis's two halves: compression makes gradients sparse, Zen syncs sparse ones).
+    The sum is exact, so this rank's share is what it sent and error feedback loses nothing.
+
+    Blocking exchanges, so the whole exchange runs in :meth:`finish` (after backward), in the order
+    every rank finishes its groups; compression runs in :meth:`start`, as the other schemes do."""
+
+    name = "zen"
+    SEED = 0x5EED  # a constant every rank shares: no agreement round needed
+
+    def __init__(self) -> None:
+        self._partitioners: dict[int, HashPartitioner] = {}
+
+    def check(self, compressor: Compressor, key: str) -> None:
+        if not isinstance(compressor, SparseCompressor):
+            raise ValueError(
+                f"{key}: scheme zen pushes (index, value) pairs, but compressor {compressor.name} is not a "
+                f"sparsifier; zen carries topk, randomk, dgc and threshold"
+            )
+
+    def start(self, job: Job) -> None:
+        if job.tensor.numel() >= 2**31:
+            raise ValueError(f"{job.name}: scheme zen indexes elements as int32; {job.tensor.numel()} elements "
+                             f"do not fit (fuse less: sync.bucket_mb)")
+        with timed_work(job.work, "encode", job.tensor.numel(), 1):
+            compressed = job.compressor.compress(job.tensor, job.name, job.segments)
+            job.local = job.compressor.decompress(compressed).reshape(-1)
+            values, idx = job.compressor.entries(compressed.payload, compressed.ctx)
+        job.state.update(ids=idx.to(torch.int64), values=values.reshape(-1, 1).to(job.tensor.dtype))
+
+    def finish(self, job: Job) -> torch.Tensor:
+        comm, numel = job.comm, job.tensor.numel()
+        partitioner = self._partitioners.setdefault(comm.size, HashPartitioner(comm.size, self.SEED))
+        received = pushpull.push(comm, job.state["ids"], job.state["values"], partitioner.group)
+        with timed_work(job.work, "decode", numel, 1):
+            ids, values = pushpull.aggregate(received)
+        # The format every rank can decide alike: fixed-size selections have a known count.
+        kept = job.state["ids"].numel()
+        if job.compressor.fixed_size and volume.pull_as_bitmap(numel, kept, comm.size, pushpull.INDEX_BYTES):
+            pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), ids, values)
+        else:
+            pulled = pushpull.pull_coo(comm, ids, values)
+        with timed_work(job.work, "decode", numel, 1):
+            total = job.tensor.new_zeros(numel)
+            for piece_ids, piece_values in pulled:
+                total[piece_ids] = piece_values.reshape(-1)
+            return job.compressor.combine(total, comm.size)
+
+
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast, ZenPushPull)}
 
 
 def scheme(name: str, key: str = "sync.comm") -> Scheme:
