@@ -306,9 +306,9 @@ class ZenPushPull(Scheme):
 
     name = "zen"
     SEED = 0x5EED  # a constant every rank shares: no agreement round needed
-
-    def __init__(self) -> None:
-        self._partitioners: dict[int, HashPartitioner] = {}
+    # One per world size, kept across steps (a Scheme is made per launch): the owned sets the
+    # bitmap pull decodes against are computed once per tensor size, not every step.
+    _partitioners: dict[int, HashPartitioner] = {}
 
     def check(self, compressor: Compressor, key: str) -> None:
         if not isinstance(compressor, SparseCompressor):
