@@ -458,7 +458,7 @@ def test_zen_is_offered_to_sparsifiers_alone_and_priced_by_the_union():
     assert Option("default", "zen") not in cost_model(profile, {"none": NoCompression(), "default": FP16()}, 8,
                                                       net).options()
     comm = {o.scheme: model.costs_of(1 << 22, "torch.float32", o, 0.01)[1] for o in (zen, allgather)}
-    assert comm["zen"] < 0.8 * comm["allgather"], comm
+    assert comm["zen"] < comm["allgather"], comm  # independent selections: the largest union
     pair = cost_model(profile, {"none": NoCompression(), "default": TopK(0.01)}, 2, net)
     two = {o.scheme: pair.costs_of(1 << 22, "torch.float32", o, 0.01)[1] for o in (zen, allgather)}
     assert two["zen"] / two["allgather"] > comm["zen"] / comm["allgather"], (two, comm)

@@ -127,6 +127,7 @@ class Pricing:
     decode: Callable[[np.ndarray], np.ndarray]
     sized: float
     contexts: bool
+    value_bytes: float = 4.0  # one value as the compressor sends it (Zen's pairs: an int32 index beside it)
 
     def exchange_sizes(self) -> float:
         """The blocking exchange of one size per rank before an uneven collective (on the training
@@ -178,15 +179,14 @@ def _price_zen(p: Pricing) -> Price:
     decides). Both exchanges run after backward. The union is priced as if the ranks chose
     independently (:func:`~ddlscale.comm.volume.expected_union`), an upper estimate for top-k."""
     payload = p.payload(p.numel)
-    pair = p.payload(np.ones_like(p.numel)).astype(float)  # one kept element, its index and value
+    pair = p.value_bytes + INDEX_BYTES
     kept = np.maximum(1.0, payload / pair)
     union = np.array([volume.expected_union(int(m), int(k), p.ranks) for m, k in zip(p.numel.tolist(), kept.tolist(),
                                                                                       strict=True)])
     bitmap = np.array([p.sized == 0 and volume.pull_as_bitmap(int(m), int(k), p.ranks) for m, k in
                        zip(p.numel.tolist(), kept.tolist(), strict=True)])
-    value_bytes = pair - INDEX_BYTES
     share = union / p.ranks
-    pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * value_bytes, share * pair)
+    pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * p.value_bytes, share * pair)
     comm = p.net.all_to_all(payload / p.ranks, p.ranks) + p.net.all_to_all(pulled, p.ranks)  # two exchanges
     return p.encode(p.numel), comm, 2 * p.decode(p.numel)
 
@@ -411,7 +411,9 @@ class CostModel:
             0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0,
             # A receiver's context for another rank's payload, built without data (Compressor.context:
             # compressing zeros, unless the compressor knows it from shape and dtype alone).
-            comp is not None and type(comp).context is Compressor.context)
+            comp is not None and type(comp).context is Compressor.context,
+            float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
+                  else element_size(dtype)))
         scheme_encode, comm, scheme_decode = PRICES[option.scheme].price(priced)
         return encode + scheme_encode, comm, decode + scheme_decode
 
