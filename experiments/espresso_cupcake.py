@@ -6,7 +6,7 @@
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
 ``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
-error feedback residual except efsignsgd (memory=none: it keeps its own). One worker per emulated
+each compressor's default error feedback (residual for the three here). One worker per emulated
 machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
 dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step
 period (one optimizer step's end to the next: the batch and the loop's time between batches, which is
@@ -43,7 +43,6 @@ from experiments.harness import Results, alternating, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
 COMPRESSORS = ("dgc", "efsignsgd", "randomk")
-MEMORY = {"efsignsgd": "none"}  # its own error feedback; every other compressor: residual
 # Error feedback needs a contractive compressor: unbiased random-k (values scaled by numel / k) with a
 # residual diverges (losses of 1e16-1e29 within 49 steps on cnn and lstm here, and the blown-up values
 # then slow the arithmetic); experiments/compression_accuracy shows it too.
@@ -128,7 +127,7 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
     if method == "dense":
         return [*out, "sync=dense"]
     out += [f"sync={'compress' if method == 'layerwise' else method}", f"compressor={compressor}",
-            f"memory={MEMORY.get(compressor, 'residual')}", f"sync.comm={scheme_of(compressor)}",
+            f"sync.comm={scheme_of(compressor)}",
             *SETTINGS.get(compressor, [])]
     if method in PLANNED:
         bw, latency = planner_network(bandwidth)
@@ -138,8 +137,6 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
                 "sync.gpus_per_machine=1"]
     if method == "espresso":
         out.append(f"sync.trial_steps={TRIAL_STEPS}")
-    if method in PLANNED and args.replan_steps:
-        out.append(f"sync.replan_steps={args.replan_steps}")
     return out
 
 
@@ -255,9 +252,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=55)
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="the planned syncs' dense steps before the profiled ones")
-    parser.add_argument("--replan-steps", type=int, default=0,
-                        help="closed loop (sync.replan_steps): after the kept plan's settling steps, this many "
-                             "re-fit the model on its own groups and the planners plan again (0: plan once)")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="espresso_cupcake", help="results folder under experiments/results")
     parser.add_argument("--keep", default="", help="keep every run's folder (profile, plan, metrics) under this path")
@@ -268,8 +262,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.reuse and not args.keep:
         parser.error("--reuse needs --keep: the folder whose runs to read")
     first = args.warmup_steps + AFTER_WARMUP  # the first measured step
-    if args.replan_steps:  # the kept plan settles and is timed, then the new plan's first step rebuilds its groups
-        first += SETTLE_STEPS + args.replan_steps + 1
     if args.warmup_steps < 1 or args.steps < first + 3:
         parser.error(f"--warmup-steps must be >= 1 and --steps >= {first + 3}: the first {first} are not measured")
     bandwidths, workloads = args.bandwidths.split(","), args.workloads.split(",")
@@ -286,7 +278,6 @@ def main(argv: list[str] | None = None) -> None:
     command = (f"python -m experiments.espresso_cupcake --nodes {args.nodes} --bandwidths {args.bandwidths} "
                f"--workloads {args.workloads} --compressors {args.compressors} --reps {args.reps} "
                f"--steps {args.steps} --warmup-steps {args.warmup_steps}"
-               + (f" --replan-steps {args.replan_steps}" if args.replan_steps else "")
                + (f" --overrides '{args.overrides}'" if args.overrides else "")
                + (f" --name {args.name}" if args.name != "espresso_cupcake" else ""))
     # What the host can carry: the ring of TCP streams at each rate.
@@ -305,7 +296,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{probes[bw]['fraction']:.0%})", flush=True)
     (results.dir / "config.json").write_text(json.dumps(
         {"command": command, "args": vars(args), "machine": machine(), "probe": probes, "schemes": schemes,
-         "memory": {c: MEMORY.get(c, "residual") for c in compressors},
+         "memory": "each compressor's default (memory=default)",
          "planner_network": {bw: planner_network(bw) for bw in bandwidths},
          "overrides_example": {f"{m}/{c}": overrides_of(m, c, bandwidths[0], args) for m, c in keys}}, indent=1))
 
@@ -454,16 +445,13 @@ def main(argv: list[str] | None = None) -> None:
     planner = ", ".join(f"{bw}: {int(planner_network(bw)[0]) / 1e9:.3f} Gbit/s, measured alpha of allreduce "
                         f"{measured(bw, 'planner_alpha_us')}, of allgather and other exchanges "
                         f"{measured(bw, 'planner_exchange_alpha_us')}" for bw in bandwidths)
-    closed_loop = (f"; closed loop: the kept plan's first {SETTLE_STEPS} steps settle and {args.replan_steps} more "
-                   "time its groups, the model's compressor fits are scaled to them and the planners plan again "
-                   "(Espresso keeps and re-prices its trial's choice)" if args.replan_steps else "")
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
 profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
-measured step, and keeps the fastest; the first planned step rebuilds the groups{closed_loop}), median (min-max) over {args.reps}
+measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
-{", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)}; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor
+each compressor's default; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor
 compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.
 
 *predicted*: for cupcake/espresso the kept plan's own predicted iteration time (plan.json), for dense and

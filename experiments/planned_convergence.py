@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from experiments.compression_accuracy import _smooth, loss_curve
-from experiments.espresso_cupcake import MEMORY, SETTINGS, scheme_of
+from experiments.espresso_cupcake import SETTINGS, scheme_of
 from experiments.harness import Results, train
 
 METHODS = ("layerwise", "cupcake", "espresso")
@@ -32,7 +32,7 @@ METHODS = ("layerwise", "cupcake", "espresso")
 
 def overrides_of(method: str, compressor: str, bandwidth: str) -> list[str]:
     out = [f"sync={'compress' if method == 'layerwise' else method}", f"compressor={compressor}",
-           f"memory={MEMORY.get(compressor, 'residual')}", f"sync.comm={scheme_of(compressor)}",
+           f"sync.comm={scheme_of(compressor)}",
            *SETTINGS.get(compressor, [])]
     if method != "layerwise":
         out += [f"sync.network_bandwidth={bandwidth}", "sync.profile_steps=3"]
@@ -110,9 +110,8 @@ def main(argv: list[str] | None = None) -> None:
          "what the plan compressed (per seed)"],
         table,
         notes=f"2 workers, {args.steps} steps, seeds {','.join(map(str, seeds))} (each seeds initialization and data; every "
-              "method of a seed sees the same). Error feedback: "
-              + ", ".join(f"{c} {MEMORY.get(c, 'residual')}" for c in compressors)
-              + "; settings: " + "; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items())
+              "method of a seed sees the same). Error feedback: each compressor's default; settings: "
+              + "; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items())
               + f". Planners told {args.bandwidth} (profile 3 dense steps first; Espresso without its "
                 "trial, so the model's plan runs). The dense and layer-wise rows' own spread over seeds says how "
                 "far apart two runs land without any change of method.",

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import ddlscale.compress as C
 from ddlscale.compress import bits
-from ddlscale.compress.base import count_of
+from ddlscale.compress.base import count_of, pieces
 from ddlscale.compress.dgc import MIN_SAMPLE
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -63,8 +63,10 @@ def test_compression_ratios_match_their_formulas():
     assert make("randomk", ratio=0.01, seed=3).payload_bytes(n, f) == k * 4  # indices regenerated
     assert make("randomk", ratio=0.01).payload_bytes(n, f) == k * 8
     assert make("dgc", ratio=0.01).payload_bytes(n, f, kept=k + 5) == (k + 5) * 8
-    assert make("signsgd").payload_bytes(n, f) == math.ceil(n / 8) + 4
-    assert make("onebit").payload_bytes(n, f) == math.ceil(n / 8) + 8
+    assert make("signsgd").payload_bytes(n, f) == math.ceil(n / 8)  # signs alone: the vote needs no scale
+    assert make("efsignsgd").payload_bytes(n, f) == math.ceil(n / 8) + 4
+    assert make("onebit").payload_bytes(n, f) == math.ceil(n / 8) + 8  # a vector: one column
+    assert make("onebit").payload_bytes((1000, 7), f) == math.ceil(7000 / 8) + 8 * 7  # two means per column
     assert make("terngrad").payload_bytes(n, f) == math.ceil(n / 4) + 4
     assert make("qsgd", levels=7, bucket_size=128).payload_bytes(n, f) == math.ceil(n / 2) + 4 * math.ceil(n / 128)
     assert make("qsgd", levels=127, bucket_size=512).payload_bytes(n, f) == n + 4 * math.ceil(n / 512)
@@ -158,7 +160,7 @@ class FixedEstimate(C.DGC):
         super().__init__(**params)
         self.fixed = threshold
 
-    def estimate(self, magnitude, name):
+    def estimate(self, magnitude, name, k):
         return torch.tensor(self.fixed)
 
 
@@ -248,10 +250,10 @@ def test_terngrad_unbiased():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_signsgd_scale_preserves_the_l1_norm(dtype):
+def test_efsignsgd_scale_preserves_the_l1_norm(dtype):
     g = torch.randn(1001, generator=torch.Generator().manual_seed(4)).to(dtype)
     g[::7] = 0  # zeros decode to +scale and still count
-    compressor = make("signsgd")
+    compressor = make("efsignsgd")
     out = compressor.decompress(compressor.compress(g))
     assert torch.isclose(out.double().abs().sum(), g.double().abs().sum(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
     nonzero = g != 0
@@ -262,8 +264,8 @@ PER_MEMBER = [n for n in NAMES if make(n).per_member and n != "randomk"]  # rand
 
 
 def test_the_scaled_quantizers_keep_a_scale_per_member():
-    assert set(PER_MEMBER) == {"efsignsgd", "onebit", "signsgd", "signum"}
-    assert not make("signum", scaled=False).per_member  # decodes to +-1: no scale to keep
+    assert set(PER_MEMBER) == {"efsignsgd", "onebit", "powersgd"}
+    assert not make("signsgd").per_member and not make("signum").per_member  # +-1: no scale to keep
 
 
 @pytest.mark.parametrize("seed", [None, 4])
@@ -311,11 +313,11 @@ def test_a_fused_buffer_decodes_as_its_members_compressed_alone(name, dtype):
 
 def test_segments_are_checked_and_ignored_where_they_do_not_apply():
     with pytest.raises(ValueError, match=r"segments \[3, 3\] do not split a tensor of 7 elements"):
-        make("signsgd").compress(torch.ones(7), "g", [3, 3])
+        make("efsignsgd").compress(torch.ones(7), "g", [3, 3])
     x = torch.randn(40)
     topk = make("topk", ratio=0.25)
     assert topk.compress(x, "g", [20, 20]).ctx.segments is None  # a global top-k has no scale to split
-    assert make("signsgd").compress(x, "g", [40]).ctx.segments is None  # one member: the plain payload
+    assert make("efsignsgd").compress(x, "g", [40]).ctx.segments is None  # one member: the plain payload
 
 
 def test_onebit_two_means_keep_the_sum():
@@ -324,6 +326,117 @@ def test_onebit_two_means_keep_the_sum():
     out = compressor.decompress(compressor.compress(g))
     assert torch.isclose(out.sum(), g.sum(), rtol=1e-4)
     assert torch.allclose(out[g >= 0], g[g >= 0].mean()) and torch.allclose(out[g < 0], g[g < 0].mean())
+
+
+def test_onebit_keeps_two_means_per_column():
+    """Per column of the (first dim x the rest) matrix: elements decode to their column's side means,
+    so every column keeps its own sum and scale; fused members and partition pieces keep them too."""
+    g = torch.randn(40, 3, 2, generator=torch.Generator().manual_seed(6)) * torch.tensor([1.0, 10.0, 100.0, 0.1, 1.0, 3.0]).view(1, 3, 2)
+    compressor = make("onebit")
+    out = compressor.decompress(compressor.compress(g)).reshape(40, 6)
+    matrix = g.reshape(40, 6)
+    for j in range(6):
+        column, decoded = matrix[:, j], out[:, j]
+        assert torch.allclose(decoded[column >= 0], column[column >= 0].mean())
+        assert torch.allclose(decoded[column < 0], column[column < 0].mean())
+        assert torch.isclose(decoded.sum(), column.sum(), rtol=1e-4, atol=1e-5)
+    # A piece of it that starts and ends inside rows (an alltoall partition) decodes as if its own
+    # columns were those elements of the whole's columns it holds.
+    piece = C.Segment(100, cols=6, start=9)
+    part = matrix.reshape(-1)[9:109]
+    got = compressor.decompress(compressor.compress(part, "piece", [piece]))
+    column = (9 + torch.arange(100)) % 6
+    for j in range(6):
+        mine, decoded = part[column == j], got[column == j]
+        assert torch.allclose(decoded[mine >= 0], mine[mine >= 0].mean())
+        assert torch.allclose(decoded[mine < 0], mine[mine < 0].mean())
+
+
+def test_signsgd_sends_signs_and_takes_the_majority_vote():
+    compressor = make("signsgd")
+    g = torch.tensor([0.3, -2.0, 0.0, -1e-9, 5.0])
+    assert torch.equal(compressor.decompress(compressor.compress(g)), torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0]))
+    ranks = [torch.tensor([1.0, -1.0, 1.0, -3.0]), torch.tensor([2.0, -1.0, -1.0, 0.5]),
+             torch.tensor([-5.0, 4.0, -1.0, 0.5]), torch.tensor([-1.0, 0.25, 7.0, -0.5])]
+    items = [compressor.compress(x, f"rank{k}") for k, x in enumerate(ranks)]
+    vote = compressor.combine(compressor.decompress_sum(items), len(items))
+    # Signs per element: (+ + - -) tie -> +1, (- - + +) tie -> +1, (+ - - +) tie -> +1, (- + + -) tie.
+    assert torch.equal(vote, torch.tensor([1.0, 1.0, 1.0, 1.0]))
+    assert torch.equal(compressor.combine(torch.tensor([3.0, -1.0, -3.0]), 3), torch.tensor([1.0, -1.0, -1.0]))
+    assert make("efsignsgd").combine(torch.tensor([3.0, -1.0]), 2).tolist() == [3.0, -1.0]  # summed
+
+
+def test_signum_sends_the_sign_of_its_momentum():
+    compressor = make("signum", momentum=0.5)
+    g1, g2 = torch.tensor([1.0, -1.0, 4.0]), torch.tensor([-3.0, 0.5, -1.0])
+    m1 = compressor.precondition(g1, "w")
+    assert torch.equal(m1, 0.5 * g1)
+    m2 = compressor.precondition(g2, "w")
+    assert torch.equal(m2, 0.5 * m1 + 0.5 * g2)  # [-1.25, 0, 0.5]
+    assert compressor.decompress(compressor.compress(m2, "w")).tolist() == [-1.0, 1.0, 1.0]
+    assert torch.equal(make("signum", momentum=0.0).precondition(g1, "w"), g1)  # momentum 0: signSGD
+
+
+def test_dgc_momentum_correction_accumulation_and_masking_by_hand():
+    """DGC's Algorithm with momentum correction and factor masking on a 4-element tensor, k = 1:
+    u_t = m u_{t-1} + g_t, v_t = v_{t-1} + u_t (the residual memory's p = e + u), send top-1 of v,
+    zero v and u where sent. Checked against values worked out by hand."""
+    dgc, memory = make("dgc", ratio=0.25, momentum=0.5), C.ResidualMemory()
+    grads = [torch.tensor([1.0, 2.0, 0.0, -1.0]), torch.tensor([1.0, 0.0, 0.0, -1.0]),
+             torch.tensor([0.0, 0.0, 4.0, 0.0])]
+    sent = []
+    for g in grads:
+        p = memory.compensate(dgc.precondition(g, "w"), "w")
+        decoded = dgc.decompress(dgc.compress(p, "w"))
+        memory.update("w", p, decoded)
+        dgc.sent("w", decoded)
+        sent.append(decoded.tolist())
+    # t1: u = [1, 2, 0, -1], v = u: send 2 at index 1; v = [1, 0, 0, -1], u = [1, 0, 0, -1].
+    # t2: u = 0.5 [1, 0, 0, -1] + [1, 0, 0, -1] = [1.5, 0, 0, -1.5]; v = [2.5, 0, 0, -2.5]: send 2.5 at 0
+    #     (ties go to the lower position); v = [0, 0, 0, -2.5], u = [0, 0, 0, -1.5].
+    # t3: u = [0, 0, 4, -0.75]; v = [0, 0, 4, -3.25]: send 4 at 2.
+    assert sent == [[0.0, 2.0, 0.0, 0.0], [2.5, 0.0, 0.0, 0.0], [0.0, 0.0, 4.0, 0.0]]
+    assert memory.residual("w").tolist() == [0.0, 0.0, 0.0, -3.25]
+    assert dgc.state_dict()["velocity"]["w"].tolist() == [0.0, 0.0, 0.0, -0.75]
+    unmasked = make("dgc", ratio=0.25, momentum=0.5, momentum_masking=False)
+    unmasked.precondition(grads[0], "w")
+    unmasked.sent("w", torch.tensor([0.0, 2.0, 0.0, 0.0]))
+    assert unmasked.state_dict()["velocity"]["w"].tolist() == [1.0, 2.0, 0.0, -1.0]
+
+
+def test_dgc_clips_each_tensor_locally_and_warms_up_its_sparsity():
+    dgc = make("dgc", ratio=0.001, clip_norm=2.0, warmup_steps=8)
+    g = torch.cat([torch.full((4,), 3.0), torch.full((4,), 0.1)])  # member norms 6 and 0.2
+    clipped = dgc.precondition(g, "w", [4, 4], ranks=4)  # each member to at most 2 / sqrt(4) = 1
+    assert torch.allclose(clipped[:4].norm(), torch.tensor(1.0)) and torch.equal(clipped[4:], g[4:])
+    densities = [dgc.density()]
+    for _ in range(9):
+        dgc.precondition(g, "w", [4, 4], ranks=4)
+        densities.append(dgc.density())
+    assert densities == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001]
+    assert make("dgc", ratio=0.1, warmup_steps=8).density() == 0.25  # never below ratio, never above 25%
+
+
+def test_powersgd_compresses_each_member_of_a_fused_buffer_as_its_own_matrix():
+    a, b, v = low_rank((12, 10), 1, seed=1), low_rank((6, 2, 4), 2, seed=2), torch.randn(5)
+    fused, alone = make("powersgd", rank=2), make("powersgd", rank=2)
+    segments = [C.Segment.of(a.shape), C.Segment.of(v.shape), C.Segment.of(b.shape)]
+    compressed = fused.compress(torch.cat([a.reshape(-1), v, b.reshape(-1)]), "group", segments)
+    assert [tuple(p.shape) for p in compressed.payload] == [(12, 2), (10, 2), (5,), (6, 2), (8, 2)]
+    want = torch.cat([alone.decompress(alone.compress(t, f"m{k}")).reshape(-1) for k, t in enumerate((a, v, b))])
+    assert torch.allclose(fused.decompress(compressed), want, atol=1e-4)
+    with pytest.raises(ValueError, match="not whole rows"):
+        fused.compress(a.reshape(-1)[3:50], "piece", [C.Segment(47, cols=10, start=3)])
+
+
+def test_pieces_cut_members_into_consecutive_ranges():
+    members = [C.Segment(3), C.Segment(0), C.Segment(5, cols=5), C.Segment(2)]
+    cut = pieces(members, [4, 3, 3])
+    assert [[p.numel for p in part] for part in cut] == [[3, 1], [3], [1, 2]]
+    assert [(p.cols, p.start) for p in cut[1]] == [(5, 1)] and cut[2][0].start == 4
+    assert [p.numel for p in pieces([C.Segment(10)], [4, 3, 3])[2]] == [3]
+    assert [[(p.numel, p.start) for p in part] for part in pieces([C.Segment(6), C.Segment(4)], [5], 3)] \
+        == [[(3, 3), (2, 0)]]
 
 
 def test_int8_error_is_at_most_half_a_step():
@@ -456,7 +569,7 @@ def run_feedback(compressor: C.Compressor, memory: C.Memory, steps: int = 50, n:
     return sent, memory.residual("w").double(), total
 
 
-@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.05}), ("signsgd", {}), ("onebit", {}),
+@pytest.mark.parametrize("name,params", [("topk", {"ratio": 0.05}), ("efsignsgd", {}), ("onebit", {}),
                                          ("dgc", {"ratio": 0.1}), ("int8", {}), ("terngrad", {})])
 def test_residual_memory_telescopes_over_50_steps(name, params):
     sent, residual, total = run_feedback(make(name, **params), C.ResidualMemory())
@@ -470,17 +583,14 @@ def test_decayed_memory_breaks_the_identity():
     assert gap > 0.1 * total.norm()
 
 
-def test_efsignsgd_carries_its_own_residual():
-    compressor = make("efsignsgd")
-    assert compressor.has_memory
-    gen = torch.Generator().manual_seed(12)
-    sent, total = torch.zeros(200, dtype=torch.float64), torch.zeros(200, dtype=torch.float64)
-    for _ in range(50):
-        g = torch.randn(200, generator=gen)
-        total += g.double()
-        sent += compressor.decompress(compressor.compress(g, "w")).double()
-    residual = compressor.memory.residual("w").double()
-    assert torch.allclose(sent + residual, total, atol=1e-4)
+def test_defaults_feed_back_what_biased_compressors_drop():
+    """Biased compressors default to residual error feedback, unbiased ones (and the vote signs,
+    which are no contraction) to none."""
+    defaults = {name: make(name).default_memory for name in NAMES}
+    assert {n for n, m in defaults.items() if m == "none"} == {"none", "qsgd", "terngrad", "randomk", "signsgd",
+                                                                "signum"}
+    assert make("randomk", unbiased=False).default_memory == "residual"
+    assert make("signsgd", scaled=True, vote=False).name == "efsignsgd"  # one class, three configurations
 
 
 def test_memories_keep_bf16_residuals_in_float32():
@@ -504,19 +614,25 @@ def through_bytes(state: dict) -> dict:
 
 
 @pytest.mark.parametrize("name,params", [("powersgd", {"rank": 2}), ("signum", {}), ("qsgd", {"levels": 4}),
-                                         ("efsignsgd", {}), ("randomk", {"ratio": 0.1}),
-                                         ("dgc", {"ratio": 0.01}), ("terngrad", {})])
+                                         ("randomk", {"ratio": 0.1}), ("terngrad", {}),
+                                         ("dgc", {"ratio": 0.01, "momentum": 0.9, "warmup_steps": 6})])
 def test_state_dict_restores_bit_identical_behaviour(name, params):
     gen = torch.Generator().manual_seed(13)
     grads = [torch.randn(48, 40, generator=gen) for _ in range(8)]
+
+    def step(compressor, g):  # what a backend does once per step: prepare, compress, say what was sent
+        compressed = compressor.compress(compressor.precondition(g, "w"), "w")
+        compressor.sent("w", compressor.decompress(compressed))
+        return compressed
+
     original = make(name, **params)
     for g in grads[:4]:
-        original.compress(g, "w")
+        step(original, g)
     restored = make(name, **params)
     restored.load_state_dict(through_bytes(original.state_dict()))
     fresh = make(name, **params)
     for g in grads[4:]:
-        a, b, c = original.compress(g, "w"), restored.compress(g, "w"), fresh.compress(g, "w")
+        a, b, c = step(original, g), step(restored, g), step(fresh, g)
         assert all(torch.equal(x, y) for x, y in zip(a.payload, b.payload, strict=True))
         assert torch.equal(original.decompress(a), restored.decompress(b))
     assert not all(torch.equal(x, y) for x, y in zip(a.payload, c.payload, strict=True))  # state mattered
@@ -584,6 +700,11 @@ def test_decompress_sum_adds_every_payload_in_order_and_leaves_them_untouched(na
     ("qsgd", {"levels": 0}, "compressor.levels"),
     ("qsgd", {"bucket_size": 0}, "compressor.bucket_size"),
     ("signum", {"momentum": 1.0}, "compressor.momentum"),
+    ("signsgd", {"vote": "yes"}, "compressor.vote"),
+    ("dgc", {"momentum": -0.1}, "compressor.momentum"),
+    ("dgc", {"clip_norm": 0.0}, "compressor.clip_norm"),
+    ("dgc", {"warmup_steps": -1}, "compressor.warmup_steps"),
+    ("dgc", {"momentum_masking": 1}, "compressor.momentum_masking"),
     ("terngrad", {"seed": "x"}, "compressor.seed"),
 ])
 def test_bad_parameters_name_their_key(name, params, key):
@@ -607,7 +728,9 @@ def test_every_compressor_and_memory_has_a_config_that_builds_it():
         cfg = OmegaConf.load(CONF / "compressor" / f"{name}.yaml")
         if name == "none":
             continue  # `_target_: null` until the compress backend consumes it
-        assert isinstance(instantiate(cfg), cls)
+        built = instantiate(cfg)
+        assert isinstance(built, cls) and built.name == name
+        assert vars(built) == vars(C.build_compressor(name))  # the config is the registry's preset
     for name, cls in C.MEMORIES.items():
         assert isinstance(instantiate(OmegaConf.load(CONF / "memory" / f"{name}.yaml")), cls)
     assert {p.stem for p in (CONF / "compressor").glob("*.yaml")} == set(C.COMPRESSORS)

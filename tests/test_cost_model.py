@@ -439,3 +439,26 @@ def test_timeline_validation():
         simulate([TensorTask("x", 0.0, 0, -1, 0)], backward_end_s=1.0)
     assert simulate([], backward_end_s=1.0, optimizer_s=0.5).iteration_s == 1.5
     assert simulate([], backward_end_s=1.0).idle_gaps() == [(0.0, 1.0)]
+
+
+def test_zen_is_offered_to_sparsifiers_alone_and_priced_by_the_union():
+    """Espresso's option space holds zen for a sparsifier (not for a quantizer), and its price follows
+    the union's bytes: at top-k 1% on 8 ranks it moves less than allgather's n selections, and with
+    fewer ranks' selections to merge (2 ranks) the advantage shrinks."""
+    from ddlscale.compress import FP16, NoCompression, TopK
+    from ddlscale.plan.cost import Option
+    from ddlscale.plan.planner import cost_model
+    from ddlscale.plan.synthetic import random_profile
+
+    profile = random_profile(random.Random(3), 4, world_size=8)
+    net = NetworkModel.of("1gbit", "100us", 1)
+    zen, allgather = Option("default", "zen"), Option("default", "allgather")
+    model = cost_model(profile, {"none": NoCompression(), "default": TopK(0.01)}, 8, net)
+    assert zen in model.options()
+    assert Option("default", "zen") not in cost_model(profile, {"none": NoCompression(), "default": FP16()}, 8,
+                                                      net).options()
+    comm = {o.scheme: model.costs_of(1 << 22, "torch.float32", o, 0.01)[1] for o in (zen, allgather)}
+    assert comm["zen"] < comm["allgather"], comm  # independent selections: the largest union
+    pair = cost_model(profile, {"none": NoCompression(), "default": TopK(0.01)}, 2, net)
+    two = {o.scheme: pair.costs_of(1 << 22, "torch.float32", o, 0.01)[1] for o in (zen, allgather)}
+    assert two["zen"] / two["allgather"] > comm["zen"] / comm["allgather"], (two, comm)

@@ -33,23 +33,40 @@ def test_unchanged_groups_are_left_alone():
 
 
 def test_a_hierarchical_chunk_lands_at_its_ranks_position():
-    # 5 elements over a machine of 2: chunks of 3, the second one's last element is padding.
-    state = {"a+b@machine": torch.tensor([7.0, 8.0, 9.0])}
+    # 5 elements over a machine of 2: chunks of 3, the second one holds the last 2 (the padding is no state).
+    state = {"a+b@machine": torch.tensor([7.0, 8.0])}
     regroup([state], {"a+b@machine": GroupLayout((A, B), machine=(1, 2))}, {"a+b": GroupLayout((A, B))})
     assert torch.equal(state["a+b"], torch.tensor([0.0, 0.0, 0.0, 7.0, 8.0]))
 
 
-def test_moving_into_a_hierarchical_group_reduce_scatters():
+def test_moving_into_a_hierarchical_group_sums_over_the_machine():
     seen = []
 
-    def reduce_scatter(chunk, whole):  # a machine of 2 whose other rank holds nothing
-        seen.append(whole.clone())
-        chunk.copy_(whole[3:6])
+    def machine_sum(tensor):  # a machine of 2 whose other rank holds [10, 10, 10, 10, 10]
+        seen.append(tensor.clone())
+        tensor += 10.0
 
     state = {"a": torch.arange(1.0, 4.0), "b": torch.arange(4.0, 6.0)}
     regroup([state], {"a": GroupLayout((A,)), "b": GroupLayout((B,))},
-            {"a+b@machine": GroupLayout((A, B), machine=(1, 2))}, reduce_scatter)
-    assert torch.equal(seen[0], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 0.0]))
-    assert torch.equal(state["a+b@machine"], torch.tensor([4.0, 5.0, 0.0]))
-    with pytest.raises(ValueError, match="reduce_scatter"):
+            {"a+b@machine": GroupLayout((A, B), machine=(1, 2))}, machine_sum)
+    assert torch.equal(seen[0], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+    assert torch.equal(state["a+b@machine"], torch.tensor([14.0, 15.0]))
+    with pytest.raises(ValueError, match="machine's sum"):
         regroup([{"a": torch.ones(3)}], {"a": GroupLayout((A,))}, {"a@machine": GroupLayout((A,), machine=(0, 2))})
+
+
+def test_a_leader_holds_the_whole_group_and_its_other_ranks_none():
+    """PowerSGD's hierarchical groups run whole at the machine's first rank: its state is the whole
+    buffer there and empty at the others, and it moves to and from flat groups like a chunk does."""
+    leader = {"a+b@machine": torch.arange(5.0)}
+    other = {"a+b@machine": torch.zeros(0)}
+    before = {"a+b@machine": GroupLayout((A, B), machine=(0, 2), leader=True)}
+    regroup([leader], before, {"a": GroupLayout((A,)), "b": GroupLayout((B,))})
+    regroup([other], {"a+b@machine": GroupLayout((A, B), machine=(1, 2), leader=True)},
+            {"a": GroupLayout((A,)), "b": GroupLayout((B,))})
+    assert torch.equal(leader["a"], torch.arange(3.0)) and torch.equal(leader["b"], torch.tensor([3.0, 4.0]))
+    assert torch.equal(other["a"], torch.zeros(3)) and torch.equal(other["b"], torch.zeros(2))
+    state = {"a": torch.ones(3), "b": torch.ones(2)}
+    regroup([state], {"a": GroupLayout((A,)), "b": GroupLayout((B,))},
+            {"a+b@machine": GroupLayout((A, B), machine=(1, 2), leader=True)}, lambda t: t.mul_(2))
+    assert state["a+b@machine"].numel() == 0  # the sum went to the leader

@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from ddlscale.cluster import free_port
+from ddlscale.compress import build_compressor
 from ddlscale.sync import GradSync
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +100,7 @@ def test_sweep_runs_each_job_once_and_seed_reproduces(tmp_path):
         ("sync=compress compressor=topk sync.comm=allreduce", "sync.comm"),
         ("sync=compress compressor=topk compressor.ratio=1.5", "compressor.ratio"),
         ("sync=compress compressor=powersgd compressor.rank=0", "compressor.rank"),
-        ("sync=compress compressor=efsignsgd memory=residual", "memory=none"),
+        ("sync=compress compressor=powersgd sync.comm=alltoall", "sync.comm"),
         ("keep_freed_memory=maybe", "keep_freed_memory"),
     ],
 )
@@ -152,8 +153,8 @@ def test_kept_freed_memory_spares_a_page_fault_per_page_of_every_large_temporary
 
 COMPRESSORS = ["none", "fp16", "bf16", "int8", "topk", "randomk", "dgc", "threshold", "signsgd", "efsignsgd",
                "signum", "onebit", "qsgd", "terngrad", "powersgd"]
-# One of each kind (uncompressed, quantize, sparsify, sign with its own error feedback, low rank) for the
-# default run; the sweep over all 15 takes about 2 minutes here and is marked slow.
+# One of each kind (uncompressed, quantize, sparsify, scaled sign, low rank) for the default run; the
+# sweep over all 15 takes about 2 minutes here and is marked slow.
 KINDS = ["none", "int8", "topk", "efsignsgd", "powersgd"]
 
 
@@ -169,6 +170,9 @@ def test_compressors_train_through_sync_compress(tmp_path, compressors):
                  for job in sorted(sweep.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
                  if job.is_dir() and job.name.isdigit()]
     assert [s["compressor"] for s in summaries] == compressors
+    # memory=default: each ran with its compressor's own error feedback, and the summary says which.
+    assert [(s["memory"], s["memory_default"]) for s in summaries] == [
+        (build_compressor(name).default_memory, True) for name in compressors]
     dense_bytes = summaries[0]["bytes_sent_per_step"]
     for s in summaries:
         assert s["steps"] == 3 and s["final_loss"] is not None and s["final_loss"] == s["final_loss"], s["compressor"]

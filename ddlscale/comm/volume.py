@@ -70,3 +70,19 @@ def flat_gather(piece_bytes: list[int], rank: int, dst: int) -> tuple[int, int]:
     if rank == dst:
         return 0, sum(piece_bytes) - piece_bytes[dst]
     return piece_bytes[rank], 0
+
+
+def expected_union(numel: int, kept: int, n: int) -> float:
+    """Elements in the union of ``n`` ranks' selections of ``kept`` of ``numel`` each, if they chose
+    independently: numel (1 - (1 - kept/numel)^n). Real gradients' selections overlap more (top-k
+    of correlated gradients), so this errs towards a larger union."""
+    if numel <= 0:
+        return 0.0
+    return numel * (1.0 - (1.0 - min(kept, numel) / numel) ** n)
+
+
+def pull_as_bitmap(numel: int, kept: int, n: int, index_bytes: int = 4) -> bool:
+    """Zen's pull format for a tensor of ``numel`` units of which each of ``n`` ranks sends ``kept``:
+    a hash bitmap (one bit per unit of the tensor, no indices) beats (index, value) pairs once the
+    union holds more than one unit in 8 * ``index_bytes``, whatever the value width."""
+    return expected_union(numel, kept, n) * index_bytes * 8 > numel

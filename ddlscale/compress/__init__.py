@@ -8,20 +8,25 @@ The interface a backend relies on
 ---------------------------------
 ``Compressor`` (``base.py``)::
 
-    compress(tensor: Tensor, name: str = "", segments: Sequence[int] | None = None) -> Compressed
+    precondition(tensor, name, segments=None, ranks=1) -> Tensor  # once per step and group, first
+    compress(tensor: Tensor, name: str = "", segments: Sequence[int | Segment] | None = None) -> Compressed
     decompress(compressed: Compressed) -> Tensor          # original shape and dtype
-    aggregate(items: Sequence[Compressed]) -> Compressed  # only where ``summable``
     decompress_sum(items: Sequence[Compressed]) -> Tensor  # decompress each, add in order
+    combine(total: Tensor, count: int) -> Tensor          # what the sum of count ranks' tensors aggregates to
+    sent(name: str, decoded: Tensor) -> None              # after the step: what this rank's first stage sent
+    aggregate(items: Sequence[Compressed]) -> Compressed  # only where ``summable``
     payload_bytes(shape: int | Sequence[int], dtype: torch.dtype, kept: int | None = None) -> int
     state_dict() -> dict;  load_state_dict(state: dict) -> None
-    summable: bool     # payloads of different ranks may be summed elementwise, then decoded
-    fixed_size: bool   # payload shapes depend only on (shape, dtype); else exchange sizes first
-    has_memory: bool   # applies its own error feedback (efsignsgd): run it with memory=none
-    per_member: bool   # treats each member of a fused buffer given its ``segments`` as alone
+    summable: bool        # payloads of different ranks may be summed elementwise, then decoded
+    fixed_size: bool      # payload shapes depend only on (shape, dtype); else exchange sizes first
+    per_member: bool      # treats each member of a fused buffer given its ``segments`` as alone
+    needs_matrices: bool  # compresses matrices (PowerSGD): never hand it pieces cutting rows
+    default_memory: str   # the error feedback a run gets unless it names one: residual if biased
 
 ``Compressed(payload: list[Tensor], ctx: Context)``: ``payload`` is exactly what travels (its
-``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra)``
-stays on the rank. ``with_payload(received)`` pairs another rank's payload with this rank's context.
+``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra,
+segments)`` stays on the rank. ``with_payload(received)`` pairs another rank's payload with this
+rank's context.
 
 Rules:
 1. A Context is rank-independent: for the same tensor name and step, every rank's Context decodes
@@ -43,13 +48,19 @@ Rules:
    vectors), which may alias the input; so may ``payload`` itself for those.
 7. PowerSGD adds ``reduce(tensor, name, allreduce: Callable[[Tensor], None]) -> Tensor``, the
    allreduce-compatible path (two in-place allreduces of the factors).
-8. A fused group's flat buffer comes with ``segments``, its members' sizes. A per-member
-   compressor (the scaled signs and onebit) keeps one scale per member and records the segments
-   in the Context, so the group decodes exactly as its members compressed alone would; randomk
-   draws each member's own k positions, so it samples as its members alone would. The payload
-   grows by at most ``member_bytes`` per extra member. Every other compressor ignores them.
+8. A fused group's flat buffer comes with ``segments``, its members (:class:`Segment`: size, and
+   the row length of the member's matrix view), or the pieces of them a partition holds. A
+   per-member compressor treats each as if compressed alone — the scaled signs keep one scale per
+   member, onebit two means per column, PowerSGD factors per matrix; randomk draws each member's
+   own k positions — and records them in the Context, so the group decodes exactly as its members
+   compressed alone would. The payload grows by at most ``member_bytes`` per extra member (onebit:
+   per extra column). Every other compressor ignores them.
 9. Parameters are checked at construction; a bad one raises ValueError naming its config key
    (``compressor.ratio must be in (0, 1], got 1.5``).
+10. ``precondition`` runs once per step on each group's gradient, before error feedback (DGC's
+   momentum correction and clipping, Signum's momentum), and ``sent`` after the step with what
+   this rank's first compression sent; a scheme's second compression (an owner's re-encoding of a
+   sum) goes through ``compress`` alone.
 
 ``Memory`` (``memory.py``)::
 
@@ -61,17 +72,18 @@ Rules:
     state_dict() -> dict;  load_state_dict(state: dict) -> None
 
 Names (the config group files ``conf/compressor/<name>.yaml`` and ``conf/memory/<name>.yaml``
-target these classes) are listed in :data:`COMPRESSORS` and :data:`MEMORIES`.
+target these classes) are listed in :data:`COMPRESSORS` and :data:`MEMORIES`; a name that is a
+configuration of another's class (``signum``, ``efsignsgd``: :class:`SignSGD`) has its settings in
+:data:`PRESETS`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ddlscale.compress.base import Compressed, Compressor, Context
+from ddlscale.compress.base import Compressed, Compressor, Context, Segment
 from ddlscale.compress.cast import BF16, FP16
 from ddlscale.compress.dgc import DGC
-from ddlscale.compress.efsignsgd import EFSignSGD
 from ddlscale.compress.int8 import Int8
 from ddlscale.compress.memory import DecayedMemory, Memory, NoMemory, ResidualMemory
 from ddlscale.compress.none import NoCompression
@@ -80,16 +92,17 @@ from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.qsgd import QSGD
 from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.signsgd import SignSGD
-from ddlscale.compress.signum import Signum
 from ddlscale.compress.terngrad import TernGrad
 from ddlscale.compress.threshold import Threshold
 from ddlscale.compress.topk import TopK
 
 COMPRESSORS: dict[str, type[Compressor]] = {
-    cls.name: cls
-    for cls in (NoCompression, FP16, BF16, Int8, TopK, RandomK, DGC, Threshold, SignSGD, EFSignSGD,
-                Signum, OneBit, QSGD, TernGrad, PowerSGD)
+    "none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "topk": TopK, "randomk": RandomK,
+    "dgc": DGC, "threshold": Threshold, "signsgd": SignSGD, "efsignsgd": SignSGD, "signum": SignSGD,
+    "onebit": OneBit, "qsgd": QSGD, "terngrad": TernGrad, "powersgd": PowerSGD,
 }
+# Names that are a configuration of another name's class (conf/compressor/<name>.yaml says the same).
+PRESETS: dict[str, dict[str, Any]] = {"efsignsgd": {"scaled": True, "vote": False}, "signum": {"momentum": 0.9}}
 MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}
 
 
@@ -97,7 +110,7 @@ def build_compressor(name: str, **params: Any) -> Compressor:
     """The compressor registered as ``name`` (what ``compressor=<name>`` selects)."""
     if name not in COMPRESSORS:
         raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {name!r}")
-    return COMPRESSORS[name](**params)
+    return COMPRESSORS[name](**{**PRESETS.get(name, {}), **params})
 
 
 def build_memory(name: str, **params: Any) -> Memory:
@@ -107,8 +120,8 @@ def build_memory(name: str, **params: Any) -> Memory:
 
 
 __all__ = [
-    "BF16", "COMPRESSORS", "DGC", "EFSignSGD", "FP16", "Int8", "MEMORIES", "NoCompression", "NoMemory",
-    "OneBit", "PowerSGD", "QSGD", "RandomK", "SignSGD", "Signum", "TernGrad", "Threshold", "TopK",
-    "Compressed", "Compressor", "Context", "DecayedMemory", "Memory", "ResidualMemory",
+    "BF16", "COMPRESSORS", "DGC", "FP16", "Int8", "MEMORIES", "PRESETS", "NoCompression", "NoMemory",
+    "OneBit", "PowerSGD", "QSGD", "RandomK", "SignSGD", "TernGrad", "Threshold", "TopK",
+    "Compressed", "Compressor", "Context", "DecayedMemory", "Memory", "ResidualMemory", "Segment",
     "build_compressor", "build_memory",
 ]

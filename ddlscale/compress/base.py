@@ -9,12 +9,68 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 Shape = int | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One member of a flat buffer a compressor is given, or the piece of a member an alltoall
+    partition (or a machine's chunk) holds: ``numel`` elements of a tensor seen as a matrix of its
+    first dimension by the rest (rows of ``cols`` elements: PowerSGD's matrices, onebit's columns),
+    the piece starting ``start`` elements into its member. A flat member is one column."""
+
+    numel: int
+    cols: int = 1
+    start: int = 0
+
+    @classmethod
+    def of(cls, shape: Sequence[int]) -> Segment:
+        """A whole tensor of this shape (a vector or a scalar: one column)."""
+        shape = tuple(int(d) for d in shape)
+        return cls(math.prod(shape), max(1, math.prod(shape[1:])) if len(shape) >= 2 else 1)
+
+    @property
+    def whole_rows(self) -> bool:
+        """Whether the piece is a block of whole rows (a matrix of its own)."""
+        return self.start % self.cols == 0 and self.numel % self.cols == 0
+
+    @property
+    def rows(self) -> int:
+        return self.numel // self.cols
+
+    @property
+    def columns(self) -> int:
+        """How many of its member's columns the piece touches (an empty one: one, holding nothing)."""
+        return max(1, min(self.cols, self.numel))
+
+
+def pieces(members: Sequence[Segment], sizes: Sequence[int], offset: int = 0) -> list[list[Segment]]:
+    """The pieces of ``members`` (consecutive in a buffer) that each of the consecutive ranges of
+    ``sizes`` elements holds, the ranges starting ``offset`` elements into the buffer (empty pieces
+    left out)."""
+    out, member, used = [], 0, 0  # used: elements of members[member] in earlier ranges (or before offset)
+    while offset > 0 and member < len(members):
+        take = min(offset, members[member].numel - used)
+        offset, used = offset - take, used + take
+        if used == members[member].numel:
+            member, used = member + 1, 0
+    for size in sizes:
+        share = []
+        while size > 0 and member < len(members):
+            whole = members[member]
+            take = min(size, whole.numel - used)
+            if take > 0:
+                share.append(Segment(take, whole.cols, whole.start + used))
+            size, used = size - take, used + take
+            if used == whole.numel:
+                member, used = member + 1, 0
+        out.append(share)
+    return out
 
 
 @dataclass(frozen=True)
@@ -25,11 +81,16 @@ class Context:
     shape: torch.Size
     dtype: torch.dtype
     extra: Any = None  # compressor-specific, identical on every rank (e.g. shared-seed indices)
-    segments: tuple[int, ...] | None = None  # a fused buffer's member sizes (per-member compressors)
+    # The members a per-member compressor was given (None: one flat member, the whole tensor).
+    segments: tuple[Segment, ...] | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def members(self) -> tuple[Segment, ...]:
+        return self.segments if self.segments is not None else (Segment(self.numel),)
 
 
 @dataclass
@@ -56,19 +117,23 @@ class Compressor:
     ``summable`` — payloads of different ranks may be summed elementwise (allreduce) and decoded;
     ``fixed_size`` — payload shapes depend only on the tensor's shape and dtype, so a receiver can
     size its buffers from its own payload; otherwise sizes must be exchanged first;
-    ``has_memory`` — the compressor applies its own error feedback (use ``memory=none`` with it);
-    ``per_member`` — given the member sizes of a fused buffer (``compress(..., segments=)``), it
-    keeps one scale per member instead of one per buffer, so fusing does not let a large tensor set
-    a small one's scale (randomk: draws k per member); each member past the first adds up to
-    ``member_bytes`` to the payload.
+    ``per_member`` — given the members of a fused buffer (``compress(..., segments=)``), it treats
+    each as if compressed alone: one scale per member instead of one per buffer, so fusing does not
+    let a large tensor set a small one's scale (randomk: draws k per member; onebit: two means per
+    column of each member; PowerSGD: factors per member matrix); each member past the first adds
+    up to ``member_bytes`` to the payload;
+    ``needs_matrices`` — it compresses matrices (PowerSGD): a scheme that would hand it flat pieces
+    cutting through rows refuses it;
+    ``unbiased`` — E[D(C(g))] = g: it runs without error feedback by default (:attr:`default_memory`).
     """
 
-    name: ClassVar[str] = "?"
+    name: str = "?"
     summable: bool = False
     fixed_size: bool = True
-    has_memory: bool = False
     per_member: bool = False
     member_bytes: int = 0
+    needs_matrices: bool = False
+    unbiased: bool = False
 
     seed: int = 0  # stochastic compressors set it from their config
 
@@ -76,23 +141,48 @@ class Compressor:
         self._steps: dict[str, int] = {}  # per-tensor call count: drives reproducible randomness
 
     # -- the public contract -------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, name: str = "", segments: Sequence[int] | None = None) -> Compressed:
+    @property
+    def default_memory(self) -> str:
+        """The error feedback a run gets unless it names one: ``residual`` for a biased compressor
+        (what it drops is sent later instead of lost), ``none`` for an unbiased one (its errors
+        average out, and a residual would only add variance)."""
+        return "none" if self.unbiased else "residual"
+
+    def precondition(self, tensor: torch.Tensor, name: str, segments: Sequence[int | Segment] | None = None,
+                     ranks: int = 1) -> torch.Tensor:
+        """What this rank's gradient becomes before error feedback and compression, once per step and
+        group (the identity here; DGC's momentum correction and local clipping, Signum's momentum).
+        ``ranks``: how many ranks' tensors the scheme will combine. May return ``tensor`` itself."""
+        return tensor
+
+    def sent(self, name: str, decoded: torch.Tensor) -> None:
+        """The first stage of ``name`` sent ``decoded`` (this rank's own payload decompressed), for state
+        that depends on what was sent (DGC's momentum factor masking); nothing here."""
+
+    def combine(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        """What ``count`` ranks' decompressed tensors, summed into ``total``, aggregate to: their sum
+        here (a majority vote in signSGD). May work in place."""
+        return total
+
+    def compress(self, tensor: torch.Tensor, name: str = "", segments: Sequence[int | Segment] | None = None) -> Compressed:
         """Compress one gradient. ``name`` keys any per-tensor state (momentum, factors, RNG).
-        ``segments``: the sizes of the tensors a fused flat buffer holds, in order; a per-member
-        compressor scales each separately, any other ignores them."""
+        ``segments``: the members a flat buffer holds, in order (sizes, or :class:`Segment` with their
+        matrix rows); a per-member compressor compresses each as if alone, any other ignores them."""
         if not tensor.is_floating_point():
             raise TypeError(f"{self.name}: can only compress floating-point tensors, got {tensor.dtype}")
         members = self._members(tensor, segments)
-        payload, extra = self.encode(tensor, name, members) if members else self.encode(tensor, name)
+        payload, extra = self.encode(tensor, name, members) if members is not None else self.encode(tensor, name)
         self._steps[name] = self._steps.get(name, 0) + 1
-        return Compressed(payload, Context(tensor.shape, tensor.dtype, extra, members))
+        flat = members is None or (len(members) == 1 and members[0].columns <= 1)
+        return Compressed(payload, Context(tensor.shape, tensor.dtype, extra, None if flat else members))
 
     def decompress(self, compressed: Compressed) -> torch.Tensor:
         """A dense tensor of the original shape and dtype."""
         ctx = compressed.ctx
         return self.decode(compressed.payload, ctx).reshape(ctx.shape).to(ctx.dtype)
 
-    def context(self, shape: Shape, dtype: torch.dtype, name: str = "", segments: Sequence[int] | None = None) -> Context:
+    def context(self, shape: Shape, dtype: torch.dtype, name: str = "",
+                segments: Sequence[int | Segment] | None = None) -> Context:
         """The Context any rank's :meth:`compress` of ``name`` gives at this step, without its data
         (a receiver decoding a payload it did not compress), advancing ``name``'s step as
         :meth:`compress` does. Compressing zeros gives it in general; a compressor whose context
@@ -127,19 +217,23 @@ class Compressor:
         """
         raise NotImplementedError
 
-    def _members(self, tensor: torch.Tensor, segments: Sequence[int] | None) -> tuple[int, ...] | None:
-        """``segments`` as a tuple when this compressor scales per member and there are several."""
-        if segments is None or not self.per_member:
+    def _members(self, tensor: torch.Tensor, segments: Sequence[int | Segment] | None) -> tuple[Segment, ...] | None:
+        """For a per-member compressor, ``segments`` as Segments (the tensor's own shape when none
+        are given); None for any other."""
+        if not self.per_member:
             return None
-        members = tuple(int(s) for s in segments)
-        if any(s < 0 for s in members) or sum(members) != tensor.numel():
-            raise ValueError(f"{self.name}: segments {list(members)} do not split a tensor of {tensor.numel()} elements")
-        return members if len(members) > 1 else None
+        if segments is None:
+            return (Segment.of(tensor.shape),)
+        members = tuple(s if isinstance(s, Segment) else Segment(int(s)) for s in segments)
+        if any(s.numel < 0 for s in members) or sum(s.numel for s in members) != tensor.numel():
+            raise ValueError(f"{self.name}: segments {[s.numel for s in members]} do not split a tensor of "
+                             f"{tensor.numel()} elements")
+        return members
 
     # -- what subclasses implement -------------------------------------------------------------
     def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], Any]:
         """(payload, Context.extra) for ``tensor`` (any shape; flatten as needed). A per-member
-        compressor also takes ``segments`` (several member sizes) and its decode reads ``ctx.segments``."""
+        compressor also takes its members (Segments) and its decode reads ``ctx.members``."""
         raise NotImplementedError
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:

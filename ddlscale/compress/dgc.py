@@ -1,34 +1,58 @@
-"""Deep Gradient Compression's selection: top-k by a threshold estimated from a random sample."""
+"""Deep Gradient Compression (Lin et al., 2018): sampled-threshold top-k with the paper's four
+techniques, each switchable — momentum correction, local gradient clipping, momentum factor
+masking, and a warm-up of exponentially rising sparsity."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from ddlscale.compress.base import check_ratio, check_seed, count_of
+from ddlscale.compress.base import (
+    Segment,
+    check_int,
+    check_ratio,
+    check_seed,
+    check_unit_interval,
+    count_of,
+    wide,
+)
 from ddlscale.compress.sparse import SparseCompressor, top_indices
 
 MIN_SAMPLE = 1024  # below this many sampled magnitudes the estimate is too noisy to be worth it
+WARMUP_STAGES, WARMUP_FIRST = 4, 0.25  # the paper: 25%, 6.25%, 1.5625%, 0.4% kept, a quarter each stage
 
 
 class DGC(SparseCompressor):
-    """Estimates a threshold from a sample of ``sample_ratio * numel`` magnitudes (at least
-    ``MIN_SAMPLE``, drawn with replacement), then keeps every element at or above it — one
-    comparison pass instead of an exact top-k over the whole tensor.
+    """Selection: a threshold estimated from a sample of ``sample_ratio * numel`` magnitudes (at least
+    ``MIN_SAMPLE``, drawn with replacement), then every element at or above it is kept — one
+    comparison pass instead of an exact top-k over the whole tensor. With k = ceil(ratio * numel)
+    and k_s = k * samples / numel its share of the sample, the estimate is the sample's
+    min(1.5 k_s, k_s + 3 sqrt(k_s))-th largest magnitude: three binomial standard deviations above k
+    (aiming at k itself would undershoot half the time and pay for an exact top-k), capped at the
+    middle of the accepted range. The rule when the count still misses (c = elements passing):
+    k <= c <= 2k: keep all c; c > 2k: exact top-k among those c candidates (they contain the true
+    top-k); c < k: exact top-k over the whole tensor. So the kept count is always in [k, 2k] and every
+    kept magnitude >= every dropped one. Tensors too small to sample use exact top-k directly.
 
-    With k = ceil(ratio * numel) and k_s = k * samples / numel its share of the sample, the estimate
-    is the sample's min(1.5 k_s, k_s + 3 sqrt(k_s))-th largest magnitude: three binomial standard
-    deviations above k (aiming at k itself would undershoot half the time and pay for an exact
-    top-k), capped at the middle of the accepted range. Large samples thus land within a few
-    percent above k; small ones near 1.5k. The rule when the count still misses
-    (c = elements passing the estimate):
-    - k <= c <= 2k: keep all c (the payload is at most twice top-k's);
-    - c > 2k (estimate too low): exact top-k among those c candidates — they contain the true top-k,
-      so the result equals exact top-k at a fraction of its cost;
-    - c < k (estimate too high): exact top-k over the whole tensor.
-    So the kept count is always in [k, 2k] and every kept magnitude >= every dropped one. Tensors
-    too small to sample (sample >= numel) use exact top-k directly.
+    The paper's techniques (:meth:`precondition` and :meth:`sent`, applied by the backend once per
+    step and group, before error feedback):
+
+    - ``momentum`` (momentum correction; 0: off): each rank keeps u_t = momentum u_{t-1} + g_t and
+      sparsifies its accumulation v_t = v_{t-1} + u_t instead of the gradient's (the accumulation is
+      the run's error feedback, memory=residual: p = e + u). Set it to the optimizer's momentum and
+      run the optimizer without one (``model.momentum=0``), as the paper does — both at once would
+      apply momentum twice.
+    - ``momentum_masking`` (momentum factor masking): u is zeroed where v was sent, so stale momentum
+      does not keep pushing a coordinate that was just applied.
+    - ``clip_norm`` (local gradient clipping; null: off): each tensor's gradient on each rank is
+      clipped to L2 norm clip_norm / sqrt(ranks) before it is accumulated — the sum over ranks then
+      has about norm clip_norm — so one rank's outlier does not sit in the accumulation for steps.
+    - ``warmup_steps`` (0: off): the kept fraction starts at 25% and falls by a quarter in each of 4
+      equal stages of ``warmup_steps`` steps in all (25%, 6.25%, 1.56%, 0.39%: the paper's epochs),
+      never below ``ratio``, then stays at ``ratio``.
 
     Payload: ``[values (kept), indices (kept, int32)]``; kept varies with the data.
     """
@@ -36,28 +60,78 @@ class DGC(SparseCompressor):
     name = "dgc"
     fixed_size = False
 
-    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0) -> None:
+    def __init__(self, ratio: float = 0.01, sample_ratio: float = 0.01, seed: int = 0, momentum: float = 0.0,
+                 momentum_masking: bool = True, clip_norm: float | None = None, warmup_steps: int = 0) -> None:
         super().__init__()
         self.ratio = check_ratio(ratio)
         self.sample_ratio = check_ratio(sample_ratio, "compressor.sample_ratio")
         self.seed = check_seed(seed)
+        self.momentum = check_unit_interval(momentum, "compressor.momentum")
+        if not isinstance(momentum_masking, bool):
+            raise ValueError(f"compressor.momentum_masking must be true or false, got {momentum_masking!r}")
+        self.momentum_masking = momentum_masking
+        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float))
+                                      or not clip_norm > 0):
+            raise ValueError(f"compressor.clip_norm must be a number > 0 or null, got {clip_norm!r}")
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.warmup_steps = check_int(warmup_steps, "compressor.warmup_steps", 0)
+        self._velocity: dict[str, torch.Tensor] = {}  # u per group (momentum correction)
+        self._rounds: dict[str, int] = {}  # preconditioned steps per group: the warm-up's clock
+        self._clock = 0
 
-    def estimate(self, magnitude: torch.Tensor, name: str) -> torch.Tensor | None:
-        """The threshold, or None where the tensor is too small to sample."""
+    # -- the paper's techniques ----------------------------------------------------------------
+    def precondition(self, tensor: torch.Tensor, name: str, segments: Sequence[int | Segment] | None = None,
+                     ranks: int = 1) -> torch.Tensor:
+        self._rounds[name] = self._rounds.get(name, 0) + 1
+        self._clock = max(self._rounds.values()) - 1  # this step, counted from 0, whatever the grouping
+        if self.clip_norm is None and not self.momentum:
+            return tensor
+        g = wide(tensor.reshape(-1))
+        if self.clip_norm is not None:
+            limit = self.clip_norm / math.sqrt(max(1, ranks))
+            sizes = [int(s.numel if isinstance(s, Segment) else s) for s in segments] if segments else [g.numel()]
+            norms = torch.stack([p.norm() if p.numel() else p.new_zeros(()) for p in g.split(sizes)])
+            factors = (limit / norms.clamp(min=torch.finfo(g.dtype).tiny)).clamp(max=1.0)
+            g = g * torch.repeat_interleave(factors, torch.tensor(sizes, device=g.device))
+        if self.momentum:
+            previous = self._velocity.get(name)
+            if previous is not None and previous.shape != g.shape:
+                raise ValueError(f"dgc: tensor {name!r} changed size from {previous.numel()} to {g.numel()}; "
+                                 "names must identify tensors")
+            # Its own tensor, never the caller's buffer: masking edits it in place after the step.
+            g = g.clone() if previous is None else self.momentum * previous.to(g.device) + g
+            self._velocity[name] = g
+        return g.reshape(tensor.shape)
+
+    def sent(self, name: str, decoded: torch.Tensor) -> None:
+        velocity = self._velocity.get(name)
+        if self.momentum_masking and velocity is not None:
+            velocity[decoded.reshape(-1).to(velocity.device) != 0] = 0
+
+    def density(self) -> float:
+        """The fraction to keep at this step: ``ratio``, or the warm-up's higher one."""
+        if self._clock >= self.warmup_steps:
+            return self.ratio
+        stage = self._clock * WARMUP_STAGES // self.warmup_steps
+        return max(self.ratio, WARMUP_FIRST * 4.0 ** -stage)
+
+    # -- selection -----------------------------------------------------------------------------
+    def estimate(self, magnitude: torch.Tensor, name: str, k: int) -> torch.Tensor | None:
+        """The threshold for keeping about ``k``, or None where the tensor is too small to sample."""
         n = magnitude.numel()
         samples = max(MIN_SAMPLE, math.ceil(self.sample_ratio * n))
         if samples >= n:
             return None
         gen = self.generator(name, magnitude.device)
         sample = magnitude[torch.randint(n, (samples,), generator=gen, device=magnitude.device)]
-        share = count_of(self.ratio, n) * samples / n
+        share = k * samples / n
         rank = min(samples, max(1, math.ceil(min(1.5 * share, share + 3 * math.sqrt(share)))))
         return torch.topk(sample, rank, sorted=False).values.min()
 
     def select(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        k = count_of(self.ratio, flat.numel())
+        k = count_of(self.density(), flat.numel())
         magnitude = flat.abs()
-        threshold = self.estimate(magnitude, name)
+        threshold = self.estimate(magnitude, name, k)
         if threshold is None:
             return top_indices(magnitude, k)
         candidates = torch.nonzero(magnitude >= threshold).reshape(-1)
@@ -68,4 +142,18 @@ class DGC(SparseCompressor):
         return top_indices(magnitude, k)
 
     def kept_max(self, numel: int) -> int:
-        return min(numel, 2 * count_of(self.ratio, numel))
+        return min(numel, 2 * count_of(self.density(), numel))
+
+    # -- checkpointed state --------------------------------------------------------------------
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        return [self._velocity]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "velocity": {k: v.clone() for k, v in self._velocity.items()},
+                "rounds": dict(self._rounds), "clock": self._clock}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._velocity = {k: v.clone() for k, v in state.get("velocity", {}).items()}
+        self._rounds = {str(k): int(v) for k, v in state.get("rounds", {}).items()}
+        self._clock = int(state.get("clock", 0))

@@ -6,8 +6,11 @@ A backend drives one per run, per tensor name, around the compressor::
     c = compressor.compress(p, name)
     memory.update(name, p, compressor.decompress(c))   # e_t from p_t and D(C(p_t))
 
-(For an aggregated path such as PowerSGD's ``reduce``, pass the aggregated approximation as the
-decompressed tensor, as PowerSGD's authors do.)
+In a synchronized step the "decompressed" tensor is this rank's *share* of what the scheme
+returned — the shares of all ranks sum to it: its own payload decoded, plus, where it owns a
+partition that a scheme compresses a second time (alltoall, gather), the error of that second
+compression; for PowerSGD's ``reduce``, P (M^T P)^T with its own M. So nothing any compression
+drops is lost: sum over steps of what the ranks received + sum over ranks of e_T = sum of gradients.
 
 Residuals live in float32 (float64 for float64 gradients) whatever the gradient's dtype: a bf16
 residual would round away exactly the small values error feedback exists to keep. ``compensate``
@@ -122,10 +125,3 @@ class DecayedMemory(ResidualMemory):
 
     def next_residual(self, error: torch.Tensor) -> torch.Tensor:
         return error * self.beta
-
-
-def check_pairing(compressor: Any, memory: Memory) -> None:
-    """A compressor that applies its own error feedback (``has_memory``) runs without a second one."""
-    if getattr(compressor, "has_memory", False) and memory.name != "none":
-        raise ValueError(f"compressor {compressor.name} keeps its own error feedback; use memory=none "
-                         f"(got memory={memory.name})")

@@ -12,6 +12,7 @@ class NoCompression(Compressor):
     allreduces it in place writes straight into the gradient."""
 
     name = "none"
+    unbiased = True  # exact: nothing to feed back (default memory none)
     summable = True
 
     def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:

@@ -8,7 +8,16 @@ from typing import Any
 
 import torch
 
-from ddlscale.compress.base import Compressor, Context, Shape, check_int, check_seed, float_bytes, numel_of
+from ddlscale.compress.base import (
+    Compressor,
+    Context,
+    Segment,
+    Shape,
+    check_int,
+    check_seed,
+    float_bytes,
+    numel_of,
+)
 
 Allreduce = Callable[[torch.Tensor], None]
 
@@ -49,6 +58,11 @@ class PowerSGD(Compressor):
     Tensors with fewer than 2 dimensions, and matrices where the factors would not be smaller
     ((n + m) r >= n m), pass uncompressed.
 
+    A fused buffer given its members (:class:`Segment`, with their rows) compresses each member as its
+    own matrix, one pair of factors each (``name#k`` keys member k's warm start); a piece that is not
+    whole rows of its member cannot be seen as a matrix and is refused (``needs_matrices``: an
+    alltoall, which cuts groups into flat partitions, does not take PowerSGD).
+
     Two ways to use it:
     - ``compress`` / ``decompress``: one rank's own approximation (for gather-style schemes). Not
       summable: factors of different ranks do not add up to factors of the sum.
@@ -61,6 +75,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
+    per_member, needs_matrices = True, True
 
     def __init__(self, rank: int = 1, seed: int = 0) -> None:
         super().__init__()
@@ -90,21 +105,45 @@ class PowerSGD(Compressor):
         return (n + m) * r * float_bytes(self.factor_dtype(dtype))
 
     # -- the two paths -------------------------------------------------------------------------
-    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
-        dims = self.matrix_shape(tensor.shape)
-        if dims is None:
-            return [tensor.reshape(-1)], None
-        matrix = self._matrix(tensor, dims)
-        p = orthogonalize_(matrix @ self._warm_q(name, dims, matrix))
-        q = matrix.T @ p
-        self._q[name] = q
-        return [p, q], None
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
+               ) -> tuple[list[torch.Tensor], None]:
+        members = segments or (Segment.of(tensor.shape),)
+        payload = []
+        for k, (member, piece) in enumerate(zip(members, tensor.reshape(-1).split([m.numel for m in members]),
+                                                strict=True)):
+            dims = self._member_dims(member)
+            if dims is None:
+                payload.append(piece)
+                continue
+            matrix = self._matrix(piece, dims)
+            key = name if len(members) == 1 else f"{name}#{k}"
+            p = orthogonalize_(matrix @ self._warm_q(key, dims, matrix))
+            q = matrix.T @ p
+            self._q[key] = q
+            payload += [p, q]
+        return payload, None
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
-        if len(payload) == 1:
-            return payload[0]
-        p, q = payload
-        return p @ q.T
+        out, at = [], 0
+        for member in ctx.members:
+            if self._member_dims(member) is None:
+                out.append(payload[at].reshape(-1))
+                at += 1
+            else:
+                p, q = payload[at: at + 2]
+                out.append((p @ q.T).reshape(-1))
+                at += 2
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _member_dims(self, member: Segment) -> tuple[int, int, int] | None:
+        """(n, m, r) of a member's matrix, None where it passes uncompressed; a piece of a member that
+        is not whole rows is refused."""
+        if not member.whole_rows:
+            raise ValueError(f"powersgd compresses matrices, and was given a piece of one that is not whole rows "
+                             f"({member}); use sync.comm=allreduce, allgather or gather")
+        if member.cols == 1:  # a vector (or a scalar): passes uncompressed, as a 1-D tensor does
+            return None
+        return self.matrix_shape((member.rows, member.cols))
 
     def reduce(self, tensor: torch.Tensor, name: str, allreduce: Allreduce) -> torch.Tensor:
         """Synchronize ``tensor`` across ranks through its factors; return P Q^T in its shape/dtype.

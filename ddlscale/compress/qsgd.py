@@ -28,6 +28,7 @@ class QSGD(Compressor):
     """
 
     name = "qsgd"
+    unbiased = True  # default memory: none
 
     def __init__(self, levels: int = 127, bucket_size: int = 512, seed: int = 0) -> None:
         super().__init__()

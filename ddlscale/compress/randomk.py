@@ -10,6 +10,7 @@ import torch
 from ddlscale.compress.base import (
     Compressor,
     Context,
+    Segment,
     Shape,
     check_ratio,
     check_seed,
@@ -87,7 +88,9 @@ class RandomK(SparseCompressor):
     """k = ceil(ratio * numel) positions drawn without replacement.
 
     ``unbiased``: kept values are scaled by numel / k, so E[D(C(g))] = g (variance
-    g_i^2 (numel / k - 1) per element); without it the output is a biased, smaller estimate.
+    g_i^2 (numel / k - 1) per element): it runs without error feedback by default, and must (scaled
+    by numel / k it is no contraction, so a residual grows until the loss is NaN). Without it the
+    output is a biased, smaller estimate, and error feedback (the default then) keeps what it drops.
 
     ``seed``: when set, every rank draws the same positions for the same tensor and step (the
     positions derive from (seed, name, step) only). Indices then need not travel — each rank
@@ -118,20 +121,22 @@ class RandomK(SparseCompressor):
         self.member_bytes = 4 if self.shared else 8  # one more value (and index) at most
 
     def select(self, flat: torch.Tensor, name: str, segments: Sequence[int] | None = None) -> torch.Tensor:
+        """``segments``: the members' sizes (one member when None or one)."""
         n = flat.numel()
         gen = self.generator(name, flat.device, shared=self.shared)
-        if segments is None:
+        if segments is None or len(segments) == 1:
             return sample_without_replacement(n, count_of(self.ratio, n), gen, flat.device)
         return sample_segments(segments, [count_of(self.ratio, m) for m in segments], gen, flat.device)
 
-    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[int, ...] | None = None
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
                ) -> tuple[list[torch.Tensor], Any]:
         flat = tensor.reshape(-1)
-        idx = self.select(flat, name, segments)
+        sizes = None if segments is None or len(segments) == 1 else tuple(m.numel for m in segments)
+        idx = self.select(flat, name, sizes)
         values = flat[idx]
         if self.unbiased and idx.numel():
-            values = values * (flat.numel() / idx.numel()) if segments is None else (
-                values.double() * self._scales(idx, segments)).to(values.dtype)
+            values = values * (flat.numel() / idx.numel()) if sizes is None else (
+                values.double() * self._scales(idx, sizes)).to(values.dtype)
         idx = idx.to(index_dtype(flat.numel()))
         return ([values], idx) if self.shared else ([values, idx], None)
 

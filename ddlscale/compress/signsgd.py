@@ -1,60 +1,124 @@
-"""signSGD with a magnitude: one bit per element plus one scale, mean |g|."""
+"""The sign compressors, one class configured three ways: signSGD, Signum and EF-signSGD.
+
+- ``signsgd`` (Bernstein et al., 2018): every rank sends sign(g), one bit per element, and the
+  ranks' signs are combined by a majority vote; the step is lr x the vote.
+- ``signum`` (the same paper's momentum version): the sign, and the vote, of a momentum
+  m_t = beta m_{t-1} + (1 - beta) g_t that each rank keeps of its own gradient.
+- ``efsignsgd`` (Karimireddy et al., 2019): the scaled sign mean|p| sign(p) of p = g + e, summed
+  over ranks, with error feedback e (the run's ``memory``; residual by default) — the scale is what
+  makes the compressor a contraction, so that error feedback converges.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from ddlscale.compress import bits
-from ddlscale.compress.base import Compressor, Context, Shape, numel_of, wide
+from ddlscale.compress.base import (
+    Compressor,
+    Context,
+    Segment,
+    Shape,
+    check_unit_interval,
+    numel_of,
+    wide,
+)
 
 
-def encode_signs(flat: torch.Tensor, scale: torch.Tensor) -> list[torch.Tensor]:
-    """[packed sign bits (1 = negative; zero counts as positive), scales (float32, one per member)]."""
-    return [bits.pack(flat < 0, 1), scale.to(torch.float32).reshape(-1)]
-
-
-def decode_signs(payload: list[torch.Tensor], numel: int, segments: tuple[int, ...] | None = None) -> torch.Tensor:
-    packed, scale = payload
-    if segments is None:
-        return bits.lookup(packed, 1, numel, torch.cat([scale, -scale]))
-    # +-1 over the whole buffer, then each member's scale in place (exact: a product by +-1): one
-    # lookup pass instead of one per member and a join, which made a fused decode ~2x a whole one.
-    out = bits.lookup(packed, 1, numel, scale.new_tensor([1.0, -1.0]))
-    for member, member_scale in zip(out.split(list(segments)), scale, strict=True):
-        member.mul_(member_scale)
-    return out
-
-
-def mean_abs(flat: torch.Tensor, segments: tuple[int, ...] | None = None) -> torch.Tensor:
-    """mean |x| of the whole tensor, or of each member (0 for an empty one)."""
-    parts = [flat] if segments is None else flat.split(segments)
-    means = [p.abs().mean() if p.numel() else p.new_zeros(()) for p in parts]
-    return means[0] if segments is None else torch.stack(means)
-
-
-def sign_bytes(numel: int) -> int:
-    return bits.packed_bytes(numel, 1) + 4
+def mean_abs(flat: torch.Tensor, members: tuple[Segment, ...]) -> torch.Tensor:
+    """mean |x| of each member (0 for an empty one), as a 1-D tensor."""
+    parts = flat.split([m.numel for m in members]) if len(members) > 1 else [flat]
+    return torch.stack([p.abs().mean() if p.numel() else p.new_zeros(()) for p in parts])
 
 
 class SignSGD(Compressor):
-    """D(C(g)) = mean|g| * sign(g). Every element decodes to +-scale (zeros to +scale), so the L1
-    norm is preserved exactly: ||D(C(g))||_1 = numel * mean|g| = ||g||_1. Biased — pair with
-    error feedback (that pairing is EF-signSGD; see ``efsignsgd``). Per member of a fused buffer:
-    one scale each, so a fused group decodes exactly as its members compressed alone would.
+    """One bit per element (1 = negative; zero counts as positive), plus, when ``scaled``, one float32
+    scale per member of a fused buffer: mean |x| over the member, so ||D(C(x))||_1 = ||x||_1 member
+    by member and a fused group decodes as its members compressed alone would.
 
-    Payload: ``[signs (uint8, ceil(numel / 8), bit-packed), scale (float32, 1 per member)]``.
+    ``vote``: the ranks' decoded tensors are combined by a majority vote — +1 where their sum is >= 0
+    (ties count as positive, as a zero does), else -1 — instead of summed. Each element of the
+    result is then +-1 whatever the gradient's scale, so the learning rate alone sets the step: sign
+    methods need their own (much smaller) one. Error feedback does not apply to an unscaled sign (its
+    error is of the order of 1, not of the gradient, so a residual would grow instead of shrinking):
+    its default memory is none. ``momentum``: beta of Signum's momentum (0: none), kept per group on
+    each rank, checkpointed; use the optimizer without its own momentum.
+
+    Payload: ``[signs (uint8, ceil(numel / 8), bit-packed)]``, then when scaled ``[scales (float32,
+    one per member)]``.
     """
 
-    name = "signsgd"
-    per_member, member_bytes = True, 4
+    def __init__(self, scaled: bool = False, vote: bool = True, momentum: float = 0.0) -> None:
+        super().__init__()
+        for key, value in (("compressor.scaled", scaled), ("compressor.vote", vote)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+        self.scaled, self.vote = scaled, vote
+        self.momentum = check_unit_interval(momentum, "compressor.momentum")
+        # The name says which published algorithm the configuration is (labels, profiles).
+        self.name = "signum" if self.momentum else "efsignsgd" if scaled and not vote else "signsgd"
+        self.per_member = scaled  # one scale per member of a fused buffer; unscaled signs have none
+        self.member_bytes = 4 if scaled else 0
+        self._momenta: dict[str, torch.Tensor] = {}
 
-    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[int, ...] | None = None
-               ) -> tuple[list[torch.Tensor], None]:
+    @property
+    def default_memory(self) -> str:
+        return "none" if self.vote or not self.scaled else "residual"
+
+    def precondition(self, tensor: torch.Tensor, name: str, segments=None, ranks: int = 1) -> torch.Tensor:
+        if not self.momentum:
+            return tensor
         flat = wide(tensor.reshape(-1))
-        return encode_signs(flat, mean_abs(flat, segments)), None
+        previous = self._momenta.get(name)
+        if previous is None:
+            m = (1 - self.momentum) * flat
+        elif previous.shape != flat.shape:
+            raise ValueError(f"{self.name}: tensor {name!r} changed size from {previous.numel()} to "
+                             f"{flat.numel()}; names must identify tensors")
+        else:
+            m = self.momentum * previous.to(flat.device) + (1 - self.momentum) * flat
+        self._momenta[name] = m
+        return m.reshape(tensor.shape)
+
+    def combine(self, total: torch.Tensor, count: int) -> torch.Tensor:
+        if not self.vote:
+            return total
+        return torch.where(total >= 0, 1.0, -1.0).to(total.dtype)
+
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
+               ) -> tuple[list[torch.Tensor], None]:
+        flat = tensor.reshape(-1)
+        signs = bits.pack(flat < 0, 1)
+        if not self.scaled:
+            return [signs], None
+        return [signs, mean_abs(wide(flat), segments).to(torch.float32)], None
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
-        return decode_signs(payload, ctx.numel, ctx.segments)
+        packed = payload[0]
+        if not self.scaled:
+            return bits.lookup(packed, 1, ctx.numel, torch.tensor([1.0, -1.0], device=packed.device))
+        scale = payload[1]
+        if ctx.segments is None:
+            return bits.lookup(packed, 1, ctx.numel, torch.cat([scale, -scale]))
+        # +-1 over the whole buffer, then each member's scale in place (exact: a product by +-1): one
+        # lookup pass instead of one per member and a join, which made a fused decode ~2x a whole one.
+        out = bits.lookup(packed, 1, ctx.numel, scale.new_tensor([1.0, -1.0]))
+        for member, member_scale in zip(out.split([m.numel for m in ctx.segments]), scale, strict=True):
+            member.mul_(member_scale)
+        return out
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
-        return sign_bytes(numel_of(shape))
+        return bits.packed_bytes(numel_of(shape), 1) + (4 if self.scaled else 0)
+
+    # -- checkpointed state --------------------------------------------------------------------
+    def group_states(self) -> list[dict[str, torch.Tensor]]:
+        return [self._momenta]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "momenta": {k: v.clone() for k, v in self._momenta.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._momenta = {k: v.clone() for k, v in state.get("momenta", {}).items()}

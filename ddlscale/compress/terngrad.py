@@ -20,6 +20,7 @@ class TernGrad(Compressor):
     """
 
     name = "terngrad"
+    unbiased = True  # default memory: none
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()

@@ -38,22 +38,24 @@ the training thread, so the plan says so when it offloads.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
+from ddlscale.comm import volume
 from ddlscale.comm.cost import NetworkModel, parse_time
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
+from ddlscale.compress.sparse import SparseCompressor
+from ddlscale.plan.choices import TensorPlan
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
-from ddlscale.sync.compress.plan import TensorPlan
 
-SCHEMES = ("allreduce", "allgather", "alltoall", "gather")
 DEVICES = ("compute", "side")
 SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
+INDEX_BYTES = 4  # an int32 index of Zen's pairs
 SMALL_BYTES = 64 << 10  # ddlscale.comm.collectives: below this gloo's ring allgather, above direct
 
 
@@ -108,6 +110,115 @@ class Unit:
         return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]} ({len(self.names)})"
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """What a scheme is priced from, for a row of units of one dtype under one option (arrays over
+    the units): ``numel`` the elements it carries (a hierarchical group's chunk), over ``ranks``
+    ranks on ``net``; ``payload(x)`` the packed bytes of a payload of x elements; ``encode(x)`` and
+    ``decode(x)`` one compressor call on x elements; ``sized`` 1 where payload sizes vary (sizes are
+    exchanged first), else 0; ``contexts``: decoding another rank's payload needs a context made by
+    compressing zeros."""
+
+    numel: np.ndarray
+    ranks: int
+    net: NetworkModel
+    payload: Callable[[np.ndarray], np.ndarray]
+    encode: Callable[[np.ndarray], np.ndarray]
+    decode: Callable[[np.ndarray], np.ndarray]
+    sized: float
+    contexts: bool
+    value_bytes: float = 4.0  # one value as the compressor sends it (Zen's pairs: an int32 index beside it)
+
+    def exchange_sizes(self) -> float:
+        """The blocking exchange of one size per rank before an uneven collective (on the training
+        thread while the group is launched: charged to encode)."""
+        return self.sized * _exchange_sizes(self.net, self.ranks)
+
+
+Price = tuple[np.ndarray | float, np.ndarray | float, np.ndarray | float]  # (encode_s, comm_s, decode_s)
+
+
+def _price_allreduce(p: Pricing) -> Price:
+    """Encode, allreduce the payload, decode once."""
+    return p.encode(p.numel), p.net.allreduce(p.payload(p.numel), p.ranks), p.decode(p.numel)
+
+
+def _price_allgather(p: Pricing) -> Price:
+    """Encode (plus the local decode), sizes, allgather the packed payloads, decode and sum all n."""
+    return (p.encode(p.numel) + p.exchange_sizes(), _allgather(p.net, p.payload(p.numel), p.ranks),
+            p.ranks * p.decode(p.numel))
+
+
+def _price_alltoall(p: Pricing) -> Price:
+    """Encode the n partitions, all-to-all them (after their sizes); the owner decodes n pieces and
+    re-encodes their sum, every rank allgathers the n sums and decodes them. The re-encode and the
+    second collective run after backward: charged to decode and comm."""
+    part = -(-p.numel // p.ranks)
+    payload = p.payload(part)
+    comm = (p.net.all_to_all(payload, p.ranks) + p.sized * _exchange_sizes(p.net, p.ranks)
+            + _allgather(p.net, payload, p.ranks))
+    contexts = p.ranks - 1 if p.contexts else 0
+    return (p.ranks * p.encode(part) + p.exchange_sizes(), comm,
+            2 * p.ranks * p.decode(part) + (1 + contexts) * p.encode(part))
+
+
+def _price_gather(p: Pricing) -> Price:
+    """Encode, gather to rank 0, which decodes n payloads, re-encodes the sum and broadcasts it (its
+    size first); everyone decodes. Rank 0's path is the critical one."""
+    payload = p.payload(p.numel)
+    comm = (p.net.gather(payload, p.ranks) + p.sized * p.net.broadcast(SIZE_BYTES, p.ranks)
+            + p.net.broadcast(payload, p.ranks))
+    return (p.encode(p.numel) + p.exchange_sizes(), comm,
+            p.ranks * p.decode(p.numel) + p.encode(p.numel) + p.decode(p.numel))
+
+
+def _price_zen(p: Pricing) -> Price:
+    """Encode; push each (index, value) to the rank its index hashes to (one exchange of ~1/n of
+    the payload per peer); the owner sums, and every rank pulls each owner's share of the union as
+    pairs or as a hash bitmap (:func:`~ddlscale.comm.volume.pull_as_bitmap`, as the executor
+    decides). Both exchanges run after backward. The union is priced as if the ranks chose
+    independently (:func:`~ddlscale.comm.volume.expected_union`), an upper estimate for top-k."""
+    payload = p.payload(p.numel)
+    pair = p.value_bytes + INDEX_BYTES
+    kept = np.maximum(1.0, payload / pair)
+    union = np.array([volume.expected_union(int(m), int(k), p.ranks) for m, k in zip(p.numel.tolist(), kept.tolist(),
+                                                                                      strict=True)])
+    bitmap = np.array([p.sized == 0 and volume.pull_as_bitmap(int(m), int(k), p.ranks) for m, k in
+                       zip(p.numel.tolist(), kept.tolist(), strict=True)])
+    share = union / p.ranks
+    pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * p.value_bytes, share * pair)
+    comm = p.net.all_to_all(payload / p.ranks, p.ranks) + p.net.all_to_all(pulled, p.ranks)  # two exchanges
+    return p.encode(p.numel), comm, 2 * p.decode(p.numel)
+
+
+@dataclass(frozen=True)
+class SchemePrice:
+    """How the planners see one aggregation scheme: its ``price`` and which compressors it ``carries``
+    (as the executing class's ``check`` refuses the others)."""
+
+    price: Callable[[Pricing], Price]
+    carries: Callable[[Compressor], bool] = lambda compressor: True
+
+
+# One entry per aggregation scheme a plan may name (the executing classes are in
+# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its entry here.
+PRICES: dict[str, SchemePrice] = {
+    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
+    "allgather": SchemePrice(_price_allgather),
+    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices),  # it cuts rows
+    "gather": SchemePrice(_price_gather),
+    "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
+}
+SCHEMES = tuple(PRICES)
+
+
+def check_scheme(name: str, key: str = "sync.comm") -> str:
+    """``name`` if it names a scheme, else a ValueError naming ``key``."""
+    if name not in PRICES:
+        raise ValueError(f"{key} must be one of {', '.join(PRICES)}; got {name!r}")
+    return name
+
+
 class CostModel:
     """Times of every option for every unit on one cluster.
 
@@ -154,9 +265,9 @@ class CostModel:
             return False
         if option.device == "side" and not option.compressed:
             return False  # nothing to offload: the executor's own work stays on the training thread
-        if option.scheme == "allreduce":
-            return comp.summable or hasattr(comp, "reduce")
-        return option.compressed  # moving uncompressed tensors through allgather & co never wins
+        if not PRICES[option.scheme].carries(comp):
+            return False
+        return option.compressed or option.scheme == "allreduce"  # uncompressed through allgather & co never wins
 
     def options(self, schemes: Sequence[str] = SCHEMES, device: str = "compute") -> list[Option]:
         """Every allowed option on ``device``: dense allreduce plus each compressor x scheme x layout."""
@@ -234,19 +345,6 @@ class CostModel:
             return 0.0
         return prof.lag_s * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
 
-    def group_fits(self, option: Option, tensors: int) -> tuple[CostFit, CostFit]:
-        """The encode and decode fits one compressor call of a group of ``tensors`` tensors pays under
-        ``option`` (a per-member compressor's fused members included): what a call's time in training
-        is set against."""
-        enc, dec = self._fits(option)
-        comp = self.compressors.get(option.compressor)
-        if not option.compressed or option.hierarchical or not comp.per_member or tensors < 2:
-            return enc, dec
-        extra = int(_extra_members(tensors, option.scheme, self.n))
-        prof = self.profile.compressors[option.compressor]
-        return (enc.plus(prof.member_encode_s * extra, prof.fused_encode_per_element_s if extra else 0.0),
-                dec.plus(prof.member_decode_s * extra, prof.fused_decode_per_element_s if extra else 0.0))
-
     def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
         prof = self.profile.compressors.get(option.compressor)
         if prof is None:
@@ -282,12 +380,8 @@ class CostModel:
         if n == 1:
             return 0.0, 0.0, 0.0
         dense_bytes = total * element_size(dtype)
-        encode = comm = decode = 0.0
+        encode = decode = 0.0
         numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
-
-        def payload_of(numel: np.ndarray, shapes: list) -> np.ndarray:
-            return self._payload(dtype, kept, tensors, total, option, numel, shapes)
-
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
@@ -296,55 +390,32 @@ class CostModel:
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
         # per group beyond the 1/n copy that the profiled backward already holds.
         enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
-        scheme = option.scheme
-        # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
         comp = self.compressors.get(option.compressor) if option.compressed else None
         extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
         if comp is not None and comp.per_member and not option.hierarchical:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = _extra_members(tensors, scheme, ranks)
+            extra = _extra_members(tensors, option.scheme, ranks)
             prof = self.profile.compressors[option.compressor]
             extra_encode, extra_decode = prof.member_encode_s * extra, prof.member_decode_s * extra
             extra_encode_per_element = np.where(extra > 0, prof.fused_encode_per_element_s, 0.0)
             extra_decode_per_element = np.where(extra > 0, prof.fused_decode_per_element_s, 0.0)
-
-        def enc(x: np.ndarray) -> np.ndarray:
-            return enc_fit.many(x, extra_encode, extra_encode_per_element)
-
-        def dec(x: np.ndarray) -> np.ndarray:
-            return dec_fit.many(x, extra_decode, extra_decode_per_element)
-
-        sized = 0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0
-        if scheme == "allreduce":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel)
-            comm += across.allreduce(payload, ranks)
-            decode += dec(numel)
-        elif scheme == "allgather":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel) + sized * _exchange_sizes(across, ranks)  # blocking size exchange
-            comm += _allgather(across, payload, ranks)
-            decode += ranks * dec(numel)
-        elif scheme == "alltoall":
-            part = -(-numel // ranks)
-            payload = payload_of(part, [None] * part.size)
-            encode += ranks * enc(part) + sized * _exchange_sizes(across, ranks)
-            comm += across.all_to_all(payload, ranks)
-            comm += sized * _exchange_sizes(across, ranks) + _allgather(across, payload, ranks)
-            # Sum n pieces, re-encode the sum, decode the n gathered sums — each other partition's
-            # with a context built without data (Compressor.context: compressing zeros, unless the
-            # compressor knows it from shape and dtype alone).
-            contexts = ranks - 1 if comp is not None and type(comp).context is Compressor.context else 0
-            decode += 2 * ranks * dec(part) + (1 + contexts) * enc(part)
-        elif scheme == "gather":
-            payload = payload_of(numel, shapes)
-            encode += enc(numel) + sized * _exchange_sizes(across, ranks)
-            comm += across.gather(payload, ranks)
-            comm += sized * across.broadcast(SIZE_BYTES, ranks) + across.broadcast(payload, ranks)
-            decode += ranks * dec(numel) + enc(numel) + dec(numel)
-        return encode, comm, decode
+        priced = Pricing(
+            numel, ranks, across,
+            lambda x, shapes=shapes: self._payload(dtype, kept, tensors, total, option, x,
+                                                  shapes if x is numel else [None] * x.size),
+            lambda x: enc_fit.many(x, extra_encode, extra_encode_per_element),
+            lambda x: dec_fit.many(x, extra_decode, extra_decode_per_element),
+            # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
+            0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0,
+            # A receiver's context for another rank's payload, built without data (Compressor.context:
+            # compressing zeros, unless the compressor knows it from shape and dtype alone).
+            comp is not None and type(comp).context is Compressor.context,
+            float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
+                  else element_size(dtype)))
+        scheme_encode, comm, scheme_decode = PRICES[option.scheme].price(priced)
+        return encode + scheme_encode, comm, decode + scheme_decode
 
 
 def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:

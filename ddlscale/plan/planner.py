@@ -14,12 +14,11 @@ from dataclasses import replace
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit, element_size, fuse, units_of
+from ddlscale.plan.cost import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan, per_unit_savings, uniform_time
-from ddlscale.sync.compress.schemes import scheme
 
 
 def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = None, world_size: int | None = None,
@@ -41,7 +40,7 @@ def check_plannable(compressor: Compressor | None, key: str) -> None:
 def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:
     """The uniform choice of the config: the configured compressor under ``sync.comm``, or dense
     allreduce when no compressor is configured (then fusion alone is planned)."""
-    scheme(comm, "sync.comm")  # an unknown name is named as such, not as an unsummable payload
+    check_scheme(comm, "sync.comm")  # an unknown name is named as such, not as an unsummable payload
     if "default" not in model.compressors or model.compressors["default"].name == "none":
         return Option("none", "allreduce", hierarchical and model.hierarchical_possible)
     option = Option("default", comm, hierarchical and model.hierarchical_possible)
@@ -140,14 +139,12 @@ def _notes(profile: Profile, plan: CompressionPlan) -> list[str]:
 
 
 def _baselines(profile: Profile, model: CostModel, option: Option) -> dict[str, float]:
-    units = units_of(profile)
-
-    def uniform(option: Option) -> float:
-        return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
-
-    out = {"dense allreduce per tensor": uniform(DENSE)}
+    """The reference plans a plan is compared with: dense allreduce in DDP's buckets (what sync=dense
+    and DDP run, not one allreduce per tensor, which no one runs) and the configured option layer-wise."""
+    out = {"dense, DDP buckets": dense_plan(profile, model).iteration_s}
     if option.compressed:
-        out[f"layer-wise {_label(model, option)}"] = uniform(option)
+        out[f"layer-wise {_label(model, option)}"] = uniform_time(units_of(profile), option, model,
+                                                                  profile.backward_end_s, profile.rest_s)
     return out
 
 

@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor
+from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor, wire
 from ddlscale.plan.fit import CostFit
-from ddlscale.sync.compress import wire
 
 PROFILE_VERSION = 1
 
@@ -263,8 +262,9 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
     (each a fused buffer of ``members`` equal tensors: what a per-member compressor pays per member).
 
     Timed is what CompressSync does per group around the compressor, not the compressor alone:
-    encode = error-feedback compensate, compress, the local decompress error feedback needs, pack
-    the payload into one message, update the residual; decode = one message's share of summing
+    encode = the compressor's preparation (DGC's momentum correction...), error-feedback compensate,
+    compress, the local decompress error feedback needs, pack the payload into one message, update
+    the residual; decode = one message's share of summing
     :data:`SUM_PROBE` received messages (unpack, decompress, add: ``decompress_sum``, which a
     sparse compressor does in one zeroed buffer for all). Works on copies, so the caller's
     per-tensor state (momentum, residuals, step counters) is untouched.
@@ -281,11 +281,12 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
         segments = None if count == 1 else [size // count + (k < size % count) for k in range(count)]
 
         def encode(x=x, name=name, segments=segments):
-            compensated = mem.compensate(x, name)
+            compensated = mem.compensate(comp.precondition(x, name, segments), name)
             compressed = comp.compress(compensated, name, segments)
             local = comp.decompress(compressed)
             wire.pack(compressed.payload)
             mem.update(name, compensated, local.reshape(compensated.shape))
+            comp.sent(name, local)
 
         compressed = comp.compress(x, name, segments)
         message = wire.pack(compressed.payload)

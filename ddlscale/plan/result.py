@@ -1,5 +1,5 @@
 """A computed plan: what each tensor (or fused group) does, what it is predicted to save, and the
-CompressSync :class:`~ddlscale.sync.compress.Plan` that executes it.
+CompressSync :class:`~ddlscale.plan.choices.Plan` that executes it.
 
 It travels as a plain dict (rank 0 broadcasts it, checkpoints keep it, ``plan.json`` holds it) and
 prints as a table (``plan.txt``, the log, ``python -m ddlscale.tools.plan``).
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddlscale.comm.timeline import iteration_time
+from ddlscale.plan.choices import Plan, TensorPlan
 from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
-from ddlscale.sync.compress.plan import Plan, TensorPlan
 
 
 @dataclass
@@ -76,7 +76,7 @@ class CompressionPlan:
         lines = [head, f"fusion: {self.fusion}",
                  f"predicted iteration: {self.iteration_s * 1e3:.3f} ms"]
         for name, seconds in self.baselines.items():
-            lines.append(f"  vs {name}: {seconds * 1e3:.3f} ms ({seconds / self.iteration_s:.2f}x)")
+            lines.append(f"  vs {name}: {seconds * 1e3:.3f} ms (speed-up {seconds / self.iteration_s:.2f}x)")
         if ctx.get("measured_dense_step_s"):
             lines.append(f"  measured step with dense sync while profiling: {ctx['measured_dense_step_s'] * 1e3:.3f} ms")
         lines.append(f"  {'#':>3}  {'tensor(s)':<44} {'elements':>11}  {'option':<28} {'saved (ms)':>10}")

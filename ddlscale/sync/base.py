@@ -168,6 +168,11 @@ class GradSync:
                 busy += max(0.0, min(b, end) - max(a, start))
         self._timers["comm"] += max(0.0, end - start - busy)
 
+    def summary_fields(self) -> dict[str, Any]:
+        """What the backend adds to the run's summary.json, overriding the config's names: here that
+        it keeps no error feedback (a compressing sync says which it resolved)."""
+        return {"memory": "none"}
+
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Backend state a checkpoint must capture (error feedback, profiles...); override and extend."""

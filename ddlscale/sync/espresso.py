@@ -2,7 +2,7 @@
 
 After profiling (:mod:`ddlscale.sync.planned`), Espresso (:mod:`ddlscale.plan.espresso`) picks
 for every tensor one option — dense allreduce, or the configured compressor under allreduce
-(summable payloads), allgather, alltoall or gather, flat or hierarchical — and may fuse tensors
+(summable payloads), allgather, alltoall, gather or zen (sparsifiers), flat or hierarchical — and may fuse tensors
 (runs of equal options, or Cupcake's groups of the configured option) where the model says it is
 faster. The plan, with each tensor's predicted saving, is printed and saved as ``plan.txt``.
 

@@ -21,20 +21,13 @@
    backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
    layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`) — computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
+   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
+   computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
-4. With ``replan_steps`` (closed loop), the plan's own groups calibrate the model once more: after
-   ``settle_steps`` and ``replan_steps`` steps of the kept plan, rank 0 scales the compressor's fits
-   so that the model prices those groups' encode and decode at what they took (the layer-wise
-   groups of step 1 are small where a fused plan's are large: their ratio to the benchmark differs,
-   and on a shared host it varies from run to run), takes the slowest rank's lag from the same steps
-   (a few early dense steps can put it several times higher than it stays), fits the per-group
-   overhead to the layer-wise steps again with those, and plans again (a plan kept by a trial on the cluster is kept and
-   re-priced); every rank then runs that plan. ``plan.json`` holds it and its prediction.
 
 The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
 """
@@ -68,7 +61,7 @@ from ddlscale.plan.profile import (
     profile_compressor,
     slowest_lag,
 )
-from ddlscale.plan.result import CompressionPlan, plan_time
+from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.compress.schemes import GroupWork
@@ -91,7 +84,7 @@ class PlannedSync(CompressSync):
     """Base of the planned backends. Args:
 
     compressor, memory: as CompressSync takes them (``compressor=`` and ``memory=`` groups; a null
-        memory is none).
+        memory is the compressor's default: residual for a biased one, none for an unbiased one).
     comm, hierarchical: the configured uniform choice — Cupcake's option for every group,
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
     profile_steps: dense steps measured before planning.
@@ -112,9 +105,6 @@ class PlannedSync(CompressSync):
     run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
-    replan_steps: 0 plans once. Above 0, the kept plan's steps after ``settle_steps`` settling ones
-        (this many) calibrate the compressor's fits once more, on the plan's own groups, and the
-        backend plans again with them (see the module doc, step 4). A resumed run keeps its plan.
     trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
         the model's choice first) take ``trial_steps`` turns each on the cluster, round robin, a turn
         being one settling step on the candidate's groups and one measured step; the plan with the
@@ -127,14 +117,14 @@ class PlannedSync(CompressSync):
     system = "?"
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather",
-                 memory: Memory | str | None = "residual", memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
+                 memory: Memory | str | None = None, memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
                  network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
-                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3, replan_steps: int = 0):
+                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
-        super().__init__(compressor=compressor, comm=comm, memory="none" if memory is None else memory,
+        super().__init__(compressor=compressor, comm=comm, memory=memory,
                          memory_beta=memory_beta, hierarchical=False, local_size=gpus_per_machine,
                          fusion="tensor", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         check_plannable(compressor, f"sync={self.system}")
@@ -153,8 +143,7 @@ class PlannedSync(CompressSync):
         if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
             raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
         for key, value, least in (("sync.trial_steps", trial_steps, 0), ("sync.calibrate_steps", calibrate_steps, 0),
-                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1),
-                                  ("sync.replan_steps", replan_steps, 0)):
+                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
         self.warmup_steps = warmup_steps
@@ -163,9 +152,6 @@ class PlannedSync(CompressSync):
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
-        self.replan_steps = replan_steps
-        self.replanning: dict[str, Any] | None = None  # the kept plan's work, while it is being re-fitted
-        self._refit_base: tuple[Profile, float | None] | None = None  # rank 0: profile before the overhead, layer-wise step
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -218,7 +204,7 @@ class PlannedSync(CompressSync):
             super()._launch_full_buckets()
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if self.profiling or self.replanning is not None:
+        if self.profiling:
             self.recorder.ready(index)
         super().on_grad_ready(index, param)
 
@@ -229,15 +215,9 @@ class PlannedSync(CompressSync):
             self._calibration_step()
             return
         if not self.profiling:
-            if self.replanning is not None:  # the closed loop measures the slowest rank's lag again
-                self.recorder.backward_end()
             super().finish()
-            if self.replanning is not None:
-                self.recorder.step_end()
             if self.trial is not None:
                 self._trial_step()
-            elif self.replanning is not None:
-                self._replan_step()
             else:
                 self._record_work()
             return
@@ -347,8 +327,14 @@ class PlannedSync(CompressSync):
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
         extra = group_overhead(profile, option, measured, compressors)
-        prof = profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)
-        return replace(profile, compressors={**profile.compressors, "default": prof})
+        costs = {**profile.compressors,
+                 "default": profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)}
+        if "none" in costs:
+            # An uncompressed group off dense allreduce's own path (a hierarchical one: its fits are
+            # none's) runs the same per-group machinery — blocking machine collectives, a job, a
+            # scheme — so it pays the same overhead; flat dense groups pay nothing (their own path).
+            costs["none"] = costs["none"].with_group_overhead(extra)
+        return replace(profile, compressors=costs)
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -365,9 +351,6 @@ class PlannedSync(CompressSync):
         def plan() -> list[dict[str, Any]]:
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
             profile = self.calibrate_groups(before)
-            layerwise = profile.compressors["default"].calibration.get("layerwise_step_s") \
-                if "default" in profile.compressors else None
-            self._refit_base = (before, layerwise)
             model = CostModel(profile, self._planning_compressors())
             plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
             note = _calibration_note(profile)
@@ -383,8 +366,6 @@ class PlannedSync(CompressSync):
         self.adopt(CompressionPlan.from_dict(plans[0]))
         if self.trial is not None:
             self.trial["last_end"] = time.perf_counter()
-        else:
-            self._start_replan()
 
     def _decided_on_rank0(self, decide: Callable[[], Any], what: str) -> Any:
         """``decide()`` run on rank 0 and broadcast to every rank. An error there is raised on every
@@ -437,82 +418,6 @@ class PlannedSync(CompressSync):
         self.trial = None
         self.adopt(kept)
         self._save(kept)
-        self._start_replan()
-
-    # -- closed loop -----------------------------------------------------------------------------
-    def _start_replan(self) -> None:
-        if self.replan_steps and self.world_size > 1 and self.compressors["default"].name != "none":
-            self.replanning = {"seen": 0, "steps": []}
-
-    def _replan_step(self) -> None:
-        """After each step of the kept plan while it is re-fitted: keep its groups' work; after the
-        settling steps and ``replan_steps`` more, re-fit on rank 0 and run its plan (every rank)."""
-        state = self.replanning
-        state["seen"] += 1
-        step, self.work = self.work, []  # the first step after adopting a plan is not timed (None)
-        if state["seen"] > self.settle_steps and step is not None and len(step) == len(self.buckets):
-            state["steps"].append(step)
-        if state["seen"] < self.settle_steps + self.replan_steps:
-            return
-        self.replanning = None
-        lag = self._slowest_lag(skip=self.settle_steps)  # every rank, over the timed steps
-        plan = CompressionPlan.from_dict(self._decided_on_rank0(
-            lambda: self._refitted_plan(state["steps"], lag).to_dict(), "planning again"))
-        if plan.to_plan() == self.plan:  # the same groups and choices: keep them running
-            self.computed = plan
-        else:
-            self.adopt(plan)
-
-    def _refitted_plan(self, steps: list[list[GroupWork]], lag: float) -> CompressionPlan:
-        """Rank 0: the configured compressor's fits scaled so that the model prices the kept plan's
-        compressed groups at what they took in ``steps`` (encode and decode each, summed over groups
-        and steps), the slowest rank's ``lag`` measured over the same steps (a few early dense steps
-        can put it several times higher than it stays), the per-group overhead fitted again to the
-        layer-wise steps with them, and the plan of that model — or the kept plan re-priced, where a
-        trial on the cluster chose it."""
-        if self._refit_base is None or not steps:
-            raise ValueError("no profile or no timed steps of the kept plan to fit the model to")
-        base, layerwise = self._refit_base
-        profiled_lag, base = base.lag_s, replace(base, lag_s=lag)
-        compressors, kept = self._planning_compressors(), self.computed
-        model = CostModel(base, compressors)
-        option_of = {name: o for u, o in zip(kept.units, kept.options, strict=True) for name in u.names}
-        measured, priced = {"encode": 0.0, "decode": 0.0}, {"encode": 0.0, "decode": 0.0}
-        for step in steps:
-            for bucket, work in zip(self.buckets, step, strict=True):
-                option = option_of[self.names[bucket.members[0]]]
-                if not option.compressed or option.device != "compute":
-                    continue
-                fits = dict(zip(measured, model.group_fits(option, len(bucket.members)), strict=True))
-                for kind in measured:
-                    measured[kind] += work.seconds[kind]
-                    priced[kind] += sum(calls * fits[kind](numel) for numel, calls in work.calls[kind])
-        ratio = {kind: measured[kind] / priced[kind] if priced[kind] > 0 else 1.0 for kind in measured}
-        prof = base.compressors["default"]
-        # The layer-wise factors stay as measured; the fits now carry the closed loop's on top.
-        facts = {**prof.calibration, "replan_encode": ratio["encode"], "replan_decode": ratio["decode"],
-                 "replan_steps": len(steps)}
-        refit = replace(prof.calibrated(ratio["encode"], ratio["decode"]), calibration=facts)
-        profile = replace(base, compressors={**base.compressors, "default": refit})
-        if layerwise:
-            profile = self._with_group_overhead(profile, layerwise)
-        model = CostModel(profile, compressors)
-        before = plan_time(kept.units, kept.options, model, profile.backward_end_s, profile.rest_s)
-        if self.trial_steps:
-            plan = replace(kept, iteration_s=before, notes=list(kept.notes))
-        else:
-            plan = self.compute_plan(profile, model)
-            plan.notes.append(_calibration_note(profile))
-        fitted = (f"the first plan's compressed groups took x{ratio['encode']:.2f} the model's encode and "
-                  f"x{ratio['decode']:.2f} its decode" if any(priced.values()) else
-                  "the first plan compresses no group on the training thread (no fits to scale)")
-        plan.notes.append(f"closed loop: over {len(steps)} steps {fitted}, and the slowest rank was "
-                          f"{lag * 1e3:.2f} ms behind ({profiled_lag * 1e3:.2f} ms when profiled); "
-                          f"set so, overhead fitted again; the first plan re-priced "
-                          f"{before * 1e3:.1f} ms (predicted {kept.iteration_s * 1e3:.1f} ms before), "
-                          f"this plan {plan.iteration_s * 1e3:.1f} ms")
-        self._save(plan, profile)
-        return plan
 
     def _record_work(self) -> None:
         """Rank 0, once a plan is kept: each group's work in each step (encode, decode, and the time
@@ -552,17 +457,16 @@ class PlannedSync(CompressSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None, skip: int | None = None) -> float:
-        """Every rank: how much later than this one the slowest rank ended backward in the recorded
-        steps after the first ``skip`` (default: the warm-up steps before the profiled dense ones)
-        (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
+    def _slowest_lag(self, failure: Exception | None = None) -> float:
+        """Every rank: how much later than this one the slowest rank ended backward in the profiled
+        steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
         also carries ``failure``, this rank's error in profiling its compressors: every rank raises
         then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
             return 0.0
-        mine = {"spans": self.recorder.spans(self.warmup_steps if skip is None else skip),
+        mine = {"spans": self.recorder.spans(self.warmup_steps),
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync

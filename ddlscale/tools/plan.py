@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from ddlscale.comm.cost import parse_bandwidth, parse_time
-from ddlscale.compress import Compressor, NoCompression
-from ddlscale.compress.memory import Memory, check_pairing
+from ddlscale.compress import MEMORIES, Compressor, NoCompression
+from ddlscale.compress.memory import Memory
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
 
@@ -38,9 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--profile", type=Path, help="a saved plan_profile.json")
     source.add_argument("--model", help="profile this workload (conf/model/<name>.yaml) here")
     parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml")
-    parser.add_argument("--memory", default="none",
+    parser.add_argument("--memory", default="default",
                         help="with --model: the error feedback the compressor is timed with, conf/memory/<name>.yaml "
-                             "(default none, as train.py's)")
+                             "(default: the compressor's own default, as train.py's)")
     parser.add_argument("--steps", type=int, default=6, help="with --model: steps to run (the first is warm-up)")
     parser.add_argument("--save", type=Path, help="with --model: write the profile here")
     parser.add_argument("--system", choices=("espresso", "cupcake", "both"), default="both")
@@ -77,12 +77,10 @@ def build_compressor(name: str) -> Compressor:
 def build_memory(name: str, compressor: Compressor) -> Memory:
     from hydra.utils import instantiate
 
-    memory = instantiate(_load_config("memory", name))
-    try:
-        check_pairing(compressor, memory)
-    except ValueError as exc:
-        raise ValueError(f"--memory {name!r}: {exc}") from None
-    return memory
+    cfg = _load_config("memory", name)
+    if cfg.get("_target_") is None:  # memory=default: what the compressor runs with unless told
+        return MEMORIES[compressor.default_memory]()
+    return instantiate(cfg)
 
 
 def profile_model(module: torch.nn.Module, compressor: Compressor, memory: Memory, steps: int, world_size: int,

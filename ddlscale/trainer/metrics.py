@@ -229,6 +229,8 @@ class StepMetrics(pl.Callback):
         sync = self._sync(trainer)
         report = getattr(sync, "plan_report", None)
         figures = dict(report()) if callable(report) else {}
+        if sync is not None:  # what the backend resolved (memory=default: the error feedback it chose)
+            figures.update(sync.summary_fields())
         routing = getattr(sync, "routing", None)
         if callable(routing):  # the sparse syncs: which tensors went sparse, in what units, how dense
             figures["routing"] = routing()

@@ -8,7 +8,14 @@ issued, overlapping the rest of backward; after backward each scheme completes, 
 what compression lost, and the averaged gradients are written back.
 
 Hierarchical groups reduce densely inside each machine first (reduce-scatter over the machine's
-ranks), run the scheme across machines on this rank's chunk, then allgather inside the machine.
+ranks), run the scheme across machines on this rank's chunk, then allgather inside the machine. A
+compressor of matrices (PowerSGD) cannot take a chunk that cuts rows: there the machine's ranks
+allreduce the group, its first rank (the leader) runs the scheme across machines on the whole
+matrices, and broadcasts the result inside the machine.
+
+Error feedback: ``memory`` (null: the compressor's default — residual for a biased compressor, none
+for an unbiased one) keeps, per group, the compensated tensor minus this rank's share of the
+scheme's result, so the second compression an owner applies in alltoall and gather is fed back too.
 """
 
 from __future__ import annotations
@@ -21,52 +28,74 @@ from typing import Any
 import torch
 
 from ddlscale.comm import Pending
-from ddlscale.compress.base import Compressor
-from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory, check_pairing
+from ddlscale.compress.base import Compressor, Segment, pieces
+from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
-from ddlscale.sync.compress.plan import Plan, TensorPlan
+from ddlscale.plan.choices import Plan, TensorPlan
 from ddlscale.sync.compress.regroup import GroupLayout, regroup
 from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
 FUSIONS = ("tensor", "bucket")
 MEMORIES = {"none": Memory, "residual": ResidualMemory, "decayed": DecayedMemory}
+FLAT, CHUNK, LEADER = "flat", "chunk", "leader"  # how a group runs: whole, a machine's chunk, or at its leader
 
 
 @dataclass
 class _Flight:
     """A launched group: its job, its scheme and what error feedback needs at the end — or, for a
-    group on dense allreduce's own path, only its pending allreduce."""
+    group on dense allreduce's own path, only its pending allreduce. A leader group's other ranks
+    have no job (they receive the result from the leader)."""
 
     job: Job | None
     scheme: Any
     compensated: torch.Tensor | None
     key: str
-    hierarchical: bool
+    layout: str
     pending: Pending | None = None
     work: GroupWork | None = None  # when CompressSync.work is a list
+
+
+def feedback_warning(compressor: Compressor | None, memory: Memory) -> str | None:
+    """Why error feedback would hurt this compressor (None when it would not): it needs a
+    contraction, and a residual of an estimate scaled up, or of an unscaled sign, grows instead."""
+    if compressor is None or memory.name == "none":
+        return None
+    if compressor.name == "randomk" and compressor.unbiased:
+        return ("compressor=randomk with unbiased=true under error feedback: error feedback needs a contractive "
+                "compressor, and random-k scaled by numel/k is not — its residual grows until the loss is NaN "
+                "(measured on cnn and lstm). Set compressor.unbiased=false or memory=none.")
+    if isinstance(getattr(compressor, "vote", None), bool) and not compressor.scaled:
+        return (f"compressor={compressor.name} sends unscaled signs (+-1 whatever the gradient's scale) under error "
+                f"feedback: the residual g - sign(g) is of the order of 1 and grows instead of shrinking. Use "
+                f"memory=none, or compressor=efsignsgd (scaled signs with error feedback).")
+    return None
 
 
 class CompressSync(DenseAllreduce):
     """``sync=compress``. Args:
 
     compressor: the compressor (``compressor=`` config group), ``None`` for none.
-    comm: the aggregation scheme — allreduce, allgather, alltoall, gather.
+    comm: the aggregation scheme — allreduce, allgather, alltoall, gather, zen (sparsifiers: Zen's push / pull).
     memory: error feedback (``memory=`` config group) — a :class:`Memory`, or its name:
-        ``residual`` (true EF), ``none``, ``decayed`` (with ``memory_beta``).
+        ``residual`` (true EF), ``none``, ``decayed`` (with ``memory_beta``); ``None``: the
+        compressor's default (:attr:`~ddlscale.compress.Compressor.default_memory`: residual for a
+        biased compressor, none for an unbiased one). :attr:`memory_default` says which it was.
     hierarchical: dense inside a machine, compressed across machines; ``local_size`` ranks per
         machine (``None``: ``LOCAL_WORLD_SIZE``).
     fusion: ``tensor`` (compress each tensor alone) or ``bucket`` (DDP's buckets, ``bucket_mb``).
     plan: a :class:`Plan` overriding the uniform choice per tensor and the fusion groups.
     """
 
-    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str = "residual",
+    def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str | None = None,
                  memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,
                  fusion: str = "tensor", plan: Plan | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         scheme(comm, "sync.comm")  # validates the name
-        memory = "none" if memory is None else memory
+        self.memory_default = memory is None
+        if memory is None:
+            memory = (compressor or NoCompression()).default_memory
         if isinstance(memory, str) and memory not in MEMORIES:
             raise ValueError(f"sync.memory must be one of {', '.join(MEMORIES)}; got {memory!r}")
         if fusion not in FUSIONS:
@@ -76,12 +105,9 @@ class CompressSync(DenseAllreduce):
         self.compressors: dict[str, Compressor] = {"none": NoCompression(), "default": compressor or NoCompression()}
         if isinstance(memory, str):
             memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()
-        check_pairing(compressor, memory)
-        if getattr(compressor, "name", None) == "randomk" and compressor.unbiased and memory.name == "residual":
-            warnings.warn("compressor=randomk with unbiased=true under memory=residual: error feedback needs a "
-                          "contractive compressor, and random-k scaled by numel/k is not — its residual grows until "
-                          "the loss is NaN (measured on cnn and lstm). Set compressor.unbiased=false or memory=none.",
-                          UserWarning, stacklevel=2)
+        warning = feedback_warning(compressor, memory)
+        if warning:
+            warnings.warn(warning, UserWarning, stacklevel=2)
         self.memory = memory
         self.fusion, self.local_size = fusion, local_size
         self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
@@ -110,22 +136,34 @@ class CompressSync(DenseAllreduce):
         self._choices = [self.plan.for_group([self.names[i] for i in b.members]) for b in self.buckets]
         owners = {id(o): o for o in [self.memory, *self.compressors.values()]}.values()
         regroup([state for owner in owners for state in owner.group_states()], before, self._layouts(),
-                lambda chunk, whole: self.intra.reduce_scatter(chunk, whole).wait())
+                lambda flat: self.intra.allreduce(flat).wait())
 
     def _hierarchical(self, b: int) -> bool:
         return self._choices[b].hierarchical and self.intra is not None
 
+    def _layout(self, b: int) -> str:
+        """How group ``b`` runs: flat (the whole buffer across every rank), as this rank's chunk of
+        its machine's sum, or — for a compressor of matrices — whole at its machine's leader."""
+        if not self._hierarchical(b):
+            return FLAT
+        return LEADER if self.compressors[self._choices[b].compressor].needs_matrices else CHUNK
+
     def _key(self, b: int) -> str:
         """Group ``b``'s name in the memory and the compressors; a hierarchical group's state is
-        this rank's chunk, so it is named apart from the same members' flat state."""
+        this rank's chunk (or, at a leader, its machine's whole buffer), so it is named apart from
+        the same members' flat state."""
         key = "+".join(self.names[i] for i in self.buckets[b].members)
-        return f"{key}@machine" if self._hierarchical(b) else key
+        return key if self._layout(b) == FLAT else f"{key}@machine"
 
     def _layouts(self) -> dict[str, GroupLayout]:
         machine = (self.intra.rank, self.local_size) if self.intra is not None else None
         return {self._key(b): GroupLayout(tuple((self.names[i], self.params[i].numel()) for i in bucket.members),
-                                          machine if self._hierarchical(b) else None)
+                                          None if self._layout(b) == FLAT else machine, self._layout(b) == LEADER)
                 for b, bucket in enumerate(self.buckets)}
+
+    def _segments(self, b: int) -> list[Segment]:
+        """Group ``b``'s members with their matrix rows, in buffer order."""
+        return [Segment.of(self.params[i].shape) for i in self.buckets[b].members]
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         restored = getattr(self, "_restored_groups", None)
@@ -173,29 +211,40 @@ class CompressSync(DenseAllreduce):
 
     def _start(self, b: int) -> _Flight:
         bucket, choice = self.buckets[b], self._choices[b]
-        key = self._key(b)
+        key, layout = self._key(b), self._layout(b)
         work = None if self.work is None else GroupWork()
         if work is not None:
             self.work.append(work)
         if self._dense_path(b, key):
-            return _Flight(None, None, None, key, False, self.comm.allreduce(bucket.buffer), work)
-        comm, tensor = self.comm, bucket.buffer
-        hierarchical = self._hierarchical(b)
+            return _Flight(None, None, None, key, FLAT, self.comm.allreduce(bucket.buffer), work)
+        compressor = self.compressors[choice.compressor]
+        comm, tensor, segments = self.comm, bucket.buffer, self._segments(b)
         with self.timed("encode"):
-            if hierarchical:
+            if layout == CHUNK:
                 k = self.local_size
-                padded = tensor.new_zeros(math.ceil(tensor.numel() / k) * k)
+                size = math.ceil(tensor.numel() / k)
+                padded = tensor.new_zeros(size * k)
                 padded[: tensor.numel()] = tensor
-                chunk = tensor.new_empty(padded.numel() // k)
+                chunk = tensor.new_empty(size)
                 self.intra.reduce_scatter(chunk, padded).wait()
-                comm, tensor = self.inter, chunk
-            shapes = None if hierarchical else [tuple(self.params[i].shape) for i in bucket.members]
-            with timed_work(work, "encode"):  # error feedback: part of the benchmarked encode
+                mine = min(size, max(0, tensor.numel() - self.intra.rank * size))  # the padding is no gradient
+                comm, tensor = self.inter, chunk[:mine]
+                segments = pieces(segments, [mine], self.intra.rank * size)[0]
+            elif layout == LEADER:
+                self.intra.allreduce(tensor).wait()  # every rank of the machine holds its sum
+                comm = self.inter
+                if self.intra.rank != 0:
+                    # Only the leader runs the scheme; the others keep an empty residual under the
+                    # group's name, so a regrouping finds the same names on every rank.
+                    self.memory.update(key, self.memory.compensate(tensor[:0], key), tensor[:0])
+                    return _Flight(None, None, None, key, layout, None, work)
+            with timed_work(work, "encode"):  # the compressor's preparation and error feedback: part of encode
+                tensor = compressor.precondition(tensor, key, segments, comm.size)
                 compensated = self.memory.compensate(tensor, key)
-            job = Job(comm, self.compressors[choice.compressor], compensated, key, shapes, work=work)
+            job = Job(comm, compressor, compensated.reshape(-1), key, segments, work=work)
             chosen = scheme(choice.scheme)
             chosen.start(job)
-        return _Flight(job, chosen, compensated, key, hierarchical, work=work)
+        return _Flight(job, chosen, compensated, key, layout, work=work)
 
     def finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:  # no gradient this step: zeros, on every rank
@@ -206,20 +255,30 @@ class CompressSync(DenseAllreduce):
         self._launch_full_buckets()
         for b, bucket in enumerate(self.buckets):
             flight = self._flights[b]
+            job, total = flight.job, None
             with self.timed("comm"), timed_work(flight.work, "finish"):
-                if flight.job is None:
-                    flight.pending.wait()  # the sum is in the bucket already
-                else:
-                    total = flight.scheme.finish(flight.job)
-                    if flight.hierarchical:
-                        total = torch.cat(self.intra.allgather(total.to(bucket.buffer.dtype)).wait())
+                if flight.pending is not None:
+                    flight.pending.wait()  # dense allreduce's path: the sum is in the bucket already
+                elif job is not None:
+                    total = flight.scheme.finish(job)
+                if flight.layout == CHUNK:
+                    gathered = self.intra.allgather(_padded(total, math.ceil(bucket.buffer.numel() / self.local_size),
+                                                            bucket.buffer.dtype)).wait()
+                    total = torch.cat(gathered)
+                elif flight.layout == LEADER:
+                    if job is not None:
+                        bucket.buffer.copy_(total)
+                    self.intra.broadcast(bucket.buffer, src=0).wait()
+                    total = None
             with self.timed("decode"):
-                if flight.job is not None:
-                    with timed_work(flight.job.work, "encode"):
-                        if isinstance(flight.job.compressor, NoCompression):
+                if job is not None:
+                    with timed_work(job.work, "encode"):
+                        if isinstance(job.compressor, NoCompression):
                             self.memory.forget(flight.key)  # sent whole: no error, and the dense path is open again
                         else:
-                            self.memory.update(flight.key, flight.compensated, flight.job.local)
+                            self.memory.update(flight.key, flight.compensated, job.shared.reshape(flight.compensated.shape))
+                            job.compressor.sent(flight.key, job.local)
+                if total is not None:
                     bucket.buffer.copy_(total[: bucket.buffer.numel()])
                 for slot, i in enumerate(bucket.members):
                     self._write_grad(i, bucket.views[slot])
@@ -228,6 +287,9 @@ class CompressSync(DenseAllreduce):
             self._flights[b] = None
         self._next_launch = 0
         self._was_sparse.clear()
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {"memory": self.memory.name, "memory_default": self.memory_default}
 
     # -- checkpointed state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -243,3 +305,10 @@ class CompressSync(DenseAllreduce):
         # Valid for the plan in force now; a plan adopted later brings its own groups.
         self._restored_groups = (self.plan, [list(g) for g in state["groups"]])
         super().load_state_dict(state)
+
+
+def _padded(chunk: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's result chunk at the machine's chunk length (the last ranks' chunks hold padding)."""
+    out = chunk.new_zeros(size, dtype=dtype)
+    out[: chunk.numel()] = chunk
+    return out

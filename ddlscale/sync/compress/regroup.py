@@ -1,7 +1,9 @@
 """Carrying per-group state (error-feedback residuals, momenta) across a change of fusion groups.
 
 That state is keyed by group and laid out like the group's flat buffer — for a hierarchical group,
-like this rank's chunk of the buffer its machine reduce-scattered. A plan that regroups tensors
+like this rank's chunk of the buffer its machine reduce-scattered (the padding past the buffer's end
+left out), or, where a machine's leader runs the group whole (a compressor of matrices), like the
+whole buffer at the leader and empty at its other ranks. A plan that regroups tensors
 (calibration to plan, Espresso's trial plans, a re-plan) would otherwise orphan it: error feedback
 would drop what compression had held back, and a flat group turned hierarchical under the same
 name would meet a residual of the wrong size. :func:`regroup` splits each changed group's tensor
@@ -9,8 +11,8 @@ by member and joins the pieces again in the new groups.
 
 Only the sum over ranks of such state matters (every rank's compensated gradient is summed), and
 that sum is what is kept: a hierarchical chunk becomes a flat tensor holding the chunk at this
-rank's position and zeros elsewhere, and a flat tensor becomes a chunk by reduce-scattering it over
-the machine, as the gradients themselves are.
+rank's position and zeros elsewhere, and a flat tensor becomes a chunk by summing it over the machine
+and keeping this rank's part, as the gradients themselves are reduced.
 """
 
 from __future__ import annotations
@@ -25,32 +27,48 @@ import torch
 @dataclass(frozen=True)
 class GroupLayout:
     """A group's members as (tensor name, numel) in buffer order, and for a hierarchical group this
-    rank's position in its machine and the machine's size."""
+    rank's position in its machine and the machine's size; ``leader``: the machine's first rank
+    holds the whole group's state, the others none."""
 
     members: tuple[tuple[str, int], ...]
     machine: tuple[int, int] | None = None
+    leader: bool = False
 
     @property
     def numel(self) -> int:
         return sum(n for _, n in self.members)
 
     @property
+    def chunk_start(self) -> int:
+        """Where this rank's part of the group's state starts in its flat buffer."""
+        if self.machine is None or self.leader:
+            return 0
+        position, k = self.machine
+        return min(self.numel, position * math.ceil(self.numel / k))
+
+    @property
     def chunk_numel(self) -> int:
-        return math.ceil(self.numel / self.machine[1]) if self.machine else self.numel
+        """How many elements of the group's state this rank holds."""
+        if self.machine is None:
+            return self.numel
+        position, k = self.machine
+        if self.leader:
+            return self.numel if position == 0 else 0
+        return min(math.ceil(self.numel / k), self.numel - self.chunk_start)
 
 
-ReduceScatter = Callable[[torch.Tensor, torch.Tensor], None]  # (chunk out, whole padded buffer in)
+MachineSum = Callable[[torch.Tensor], None]  # sums a tensor over the machine's ranks, in place
 
 
 def regroup(states: list[dict[str, torch.Tensor]], before: dict[str, GroupLayout],
-            after: dict[str, GroupLayout], reduce_scatter: ReduceScatter | None = None) -> None:
+            after: dict[str, GroupLayout], machine_sum: MachineSum | None = None) -> None:
     """Re-lay out every dict in ``states`` in place from the groups ``before`` to those ``after``.
 
     Keys whose layout did not change are left alone, as are keys neither layout names (state a
     checkpoint restored for the groups it was saved with). A member no old group held state for
-    starts at zero beside members that did. ``reduce_scatter`` (the machine's) is needed only when
-    state moves into a hierarchical group; every rank calls it for the same groups in the same
-    order, since every rank has run the same groups and so holds state under the same keys.
+    starts at zero beside members that did. ``machine_sum`` is needed only when state moves into a
+    hierarchical group; every rank calls it for the same groups in the same order, since every rank
+    has run the same groups and so holds state under the same keys.
     """
     changed_before = {k: g for k, g in before.items() if after.get(k) != g}
     changed_after = {k: g for k, g in after.items() if before.get(k) != g}
@@ -70,31 +88,25 @@ def regroup(states: list[dict[str, torch.Tensor]], before: dict[str, GroupLayout
                 continue
             flat = torch.cat([p if p is not None else present[0].new_zeros(n)
                               for p, (_, n) in zip(held, group.members, strict=True)])
-            state[key] = _chunk(flat, group, reduce_scatter)
+            state[key] = _chunk(flat, group, machine_sum)
 
 
 def _unchunk(tensor: torch.Tensor, group: GroupLayout) -> torch.Tensor:
-    """The flat tensor of a group's state: a hierarchical chunk placed at this rank's position."""
+    """The flat tensor of a group's state: this rank's part placed where it lies in the buffer."""
     if group.machine is None:
         return tensor
-    position, _ = group.machine
     flat = tensor.new_zeros(group.numel)
-    start = position * group.chunk_numel
-    stop = min(start + group.chunk_numel, group.numel)
-    if stop > start:  # the padding past the buffer's end stood for no gradient
-        flat[start:stop] = tensor[: stop - start]
+    flat[group.chunk_start: group.chunk_start + group.chunk_numel] = tensor
     return flat
 
 
-def _chunk(flat: torch.Tensor, group: GroupLayout, reduce_scatter: ReduceScatter | None) -> torch.Tensor:
-    """A flat group state as the group's layout holds it: for a hierarchical group, this rank's
-    chunk of the machine's sum."""
+def _chunk(flat: torch.Tensor, group: GroupLayout, machine_sum: MachineSum | None) -> torch.Tensor:
+    """A flat group state as the group's layout holds it: for a hierarchical group, this rank's part
+    of the machine's sum."""
     if group.machine is None:
         return flat
-    if reduce_scatter is None:
-        raise ValueError("regroup: moving state into a hierarchical group needs the machine's reduce_scatter")
-    padded = flat.new_zeros(group.chunk_numel * group.machine[1])
-    padded[: flat.numel()] = flat
-    chunk = flat.new_empty(group.chunk_numel)
-    reduce_scatter(chunk, padded)
-    return chunk
+    if machine_sum is None:
+        raise ValueError("regroup: moving state into a hierarchical group needs the machine's sum")
+    total = flat.clone()
+    machine_sum(total)
+    return total[group.chunk_start: group.chunk_start + group.chunk_numel].clone()

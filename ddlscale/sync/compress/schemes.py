@@ -12,17 +12,27 @@ associative), except casts, shared-index sparsifiers and PowerSGD's factors. So:
   hands every rank every partition's compressed sum.
 - ``gather`` (centralized): rank 0 receives every payload, decodes and sums them, re-compresses
   and broadcasts the result.
+- ``zen`` (sparsifiers only): Zen's balanced push / sum / pull (:mod:`ddlscale.sync.sparse.pushpull`)
+  at element granularity: each selected (index, value) goes to the rank its index hashes to, which
+  sums what arrives; every rank pulls every owner's sums. A rank receives about the union of the
+  selections instead of n selections, and nothing is compressed twice.
 
 Each scheme has two halves: :meth:`Scheme.start` issues the first collective as soon as the
 tensor is ready (during backward), :meth:`Scheme.finish` completes it after backward. Both take a
-:class:`Job`; every scheme returns the *sum* over ranks of what the ranks started with (the
-backend scales by 1/n before compressing, as dense allreduce does), and ``job.local`` — this rank's
-own decompressed tensor, which error feedback subtracts.
+:class:`Job`; every scheme returns what the ranks' tensors aggregate to — their *sum* (the backend
+scales by 1/n before compressing, as dense allreduce does), or what the compressor's
+:meth:`~ddlscale.compress.Compressor.combine` makes of it (signSGD's vote) — and sets
+``job.local``, this rank's own payload decompressed, and ``job.share``, this rank's share of the
+result: the shares of all ranks sum to it exactly. Error feedback subtracts the share, so nothing a
+compression drops is lost: where an owner compresses a partition's sum a second time, the error of
+that second compression is in its share (and so in its residual) too.
+
+A new scheme is one :class:`Scheme` subclass registered in :data:`SCHEMES` (and priced under the
+same name in :data:`ddlscale.plan.cost.PRICES`, so the planners may choose it).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -31,8 +41,11 @@ from typing import Any
 import torch
 
 from ddlscale.comm import Communicator, volume
-from ddlscale.compress.base import Compressed, Compressor
-from ddlscale.sync.compress import wire
+from ddlscale.compress import wire
+from ddlscale.compress.base import Compressed, Compressor, Segment, pieces
+from ddlscale.compress.sparse import SparseCompressor
+from ddlscale.sync.sparse import pushpull
+from ddlscale.sync.sparse.hashing import HashPartitioner
 
 
 @dataclass
@@ -41,12 +54,17 @@ class Job:
 
     comm: Communicator
     compressor: Compressor
-    tensor: torch.Tensor  # 1-D, scaled and compensated
+    tensor: torch.Tensor  # 1-D, preconditioned and compensated
     name: str
-    shapes: list[tuple[int, ...]] | None = None  # the members' shapes, when the buffer holds whole tensors
-    local: torch.Tensor | None = None  # this rank's decompressed contribution (for error feedback)
+    segments: list[Segment] | None = None  # its members, or the pieces of them it holds (None: one flat member)
+    local: torch.Tensor | None = None  # this rank's own payload decompressed: what its first compression sent
+    share: torch.Tensor | None = None  # this rank's share of the result (None: ``local``)
     state: dict[str, Any] = field(default_factory=dict)
     work: GroupWork | None = None  # when given, timed_work adds to it
+
+    @property
+    def shared(self) -> torch.Tensor:
+        return self.local if self.share is None else self.share
 
 
 @dataclass
@@ -78,6 +96,7 @@ def timed_work(work: GroupWork | None, kind: str, numel: int = 0, calls: int = 0
 class Scheme:
     name = "?"
     needs_summable = False
+    divisible = False  # cuts a group into flat partitions (a compressor of matrices cannot follow)
 
     def check(self, compressor: Compressor, key: str) -> None:
         """Refuse a compressor this scheme cannot carry (before training starts)."""
@@ -85,6 +104,11 @@ class Scheme:
             raise ValueError(
                 f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
                 f"{compressor.name} is not summable; use allgather, alltoall or gather"
+            )
+        if self.divisible and compressor.needs_matrices:
+            raise ValueError(
+                f"{key}: scheme {self.name} cuts each group into flat partitions, but compressor "
+                f"{compressor.name} compresses whole matrices; use allreduce, allgather or gather"
             )
 
     def start(self, job: Job) -> None:
@@ -94,14 +118,18 @@ class Scheme:
         raise NotImplementedError
 
     @staticmethod
-    def shaped(job: Job) -> torch.Tensor:
-        """The tensor as the compressor should see it: its parameter's shape for a one-tensor group."""
-        return job.tensor.view(job.shapes[0]) if job.shapes is not None and len(job.shapes) == 1 else job.tensor
-
-    @staticmethod
-    def segments(job: Job) -> list[int] | None:
-        """A fused group's member sizes (per-member compressors keep a scale for each)."""
-        return None if job.shapes is None or len(job.shapes) < 2 else [math.prod(shape) for shape in job.shapes]
+    def second_stage(job: Job, total: torch.Tensor, name: str, segments: list[Segment] | None,
+                     at: int = 0) -> tuple[Compressed, torch.Tensor]:
+        """An owner's compression of what the ranks' tensors aggregate to over ``total`` (their summed
+        decoded payloads for the elements from ``at`` on): (the compressed result, it decoded). What
+        that compression drops stays in this rank's share of the result, so error feedback keeps it."""
+        compressor = job.compressor
+        summed = compressor.compress(compressor.combine(total, job.comm.size), name, segments)
+        decoded = compressor.decompress(summed).reshape(-1)
+        if job.share is None:
+            job.share = job.local.clone()
+        job.share[at: at + total.numel()] += decoded - total
+        return summed, decoded
 
 
 def _allreducible(compressor: Compressor) -> bool:
@@ -129,7 +157,7 @@ class Allreduce(Scheme):
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
             return
         with timed_work(job.work, "encode", job.tensor.numel(), 1):
-            compressed = job.compressor.compress(self.shaped(job), job.name, self.segments(job))
+            compressed = job.compressor.compress(job.tensor, job.name, job.segments)
             job.local = job.compressor.decompress(compressed).reshape(-1)  # before the allreduce overwrites it
         payload = [p.clone() if p.data_ptr() == job.tensor.data_ptr() else p for p in compressed.payload]
         job.state["compressed"] = compressed.with_payload(payload)
@@ -140,12 +168,12 @@ class Allreduce(Scheme):
             def allreduce(t: torch.Tensor) -> None:
                 job.comm.allreduce(t).wait()
 
-            # Each member as its own matrix (one matrix for a flat chunk), all factors of the group in
-            # shared allreduces; error feedback subtracts this rank's own share of the result.
-            shapes = job.shapes or [tuple(job.tensor.shape)]
-            members = [m.view(shape) for m, shape in zip(
-                torch.split(job.tensor, [math.prod(s) for s in shapes]), shapes, strict=True)]
-            names = [f"{job.name}#{k}" for k in range(len(members))] if job.shapes else [job.name]
+            # Each member as its own matrix, all factors of the group in shared allreduces; error
+            # feedback subtracts this rank's own share of the result.
+            segments = job.segments or [Segment(job.tensor.numel())]
+            members = [piece.view(s.rows, s.cols) for piece, s in
+                       zip(torch.split(job.tensor, [s.numel for s in segments]), segments, strict=True)]
+            names = [f"{job.name}#{k}" for k in range(len(members))] if len(members) > 1 else [job.name]
             own: list[torch.Tensor] = []
             total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce, own)])
             job.local = torch.cat([t.reshape(-1) for t in own])
@@ -156,10 +184,10 @@ class Allreduce(Scheme):
             return job.compressor.decompress(job.state["compressed"]).reshape(-1)
 
 
-def _compress_whole(scheme: Scheme, job: Job) -> tuple[Compressed, torch.Tensor]:
+def _compress_whole(job: Job) -> tuple[Compressed, torch.Tensor]:
     """Compress the whole tensor, keep this rank's decompressed copy for error feedback, pack it."""
     with timed_work(job.work, "encode", job.tensor.numel(), 1):
-        compressed = job.compressor.compress(scheme.shaped(job), job.name, scheme.segments(job))
+        compressed = job.compressor.compress(job.tensor, job.name, job.segments)
         job.local = job.compressor.decompress(compressed).reshape(-1)
         return compressed, wire.pack(compressed.payload)
 
@@ -168,24 +196,26 @@ class Allgather(Scheme):
     name = "allgather"
 
     def start(self, job: Job) -> None:
-        compressed, message = _compress_whole(self, job)
+        compressed, message = _compress_whole(job)
         job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, _sizes(job, message)))
 
     def finish(self, job: Job) -> torch.Tensor:
         messages = job.state["pending"].wait()
         with timed_work(job.work, "decode", job.tensor.numel(), len(messages)):
-            return _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
+            total = _decode_sum(job.compressor, job.state["compressed"], messages).reshape(-1)
+            return job.compressor.combine(total, len(messages))
 
 
 class AllToAll(Scheme):
     """Divisible: partition j is reduced at rank j, then every partition's sum is allgathered."""
 
     name = "alltoall"
+    divisible = True
 
     def start(self, job: Job) -> None:
         n = job.comm.size
         sizes = volume.even_split(job.tensor.numel(), n)
-        members = job.state["members"] = _clip(self.segments(job), sizes)
+        members = job.state["members"] = pieces(job.segments or [Segment(job.tensor.numel())], sizes)
         with timed_work(job.work, "encode", sizes[0], n):
             compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
                           for j, p in enumerate(torch.split(job.tensor, sizes))]
@@ -202,26 +232,30 @@ class AllToAll(Scheme):
         pending = job.comm.all_to_all(received, torch.cat(messages), splits_out, splits_in,
                                       same_splits=job.compressor.fixed_size)
         job.state.update(mine=compressed[job.comm.rank], received=received, splits=splits_out, pending=pending,
-                         lengths=splits_in)
+                         lengths=splits_in, sizes=sizes)
 
     def finish(self, job: Job) -> torch.Tensor:
         comm, compressor, mine, members = job.comm, job.compressor, job.state["mine"], job.state["members"]
+        sizes = job.state["sizes"]
         job.state["pending"].wait()
-        pieces = torch.split(job.state["received"], job.state["splits"])
-        with timed_work(job.work, "decode", mine.ctx.numel, len(pieces)):
-            partial = _decode_sum(compressor, mine, list(pieces)).reshape(-1)
-        # The owner re-compresses its partition's sum; everyone decodes every partition's.
-        summed = compressor.compress(partial, f"{job.name}/{comm.rank}/sum", members[comm.rank])
+        pieces_in = torch.split(job.state["received"], job.state["splits"])
+        with timed_work(job.work, "decode", mine.ctx.numel, len(pieces_in)):
+            partial = _decode_sum(compressor, mine, list(pieces_in)).reshape(-1)
+        # The owner re-compresses its partition's aggregate (keeping that compression's error in
+        # its share); everyone decodes every partition's.
+        summed, decoded = self.second_stage(job, partial, f"{job.name}/{comm.rank}/sum", members[comm.rank],
+                                            sum(sizes[: comm.rank]))
         message = wire.pack(summed.payload)
         # Fixed-size: the sum of partition j packs to what partition j did in the first stage.
-        sizes = (job.state["lengths"] if compressor.fixed_size
-                 else comm.allgather_sizes(message.numel(), message.device))
-        gathered = comm.allgather_uneven(message, sizes).wait()
-        sizes = volume.even_split(job.tensor.numel(), comm.size)
+        lengths = (job.state["lengths"] if compressor.fixed_size
+                   else comm.allgather_sizes(message.numel(), message.device))
+        gathered = comm.allgather_uneven(message, lengths).wait()
         out = []
         for j, piece in enumerate(gathered):
-            ctx = summed.ctx if j == comm.rank else compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum",
-                                                                       members[j])
+            if j == comm.rank:
+                out.append(decoded)
+                continue
+            ctx = compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum", members[j])
             out.append(compressor.decompress(Compressed(wire.unpack(piece), ctx)).reshape(-1))
         return torch.cat(out)
 
@@ -232,7 +266,7 @@ class GatherBroadcast(Scheme):
     name = "gather"
 
     def start(self, job: Job) -> None:
-        compressed, message = _compress_whole(self, job)
+        compressed, message = _compress_whole(job)
         sizes = _sizes(job, message)
         padded = message.new_zeros(max(sizes))  # gather takes equal sizes: pad, charged
         padded[: message.numel()] = message
@@ -241,11 +275,12 @@ class GatherBroadcast(Scheme):
     def finish(self, job: Job) -> torch.Tensor:
         comm, compressor = job.comm, job.compressor
         gathered: list[torch.Tensor] | None = job.state["pending"].wait()
+        decoded = None
         if comm.rank == 0:
             messages = [m[:size] for m, size in zip(gathered, job.state["sizes"], strict=True)]
             with timed_work(job.work, "decode", job.tensor.numel(), len(messages)):
-                total = _decode_sum(compressor, job.state["compressed"], messages)
-            summed = compressor.compress(total, f"{job.name}/sum", self.segments(job))
+                total = _decode_sum(compressor, job.state["compressed"], messages).reshape(-1)
+            summed, decoded = self.second_stage(job, total, f"{job.name}/sum", job.segments)
             message = wire.pack(summed.payload)
             size = torch.tensor([message.numel()], dtype=torch.int64, device=job.tensor.device)
         else:
@@ -255,30 +290,63 @@ class GatherBroadcast(Scheme):
         if comm.rank != 0:
             message = torch.empty(int(size), dtype=torch.uint8, device=job.tensor.device)
         comm.broadcast(message, src=0).wait()
-        ctx = summed.ctx if comm.rank == 0 else compressor.context(self.shaped(job).shape, job.tensor.dtype,
-                                                                   f"{job.name}/sum", self.segments(job))
+        if decoded is not None:
+            return decoded
+        ctx = compressor.context(job.tensor.numel(), job.tensor.dtype, f"{job.name}/sum", job.segments)
         return compressor.decompress(Compressed(wire.unpack(message), ctx)).reshape(-1)
 
 
-def _clip(segments: list[int] | None, sizes: list[int]) -> list[list[int] | None]:
-    """Each consecutive partition's share of the members (empty shares left out)."""
-    if segments is None:
-        return [None] * len(sizes)
-    out, member, used = [], 0, 0  # used: elements of segments[member] already in earlier partitions
-    for size in sizes:
-        share = []
-        while size > 0 and member < len(segments):
-            take = min(size, segments[member] - used)
-            if take > 0:
-                share.append(take)
-            size, used = size - take, used + take
-            if used == segments[member]:
-                member, used = member + 1, 0
-        out.append(share)
-    return out
+class ZenPushPull(Scheme):
+    """Sparsifiers' selections through Zen's hash-partitioned push, sum and pull, one unit per
+    element (the thesis's two halves: compression makes gradients sparse, Zen syncs sparse ones).
+    The sum is exact, so this rank's share is what it sent and error feedback loses nothing.
+
+    Blocking exchanges, so the whole exchange runs in :meth:`finish` (after backward), in the order
+    every rank finishes its groups; compression runs in :meth:`start`, as the other schemes do."""
+
+    name = "zen"
+    SEED = 0x5EED  # a constant every rank shares: no agreement round needed
+    # One per world size, kept across steps (a Scheme is made per launch): the owned sets the
+    # bitmap pull decodes against are computed once per tensor size, not every step.
+    _partitioners: dict[int, HashPartitioner] = {}
+
+    def check(self, compressor: Compressor, key: str) -> None:
+        if not isinstance(compressor, SparseCompressor):
+            raise ValueError(
+                f"{key}: scheme zen pushes (index, value) pairs, but compressor {compressor.name} is not a "
+                f"sparsifier; zen carries topk, randomk, dgc and threshold"
+            )
+
+    def start(self, job: Job) -> None:
+        if job.tensor.numel() >= 2**31:
+            raise ValueError(f"{job.name}: scheme zen indexes elements as int32; {job.tensor.numel()} elements "
+                             f"do not fit (fuse less: sync.bucket_mb)")
+        with timed_work(job.work, "encode", job.tensor.numel(), 1):
+            compressed = job.compressor.compress(job.tensor, job.name, job.segments)
+            job.local = job.compressor.decompress(compressed).reshape(-1)
+            values, idx = job.compressor.entries(compressed.payload, compressed.ctx)
+        job.state.update(ids=idx.to(torch.int64), values=values.reshape(-1, 1).to(job.tensor.dtype))
+
+    def finish(self, job: Job) -> torch.Tensor:
+        comm, numel = job.comm, job.tensor.numel()
+        partitioner = self._partitioners.setdefault(comm.size, HashPartitioner(comm.size, self.SEED))
+        received = pushpull.push(comm, job.state["ids"], job.state["values"], partitioner.group)
+        with timed_work(job.work, "decode", numel, 1):
+            ids, values = pushpull.aggregate(received)
+        # The format every rank can decide alike: fixed-size selections have a known count.
+        kept = job.state["ids"].numel()
+        if job.compressor.fixed_size and volume.pull_as_bitmap(numel, kept, comm.size, pushpull.INDEX_BYTES):
+            pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), ids, values)
+        else:
+            pulled = pushpull.pull_coo(comm, ids, values)
+        with timed_work(job.work, "decode", numel, 1):
+            total = job.tensor.new_zeros(numel)
+            for piece_ids, piece_values in pulled:
+                total[piece_ids] = piece_values.reshape(-1)
+            return job.compressor.combine(total, comm.size)
 
 
-SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast)}
+SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast, ZenPushPull)}
 
 
 def scheme(name: str, key: str = "sync.comm") -> Scheme:

@@ -3,6 +3,9 @@ and which tensors are fused into one buffer compressed once (Cupcake's groups).
 
 ``sync=compress`` builds a uniform plan from its config; Espresso and Cupcake hand the backend
 non-uniform ones. Tensors are named by parameter name; a group's members share one choice.
+
+These are the plan's data types, so they live in the planning layer: the planners produce them and
+the executing backend (:mod:`ddlscale.sync.compress`) imports them from here, never the reverse.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ class TensorPlan:
     """How one tensor (or fused group) is synchronized.
 
     ``compressor``: a key of the backend's compressors (``"none"`` always exists, ``"default"`` is
-    the configured one); ``scheme``: allreduce, allgather, alltoall or gather; ``hierarchical``:
+    the configured one); ``scheme``: an aggregation scheme's name (allreduce, allgather, alltoall, zen,
+    gather: executed by :mod:`ddlscale.sync.compress.schemes`, priced by :mod:`ddlscale.plan.cost`); ``hierarchical``:
     dense reduction inside each machine first, the scheme only across machines.
     """
 
