@@ -112,9 +112,12 @@ def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
     assert run.returncode != 0 and time.monotonic() - started < 120, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["sync"] == "mismatched_sync.ExtraCollectiveOnRank1"
-    if debug:  # rank 1 names both sides; rank 0 (whose summary this is) names the rank it waited for
-        assert "Detected mismatch between collectives" in output and "Op type: ALLREDUCEvs BROADCAST" in output
+    if debug:  # rank 0 (whose summary this is) names the rank it waited for
         assert "Ranks 1 failed to pass monitoredBarrier" in summary["stopped_by"]
+        # Rank 1 names both sides, unless rank 0's barrier timeout tears the job down before rank 1's
+        # message is printed (a race in torch's checker, seen 2 in ~5 full suites): then it is absent.
+        if "Detected mismatch between collectives" in output:
+            assert "Op type: ALLREDUCEvs BROADCAST" in output
 
 
 @pytest.mark.root

@@ -234,7 +234,7 @@ class PlannedSync(CompressSync):
     @property
     def phase(self) -> str:
         """What the current step does: warmup, profile, settle, calibrate, trial settle / trial (with
-        the candidate's label), replan settle / replan, or plan (the kept plan runs)."""
+        the candidate's label), or plan (the kept plan runs)."""
         if self.calibrating:
             return "settle" if self._calibration_seen < self.settle_steps else "calibrate"
         if self.computed is None:
@@ -243,8 +243,6 @@ class PlannedSync(CompressSync):
             plan = self.trial["plans"][self.trial["index"]]
             label = plan["context"].get("candidate", plan["system"])
             return f"trial settle: {label}" if self.trial["seen"] == 0 else f"trial: {label}"
-        if self.replanning is not None:
-            return "replan settle" if self.replanning["seen"] < self.settle_steps else "replan"
         return "plan"
 
     def plan_report(self) -> dict[str, Any]:
@@ -266,8 +264,6 @@ class PlannedSync(CompressSync):
             report["plan_trial_step_s"] = dict(plan.context["trial_step_s"])
         else:
             report["plan_state"] = "chosen by the cost model"
-        if self.replanning is not None:
-            report["plan_state"] += "; the closed-loop re-plan did not finish"
         return report
 
     # -- calibration -----------------------------------------------------------------------------
