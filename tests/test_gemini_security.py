@@ -89,11 +89,14 @@ def test_store_values_not_signed_by_the_job_read_as_absent_and_are_counted(job):
     raw.set(job.keys.manifest, Manifest(step=9, world_size=1, shards=(ShardRecord(0, "m", 1, "x"),)).to_json())
     raw.set(job.keys.agent(0), "10.9.9.9:1")
     reader = kvstore.JobStore(kvstore.connect(job.address), job.name, job.auth)
+    # A TCPStore SET is not acknowledged: another connection may look before the server applied it.
+    reader.wait(job.keys.agent(0), 10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert reader.manifest() is None and reader.get(job.keys.agent(0)) is None
         key = job.keys.incarnation  # a value signed for another key does not verify under this one
         raw.set(key, job.store.signed(job.keys.outcome(0, 1), 99))
+        reader.wait(key, 10)
         assert reader.get(key, "absent") == "absent"
     assert reader.refused == 3
 
