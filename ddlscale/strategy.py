@@ -150,7 +150,7 @@ class DDLStrategy(DDPStrategy):
         if dist.is_initialized() and dist.get_world_size() > 1:
             _sync_module_states(module)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-        self.sync.setup(named, group=None, device=self.root_device)
+        self.sync.setup(named, group=None, device=self.root_device, sparse_grads=sparse_gradient_names(module))
         if self._pending_sync_state is not None:  # Lightning restores before set-up: apply now
             self.sync.load_state_dict(self._pending_sync_state)
             self._pending_sync_state = None
@@ -263,3 +263,10 @@ def _report_exception(trainer: pl.Trainer, exc: BaseException) -> None:
 
 if "ddlscale" not in StrategyRegistry:
     DDLStrategy.register_strategies(StrategyRegistry)
+
+
+def sparse_gradient_names(module: torch.nn.Module) -> set[str]:
+    """Parameters whose gradients torch produces sparse: the weights of embeddings built with
+    ``sparse=True`` (the only modules in torch that do)."""
+    return {f"{prefix}.weight" if prefix else "weight" for prefix, m in module.named_modules()
+            if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.sparse}

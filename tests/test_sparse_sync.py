@@ -10,6 +10,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from ddlscale.cluster import run_workers
+from ddlscale.strategy import sparse_gradient_names
 from ddlscale.sync.sparse import (
     AGSparseSync,
     GlooSparseSync,
@@ -261,6 +262,43 @@ def test_set_up_allocates_no_bucket_before_a_gradient_needs_it():
     # side on a 2M-row table once took 3 GB per worker for buckets never used.
     grown_mib, = run_workers(_set_up_only, 1)
     assert grown_mib < 64
+
+
+def _route_sparse_from_the_first_step(rank, world):
+    torch.manual_seed(0)
+    """route=sparse, profiling for 2 steps: the sparse-gradient table never passes a dense bucket."""
+    model = torch.nn.Sequential(torch.nn.Embedding(10**6, 64, sparse=True), torch.nn.Linear(64, 2))
+    sync = ZenSync(route="sparse", profile_steps=2)
+    sync.setup(list(model.named_parameters()), sparse_grads=sparse_gradient_names(model))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    sent, exact = [], []
+    for step in range(3):
+        model.zero_grad()
+        ids = torch.tensor([rank, 5, 100 + step])
+        model(ids).sum().backward()
+        local = model[0].weight.grad.coalesce()
+        for p in reversed(list(model.parameters())):
+            sync.grad_ready(p)
+        stats = sync.finish_step()
+        sent.append(max(r.bytes_sent for r in stats.collectives))
+        ids, values = [torch.empty_like(local.indices()) for _ in range(world)], [torch.empty_like(local.values()) for _ in range(world)]
+        dist.all_gather(ids, local.indices())
+        dist.all_gather(values, local.values() * (1.0 / world))
+        expected = torch.sparse_coo_tensor(torch.cat(ids, 1), torch.cat(values), (10**6, 64)).coalesce()
+        got = model[0].weight.grad.coalesce()
+        exact.append(torch.equal(got.indices(), expected.indices()) and torch.equal(got.values(), expected.values()))
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    return sync.routing()["0.weight"]["path"], sent, exact, grown_mib
+
+
+def test_route_sparse_sends_a_declared_sparse_gradient_sparse_from_the_first_step():
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(9, 2, sparse=True), "bag": torch.nn.EmbeddingBag(9, 2),
+                                 "head": torch.nn.Linear(2, 2)})
+    assert sparse_gradient_names(model) == {"emb.weight"}
+    for path, sent, exact, grown_mib in run_workers(_route_sparse_from_the_first_step, 2):
+        assert path == "sparse" and all(exact)
+        assert max(sent) < 10**5, f"a collective sent {max(sent)} bytes: the 256 MB table went dense"
+        assert grown_mib < 128  # a dense bucket of the table alone would take 256 MB, f"peak memory grew {grown_mib:.0f} MiB"
 
 
 def _overlap(rank, world):

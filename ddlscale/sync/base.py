@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,9 +79,13 @@ class GradSync:
         named_params: Sequence[tuple[str, torch.nn.Parameter]],
         group: dist.ProcessGroup | None = None,
         device: torch.device | None = None,
+        sparse_grads: Collection[str] = (),
     ) -> None:
-        """Bind to the parameters (in registration order) and the process group."""
+        """Bind to the parameters (in registration order) and the process group. ``sparse_grads``
+        names the parameters whose gradients arrive sparse (``nn.Embedding(sparse=True)``), as the
+        module says before any backward."""
         self.names = [name for name, _ in named_params]
+        self.sparse_grads = frozenset(sparse_grads)
         self.params = [p for _, p in named_params]
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.device = device or (self.params[0].device if self.params else torch.device("cpu"))

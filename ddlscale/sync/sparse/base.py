@@ -14,7 +14,8 @@ weigh recursive doubling (``profiles_doubling``) also measure gamma_{2^i} by OR-
 up the doubling stages. Then each tensor whose sparse scheme beats dense allreduce on the cost model
 (``route: auto``), or every tensor with a sparse gradient or a unit density of at most 1/2
 (``route: sparse``, the same tensors for every method), switches to the sparse path; the rest stay
-in the dense buckets. Every backend prices the messages it really sends and the bytes it moves with
+in the dense buckets. Under ``route: sparse`` the parameters the module declares sparse-gradient
+(``Embedding(sparse=True)``) are on the sparse path from the first step, profiled there. Every backend prices the messages it really sends and the bytes it moves with
 the same alpha and beta (``network_latency``, ``network_bandwidth``).
 
 **Overlap.** Sparse tensors are fused into groups (same dtype and width, in backward order). A group
@@ -155,6 +156,10 @@ class SparseSync(DenseAllreduce):
                 raise ValueError(f"sync.sparse_params names unknown parameters: {sorted(unknown)}")
             # Named tensors go sparse from the first step: they never pay a dense table's allreduce.
             self.sparse = [self.names.index(name) for name in self.sparse_params]
+        elif self.route == "sparse" and not self.profiles and self.world_size > 1:
+            # route=sparse sends every sparse gradient sparse; known from the module, it does so from
+            # the first step rather than densifying a whole table into a bucket while profiling.
+            self.sparse = [i for i, name in enumerate(self.names) if name in self.sparse_grads]
         if not hasattr(self, "sparse_comm"):
             # The lane needs every world rank at this point, so only for the world group.
             self.lane = shared_lane() if self.overlap and self.comm.group is None and dist.is_initialized() else None
