@@ -97,7 +97,7 @@ def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> Non
                     overrides += [f"sync.route={cell['route']}", f"sync.network_bandwidth={cell['bandwidth']}",
                                   f"sync.network_latency={latency[0]}s"]
                 sync = instantiate(compose("config", overrides).sync)
-                sync.setup([("embedding.weight", weight)])
+                sync.setup([("embedding.weight", weight)], sparse_grads={"embedding.weight"})  # F.embedding(sparse=True)
                 syncs[m] = sync
 
             def gradient(step: int, cell=cell, weight=weight, probabilities=probabilities) -> torch.Tensor:
