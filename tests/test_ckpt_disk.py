@@ -74,6 +74,7 @@ def test_corrupt_newest_shard_falls_back_to_the_previous_version(cnn_runs, tmp_p
     assert _summary(out)["ckpt_resumed_step"] == 2
 
 
+@pytest.mark.slow  # ~45 s on 2 cores
 def test_lstm_zen_resume_at_an_epoch_boundary_keeps_the_sync_state(tmp_path):
     _train(*LSTM, "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'straight'}")
     _train(*LSTM, "trainer.max_steps=6", "ckpt=disk", "ckpt.every=3", f"hydra.run.dir={tmp_path / 'stopped'}")
