@@ -21,7 +21,9 @@ take turns step by step, the first rotating. Each sync runs its profiling steps 
 Wire limit: the busiest NIC's bytes (max over ranks of bytes sent or received) at the NIC's payload
 rate (the configured rate x 1448/1514, TCP over Ethernet); a ratio near 1 means the method moved its
 bytes as fast as the NIC allows. ``--sweep 10`` repeats the 8-machine, 1 Gbit/s cells for the sparse
-methods with 10x the rows at the same non-zero rows: COO pulls must not grow with the table.
+methods with 10x the rows at the same non-zero rows: the same tokens, drawn over the original table,
+land on every 10th row of the larger one (so they spread over all of it, as hashing sees them). COO
+pulls must not grow with the table.
 
 Needs root (network namespaces).
 """
@@ -83,9 +85,9 @@ def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> Non
     rows_out: list[dict[str, Any]] = []
     with initialize_config_dir(str(ROOT / "conf"), version_base=None):
         for cell in cells:
-            rows, width = cell["rows"], cell["width"]
+            rows, width, spread_by = cell["rows"], cell["width"], cell.get("spread", 1)
             weight = torch.nn.Parameter(torch.zeros(1, width).expand(rows, width))  # no table in memory
-            probabilities = zipf_probabilities(rows, ZIPF)
+            probabilities = zipf_probabilities(rows // spread_by, ZIPF)
             methods = cell["methods"]
             syncs = {}
             for m in methods:
@@ -100,9 +102,11 @@ def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> Non
                 sync.setup([("embedding.weight", weight)], sparse_grads={"embedding.weight"})  # F.embedding(sparse=True)
                 syncs[m] = sync
 
-            def gradient(step: int, cell=cell, weight=weight, probabilities=probabilities) -> torch.Tensor:
+            def gradient(step: int, cell=cell, weight=weight, probabilities=probabilities,
+                         spread_by=spread_by) -> torch.Tensor:
                 generator = torch.Generator().manual_seed(1_000_003 * step + 7919 * rank + cell["seed"])
                 tokens = torch.multinomial(probabilities, cell["tokens"], replacement=True, generator=generator)
+                tokens *= spread_by
                 upstream = torch.randn(cell["tokens"], cell["width"], generator=generator)
                 weight.grad = None
                 (F.embedding(tokens, weight, sparse=True) * upstream).sum().backward()
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
                 cells[-1]["methods"] = [*cells[-1]["methods"], SWEEP_ZEN]
                 cells.append({"nodes": nodes, "bandwidth": bandwidth, "density": d / args.sweep,
                               "rows": args.rows * args.sweep, "width": args.width, "route": "sparse",
-                              "tokens": tokens[(args.rows, d)], "seed": 0, "methods": sweep})
+                              "tokens": tokens[(args.rows, d)], "seed": 0, "methods": sweep, "spread": args.sweep})
         rows += [{**r, "sweep": r["rows"] != args.rows} for r in measure(nodes, bandwidth, cells, args.reps)]
         results.progress(k + 1, len(plan), f"{nodes} machines at {bandwidth} done")
         results.write_csv(rows)
