@@ -1,5 +1,7 @@
 """Accounted collectives: results equal torch.distributed's, bytes equal the closed forms."""
 
+import time
+
 import pytest
 import torch
 
@@ -163,3 +165,16 @@ def test_exchange_of_unknown_sizes(framed):
         assert ok, rank
         assert sent == sum(8 + size for size in sizes.values())  # every length travels and is charged
         assert recv == sum(8 + results[p][3][rank] for p in sizes)
+
+
+def _one_rank_hangs(rank, world):
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def test_run_workers_names_a_rank_that_never_reports_instead_of_hanging():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] reported nothing within 6 s"):
+        run_workers(_one_rank_hangs, 2, timeout_s=3)
+    assert time.monotonic() - start < 20

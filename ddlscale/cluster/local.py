@@ -6,8 +6,10 @@ starts processes with torch.multiprocessing and initializes a gloo group over lo
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
+import queue
 import socket
 import traceback
 from collections.abc import Callable
@@ -33,20 +35,24 @@ def _worker(
     # A forked child must not enter the parent's OpenMP pool (libgomp hangs after fork); one
     # intra-op thread per rank is also what n ranks on few cores should use.
     torch.set_num_threads(1)
+    # A rank stuck past every collective's timeout prints where each of its threads is, then exits,
+    # so the parent's error can say more than that nothing came back.
+    faulthandler.dump_traceback_later(1.9 * timeout_s, exit=True)  # the parent waits 2 x timeout_s
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-        try:
-            # Serialized here: tensors sent through a queue as shared memory die with this process.
-            buffer = io.BytesIO()
-            torch.save(fn(rank, world_size, *args), buffer)
-            results.put((rank, True, buffer.getvalue()))
-        finally:
-            dist.destroy_process_group()
+        # Serialized here: tensors sent through a queue as shared memory die with this process.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        outcome = (rank, True, buffer.getvalue())
     except BaseException:  # report every failure to the parent instead of hanging it
-        results.put((rank, False, traceback.format_exc()))
+        outcome = (rank, False, traceback.format_exc())
+    results.put(outcome)  # before tearing down: a teardown that blocks must not swallow the report
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def run_workers(
@@ -68,9 +74,18 @@ def run_workers(
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}
-    errors = []
+    errors, reported = [], set()
     for _ in range(world_size):
-        rank, ok, value = results.get(timeout=2 * timeout_s)
+        try:
+            rank, ok, value = results.get(timeout=2 * timeout_s)
+        except queue.Empty:
+            silent = sorted(set(range(world_size)) - reported)
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"ranks {silent} reported nothing within {2 * timeout_s:g} s (their threads' "
+                               "stacks, dumped before exiting, are in the captured stderr)\n"
+                               + "\n".join(errors)) from None
+        reported.add(rank)
         if ok:
             collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
