@@ -186,6 +186,7 @@ def position_loader_at_sample(loader: Any, epoch: int, samples: int) -> int:
             "cannot resume mid-epoch at another world size: the train loader's sampler is "
             f"{type(sampler).__name__}, not the DistributedSampler that deals samples to ranks; resume at an epoch end"
         )
+    sampler.set_epoch(epoch)
     full = len(batch_sampler)
     resumed = ResumedDistributedSampler(sampler, epoch, samples)
     batch_sampler.sampler = resumed

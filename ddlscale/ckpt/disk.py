@@ -22,6 +22,7 @@ import shutil
 import time
 import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,19 @@ from ddlscale.ckpt.manifest import (
     step_of,
     verify,
 )
-from ddlscale.ckpt.state import PAYLOAD_FORMAT, capture_local, capture_shared, data_position, unchanged_until_step
+from ddlscale.ckpt.state import (
+    PAYLOAD_FORMAT,
+    capture_local,
+    capture_shared,
+    data_position,
+    unchanged_until_step,
+)
 from ddlscale.comm.cost import parse_bandwidth
 
 DEFAULT_SUBDIR = "checkpoints"
+# A DCP collective waiting longer than this for a peer fails the save instead of holding the process
+# (a peer that died mid-save) for gloo's default 30 minutes.
+DCP_TIMEOUT_S = 300
 
 
 def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> Path | None:
@@ -174,7 +184,7 @@ class DiskCheckpointer(Checkpointer):
         group = None
         if dist.is_available() and dist.is_initialized():
             # DCP's own group: its plan collectives run in DCP's thread, beside training's.
-            group = dist.new_group(backend="gloo")
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DCP_TIMEOUT_S))
         self.writer = DcpWriter(self._directory(), self._rank, trainer.world_size, self.async_save, self.bandwidth_bps,
                                 group, on_commit=self._committed)
 
@@ -184,18 +194,21 @@ class DiskCheckpointer(Checkpointer):
                    "shared": capture_shared(trainer) if rank == 0 else None}
         live = unchanged_until_step(trainer) if self.async_save else None
         self.writer.save(step, f"step_{step:09d}.{self._token}", payload, live, data_position(trainer, batch_idx))
+        if self.interval is None:
+            self.writer.wait()  # HighFreq's probe: K = ceil(t_ckpt / T_iter) from the whole write, not the stall
 
     def _committed(self, manifest: Manifest) -> None:
         """Rank 0, in the committing thread: a version exists; keep only the newest ``keep``."""
         self.bytes_written.append(sum(r.bytes for r in manifest.files))
         self.prune()
 
-    def before_optimizer_step(self) -> None:
-        """The optimizer is about to change what the last version references: wait for its copy."""
-        if self.writer is not None and self.async_save:
-            waited = self.writer.staged()
-            if self.times and waited:
-                self.times[-1] += waited  # stall on the training thread, counted with the save
+    def before_optimizer_step(self) -> float:
+        """The optimizer is about to change what the last version references: wait for its copy;
+        the seconds waited (a stall on the training thread, counted with the save)."""
+        waited = self.writer.staged() if self.writer is not None and self.async_save else 0.0
+        if self.times and waited:
+            self.times[-1] += waited
+        return waited
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.before_optimizer_step()

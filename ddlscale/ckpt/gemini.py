@@ -381,8 +381,9 @@ class GeminiCheckpointer(Checkpointer):
         return Wire(completed=len(periods) - in_flight, idle=not in_flight, finished=False)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if self.persistent is not None:
-            self.persistent.before_optimizer_step()
+        persist_wait = self.persistent.before_optimizer_step() if self.persistent is not None else 0.0
+        if persist_wait and self.stalls:
+            self.stalls[-1] += persist_wait
         start, self._iteration_start = self._iteration_start, None
         if self.sender is None:
             return
