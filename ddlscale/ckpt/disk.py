@@ -128,7 +128,6 @@ class DiskCheckpointer(Checkpointer):
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.bytes_written: list[int] = []  # rank 0: each committed version's bytes
-        self.stalls: list[float] = []  # training-thread seconds waiting for a version's copy (async)
         self.writer: DcpWriter | None = None
         self._token: str | None = None
         self._rank = 0
