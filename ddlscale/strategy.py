@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -115,7 +115,7 @@ class DDLStrategy(DDPStrategy):
         self.debug_collectives = debug_collectives
         self._sync_paused = False
         self._hook_handles: list[Any] = []
-        self._pending_sync_state: dict[str, Any] | None = None
+        self._pending_sync_load: Callable[[], None] | None = None  # a restore that waits for the backend's set-up
 
     # -- launching -----------------------------------------------------------------------------
     def _configure_launcher(self) -> None:
@@ -151,9 +151,9 @@ class DDLStrategy(DDPStrategy):
             _sync_module_states(module)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.sync.setup(named, group=None, device=self.root_device, sparse_grads=sparse_gradient_names(module))
-        if self._pending_sync_state is not None:  # Lightning restores before set-up: apply now
-            self.sync.load_state_dict(self._pending_sync_state)
-            self._pending_sync_state = None
+        if self._pending_sync_load is not None:  # Lightning restores before set-up: apply now
+            self._pending_sync_load()
+            self._pending_sync_load = None
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named]
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -200,16 +200,23 @@ class DDLStrategy(DDPStrategy):
         saved = checkpoint.get(SYNC_STATE_KEY)
         if saved is None:
             return
-        if saved["world_size"] != self.world_size:
-            raise RuntimeError(
-                f"checkpoint holds sync state of {saved['world_size']} ranks, this run has {self.world_size}: "
-                "per-rank backend state (e.g. error feedback) cannot be remapped"
-            )
-        state = saved["ranks"][self.global_rank]
-        if hasattr(self.sync, "params"):
-            self.sync.load_state_dict(state)
+        if saved["world_size"] != self.world_size:  # saved at another world size: the backend merges the ranks' states
+            if any(state is None for state in saved["ranks"]):
+                raise RuntimeError(f"checkpoint of {saved['world_size']} ranks lacks some rank's sync state: "
+                                   f"it cannot be resumed on {self.world_size}")
+            ranks, rank, world = saved["ranks"], self.global_rank, self.world_size
+
+            def load() -> None:
+                self.sync.load_resharded(ranks, rank, world)
         else:
-            self._pending_sync_state = state
+            state = saved["ranks"][self.global_rank]
+
+            def load() -> None:
+                self.sync.load_state_dict(state)
+        if hasattr(self.sync, "params"):
+            load()
+        else:
+            self._pending_sync_load = load
 
     def teardown(self) -> None:
         for handle in self._hook_handles:

@@ -97,7 +97,7 @@ def test_a_crash_mid_write_never_commits_a_partial_version(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None:
-            partial = list(ckpt_dir.glob("step_000000004.*/.rank_*.tmp-*"))
+            partial = list(ckpt_dir.glob("step_000000004.*/__*_0.distcp"))
             if partial and (ckpt_dir / "step_000000002.manifest.json").exists():
                 break
             time.sleep(0.02)
@@ -106,7 +106,7 @@ def test_a_crash_mid_write_never_commits_a_partial_version(tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     assert [read_manifest(p).step for p in list_manifests(ckpt_dir)] == [2]
-    assert list(ckpt_dir.glob("step_000000004.*/.rank_*.tmp-*")), "the kill should have left a partial file"
+    assert list(ckpt_dir.glob("step_000000004.*/__*_0.distcp")), "the kill should have left a partial file"
     for path in list_manifests(ckpt_dir):
         verify(ckpt_dir, read_manifest(path))
     assert find_resumable(ckpt_dir, world_size=2) == ckpt_dir / "step_000000002.manifest.json"

@@ -90,7 +90,7 @@ def test_position_loader_skips_batches_once_and_sets_the_epoch():
     assert isinstance(loader.batch_sampler, ResumingBatchSampler) and len(loader) == 5
     assert [b.tolist() for b in loader] == [[6, 7], [8, 9]]
     assert len(list(loader)) == 5  # the next epoch is whole
-    assert DataPosition.after_batch(3, 4, 5) == DataPosition(4, 0, 5)
+    assert DataPosition.after_batch(3, 4, 5) == DataPosition(4, 0, 5, samples=0)
 
 
 def test_write_atomic_is_all_or_nothing_and_paced(tmp_path, monkeypatch):

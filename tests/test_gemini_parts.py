@@ -461,7 +461,7 @@ def _one_rank_checkpointer(monkeypatch, job, captured):
                                   on_done=checkpointer._on_sent)
     monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"sync": captured()})
     monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {})
-    monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
+    monkeypatch.setattr(gemini, "unchanged_until_step", lambda trainer: set())
     trainer = SimpleNamespace(global_step=0, current_epoch=0, num_training_batches=100, world_size=1,
                               is_global_zero=True)
     return checkpointer, trainer
@@ -531,7 +531,7 @@ def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, t
     assert checkpointer.committed_manifest().step == 12
     persistent = tmp_path / "step-9.manifest.json"
     monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: persistent)
-    monkeypatch.setattr(gemini, "load_version", lambda path, rank, bps: {"from": path})
+    monkeypatch.setattr(gemini, "load_version", lambda path, rank, bps, world: {"from": path})
     assert checkpointer._fall_back(0, time.perf_counter()) == {"from": persistent}
     assert checkpointer.committed_manifest() is None and job.store.manifest() == kvstore.CLEARED
 

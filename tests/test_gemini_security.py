@@ -333,7 +333,7 @@ def _two_rank_job(job, monkeypatch, missing):
     plan = PlacementPlan(2, 2)
     monkeypatch.setattr(gemini, "capture_local", lambda trainer, batch_idx: {"rank": trainer.global_rank})
     monkeypatch.setattr(gemini, "capture_shared", lambda trainer: {"w": torch.full((512,), float(trainer.global_step))})
-    monkeypatch.setattr(gemini, "_unchanged_until_step", lambda trainer: set())
+    monkeypatch.setattr(gemini, "unchanged_until_step", lambda trainer: set())
     ranks = []
     for rank in range(2):
         checkpointer = gemini.GeminiCheckpointer(replicas=2, mode="blocking", commit_timeout_s=5)

@@ -22,8 +22,13 @@ Modules, one job each:
   (every K steps or HighFreq), restore of RNG and data position, ``summary.json`` figures. A tier
   implements ``save(trainer, batch_idx)`` (every rank, same step, collectives allowed) and
   ``resume_path(world_size)`` (launcher side, before workers start).
-* :mod:`~ddlscale.ckpt.disk` — ``DiskCheckpointer`` (``ckpt=disk``): atomic, checksummed,
-  per-rank shard files plus a manifest; ``keep``, ``bandwidth`` throttling, ``resume=auto``.
+* :mod:`~ddlscale.ckpt.disk` — ``DiskCheckpointer`` (``ckpt=disk``): atomic, checksummed versions
+  in torch.distributed.checkpoint format plus a manifest; ``keep``, ``bandwidth`` throttling,
+  ``async_save``, ``resume=auto``.
+* :mod:`~ddlscale.ckpt.dcp` — the DCP layout: ``DcpWriter`` (``dcp.async_save`` / ``dcp.save``, rank 0
+  commits), ``DcpVersion`` (reads a version back through the manifest's JSON index, never unpickling).
+* :mod:`~ddlscale.ckpt.reshard` — a version of N ranks restored on M: local state remapped, sync
+  states handed to the backend to merge.
 * :mod:`~ddlscale.ckpt.storage` — ``write_atomic`` (temporary name, fsync, rename, fsync dir).
 * :mod:`~ddlscale.ckpt.placement` — ``PlacementPlan(N, m, kind)`` (group / mixed / ring):
   ``holders_of(shard)``, ``replicas_of(machine)``, ``peers_of``, ``recovery_source``; exact

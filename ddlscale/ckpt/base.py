@@ -24,7 +24,7 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale.ckpt.io import ManifestCheckpointIO
-from ddlscale.ckpt.state import RANK_STATE_KEY, restore_local
+from ddlscale.ckpt.state import RANK_STATE_KEY, param_sha256, restore_local
 
 HIGHFREQ = "highfreq"
 PROGRESS_FILE = "ckpt_progress.log"  # in the run directory
@@ -69,6 +69,8 @@ class Checkpointer(pl.Callback):
         self.anchor = 0  # checkpoints fall on steps anchor + j * interval
         self.times: list[float] = []  # this rank's seconds per checkpoint
         self.resumed_step: int | None = None
+        self.resumed_world_size: int | None = None  # the world size the resumed version was saved at
+        self.loaded_param_sha256: str | None = None  # rank 0's parameters as restored
         self._step_times: list[float] = []
         self._batch_start: float | None = None
         self._last_step = 0
@@ -120,7 +122,8 @@ class Checkpointer(pl.Callback):
         # repositions the loader, so the warning would mislead.
         warnings.filterwarnings("ignore", message=r".*resuming from a checkpoint that ended before the epoch ended.*")
         if not isinstance(strategy.checkpoint_io, ManifestCheckpointIO):
-            strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank, self.load_path)
+            strategy.checkpoint_io = ManifestCheckpointIO(strategy.checkpoint_io, trainer.global_rank, self.load_path,
+                                                          trainer.world_size)
         # Where a (re)start's time goes: the process launched, then got here with its trainer and process
         # group up; "start"/"resumed" follows once the state is restored.
         launched = process_started_unix()
@@ -133,9 +136,12 @@ class Checkpointer(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending_local is not None:
-            restore_local(trainer, self._pending_local)
-            self._pending_local = None
+            local, self._pending_local = self._pending_local, None
+            restore_local(trainer, local)
             self.resumed_step = trainer.global_step
+            self.resumed_world_size = int(local.get("resharded_from") or local["world_size"])
+            if trainer.is_global_zero:
+                self.loaded_param_sha256 = param_sha256(pl_module)
         self._last_step = trainer.global_step
         if self.resumed_step is not None:
             self._progress(trainer, f"resumed {trainer.global_step} {time.time():.3f} {self.recovery.get('retrieve_s', 0):.4f}")
@@ -191,6 +197,9 @@ class Checkpointer(pl.Callback):
             "ckpt_times_s": per_ckpt,
             "ckpt_interval": self.interval,
             "ckpt_resumed_step": self.resumed_step,
+            "ckpt_resumed_world_size_saved": self.resumed_world_size,
+            "ckpt_resumed_world_size": trainer.world_size if self.resumed_step is not None else None,
+            "ckpt_loaded_param_sha256": self.loaded_param_sha256,
             "ckpt_retrieve_s": self.recovery.get("retrieve_s"),
         }
         figures.update(self.figures(trainer))

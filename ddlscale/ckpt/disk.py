@@ -1,16 +1,18 @@
-"""``ckpt=disk``: the persistent baseline — every K steps, every rank writes its shard, rank 0 commits.
+"""``ckpt=disk``: the persistent tier — every K steps a torch.distributed.checkpoint (DCP) version.
 
-One version, step s:
+One version, step s (:mod:`~ddlscale.ckpt.dcp`):
 
-1. every rank serializes its state (:func:`~ddlscale.ckpt.state.capture_shard`; rank 0 adds the
-   rank-shared part) and writes ``step_s.<token>/rank_r.ckpt`` atomically, at ``bandwidth`` if set;
-2. the ranks exchange (file, size, checksum);
-3. rank 0 writes the manifest atomically — the version now exists — and prunes all but the newest
-   ``keep`` versions (and files no manifest names: leftovers of crashed writes).
+1. every rank captures its state (rank 0 adds the rank-shared part) and hands it to DCP's
+   ``async_save`` (``async_save: false``: ``dcp.save`` on the training thread), which writes the
+   DCP directory ``step_s.<token>/`` (one file per rank, at ``bandwidth`` if set) from its own thread;
+2. rank 0, once DCP reports every rank's file written, hashes the files and writes the manifest
+   atomically — the version now exists — and prunes all but the newest ``keep`` versions (and
+   directories no manifest names: leftovers of crashed writes).
 
-Resuming (``ckpt.resume=auto``) takes the newest version whose every shard verifies; a version that
+Resuming (``ckpt.resume=auto``) takes the newest version whose every file verifies; a version that
 fails is reported by file name, set aside (its manifest renamed ``*.rejected``) and the previous one
-is tried. Decided once, before workers start, so every rank loads the same version.
+is tried. Decided once, before workers start, so every rank loads the same version. A version saved
+at another world size is resumed there too (:mod:`~ddlscale.ckpt.reshard`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shutil
 import time
 import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -27,47 +30,54 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.data import DataPosition
+from ddlscale.ckpt.dcp import DcpWriter
 from ddlscale.ckpt.io import load_version
 from ddlscale.ckpt.manifest import (
     REJECTED_SUFFIX,
     SUFFIX,
     Manifest,
     ManifestError,
-    ShardRecord,
     list_manifests,
     read_manifest,
     step_of,
     verify,
-    write_manifest,
 )
-from ddlscale.ckpt.state import capture_shard
-from ddlscale.ckpt.storage import write_atomic
+from ddlscale.ckpt.state import (
+    PAYLOAD_FORMAT,
+    capture_local,
+    capture_shared,
+    data_position,
+    unchanged_until_step,
+)
 from ddlscale.comm.cost import parse_bandwidth
 
 DEFAULT_SUBDIR = "checkpoints"
+# A DCP collective waiting longer than this for a peer fails the save instead of holding the process
+# (a peer that died mid-save) for gloo's default 30 minutes.
+DCP_TIMEOUT_S = 300
 
 
 def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> Path | None:
     """The newest manifest in ``directory`` whose version verifies, or None.
 
-    Versions that fail (unreadable manifest, missing or corrupt shard) are warned about by file name
-    and, with ``set_aside``, their manifests renamed so no later run considers them again.
+    Versions that fail (unreadable manifest, missing or corrupt file) are warned about by file name
+    and, with ``set_aside``, their manifests renamed so no later run considers them again. A version
+    of another world size than ``world_size`` counts (it is resharded on loading), said once.
     """
     for path in list_manifests(directory):
         try:
             manifest = read_manifest(path)
-            if manifest.world_size != world_size:
-                raise ValueError(
-                    f"ckpt.resume: {path} holds {manifest.world_size} ranks, this run has {world_size}; "
-                    "resume with the same trainer.devices x trainer.num_nodes"
-                )
             verify(directory, manifest)
-            return path
         except ManifestError as exc:
             warnings.warn(f"ckpt: skipping checkpoint step {step_of(path)}: {exc}", stacklevel=2)
             if set_aside:
                 path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+            continue
+        if manifest.world_size != world_size and os.environ.get("RANK", "0") == "0":
+            print(f"ckpt: {path.name} was saved by {manifest.world_size} workers; resuming on {world_size} "
+                  "(parameters and optimizer state as saved, data from the same global sample, sync state merged)",
+                  flush=True)
+        return path
     return None
 
 
@@ -92,6 +102,8 @@ class DiskCheckpointer(Checkpointer):
         dir: checkpoint directory; None means ``<run dir>/checkpoints``.
         keep: complete versions to keep (older ones are deleted after each commit).
         bandwidth: write rate per rank to emulate remote storage, e.g. ``"200mbit"``; None: full speed.
+        async_save: write with DCP's ``async_save`` off the training thread (True), or with ``dcp.save``
+            on it (False).
         resume: None (fresh; refused if ``dir`` already holds checkpoints), ``"auto"`` (newest verified
             version; fresh if none) or the path of a ``*.manifest.json``.
         run_dir: the run's directory (set by the app).
@@ -100,11 +112,14 @@ class DiskCheckpointer(Checkpointer):
     """
 
     def __init__(self, every: int | str = 10, dir: str | None = None, keep: int = 3, bandwidth: str | float | None = None,
-                 resume: str | None = None, run_dir: str | None = None) -> None:
+                 resume: str | None = None, run_dir: str | None = None, async_save: bool = True) -> None:
         super().__init__(every=every, resume=resume)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"ckpt.keep must be an integer >= 1, got {keep!r}")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"ckpt.async_save must be true or false, got {async_save!r}")
         self.keep = keep
+        self.async_save = async_save
         self.bandwidth_bps = write_rate(bandwidth)
         if dir is None and run_dir is None:
             self.dir: Path | None = None  # only validating a config: no run yet
@@ -112,9 +127,11 @@ class DiskCheckpointer(Checkpointer):
             self.dir = Path(dir) if dir is not None else Path(run_dir) / DEFAULT_SUBDIR
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
-        self.bytes_written: list[int] = []
+        self.bytes_written: list[int] = []  # rank 0: each committed version's bytes
+        self.writer: DcpWriter | None = None
         self._token: str | None = None
         self._rank = 0
+        self._world_size = 1
 
     # -- before workers start ------------------------------------------------------------------
     def resume_path(self, world_size: int) -> str | None:
@@ -141,8 +158,6 @@ class DiskCheckpointer(Checkpointer):
             verify(path.parent, manifest)
         except ManifestError as exc:
             raise ValueError(f"ckpt.resume: {exc}") from None
-        if manifest.world_size != world_size:
-            raise ValueError(f"ckpt.resume: {path} holds {manifest.world_size} ranks, this run has {world_size}")
         if path.parent.resolve() == self._directory().resolve():
             newer = [p for p in list_manifests(path.parent) if (step_of(p) or 0) > manifest.step]
             if newer:
@@ -161,39 +176,61 @@ class DiskCheckpointer(Checkpointer):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._directory().mkdir(parents=True, exist_ok=True)
-        # One token per run, the same on every rank: this run's shard files never collide with
-        # files an existing manifest names.
+        # One token per run, the same on every rank: this run's version directories never collide with
+        # ones an existing manifest names.
         self._token = trainer.strategy.broadcast(uuid.uuid4().hex[:8], src=0)
-        self._rank = trainer.global_rank
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        group = None
+        if dist.is_available() and dist.is_initialized():
+            # DCP's own group: its plan collectives run in DCP's thread, beside training's.
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DCP_TIMEOUT_S))
+        self.writer = DcpWriter(self._directory(), self._rank, trainer.world_size, self.async_save, self.bandwidth_bps,
+                                group, on_commit=self._committed)
 
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        directory = self._directory()
         step, rank = trainer.global_step, trainer.global_rank
-        shard = capture_shard(trainer, batch_idx, with_shared=rank == 0)
-        shard_dir = f"step_{step:09d}.{self._token}"
-        (directory / shard_dir).mkdir(exist_ok=True)
-        record = ShardRecord(rank, f"{shard_dir}/rank_{rank:05d}.ckpt", len(shard.data), shard.checksum)
-        write_atomic(directory / record.file, shard.data, self.bandwidth_bps)
-        records = [record]
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            gathered: list[Any] = [None] * trainer.world_size
-            dist.all_gather_object(gathered, record)
-            records = gathered
-        self.bytes_written.append(sum(r.bytes for r in records))
-        if rank != 0:
-            return
-        position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
-        manifest = Manifest(step=step, world_size=trainer.world_size, shards=tuple(sorted(records, key=lambda r: r.rank)),
-                            epoch=position.epoch, batch=position.batch)
-        write_manifest(directory, manifest)
+        payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
+                   "shared": capture_shared(trainer) if rank == 0 else None}
+        live = unchanged_until_step(trainer) if self.async_save else None
+        self.writer.save(step, f"step_{step:09d}.{self._token}", payload, live, data_position(trainer, batch_idx))
+        if self.interval is None:
+            self.writer.wait()  # HighFreq's probe: K = ceil(t_ckpt / T_iter) from the whole write, not the stall
+
+    def _committed(self, manifest: Manifest) -> None:
+        """Rank 0, in the committing thread: a version exists; keep only the newest ``keep``."""
+        self.bytes_written.append(sum(r.bytes for r in manifest.files))
         self.prune()
+
+    def before_optimizer_step(self) -> float:
+        """The optimizer is about to change what the last version references: wait for its copy;
+        the seconds waited (a stall on the training thread, counted with the save)."""
+        waited = self.writer.staged() if self.writer is not None and self.async_save else 0.0
+        if self.times and waited:
+            self.times[-1] += waited
+        return waited
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.before_optimizer_step()
+
+    def finish(self) -> None:
+        """Wait for the version in flight to be written and committed (at train end, before the summary)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.finish()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()
 
     def load_path(self, path: str) -> dict[str, Any] | None:
         """Manifests read back at ``bandwidth`` (remote storage is slow both ways); timed for the summary."""
         if not path.endswith(SUFFIX):
             return None
         start = time.perf_counter()
-        loaded = load_version(Path(path), self._rank, self.bandwidth_bps)
+        loaded = load_version(Path(path), self._rank, self.bandwidth_bps, self._world_size)
         self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
         return loaded
 

@@ -64,7 +64,7 @@ from ddlscale.ckpt.manifest import SUFFIX, Manifest, ManifestError, ShardRecord,
 from ddlscale.ckpt.placement import KINDS, PlacementPlan
 from ddlscale.ckpt.replica import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.snapshot import capture, rebuild
-from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture_shared
+from ddlscale.ckpt.state import PAYLOAD_FORMAT, assemble, capture_local, capture_shared, unchanged_until_step
 
 PATH_PREFIX = "gemini:"
 STORE_ENV, MACHINE_ENV, MACHINES_ENV, JOB_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES", "DDLSCALE_JOB"
@@ -289,7 +289,7 @@ class GeminiCheckpointer(Checkpointer):
         payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
                    "shared": capture_shared(trainer)}
         position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
-        transfer = Transfer(trainer.global_step, capture(payload, _unchanged_until_step(trainer)), position=position)
+        transfer = Transfer(trainer.global_step, capture(payload, unchanged_until_step(trainer)), position=position)
         self.transfers.append(transfer)
         self.sender.submit(transfer)  # blocking mode: sent and checked before this returns
         self.stalls.append(time.perf_counter() - start)
@@ -381,6 +381,9 @@ class GeminiCheckpointer(Checkpointer):
         return Wire(completed=len(periods) - in_flight, idle=not in_flight, finished=False)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        persist_wait = self.persistent.before_optimizer_step() if self.persistent is not None else 0.0
+        if persist_wait and self.stalls:
+            self.stalls[-1] += persist_wait
         start, self._iteration_start = self._iteration_start, None
         if self.sender is None:
             return
@@ -420,6 +423,8 @@ class GeminiCheckpointer(Checkpointer):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sender is not None:
             self.sender.settle()  # the last version goes out, and is committed, before the summary
+        if self.persistent is not None:
+            self.persistent.finish()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self.sender is not None:  # before teardown, which would wait for the version in flight
@@ -430,12 +435,15 @@ class GeminiCheckpointer(Checkpointer):
         if self.sender is not None:
             self.sender.close()
             self.sender = None
+        if self.persistent is not None:
+            self.persistent.teardown(trainer, pl_module, stage)
 
     # -- recovery ----------------------------------------------------------------------------------
     def load_path(self, path: str) -> dict[str, Any] | None:
         if path.endswith(SUFFIX):  # a persistent version resume_path chose: read at the tier's rate, timed
             start = time.perf_counter()
-            loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps)
+            loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps,
+                                  dist.get_world_size() if dist.is_initialized() else 1)
             self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
             return loaded
         if not path.startswith(PATH_PREFIX):
@@ -503,7 +511,7 @@ class GeminiCheckpointer(Checkpointer):
             )
         warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
         try:
-            loaded = load_version(Path(choice[0]), rank, self.persist_bps)
+            loaded = load_version(Path(choice[0]), rank, self.persist_bps, world)
         except ManifestError as exc:
             raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
         self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
@@ -547,11 +555,3 @@ class GeminiCheckpointer(Checkpointer):
             return None
         return total
 
-
-def _unchanged_until_step(trainer: pl.Trainer) -> set[int]:
-    """Storage of tensors only the optimizer step changes: parameters and optimizer state."""
-    live = {p.data_ptr() for p in trainer.lightning_module.parameters()}
-    for optimizer in trainer.optimizers:
-        for state in optimizer.state.values():
-            live.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
-    return live

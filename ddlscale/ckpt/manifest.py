@@ -15,6 +15,11 @@ version) never writes into files a committed manifest names; its manifest then a
 the old one.
 
 The same record (with ``tier`` and ``placement`` set) describes a version held in peers' memory.
+
+``layout`` says how a version's files hold the state: ``snapshot`` (one snapshot stream per rank, as
+above; Gemini's drain writes these) or ``dcp`` (a torch.distributed.checkpoint directory, see
+:mod:`ddlscale.ckpt.dcp`): there ``shards`` are the ranks' DCP data files, and ``dcp`` holds DCP's own
+``.metadata`` file's record and the item index ddlscale reads instead of that (pickled) file.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ddlscale.ckpt.storage import write_atomic
 FORMAT = "ddlscale-ckpt-manifest/1"
 SUFFIX = ".manifest.json"
 REJECTED_SUFFIX = ".rejected"
+LAYOUTS = ("snapshot", "dcp")
 _NAME = re.compile(r"step_(\d{9,})" + re.escape(SUFFIX))
 
 
@@ -57,6 +63,8 @@ class Manifest:
     shared_rank: int = 0  # the shard that also holds the rank-shared (Lightning) state
     tier: str = "disk"
     placement: dict[str, Any] | None = None
+    layout: str = "snapshot"
+    dcp: dict[str, Any] | None = None  # layout dcp: {"metadata": ShardRecord fields, "index": {item: [file, offset, length]}}
     created_unix: float = field(default_factory=time.time)
     format: str = FORMAT
 
@@ -73,6 +81,13 @@ class Manifest:
             if record.rank == rank:
                 return record
         raise ManifestError(f"step {self.step}: no shard for rank {rank} (world size {self.world_size})")
+
+    @property
+    def files(self) -> tuple[ShardRecord, ...]:
+        """Every file the version consists of: the shards, and for a DCP version DCP's metadata file."""
+        if self.dcp is None:
+            return self.shards
+        return (*self.shards, ShardRecord(**{**self.dcp["metadata"], "rank": -1}))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1) + "\n"
@@ -96,12 +111,19 @@ class Manifest:
             shards = tuple(ShardRecord(int(s["rank"]), str(s["file"]), int(s["bytes"]), str(s["checksum"]))
                            for s in raw["shards"])
             manifest = cls(**{**raw, "shards": shards})
+            if manifest.dcp is not None:  # its records must be well-formed before anything reads them
+                record = manifest.files[-1]
+                if not (isinstance(record.file, str) and isinstance(record.bytes, int) and isinstance(record.checksum, str)
+                        and isinstance(manifest.dcp["index"], dict)):
+                    raise TypeError("malformed dcp record")
         except ManifestError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ManifestError(f"{where}: not a readable manifest ({exc})") from exc
         if sorted(s.rank for s in manifest.shards) != list(range(manifest.world_size)):
             raise ManifestError(f"{where}: shards do not cover ranks 0..{manifest.world_size - 1}")
+        if manifest.layout not in LAYOUTS or (manifest.layout == "dcp") != isinstance(manifest.dcp, dict):
+            raise ManifestError(f"{where}: layout {manifest.layout!r} with dcp record {type(manifest.dcp).__name__}")
         return manifest
 
 
@@ -152,6 +174,6 @@ def read_shard(directory: Path, record: ShardRecord) -> bytes:
 
 
 def verify(directory: Path, manifest: Manifest) -> None:
-    """Read and hash every shard of ``manifest``; raise ManifestError naming the first bad file."""
-    for record in manifest.shards:
+    """Read and hash every file of ``manifest``; raise ManifestError naming the first bad file."""
+    for record in manifest.files:
         read_shard(directory, record)

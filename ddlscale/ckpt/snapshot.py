@@ -99,8 +99,9 @@ class Snapshot:
 class _Encoder:
     """Turns a payload into a JSON-able skeleton, collecting its large tensors as segments."""
 
-    def __init__(self, live: set[int] | None) -> None:
+    def __init__(self, live: set[int] | None, inline_bytes: int = INLINE_BYTES) -> None:
         self.live = live
+        self.inline_bytes = inline_bytes
         self.tensors: list[torch.Tensor] = []
 
     def encode(self, obj: Any, path: str) -> Any:
@@ -147,7 +148,7 @@ class _Encoder:
             raise TypeError(f"checkpoint state holds a {obj.layout} tensor of {obj.dtype} at {path}")
         data = obj.detach() if obj.requires_grad else obj
         head = {TAG: "tensor", "dtype": dtype, "shape": list(data.shape)}
-        if data.numel() * data.element_size() < INLINE_BYTES:
+        if data.numel() * data.element_size() < self.inline_bytes:
             flat = data.cpu().contiguous().reshape(-1).view(torch.uint8)
             return {**head, "b64": base64.b64encode(flat.numpy().tobytes()).decode()}
         if self.live is not None and data.data_ptr() not in self.live:
@@ -172,9 +173,14 @@ def capture(payload: Any, live: set[int] | None = None) -> Snapshot:
     optimizer state): they are referenced, every other tensor is copied now. ``None``: reference every
     tensor (the caller writes the stream out before anything changes).
     """
-    encoder = _Encoder(live)
-    skeleton = encoder.encode(payload, "state")
-    return Snapshot(json.dumps(skeleton, separators=(",", ":")).encode(), encoder.tensors)
+    skeleton, tensors = encode(payload, live)
+    return Snapshot(json.dumps(skeleton, separators=(",", ":")).encode(), tensors)
+
+
+def encode(payload: Any, live: set[int] | None, inline_bytes: int = INLINE_BYTES) -> tuple[Any, list[torch.Tensor]]:
+    """``payload`` as a JSON-able skeleton and its segments (as :func:`capture`, before serializing)."""
+    encoder = _Encoder(live, inline_bytes)
+    return encoder.encode(payload, "state"), encoder.tensors
 
 
 def to_bytes(payload: Any) -> bytes:
@@ -325,3 +331,31 @@ def rebuild(data: bytes | bytearray | memoryview) -> Any:
     if decoder.position != len(view):
         raise ValueError(f"snapshot stream holds {len(view)} bytes, its skeleton describes {decoder.position}")
     return payload
+
+
+class _FetchingDecoder(_Decoder):
+    """Rebuilds a payload whose segments live elsewhere: ``fetch(index, nbytes)`` returns each one."""
+
+    def __init__(self, fetch: Callable[[int, int], bytearray]) -> None:
+        super().__init__(memoryview(b""), 0)
+        self.fetch = fetch
+
+    def segment(self, index: Any, nbytes: int) -> bytearray:
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise ValueError(f"bad segment reference {index!r}")
+        raw = self.fetch(index, nbytes)
+        if len(raw) != nbytes:
+            raise ValueError(f"segment {index} holds {len(raw)} bytes, its skeleton needs {nbytes}")
+        return raw
+
+
+def rebuild_skeleton(skeleton: Any, fetch: Callable[[int, int], bytearray]) -> Any:
+    """The payload of a parsed skeleton whose segment ``i`` of ``n`` bytes is ``fetch(i, n)`` (the
+    persistent tier keeps segments as separate items of a DCP checkpoint). Same guarantees as
+    :func:`rebuild`: JSON, containers, tensors and numeric arrays only; ValueError when inconsistent."""
+    try:
+        return _FetchingDecoder(fetch).decode(skeleton)
+    except RecursionError:
+        raise ValueError("snapshot skeleton nested too deeply") from None
+    except (TypeError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"snapshot skeleton inconsistent: {exc}") from None

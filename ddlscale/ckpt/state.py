@@ -18,11 +18,14 @@ turns a shared and a local payload back into one dict that Lightning restores on
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ddlscale.ckpt.checksum import checksum, matches
-from ddlscale.ckpt.data import DataPosition, position_loader
+from ddlscale.ckpt.data import DataPosition, position_loader, position_loader_at_sample
 from ddlscale.ckpt.rng import capture_rng, restore_rng
 from ddlscale.ckpt.snapshot import rebuild, to_bytes
 
@@ -73,10 +76,41 @@ def capture_shared(trainer: pl.Trainer) -> dict[str, Any]:
     return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
 
 
+def train_loaders(trainer: pl.Trainer) -> list[Any]:
+    loop = trainer.fit_loop
+    return loop._combined_loader.flattened if loop._combined_loader is not None else []
+
+
+def data_position(trainer: pl.Trainer, batch_idx: int) -> DataPosition:
+    """Where the data stands once training batch ``batch_idx`` is done, samples consumed included."""
+    loaders = train_loaders(trainer)
+    return DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches,
+                                    loaders[0] if len(loaders) == 1 else None, trainer.world_size)
+
+
+def unchanged_until_step(trainer: pl.Trainer) -> set[int]:
+    """Storage of tensors only the optimizer step changes: parameters and optimizer state (a
+    checkpoint may reference them until then; everything else it copies at capture)."""
+    live = {p.data_ptr() for p in trainer.lightning_module.parameters()}
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            live.update(v.data_ptr() for v in state.values() if isinstance(v, torch.Tensor))
+    return live
+
+
+def param_sha256(module: torch.nn.Module) -> str:
+    """Hash of every parameter's bytes in registration order: equal iff the models are bit-identical."""
+    digest = hashlib.sha256()
+    for name, p in module.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def capture_local(trainer: pl.Trainer, batch_idx: int) -> dict[str, Any]:
     """This rank's own state, taken right after training batch ``batch_idx`` (at on_train_batch_end)."""
     sync = getattr(trainer.strategy, "sync", None)
-    position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
+    position = data_position(trainer, batch_idx)
     return {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
@@ -131,9 +165,11 @@ def restore_local(trainer: pl.Trainer, local: dict[str, Any]) -> None:
         )
     position = DataPosition.from_dict(local["data"])
     loop = trainer.fit_loop
-    loaders = loop._combined_loader.flattened if loop._combined_loader is not None else []
-    for loader in loaders:
-        position_loader(loader, position)
+    if local.get("resharded_from") is not None:  # saved at another world size: continue at its global sample
+        _position_resharded(trainer, position)
+    else:
+        for loader in train_loaders(trainer):
+            position_loader(loader, position)
     fetcher = loop._data_fetcher
     if position.at_epoch_start:
         restore_rng(local["rng"])
@@ -143,3 +179,20 @@ def restore_local(trainer: pl.Trainer, local: dict[str, Any]) -> None:
         if fetcher is not None:
             iter(fetcher)
         restore_rng(local["rng"])
+
+
+def _position_resharded(trainer: pl.Trainer, position: DataPosition) -> None:
+    """Continue the epoch at ``position.samples`` over this run's ranks, and count as done the
+    batches this rank would have trained to get there, so the epoch ends when its samples do."""
+    if position.samples is None and not position.at_epoch_start:
+        raise RuntimeError("this checkpoint does not record the samples consumed mid-epoch: it can resume "
+                           "only at the world size it was saved with")
+    loaders = train_loaders(trainer)
+    if len(loaders) != 1:
+        raise RuntimeError(f"resuming at another world size needs one train loader, this run has {len(loaders)}")
+    done = position_loader_at_sample(loaders[0], position.epoch, position.samples or 0)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    shift = done - progress.current.ready
+    for tracker in (progress.current, progress.total):
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(tracker, counter, getattr(tracker, counter) + shift)

@@ -188,6 +188,16 @@ class GradSync:
         self._order_known = True
         self.on_backward_order()
 
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        """Restore rank ``rank`` of ``world_size`` from the states of a run of ``len(states)`` ranks.
+
+        Here: the step count and backward order (the same on every rank). Whatever was measured for the
+        old world size (sparsity profiles, plans made from them) is left fresh, so it is measured again.
+        A backend with per-rank state that must not be lost (error feedback) overrides this, merges that
+        state over the saved ranks and calls it.
+        """
+        GradSync.load_state_dict(self, {"steps": states[0]["steps"], "backward_order": states[0]["backward_order"]})
+
     # -- helpers -------------------------------------------------------------------------------
     def machine_communicators(self, local_size: int | None) -> tuple[int, Communicator, Communicator]:
         """(k, intra, inter) for hierarchical schemes: this rank's machine (ranks r*k .. r*k+k-1) and

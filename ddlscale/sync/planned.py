@@ -531,6 +531,15 @@ class PlannedSync(CompressSync):
                 "trial": trial}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_plan(state)
+        super().load_state_dict(state)
+
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        # The plan is kept (the saved residuals are laid out by its groups); a re-plan may follow as usual.
+        self._load_plan(states[0])
+        super().load_resharded(states, rank, world_size)
+
+    def _load_plan(self, state: dict[str, Any]) -> None:
         trial = state.get("trial")
         # A resumed trial re-settles on its candidate's groups before it measures again.
         self.trial = None if trial is None else {"turn": trial["index"], **copy.deepcopy(trial), "seen": 0,
@@ -542,7 +551,6 @@ class PlannedSync(CompressSync):
             for name, choice in executable.tensors.items():
                 self._check_choice(choice, f"plan[{name}]")
             self.computed, self.plan = plan, executable
-        super().load_state_dict(state)
 
 
 def _calibration_note(profile: Profile) -> str:

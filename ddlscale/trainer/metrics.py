@@ -15,7 +15,6 @@ A run stopped by a signal or an error still writes its summary, from rank 0's fi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,18 +26,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from ddlscale.ckpt.state import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
 from ddlscale.trainer.loggers import record_config, record_summary
-
-
-def param_sha256(module: torch.nn.Module) -> str:
-    """Hash of every parameter's bytes in registration order: equal iff the models are bit-identical."""
-    digest = hashlib.sha256()
-    for name, p in module.named_parameters():
-        digest.update(name.encode())
-        digest.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
 
 
 def _median_after_warmup(values: list[float]) -> float:

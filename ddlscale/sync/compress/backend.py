@@ -32,7 +32,7 @@ from ddlscale.compress.base import Compressor, Segment, pieces
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
 from ddlscale.plan.choices import Plan, TensorPlan
-from ddlscale.sync.compress.regroup import GroupLayout, regroup
+from ddlscale.sync.compress.regroup import GroupLayout, load_summed_share, regroup
 from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
@@ -305,6 +305,14 @@ class CompressSync(DenseAllreduce):
         # Valid for the plan in force now; a plan adopted later brings its own groups.
         self._restored_groups = (self.plan, [list(g) for g in state["groups"]])
         super().load_state_dict(state)
+
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        # Error feedback and compressor memories: summed over the saved ranks and shared out, total kept.
+        load_summed_share(self.memory, [s["memory"] for s in states], world_size)
+        for k, c in self.compressors.items():
+            load_summed_share(c, [s["compressors"][k] for s in states], world_size)
+        self._restored_groups = (self.plan, [list(g) for g in states[0]["groups"]])
+        super().load_resharded(states, rank, world_size)
 
 
 def _padded(chunk: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -110,3 +111,29 @@ def _chunk(flat: torch.Tensor, group: GroupLayout, machine_sum: MachineSum | Non
     total = flat.clone()
     machine_sum(total)
     return total[group.chunk_start: group.chunk_start + group.chunk_numel].clone()
+
+
+def load_summed_share(holder: Any, states: list[dict[str, Any]], world_size: int) -> None:
+    """Load into ``holder`` (an error-feedback memory or a compressor) one rank's share of state saved
+    by ``len(states)`` ranks, for a run of ``world_size`` ranks: its per-name tensors (``group_states``,
+    of which only the sum over ranks matters) summed over the saved ranks and split evenly, so their
+    total is kept (to one rounding); everything else as the first saved rank had it."""
+    totals: list[dict[str, torch.Tensor]] = []
+    dtypes: dict[str, torch.dtype] = {}
+    for state in states:
+        holder.load_state_dict(state)
+        for i, group in enumerate(holder.group_states()):
+            if i == len(totals):
+                totals.append({})
+            for name, tensor in group.items():
+                total = totals[i].get(name)
+                if total is not None and total.shape != tensor.shape:
+                    raise ValueError(f"state {name!r} is laid out differently on the saved ranks ({tuple(total.shape)} "
+                                     f"vs {tuple(tensor.shape)}): a hierarchical group's chunks cannot be resharded")
+                dtypes[name] = tensor.dtype
+                wide = tensor.to(torch.float64)
+                totals[i][name] = wide if total is None else total + wide
+    holder.load_state_dict(states[0])
+    for group, total in zip(holder.group_states(), totals, strict=False):
+        group.clear()
+        group.update({name: (value / world_size).to(dtypes[name]) for name, value in total.items()})
