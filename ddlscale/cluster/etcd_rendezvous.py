@@ -17,16 +17,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
+from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
 from ddlscale.cluster.control_plane import EtcdAddress
 
 BACKEND = "ddlscale-etcd"
 
 
-def create_handler(params: Any) -> Any:
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
-    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
-    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+class EveryMemberBackend(EtcdRendezvousBackend):
+    """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for)."""
 
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+
+def create_handler(params: Any) -> Any:
     protocol = params.get("protocol", "http").strip().lower()
     tls = {name: params.get(key) for name, key in (("ca_cert", "ca_cert"), ("cert", "ssl_cert"), ("key", "ssl_cert_key"))
            if params.get(key)}
@@ -36,7 +44,7 @@ def create_handler(params: Any) -> Any:
     address = EtcdAddress.parse(f"{scheme}://{params.endpoint}")
     address = EtcdAddress(address.endpoints, address.protocol, tls)
     client = address.client(float(params.get_as_int("read_timeout", 60)))
-    backend = EtcdRendezvousBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
+    backend = EveryMemberBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
     return dynamic_handler(EtcdStore(client, "/torch/elastic/store"), backend, params)
 
 
