@@ -155,8 +155,10 @@ class EtcdKeyValue:
 
     def get(self, key: str) -> bytes:
         """The value (waiting up to the client timeout for it, as TCPStore does)."""
-        self.wait([key])
         value = self._read(key)
+        if value is None:
+            self.wait([key])
+            value = self._read(key)
         if value is None:
             raise LookupError(f"etcd key {key} deleted while read")
         return value
