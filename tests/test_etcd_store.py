@@ -100,6 +100,7 @@ def test_an_agent_registers_heartbeats_and_takes_the_root_role_on_etcd(etcd, sto
         agent.stop()
 
 
+@pytest.mark.slow  # about 11 s: three members, then an election when the killed one led
 def test_a_lost_member_loses_nothing(tmp_path):
     members = _members(tmp_path, 3)
     try:
