@@ -46,7 +46,7 @@ Gemini (``ckpt=gemini``), the peer-memory tier, adds:
   fencing from the signed manifest and incarnation, heartbeats, root election.
 * :mod:`~ddlscale.ckpt.interleave` — gaps between training collectives, the chunk plan, the sender
   with its staging sub-buffers (modes gemini / unpipelined / blocking).
-* :mod:`~ddlscale.ckpt.kvstore` — the job's keys in torch's TCPStore, every trusted value signed;
+* :mod:`~ddlscale.ckpt.kvstore` — the job's keys in torch's TCPStore or in etcd (``ckpt.store=etcd``), every trusted value signed;
   the manifest is one key.
 * :mod:`~ddlscale.ckpt.gemini` — ``GeminiCheckpointer``: capture, commit, recovery (local, peer,
   persistent fallback agreed by all ranks).

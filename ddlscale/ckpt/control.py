@@ -8,10 +8,12 @@ agent event (``{"event": "failed", "machine": m, ...}``). Commands on stdin, one
 * ``stat MACHINE`` — what MACHINE's agent holds, and what it refused.
 
 It holds the job's secret (``$DDLSCALE_SECRET_FILE``), as everything that talks to a job must. On the
-emulated cluster it runs in machine 0's namespace (the store is reachable only there); the failure
-drills in :mod:`ddlscale.ckpt.drill` read its output::
+emulated cluster it runs inside an emulated machine (the store is reachable only there: machine 0 with
+the TCPStore, the last machine with etcd, so that it outlives machine 0); the failure drills in
+:mod:`ddlscale.ckpt.drill` read its output::
 
     python -m ddlscale.ckpt.control --store 10.213.0.1:29400 --job myrun
+    python -m ddlscale.ckpt.control --store etcd://10.213.0.1:2379,10.213.0.2:2379,10.213.0.3:2379 --job myrun
 """
 
 from __future__ import annotations

@@ -1,14 +1,17 @@
 """Failure drills: a Gemini job on the emulated cluster, with real kills and machine replacements.
 
-:class:`GeminiDrill` brings up N emulated machines, the store on machine 0 (never failed), one
+:class:`GeminiDrill` brings up N emulated machines, the store on machine 0 (never failed) — or with
+``store="etcd"`` an etcd member on each of the first three machines, any one of which may fail — one
 replica agent and one torchrun elastic agent per machine (which restarts its workers after a
 failure), and a :mod:`~ddlscale.ckpt.control` process that reports committed versions and the root
-agent's failure events. Then a test or experiment injects failures:
+agent's failure events (on machine 0, or with etcd on the last machine). Then a test or experiment
+injects failures:
 
 * :meth:`kill_trainer` — software failure: the machine's training process dies, its agent lives;
 * :meth:`kill_machine` — every process of the machine dies (trainer, replica agent, torchrun agent);
   :meth:`replace` then starts a fresh replica agent and torchrun agent there, as a cloud operator
-  would start a replacement machine at the same address;
+  would start a replacement machine at the same address (and, where an etcd member was, replaces
+  that member: removed, added again, started with an empty data directory);
 * :meth:`corrupt` — flip a byte of a committed replica (in its agent's shared-memory file).
 
 Each torchrun agent's output goes to ``<run dir>/logs/machine<i>.<n>.log``.
@@ -34,14 +37,17 @@ from typing import Any
 from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.auth import SECRET_ENV
 from ddlscale.ckpt.gemini import job_name
-from ddlscale.ckpt.launch import emulated_env, job_secret, start_emulated_agent
+from ddlscale.ckpt.launch import emulated_env, job_secret, start_emulated_agent, start_emulated_etcd
 from ddlscale.cluster.emulated import EmulatedCluster
 
 
 class GeminiDrill:
     def __init__(self, nodes: int, overrides: list[str], run_dir: Path, bandwidth: str = "1gbit", devices: int = 1,
-                 max_restarts: int = 5, port: int = 29400) -> None:
-        self.nodes, self.devices, self.port = nodes, devices, port
+                 max_restarts: int = 5, port: int = 29400, store: str = "tcp") -> None:
+        if store not in ("tcp", "etcd"):
+            raise ValueError(f"drill store must be tcp or etcd, got {store!r}")
+        self.nodes, self.devices, self.port, self.store_kind = nodes, devices, port, store
+        self.etcd = None  # the etcd members, with store="etcd"
         self.run_dir = Path(run_dir)
         self.job = job_name(str(self.run_dir))
         self.args = [*overrides, f"trainer.devices={devices}", f"trainer.num_nodes={nodes}",
@@ -61,11 +67,15 @@ class GeminiDrill:
         self.cluster.up()
         try:
             (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-            self._store = self.cluster.start_rendezvous_store(self.port)
+            if self.store_kind == "etcd":
+                self.etcd = start_emulated_etcd(self.cluster, self.run_dir / "etcd", self.job)
+                self.store, watcher = str(self.etcd.address), self.nodes - 1
+            else:
+                self._store = self.cluster.start_rendezvous_store(self.port)
+                self.store, watcher = f"{self.cluster.address(0)}:{self.port}", 0
             self._control = self.cluster.popen(
-                0, [sys.executable, "-m", "ddlscale.ckpt.control", "--store", f"{self.cluster.address(0)}:{self.port}",
-                    "--job", self.job], env={SECRET_ENV: str(self.secret)}, stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True)
+                watcher, [sys.executable, "-m", "ddlscale.ckpt.control", "--store", self.store, "--job", self.job],
+                env={SECRET_ENV: str(self.secret)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             if json.loads(self._control.stdout.readline()).get("ready") is not True:
                 raise RuntimeError("the drill's control process did not start")
             threading.Thread(target=self._read_control, daemon=True).start()
@@ -82,14 +92,15 @@ class GeminiDrill:
         self._exit_stack.close()
 
     def _start_machine(self, machine: int) -> None:
-        self.agents[machine] = start_emulated_agent(self.cluster, machine, self.port, self.job, self.secret)
+        self.agents[machine] = start_emulated_agent(self.cluster, machine, self.store, self.job, self.secret)
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (self.nodes * self.devices)))}
-        env = {**threads, **emulated_env(self.cluster, machine, self.port, self.job, self.secret)}
+        env = {**threads, **emulated_env(self.cluster, machine, self.store, self.job, self.secret)}
         self._launches += 1
         log = open(self.run_dir / "logs" / f"machine{machine}.{self._launches}.log", "w")  # noqa: SIM115
         self.trainers[machine] = self.cluster.torchrun(machine, self.args, nproc_per_node=self.devices,
                                                        port=self.port, max_restarts=self.max_restarts, env=env,
-                                                       stdout=log, stderr=subprocess.STDOUT)
+                                                       stdout=log, stderr=subprocess.STDOUT,
+                                                       etcd=self.etcd.address if self.etcd else None, run_id=self.job)
 
     def _read_control(self) -> None:
         for line in self._control.stdout:
@@ -170,6 +181,9 @@ class GeminiDrill:
                 process.wait(timeout=30)
 
     def replace(self, machine: int) -> None:
+        if self.etcd is not None and machine < len(self.etcd.members):
+            via = next(m for m in range(len(self.etcd.members)) if m != machine)
+            self.etcd.replace(machine, via, incarnation=self._launches)
         self._start_machine(machine)
 
     def _command(self, line: str, answer: str) -> Any:

@@ -161,6 +161,7 @@ class GeminiCheckpointer(Checkpointer):
             raise ValueError(f"ckpt.checksum must be one of {', '.join(KEYED)}, got {checksum!r}")
         self.checksum = checksum
         self.profile_steps = _positive_int("profile_steps", profile_steps)
+        kvstore.check_address(store)
         self.store_address = store
         if (isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float))
                 or not math.isfinite(commit_timeout_s) or commit_timeout_s <= 0):
@@ -199,11 +200,13 @@ class GeminiCheckpointer(Checkpointer):
 
     # -- where things are ---------------------------------------------------------------------------
     def _store_address(self) -> str:
-        address = self.store_address or os.environ.get(STORE_ENV)
+        # ckpt.store=etcd: the launcher started the members and exported their address.
+        given = self.store_address if self.store_address != kvstore.ETCD else None
+        address = given or os.environ.get(STORE_ENV)
         if not address:
             raise ValueError(
-                "ckpt=gemini needs the job's key-value store: set ckpt.store=HOST:PORT or $DDLSCALE_STORE "
-                "(cluster=local and cluster=emulated start one for you)"
+                "ckpt=gemini needs the job's key-value store: set ckpt.store=HOST:PORT, etcd://HOST:PORT,... or "
+                "$DDLSCALE_STORE (cluster=local and cluster=emulated start one for you, ckpt.store=etcd an etcd cluster)"
             )
         return address
 

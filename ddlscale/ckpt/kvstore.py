@@ -1,8 +1,12 @@
-"""Gemini's coordination lives in an existing key-value store: torch's TCPStore.
+"""Gemini's coordination lives in an existing key-value store: torch's TCPStore, or an etcd cluster.
 
-The store must outlive every training process (on the emulated cluster it is the rendezvous store on
-machine 0, where no failure is injected). All of one job's keys share a prefix, so several jobs can
-use one store. A single ``set`` is atomic: the commit record of a version is one key.
+``ckpt.store`` picks it. The TCPStore (the default, for one-machine runs) is one process: on the
+emulated cluster it is the rendezvous store on machine 0, and losing that machine loses the job's
+control state. ``ckpt.store=etcd`` keeps the same keys in an etcd cluster instead (one member on each
+of the first three machines, :mod:`ddlscale.cluster.control_plane`), which outlives any one machine.
+Both answer the few methods of TCPStore the checkpointer uses (:class:`KeyValue`). All of one job's
+keys share a prefix, so several jobs can use one store. A single ``set`` is atomic: the commit record
+of a version is one key.
 
 Anyone who reaches the store can write to it, so every value Gemini trusts is signed with the job's
 record key (:class:`JobStore`): a value that fails its signature reads as absent, is counted in
@@ -17,21 +21,63 @@ import datetime
 import json
 import time
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.manifest import Manifest, ManifestError
 from ddlscale.ckpt.replica import parse_address
+from ddlscale.cluster.control_plane import EtcdAddress, EtcdKeyValue, missing
+
+ETCD = "etcd"  # ckpt.store=etcd: the launcher starts the members (cluster=local, cluster=emulated)
 
 
-def connect(address: str, timeout_s: float = 10.0) -> dist.TCPStore:
-    """A client of the TCPStore at ``HOST:PORT``; a clear error when it cannot be reached."""
+class KeyValue(Protocol):
+    """What the checkpointer asks of a store: TCPStore's names, so a TCPStore is one as it is."""
+
+    def set(self, key: str, value: str | bytes) -> None: ...
+    def get(self, key: str) -> bytes: ...
+    def check(self, keys: list[str]) -> bool: ...
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
+    def delete_key(self, key: str) -> bool: ...
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes: ...
+
+
+def check_address(address: str | None) -> None:
+    """Refuse a ``ckpt.store`` value that cannot work, naming the key (``etcd`` alone is checked where
+    the members are started, which needs the server too)."""
+    if address is None or address == ETCD:
+        return
+    if not isinstance(address, str):
+        raise ValueError(f"ckpt.store must be null, etcd, HOST:PORT or etcd://HOST:PORT,...; got {address!r}")
+    if address.startswith("etcd"):
+        try:
+            EtcdAddress.parse(address)
+        except ValueError as exc:
+            raise ValueError(f"ckpt.store: {exc}") from None
+        reason = missing(server=False)
+        if reason:
+            raise ValueError(f"ckpt.store={address}: {reason}")
+        return
+    try:
+        parse_address(address)
+    except ValueError:
+        raise ValueError(f"ckpt.store must be null, etcd, HOST:PORT or etcd://HOST:PORT,...; got {address!r}") from None
+
+
+def connect(address: str, timeout_s: float = 10.0) -> KeyValue:
+    """A client of the store at ``address`` (``HOST:PORT``: a TCPStore; ``etcd://...``: an etcd cluster);
+    a clear error when it cannot be reached."""
+    if address.startswith("etcd"):
+        try:
+            return EtcdKeyValue(address, timeout_s)
+        except ValueError as exc:
+            raise ValueError(f"ckpt.store: {exc}") from None
     try:
         host, port = parse_address(address)
     except ValueError:
-        raise ValueError(f"ckpt.store must be HOST:PORT, got {address!r}") from None
+        raise ValueError(f"ckpt.store must be HOST:PORT or etcd://HOST:PORT,..., got {address!r}") from None
     try:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                              timeout=datetime.timedelta(seconds=timeout_s))
@@ -91,9 +137,9 @@ class Keys:
 
 
 class JobStore:
-    """One job's keys in a TCPStore, every value JSON signed under its key name with the job's key."""
+    """One job's keys in a store, every value JSON signed under its key name with the job's key."""
 
-    def __init__(self, store: dist.TCPStore, job: str, auth: JobKeys) -> None:
+    def __init__(self, store: KeyValue, job: str, auth: JobKeys) -> None:
         self.raw, self.keys, self.auth = store, Keys(job), auth
         self.refused = 0  # values read that failed their signature
 

@@ -1,14 +1,20 @@
 """Starting Gemini's infrastructure: the job's secret, its store and one replica agent per machine.
 
+The store is a TCPStore by default, or with ``ckpt.store=etcd`` an etcd cluster
+(:mod:`ddlscale.cluster.control_plane`): one member on loopback for ``cluster=local``, one on each of
+the first three machines of an emulated cluster, data under ``<run dir>/etcd``.
+
 * :func:`job_secret` draws the job's secret into a private temporary directory for the launch (the
   trainers and agents read it through ``$DDLSCALE_SECRET_FILE``) and removes it when the launch ends.
 * ``cluster=local``: :func:`local_gemini` hosts a TCPStore in the launching process and starts one
-  agent per rank on loopback (each rank is its own "machine"); the workers inherit the environment that
+  agent per rank on loopback (each rank is its own "machine"), or starts one etcd member instead of
+  the TCPStore (``etcd_dir``); the workers inherit the environment that
   points at them. When the launch ends the committed version is written to the persistent directory
   (:mod:`ddlscale.ckpt.drain`), then the agents stop.
-* ``cluster=emulated``: the rendezvous store on machine 0 serves Gemini's keys too, and
-  :func:`start_emulated_agent` starts machine i's agent inside its namespace — also what a test or
-  experiment calls to bring up a replacement machine after killing one.
+* ``cluster=emulated``: the rendezvous store on machine 0 serves Gemini's keys too (or, with etcd,
+  :func:`start_emulated_etcd`'s members serve both), and :func:`start_emulated_agent` starts machine
+  i's agent inside its namespace — also what a test or experiment calls to bring up a replacement
+  machine after killing one.
 * elsewhere (torchrun or SLURM on a real cluster): run ``python -m ddlscale.ckpt.agent`` on every
   machine and export ``DDLSCALE_STORE``, ``DDLSCALE_MACHINE``, ``DDLSCALE_MACHINES``, ``DDLSCALE_JOB``
   and ``DDLSCALE_SECRET_FILE``.
@@ -33,8 +39,10 @@ from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.drain import announce, persist_committed
 from ddlscale.ckpt.gemini import JOB_ENV, MACHINE_ENV, MACHINES_ENV, STORE_ENV
+from ddlscale.cluster.control_plane import EtcdMembers, Member
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
+ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains
 
 
 @contextlib.contextmanager
@@ -67,11 +75,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_gemini(machines: int, job: str, persist_dir: Path | None = None) -> Iterator[dict[str, str]]:
+def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
+                 etcd_dir: Path | None = None) -> Iterator[dict[str, str]]:
     """Secret, store and ``machines`` agents on loopback for one launch; yields (and exports) their
-    environment. On the way out the committed version goes to ``persist_dir`` when given."""
-    address = f"127.0.0.1:{_free_port()}"
-    store = kvstore.serve(address)
+    environment. On the way out the committed version goes to ``persist_dir`` when given. With
+    ``etcd_dir`` the store is one etcd member with its data there (no replication on one machine)."""
+    if etcd_dir is not None:
+        member = Member("m0", "127.0.0.1", _free_port(), _free_port())
+        store = EtcdMembers([member], etcd_dir, lambda _, argv, **kw: subprocess.Popen(argv, **kw), job).start()
+        address = str(store.address)
+    else:
+        address = f"127.0.0.1:{_free_port()}"
+        store = kvstore.serve(address)
     agents: list[subprocess.Popen] = []
     saved = {k: os.environ.get(k) for k in (STORE_ENV, MACHINES_ENV, JOB_ENV, SECRET_ENV)}
     with job_secret() as secret:
@@ -98,6 +113,8 @@ def local_gemini(machines: int, job: str, persist_dir: Path | None = None) -> It
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+            if isinstance(store, EtcdMembers):
+                store.stop()
             del store
 
 
@@ -110,28 +127,33 @@ def _persist(address: str, job: str, auth: JobKeys, directory: Path) -> None:
     announce(written)
 
 
-def emulated_env(cluster: Any, machine: int, store_port: int, job: str, secret: Path) -> dict[str, str]:
-    """What machine ``machine``'s trainers need to find the store and their agent."""
-    return {STORE_ENV: f"{cluster.address(0)}:{store_port}", MACHINE_ENV: str(machine),
+def start_emulated_etcd(cluster: Any, directory: Path, job: str) -> EtcdMembers:
+    """An etcd member on each of the first (up to) three emulated machines, data under ``directory``;
+    returns once a quorum is healthy. Its ``address`` is the job's store and rendezvous."""
+    members = [Member(f"m{i}", cluster.address(i)) for i in range(min(ETCD_MEMBERS, cluster.nodes))]
+    return EtcdMembers(members, directory, cluster.popen, job).start()
+
+
+def emulated_env(cluster: Any, machine: int, store: str, job: str, secret: Path) -> dict[str, str]:
+    """What machine ``machine``'s trainers need to find the store (its address) and their agent."""
+    return {STORE_ENV: store, MACHINE_ENV: str(machine),
             MACHINES_ENV: str(cluster.nodes), JOB_ENV: job, SECRET_ENV: str(secret)}
 
 
-def start_emulated_agent(cluster: Any, machine: int, store_port: int, job: str, secret: Path,
+def start_emulated_agent(cluster: Any, machine: int, store: str, job: str, secret: Path,
                          **popen_kwargs: Any) -> subprocess.Popen:
     """Machine ``machine``'s replica agent, inside its namespace; returns once it serves."""
-    argv = agent_argv(machine, cluster.nodes, f"{cluster.address(machine)}:{AGENT_PORT}",
-                      f"{cluster.address(0)}:{store_port}", job)
+    argv = agent_argv(machine, cluster.nodes, f"{cluster.address(machine)}:{AGENT_PORT}", store, job)
     env = {SECRET_ENV: str(secret), **popen_kwargs.pop("env", {})}
     process = cluster.popen(machine, argv, stdout=subprocess.PIPE, text=True, env=env, **popen_kwargs)
     _await_ready(process, f"replica agent on emulated machine {machine}")
     return process
 
 
-def persist_emulated(cluster: Any, store_port: int, job: str, secret: Path, directory: Path) -> None:
+def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path) -> None:
     """Write the committed version to ``directory`` from inside machine 0 (the store is reachable only
-    there); a failure is reported, not raised: the launch is ending anyway."""
-    argv = [sys.executable, "-m", "ddlscale.ckpt.drain", "--store", f"{cluster.address(0)}:{store_port}",
-            "--job", job, "--dir", str(directory)]
+    from the emulated machines); a failure is reported, not raised: the launch is ending anyway."""
+    argv = [sys.executable, "-m", "ddlscale.ckpt.drain", "--store", store, "--job", job, "--dir", str(directory)]
     done = cluster.popen(0, argv, env={SECRET_ENV: str(secret)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True)
     try:

@@ -289,13 +289,20 @@ class EmulatedCluster:
         return store
 
     def torchrun(self, machine: int, script_args: Sequence[str], nproc_per_node: int = 1, port: int = 29400,
-                 script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, **popen_kwargs: Any):
-        """One torchrun agent on ``machine``, joining the store of :meth:`start_rendezvous_store`."""
+                 script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, etcd: Any = None, run_id: str = "none",
+                 **popen_kwargs: Any):
+        """One torchrun agent on ``machine``, joining the store of :meth:`start_rendezvous_store` — or,
+        given ``etcd`` (an :class:`~ddlscale.cluster.control_plane.EtcdAddress`), the rendezvous kept in
+        those etcd members (:mod:`ddlscale.cluster.etcd_rendezvous`), which no single machine holds."""
+        if etcd is not None:
+            rendezvous = ["--rdzv-backend=ddlscale-etcd", f"--rdzv-endpoint={etcd.rendezvous_endpoint}",
+                          f"--rdzv-id={run_id}"]
+        else:
+            rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}", "--rdzv-conf=is_host=false",
+                          f"--rdzv-id={run_id}"]
         argv = [
             sys.executable, "-m", "torch.distributed.run",
-            f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}",
-            "--rdzv-conf=is_host=false",
+            f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}", *rendezvous,
             f"--local-addr={self.address(machine)}", f"--max-restarts={max_restarts}",
             str(script), *script_args,
         ]

@@ -30,14 +30,17 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.agent import remove_replicas
 from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
+from ddlscale.ckpt.kvstore import ETCD
 from ddlscale.ckpt.launch import (
     emulated_env,
     job_secret,
     local_gemini,
     persist_emulated,
     start_emulated_agent,
+    start_emulated_etcd,
 )
 from ddlscale.cluster import stop
+from ddlscale.cluster.control_plane import missing as etcd_missing
 from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
 from ddlscale.strategy import DDLStrategy
@@ -112,6 +115,7 @@ def check_config(cfg: DictConfig) -> None:
         checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
         if isinstance(checkpointer, GeminiCheckpointer):
             _check_placement(cfg, checkpointer, kind)
+            _check_store(checkpointer, kind)
 
 
 def _check_emulated(cfg: DictConfig) -> None:
@@ -156,6 +160,21 @@ def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> 
         PlacementPlan(int(machines), gemini.replicas, gemini.placement)
     except ValueError as exc:
         raise ConfigError(f"ckpt.replicas / ckpt.placement: {exc}") from None
+
+
+def _check_store(gemini: GeminiCheckpointer, kind: str) -> None:
+    """ckpt.store=etcd: the launcher starts the members (cluster=local, emulated), so etcd must be here;
+    elsewhere the members' address comes from $DDLSCALE_STORE (or ckpt.store=etcd://...)."""
+    if gemini.store_address != ETCD:
+        return
+    if "WORLD_SIZE" in os.environ or kind not in ("local", "emulated"):
+        if not os.environ.get(STORE_ENV, "").startswith("etcd"):
+            raise ConfigError(f"ckpt.store=etcd with cluster={kind}: nothing starts etcd members here; give their "
+                              "address as ckpt.store=etcd://HOST:PORT,... (or $DDLSCALE_STORE)")
+        return
+    reason = etcd_missing(server=True)
+    if reason:
+        raise ConfigError(f"ckpt.store=etcd cannot run here: {reason}")
 
 
 def _sync_components(cfg: DictConfig) -> dict[str, Any]:
@@ -312,9 +331,14 @@ def resume_path(trainer: pl.Trainer) -> str | None:
 def _gemini_infrastructure(trainer: pl.Trainer, output_dir: Path) -> contextlib.AbstractContextManager:
     """Store and agents for ckpt=gemini when this process launches the workers and nobody else did."""
     gemini = next((c for c in trainer.callbacks if isinstance(c, GeminiCheckpointer)), None)
-    if gemini is None or gemini.store_address or os.environ.get(STORE_ENV) or "WORLD_SIZE" in os.environ:
+    if gemini is None or gemini.store_address not in (None, ETCD) or os.environ.get(STORE_ENV) or "WORLD_SIZE" in os.environ:
         return contextlib.nullcontext()
-    return local_gemini(trainer.world_size, job_name(str(output_dir)), persist_dir=gemini.persist_dir)
+    return _local_gemini(gemini, trainer.world_size, output_dir)
+
+
+def _local_gemini(gemini: GeminiCheckpointer, machines: int, output_dir: Path) -> contextlib.AbstractContextManager:
+    etcd_dir = output_dir / "etcd" if gemini.store_address == ETCD else None
+    return local_gemini(machines, job_name(str(output_dir)), gemini.persist_dir, etcd_dir=etcd_dir)
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:
@@ -379,7 +403,7 @@ def run_with_restarts(cfg: DictConfig, output_dir: Path, overrides: list[str]) -
     if OmegaConf.select(cfg, "ckpt._target_") is None:
         warnings.warn("cluster.max_restarts without a checkpointer (ckpt=none): restarts begin at step 0", stacklevel=2)
     gemini = _configured_gemini(cfg, output_dir)
-    with (local_gemini(devices, job_name(str(output_dir)), gemini.persist_dir) if gemini else contextlib.nullcontext()):
+    with (_local_gemini(gemini, devices, output_dir) if gemini else contextlib.nullcontext()):
         code = subprocess.run(argv).returncode
     if code:
         raise RuntimeError(f"torchrun exited with code {code} after at most {cfg.cluster.max_restarts} restarts; "
@@ -401,16 +425,24 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cfg.cluster.port)
-        cluster.start_rendezvous_store(port)
         gemini = _configured_gemini(cfg, output_dir)
+        job = job_name(str(output_dir))
+        etcd = None
+        if gemini and gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
+            etcd = start_emulated_etcd(cluster, output_dir / "etcd", job)
+            store = str(etcd.address)
+            print(f"control plane: etcd members at {etcd.address.rendezvous_endpoint}", flush=True)
+        else:
+            cluster.start_rendezvous_store(port)
+            store = f"{cluster.address(0)}:{port}"
         envs = [dict(threads) for _ in range(nodes)]
         if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
-            job = job_name(str(output_dir))
             for i in range(nodes):
-                start_emulated_agent(cluster, i, port, job, secret)
-                envs[i].update(emulated_env(cluster, i, port, job, secret))
+                start_emulated_agent(cluster, i, store, job, secret)
+                envs[i].update(emulated_env(cluster, i, store, job, secret))
         agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port, env=envs[i],
-                                   max_restarts=int(cfg.cluster.get("max_restarts", 0)))
+                                   max_restarts=int(cfg.cluster.get("max_restarts", 0)),
+                                   etcd=etcd.address if etcd else None, run_id=job)
                   for i in range(nodes)]
         try:
             codes = _wait_all_or_first_failure(agents)
@@ -419,7 +451,7 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
             raise
         finally:
             if gemini:  # the same command in this run directory then continues from it
-                persist_emulated(cluster, port, job, secret, gemini.persist_dir)
+                persist_emulated(cluster, store, job, secret, gemini.persist_dir)
             cluster.down()
             if gemini:
                 remove_replicas(job)  # the agents died with the cluster; their shared memory goes too

@@ -1,0 +1,53 @@
+"""torchrun's rendezvous on every member of an etcd cluster: ``--rdzv-backend=ddlscale-etcd``.
+
+torch offers two etcd rendezvous backends. ``etcd`` is the older, separate implementation;
+``etcd-v2`` is torch's dynamic rendezvous (the state machine, keep-alives and dead-node handling of
+its default ``c10d`` backend, which torch maintains) keeping its state in etcd. We use the latter
+as it is — its backend, its etcd store, its handler — and change one thing: torch builds its etcd
+client for the single host of ``--rdzv-endpoint``, so that member would be the job's single point of
+failure again. Here the endpoint lists every member (``HOST:PORT,HOST:PORT,...``) and the client
+moves to the next when one stops answering. ``--rdzv-conf`` takes torch's own etcd options:
+``protocol=https``, ``ca_cert``, ``ssl_cert``, ``ssl_cert_key``, ``read_timeout``.
+
+Registered through torchrun's plug-in entry point (``torchrun.handlers`` in pyproject.toml), so
+``torchrun --rdzv-backend=ddlscale-etcd`` works wherever ddlscale is installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
+from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
+from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+from ddlscale.cluster.control_plane import EtcdAddress
+
+BACKEND = "ddlscale-etcd"
+
+
+class EveryMemberBackend(EtcdRendezvousBackend):
+    """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for)."""
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+
+def create_handler(params: Any) -> Any:
+    protocol = params.get("protocol", "http").strip().lower()
+    tls = {name: params.get(key) for name, key in (("ca_cert", "ca_cert"), ("cert", "ssl_cert"), ("key", "ssl_cert_key"))
+           if params.get(key)}
+    scheme = {"http": "etcd", "https": "etcd+https"}.get(protocol)
+    if scheme is None:
+        raise ValueError(f"--rdzv-conf protocol must be http or https, got {protocol!r}")
+    address = EtcdAddress.parse(f"{scheme}://{params.endpoint}")
+    address = EtcdAddress(address.endpoints, address.protocol, tls)
+    client = address.client(float(params.get_as_int("read_timeout", 60)))
+    backend = EveryMemberBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
+    return dynamic_handler(EtcdStore(client, "/torch/elastic/store"), backend, params)
+
+
+def handler() -> Any:
+    """The entry point torchrun loads: it returns the function that builds a handler."""
+    return create_handler
