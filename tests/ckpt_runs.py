@@ -27,9 +27,13 @@ def losses(run, columns=("train_loss",)):
         return {int(row["step"]): tuple(row[c] for c in columns) for row in csv.DictReader(file)}
 
 
-def assert_continues(straight, resumed, from_step, columns=("train_loss",)):
-    """Same ``columns`` at every step from ``from_step`` on, and the same final parameters."""
+def assert_continues(straight, resumed, from_step, columns=("train_loss",), restarted_in_place=False):
+    """Same ``columns`` at every step from ``from_step`` on, and the same final parameters.
+    ``restarted_in_place``: the resumed run restarted in its own run directory, whose metrics.csv
+    goes on across the restart (a step re-run after it has its newer row last)."""
     a, b = losses(straight, columns), losses(resumed, columns)
+    if restarted_in_place:
+        b = {s: v for s, v in b.items() if s >= from_step}
     assert sorted(b) == [s for s in sorted(a) if s >= from_step]
     assert {s: a[s] for s in b} == b
     assert summary(resumed)["param_sha256"] == summary(straight)["param_sha256"]

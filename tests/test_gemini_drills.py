@@ -26,7 +26,7 @@ GEMINI = [*MODEL, "ckpt=gemini", "ckpt.profile_steps=3", "ckpt.persist_every=5",
 def _assert_continues(straight: Path, resumed: Path) -> int:
     from_step = _summary(resumed)["ckpt_resumed_step"]
     assert from_step is not None and _summary(resumed)["steps"] == STEPS
-    assert_continues(straight, resumed, from_step)
+    assert_continues(straight, resumed, from_step, restarted_in_place=True)
     return from_step
 
 
