@@ -15,7 +15,8 @@ up the doubling stages. Then each tensor whose sparse scheme beats dense allredu
 (``route: auto``), or every tensor with a sparse gradient or a unit density of at most 1/2
 (``route: sparse``, the same tensors for every method), switches to the sparse path; the rest stay
 in the dense buckets. Under ``route: sparse`` the parameters the module declares sparse-gradient
-(``Embedding(sparse=True)``) are on the sparse path from the first step, profiled there. Every backend prices the messages it really sends and the bytes it moves with
+(``Embedding(sparse=True)``) are on the sparse path from the first step, profiled there. Every
+backend prices the messages it really sends and the bytes it moves with
 the same alpha and beta (``network_latency``, ``network_bandwidth``).
 
 **Overlap.** Sparse tensors are fused into groups (same dtype and width, in backward order). A group
