@@ -24,6 +24,7 @@ TCP payload rate and measure the per-message latency themselves. Needs root (net
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import statistics
 import tempfile
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.espresso_cupcake import per_step, planner_network, probe_rate
-from experiments.harness import Results, alternating, machine, spread, train
+from experiments.harness import RESULTS, Results, alternating, machine, spread, train
 
 CLUSTERS = {"8x1": (8, 1), "4x2": (4, 2)}
 SCHEMES = ("allgather", "alltoall", "gather", "zen")
@@ -98,6 +99,22 @@ def plan_of(run_dir: Path) -> dict[str, Any]:
             "predicted_ms": plan["iteration_s"] * 1e3}
 
 
+def earlier_runs(name: str, clusters: list[str]) -> tuple[list[dict[str, Any]], dict]:
+    """The rows and host probes of ``name``'s runs.csv for the clusters not in ``clusters``."""
+    if not name:
+        return [], {}
+    folder = RESULTS / name
+    rows = [r for r in csv.DictReader((folder / "runs.csv").open()) if r["cluster"] not in clusters]
+    if not rows:
+        raise SystemExit(f"--runs-from {name}: {folder / 'runs.csv'} has no runs of a cluster other than {clusters}")
+    for row in rows:
+        row["rep"] = int(row["rep"])
+        for key in ("step_ms", "sync_ms", "comm_ms", "bytes_sent", "final_loss", "wall_s"):
+            row[key] = float(row[key])
+    probes = json.loads((folder / "config.json").read_text())["probe"]
+    return rows, probes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="lstm,gpt")
@@ -110,9 +127,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flat-methods", default="dense,allgather,zen", help="the 8x1 cluster's methods")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="compression_schemes", help="results folder under experiments/results")
+    parser.add_argument("--runs-from", default="", help="a results folder whose runs.csv gives the clusters not "
+                        "run now (same workloads and flags): one table from runs made in two sittings")
     args = parser.parse_args(argv)
     workloads, clusters = args.workloads.split(","), args.clusters.split(",")
     methods = {"8x1": tuple(args.flat_methods.split(",")), "4x2": (*UNIFORM, *PLANNED)}
+    earlier_rows, earlier_probes = earlier_runs(args.runs_from, clusters)
+    workloads_of = {c: workloads for c in clusters}
 
     import matplotlib
 
@@ -124,28 +145,47 @@ def main(argv: list[str] | None = None) -> None:
                f"--ratio {args.ratio} --bandwidth {args.bandwidth} --reps {args.reps} --measure {args.measure} "
                f"--clusters {args.clusters} --flat-methods {args.flat_methods}"
                + (f" --overrides '{args.overrides}'" if args.overrides else "")
-               + (f" --name {args.name}" if args.name != "compression_schemes" else ""))
+               + (f" --name {args.name}" if args.name != "compression_schemes" else "")
+               + (f" --runs-from {args.runs_from}" if args.runs_from else ""))
+    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     probes = {}
     for cluster in clusters:  # can the host carry every machine's NIC at once?
         rates = probe_rate(CLUSTERS[cluster][0], args.bandwidth)
         probes[cluster] = {"achieved_gbps": [r / 1e9 for r in rates],
                            "fraction": statistics.median(rates) / float(planner_network(args.bandwidth)[0])}
         print(f"probe {cluster}: {probes[cluster]['fraction']:.0%} of the TCP payload rate", flush=True)
+    for row in earlier_rows:
+        runs[(row["cluster"], row["workload"], row["method"])].append(row)
+    if earlier_rows:  # the earlier sitting's clusters come first in the table, as if run in one command
+        earlier_clusters = list(dict.fromkeys(r["cluster"] for r in earlier_rows))
+        for cluster in earlier_clusters:
+            mine = [r for r in earlier_rows if r["cluster"] == cluster]
+            methods[cluster] = tuple(dict.fromkeys(r["method"] for r in mine))
+            workloads_of[cluster] = list(dict.fromkeys(r["workload"] for r in mine))
+        probes = {**{c: earlier_probes[c] for c in earlier_clusters}, **probes}
+        clusters = [*earlier_clusters, *clusters]
     (results.dir / "config.json").write_text(json.dumps(
         {"command": command, "args": vars(args), "machine": machine(), "probe": probes,
          "overrides_example": {f"{c} {m}": overrides_of(m, c, args) for c in clusters for m in methods[c]}}, indent=1))
 
+    run_now = args.clusters.split(",")
     rows: list[dict[str, Any]] = []
-    runs: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    total = sum(len(workloads) * args.reps * len(methods[c]) for c in clusters)
+    failures: list[dict[str, Any]] = []
+    total = sum(len(workloads) * args.reps * len(methods[c]) for c in run_now)
     with tempfile.TemporaryDirectory(prefix="ddlscale-cs-") as scratch:
-        for cluster in clusters:
+        for cluster in run_now:
             for workload in workloads:
                 for rep, method in alternating(methods[cluster], args.reps):
                     run_dir = Path(scratch) / f"{cluster}-{workload}-{method.replace(' ', '_').replace('/', '-')}-{rep}"
                     started = time.perf_counter()
-                    summary = train([f"model={workload}", *overrides_of(method, cluster, args)], timeout=1800,
-                                    run_dir=run_dir)
+                    try:
+                        summary = train([f"model={workload}", *overrides_of(method, cluster, args)], timeout=1800,
+                                        run_dir=run_dir)
+                    except RuntimeError as error:  # reported, not fatal: one broken method must not void the rest
+                        failures.append({"cluster": cluster, "workload": workload, "method": method, "rep": rep,
+                                         "error": str(error)[-800:]})
+                        results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: FAILED")
+                        continue
                     row = {"cluster": cluster, "workload": workload, "method": method, "rep": rep,
                            **measured(run_dir, args.measure), "memory": summary.get("memory"),
                            "final_loss": summary["final_loss"], "wall_s": round(time.perf_counter() - started, 1),
@@ -154,17 +194,18 @@ def main(argv: list[str] | None = None) -> None:
                         row.update(plan_of(run_dir))
                     rows.append(row)
                     runs[(cluster, workload, method)].append(row)
-                    results.progress(len(rows), total, f"{cluster} {workload} {method} rep {rep}: step "
+                    results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: step "
                                                        f"{row['step_ms']:.1f} ms, sync {row['sync_ms']:.1f} ms "
                                                        f"(run {row['wall_s']:.0f} s)")
-    results.write_csv(rows, "runs.csv")
+    results.write_csv([*earlier_rows, *rows], "runs.csv")
     table, summary_rows, lines, zen_lines = [], [], [], []
     for cluster in clusters:
-        for workload in workloads:
+        for workload in workloads_of[cluster]:
+            present = [m for m in methods[cluster] if runs[(cluster, workload, m)]]  # a method may have failed
             stats = {m: {k: spread([r[k] for r in runs[(cluster, workload, m)]]) for k in ("step_ms", "sync_ms")}
-                     for m in methods[cluster]}
+                     for m in present}
             dense = stats.get("dense")  # a run of the 8x1 cluster may leave it out (zen vs allgather alone)
-            for m in methods[cluster]:
+            for m in present:
                 mine, kept = stats[m], runs[(cluster, workload, m)]
                 plans = " / ".join(f"{r['plan_kept'].split(' of ')[0]}: {r['plan_options']}" for r in kept) \
                     if m in PLANNED else ""
@@ -176,13 +217,13 @@ def main(argv: list[str] | None = None) -> None:
                 summary_rows.append(record)
                 table.append([cluster, workload, m, _cell(mine["step_ms"]), _cell(mine["sync_ms"]),
                               record["step_speedup_vs_dense"], record["per_rep_step_ms"], plans])
-            if {"zen", "allgather"} <= set(methods[cluster]):
+            if {"zen", "allgather"} <= set(present):
                 ratio = stats["allgather"]["sync_ms"][0] / stats["zen"]["sync_ms"][0]
                 zen_lines.append(f"| {cluster} | {workload} | {stats['allgather']['sync_ms'][0]:.1f} | "
-                                 f"{stats['zen']['sync_ms'][0]:.1f} | {ratio:.2f}x | {'met' if ratio >= 1.5 else 'MISSED'} | "
+                                 f"{stats['zen']['sync_ms'][0]:.1f} | {ratio:.2f}x | {('met' if ratio >= 1.5 else 'MISSED') if cluster == '8x1' else '(8x1 only)'} | "
                                  f"{stats['allgather']['step_ms'][0] / stats['zen']['step_ms'][0]:.2f}x |")
-            if cluster == "4x2":
-                best = min(UNIFORM, key=lambda m: stats[m]["step_ms"][0])
+            if cluster == "4x2" and {"espresso search", "espresso trial", "cupcake", "allgather", "dense"} <= set(present):
+                best = min((m for m in UNIFORM if m in stats), key=lambda m: stats[m]["step_ms"][0])
                 search = stats["espresso search"]["step_ms"][0]
                 lines.append(f"| {workload} | {best} {stats[best]['step_ms'][0]:.1f} | {search:.1f} | "
                              f"{search / stats[best]['step_ms'][0]:.3f} | "
@@ -190,9 +231,11 @@ def main(argv: list[str] | None = None) -> None:
                              f"{stats['espresso trial']['step_ms'][0]:.1f} | {stats['cupcake']['step_ms'][0]:.1f} | "
                              f"{stats['allgather']['step_ms'][0]:.1f} | {dense['step_ms'][0]:.1f} |")
     results.write_csv(summary_rows)
+    if failures:
+        results.write_csv(failures, "failures.csv")
     cpu = "; ".join(f"{c} {w}: dense sync {statistics.median(r['sync_ms'] for r in runs[(c, w, 'dense')]):.1f} ms of "
                     f"a {statistics.median(r['step_ms'] for r in runs[(c, w, 'dense')]):.1f} ms step"
-                    for c in clusters for w in workloads if "dense" in methods[c])
+                    for c in clusters for w in workloads_of[c] if "dense" in methods[c])
     notes = f"""
 {args.compressor} ratio {args.ratio} with its default error feedback ({rows[-1]['memory']}), {args.bandwidth} per
 emulated machine; `8x1`: 8 machines x 1 worker, `4x2`: 4 machines x 2 workers (hierarchical: dense inside a machine,
@@ -203,7 +246,7 @@ every repetition's step period. Layer-wise methods are `sync=compress` (every te
 scheme named; `/hier` adds sync.hierarchical. Planned runs: the planners are told {planner_network(args.bandwidth)[0]}
 bit/s and measure the latency; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
 fastest on the cluster of Espresso's, Cupcake's and dense's plans ({TRIAL_STEPS} turns each). Plans: the candidate
-kept and the options its units use, per repetition.
+kept and the options its units use, per repetition.{failed_note(failures)}
 
 CPU or network: all machines share this host's 2 cores ({cpu}). Host check (every machine streaming TCP to the next
 at once): {"; ".join(f"{c} {p['fraction']:.0%} of the payload rate" for c, p in probes.items())}.
@@ -225,8 +268,15 @@ met when the search's median is at most the best uniform plan's):
         f"{args.ratio}, {args.bandwidth})",
         ["cluster", "workload", "method", "step period ms (min-max)", "sync ms (min-max)", "step speed-up vs dense",
          "step period per rep", "plans kept (per rep)"], table, notes=notes, command=command)
-    plot(summary_rows, clusters, workloads, methods, results.figure_path(), plt)
+    plot(summary_rows, clusters, workloads_of, methods, results.figure_path(), plt)
     print(f"wrote {results.dir}")
+
+
+def failed_note(failures: list[dict[str, Any]]) -> str:
+    if not failures:
+        return ""
+    runs = ", ".join(f"{f['cluster']} {f['workload']} {f['method']} rep {f['rep']}" for f in failures)
+    return f"\n\nFAILED runs, left out of the medians (errors in failures.csv): {runs}."
 
 
 def _cell(spread_: tuple[float, float, float]) -> str:
@@ -234,15 +284,16 @@ def _cell(spread_: tuple[float, float, float]) -> str:
     return f"{median:.1f} ({low:.1f}-{high:.1f})"
 
 
-def plot(rows: list[dict[str, Any]], clusters: list[str], workloads: list[str], methods: dict[str, tuple[str, ...]],
-         path: Path, plt: Any) -> None:
-    fig, axes = plt.subplots(len(clusters), len(workloads), figsize=(6 * len(workloads), 3.8 * len(clusters)),
-                             squeeze=False)
+def plot(rows: list[dict[str, Any]], clusters: list[str], workloads_of: dict[str, list[str]],
+         methods: dict[str, tuple[str, ...]], path: Path, plt: Any) -> None:
+    width = max(len(w) for w in workloads_of.values())
+    fig, axes = plt.subplots(len(clusters), width, figsize=(6 * width, 3.8 * len(clusters)), squeeze=False)
     for i, cluster in enumerate(clusters):
-        for j, workload in enumerate(workloads):
+        for j in range(width, len(workloads_of[cluster]), -1):
+            axes[i][j - 1].axis("off")
+        for j, workload in enumerate(workloads_of[cluster]):
             ax = axes[i][j]
-            mine = [next(r for r in rows if (r["cluster"], r["workload"], r["method"]) == (cluster, workload, m))
-                    for m in methods[cluster]]
+            mine = [r for r in rows if (r["cluster"], r["workload"]) == (cluster, workload)]
             med = [r["step_ms_median"] for r in mine]
             err = [[m - r["step_ms_min"] for m, r in zip(med, mine, strict=True)],
                    [r["step_ms_max"] - m for m, r in zip(med, mine, strict=True)]]

@@ -22,9 +22,12 @@ Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import statistics
 from collections import defaultdict
 
-from experiments.harness import Results, alternating, spread, train
+from experiments.harness import Results, alternating, machine, spread, train
 
 SYNCS = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
 ROUTES = ("auto", "sparse")
@@ -57,7 +60,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overrides", default=DEFAULT_OVERRIDES, help="extra train.py overrides, "
                         "space-separated (e.g. 'model.vocab_size=100000')")
     parser.add_argument("--name", default="zen_speed", help="results folder name")
+    parser.add_argument("--cause", action="store_true", help="instead of the grid: per cell of the folder's "
+                        "results.csv, Zen and the fastest other method again, with their collectives per step "
+                        "(count and time in flight per op): cause.csv and cause.md beside the grid's results")
     args = parser.parse_args(argv)
+    if args.cause:
+        return cause(args)
     syncs, routes = args.syncs.split(","), args.routes.split(",")
     # Dense does not route: one entry; each sparse sync once per routing.
     methods = [(s, "-") if s == "dense" else (s, r) for s in syncs for r in (routes if s != "dense" else ["-"])]
@@ -179,6 +187,63 @@ def main(argv: list[str] | None = None) -> None:
     fig.tight_layout()
     fig.savefig(results.figure_path(), dpi=120)
     print(f"wrote {results.dir}")
+
+
+def cause(args: argparse.Namespace) -> None:
+    """Where Zen's step loses to the fastest other method: both again, alternating, with the
+    collectives each issues per step (rank 0's medians: count and time in flight per op)."""
+    results = Results(args.name)
+    grid = list(csv.DictReader((results.dir / "results.csv").open()))
+    cells = list(dict.fromkeys((r["bandwidth"], r["model"]) for r in grid))
+    rows, done, total = [], 0, len(cells) * 2 * args.reps
+    for bandwidth, model in cells:
+        steps: dict[str, list[float]] = defaultdict(list)
+        for r in grid:
+            if (r["bandwidth"], r["model"]) == (bandwidth, model) and r["route"] in ("-", "auto"):
+                steps[r["sync"]].append(float(r["step_time_s"]))
+        best = min((s for s in steps if s not in ("zen", "dense")), key=lambda s: statistics.median(steps[s]))
+        for rep, sync in alternating(["zen", best], args.reps):
+            summary = train([f"model={model}", f"sync={sync}", "cluster=emulated", f"cluster.nodes={args.nodes}",
+                             f"cluster.bandwidth={bandwidth}", "trainer.devices=1", f"trainer.max_steps={args.steps}",
+                             "seed=0", "sync.route=auto", *args.overrides.split()], timeout=3600)
+            done += 1
+            ops = summary["collective_ops"]
+            rows.append({"bandwidth": bandwidth, "model": model, "sync": sync, "rep": rep,
+                         **{k: summary[k] for k in ("step_time_s", "sync_time_s", "comm_time_s", "encode_time_s",
+                                                    "decode_time_s", "bytes_sent_per_step", "collectives_per_step")},
+                         "ops": json.dumps(ops, sort_keys=True)})
+            results.progress(done, total, f"{bandwidth} {model} {sync} rep {rep}: step "
+                                          f"{summary['step_time_s'] * 1e3:.0f} ms, {summary['collectives_per_step']:.0f} "
+                                          "collectives/step")
+            results.write_csv(rows, "cause.csv")
+    table = []
+    for bandwidth, model in cells:
+        for sync in dict.fromkeys(r["sync"] for r in rows if (r["bandwidth"], r["model"]) == (bandwidth, model)):
+            mine = [r for r in rows if (r["bandwidth"], r["model"], r["sync"]) == (bandwidth, model, sync)]
+
+            def med(key: str, mine=mine) -> float:
+                return statistics.median(r[key] for r in mine)
+
+            per_op = [json.loads(r["ops"]) for r in mine]
+            names = sorted({op for ops in per_op for op in ops})
+            breakdown = "; ".join(
+                f"{op} {statistics.median(o.get(op, {}).get('per_step', 0) for o in per_op):g} x, "
+                f"{statistics.median(o.get(op, {}).get('ms_per_step', 0.0) for o in per_op):.1f} ms" for op in names)
+            table.append([bandwidth, model, sync, med("step_time_s") * 1e3, med("sync_time_s") * 1e3,
+                          med("comm_time_s") * 1e3, (med("encode_time_s") + med("decode_time_s")) * 1e3,
+                          med("bytes_sent_per_step") / 2**20, med("collectives_per_step"), breakdown])
+    lines = ["# Zen against the fastest other sparse method: the collectives per step", "",
+             f"Regenerate: `python -m experiments.zen_speed --cause --nodes {args.nodes} --reps {args.reps} "
+             f"--steps {args.steps}` (after the grid: it reads the grid's results.csv for each cell's fastest other)",
+             "", "| NIC | model | sync | step ms | sync ms | comm ms | encode+decode ms | MiB sent/step | "
+             "collectives/step | per op: count, ms in flight per step (rank 0) |", "|" + "---|" * 10]
+    lines += ["| " + " | ".join(f"{c:.4g}" if isinstance(c, float) else str(c) for c in row) + " |" for row in table]
+    lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine().items() if v is not None)]
+    lines += ["", f"Medians over {args.reps} alternating repetitions of {args.steps} steps (first excluded), "
+              "route=auto, the grid's cluster; 'ms in flight': from a collective's issue to its completion, "
+              "summed over the step's collectives of that op (overlapping ones each count whole)."]
+    (results.dir / "cause.md").write_text("\n".join(lines) + "\n")
+    print(f"wrote {results.dir / 'cause.md'}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {
     "sync", "compressor", "ckpt", "model", "world_size", "steps", "final_loss", "samples_per_s",
     "step_time_s", "sync_time_s", "bytes_sent_per_step", "bytes_recv_per_step", "imbalance",
-    "param_sha256",
+    "collectives_per_step", "param_sha256",
 }
 QUIET = ["trainer.enable_progress_bar=false"]
 
@@ -67,6 +67,9 @@ def test_default_run_writes_summary_and_metrics(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 6
     assert summary["sync"] == "dense" and summary["model"] == "lstm"
     assert summary["bytes_sent_per_step"] > 0 and summary["imbalance"] >= 1.0
+    assert summary["collectives_per_step"] >= 1  # dense sync: at least one bucket's allreduce
+    assert summary["collective_ops"]["allreduce"]["per_step"] == summary["collectives_per_step"]
+    assert summary["collective_ops"]["allreduce"]["ms_per_step"] > 0
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert {"train_loss", "samples_per_s", "sync_time_s", "bytes_sent", "step_period_s"} <= set(rows[0])
     # A step's period (end to end) holds its batch time and the loop's time between batches.

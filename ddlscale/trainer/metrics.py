@@ -1,8 +1,8 @@
 """Per-step training figures and the run's ``summary.json``.
 
 The callback times each optimizer step (all its micro-batches), reads the sync backend's byte and
-time figures, logs them per step, and at the end reduces them over ranks into the summary every
-experiment reads. Medians skip the first step, which pays one-off costs (order learning, warm-up).
+time figures and the collectives it issued (how many of each op, how long in flight), logs them per
+step, and at the end reduces them over ranks into the summary every experiment reads. Medians skip the first step, which pays one-off costs (order learning, warm-up).
 
 ``step_loss`` is the loss of an optimizer step on rank 0 as Lightning trains on it: the sum of its
 micro-batches' losses, each divided by the accumulation count (their mean) — the objective whose
@@ -37,6 +37,23 @@ def _median_after_warmup(values: list[float]) -> float:
     return statistics.median(kept) if kept else float("nan")
 
 
+def _per_op(records: list[Any]) -> dict[str, tuple[int, float]]:
+    ops: dict[str, tuple[int, float]] = {}
+    for record in records:
+        count, seconds = ops.get(record.op, (0, 0.0))
+        ops[record.op] = (count + 1, seconds + (record.duration or 0.0))
+    return ops
+
+
+def _ops_summary(steps: list[dict[str, tuple[int, float]]]) -> dict[str, dict[str, float]]:
+    """Rank 0's medians per step of each collective op's count and time in flight (issue to
+    completion, summed: overlapping collectives each count whole), the first step skipped."""
+    kept = steps[1:] if len(steps) > 1 else steps
+    names = sorted({op for step in kept for op in step})
+    return {op: {"per_step": statistics.median(s.get(op, (0, 0.0))[0] for s in kept),
+                 "ms_per_step": statistics.median(s.get(op, (0, 0.0))[1] for s in kept) * 1e3} for op in names}
+
+
 class StepMetrics(pl.Callback):
     """Log per-step loss, throughput, sync time and bytes; write ``summary.json`` on rank 0.
 
@@ -53,9 +70,10 @@ class StepMetrics(pl.Callback):
         self.config = dict(config or {})
         self.history: dict[str, list[float]] = {
             k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss",
-                            "encode_time_s", "comm_time_s", "decode_time_s")
+                            "encode_time_s", "comm_time_s", "decode_time_s", "collectives")
         }
         self.phases: dict[str, int] = {}  # steps per sync phase, for backends that have phases
+        self.ops: list[dict[str, tuple[int, float]]] = []  # per step: collective op -> (count, seconds in flight)
         self._step_start: float | None = None
         self._last_step_end: float | None = None  # for the period: one optimizer step's end to the next
         self._step_loss: torch.Tensor | None = None
@@ -104,9 +122,13 @@ class StepMetrics(pl.Callback):
             "encode_time_s": stats.encode_s if stats else float("nan"),
             "comm_time_s": stats.comm_s if stats else float("nan"),
             "decode_time_s": stats.decode_s if stats else float("nan"),
+            # Collectives issued: each pays a round's fixed cost (launch, latency) whatever its bytes.
+            "collectives": float(len(stats.collectives)) if stats else float("nan"),
         }
         for key, value in row.items():
             self.history[key].append(value)
+        if stats:
+            self.ops.append(_per_op(stats.collectives))
         phase = getattr(sync, "step_phase", None)
         if phase is not None:
             self.phases[phase] = self.phases.get(phase, 0) + 1
@@ -150,6 +172,7 @@ class StepMetrics(pl.Callback):
                 _median_after_warmup(h["encode_time_s"]),
                 _median_after_warmup(h["comm_time_s"]),
                 _median_after_warmup(h["decode_time_s"]),
+                _median_after_warmup(h["collectives"]),
             ],
             dtype=torch.float64,
         )
@@ -179,6 +202,7 @@ class StepMetrics(pl.Callback):
             "encode_time_s": float(ranks[:, 5].max()),
             "comm_time_s": float(ranks[:, 6].max()),
             "decode_time_s": float(ranks[:, 7].max()),
+            "collectives_per_step": float(ranks[:, 8].max()),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }
@@ -210,6 +234,7 @@ class StepMetrics(pl.Callback):
             "encode_time_s": _median_after_warmup(h["encode_time_s"]),
             "comm_time_s": _median_after_warmup(h["comm_time_s"]),
             "decode_time_s": _median_after_warmup(h["decode_time_s"]),
+            "collectives_per_step": _median_after_warmup(h["collectives"]),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }
@@ -227,6 +252,8 @@ class StepMetrics(pl.Callback):
             figures["routing"] = routing()
         if self.phases:
             figures["sync_phase_steps"] = dict(self.phases)
+        if self.ops:
+            figures["collective_ops"] = _ops_summary(self.ops)
         return figures
 
     def _write(self, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
