@@ -544,6 +544,25 @@ def test_zen_receives_the_union_not_every_selection():
         assert zen < 0.75 * allgather, (zen, allgather)
 
 
+def _zen_rounds(rank, world):
+    """The collectives of one zen step over several groups, and the number of groups."""
+    params = [("big", torch.nn.Parameter(torch.zeros(64, 64))), *_params()]
+    sync = CompressSync(build_compressor("topk", ratio=0.05), comm="zen", memory="none")
+    sync.setup(params)
+    grads = {n: g.float() for n, g in _grads(rank, 0).items()}
+    grads["big"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(rank))
+    _, stats = _sync_once(sync, params, grads)
+    return [r.op for r in stats.collectives], len(sync.buckets)
+
+
+def test_zen_pushes_and_pulls_every_group_in_one_round_each():
+    """However many groups use zen, a step has one push and one pull: the groups share one index
+    space (the sums are those of the per-group exchanges: test_zen_sums_the_selections_as_allgather_does)."""
+    for ops, groups in run_workers(_zen_rounds, 3):
+        assert groups >= 3
+        assert sorted(ops) == ["pull", "push"], ops
+
+
 def test_zen_refuses_what_is_not_a_sparsifier():
     with pytest.raises(ValueError, match="sync.comm: scheme zen .* qsgd is not a sparsifier"):
         CompressSync(build_compressor("qsgd"), comm="zen").setup(_params())

@@ -253,6 +253,13 @@ class CompressSync(DenseAllreduce):
                     bucket.views[slot].zero_()
                     bucket.filled.add(i)
         self._launch_full_buckets()
+        together: dict[type, list[Job]] = {}  # per scheme, its jobs in group order
+        for flight in self._flights:
+            if flight is not None and flight.job is not None:
+                together.setdefault(type(flight.scheme), []).append(flight.job)
+        with self.timed("comm"):
+            for kind, jobs in together.items():
+                kind.finish_together(jobs)
         for b, bucket in enumerate(self.buckets):
             flight = self._flights[b]
             job, total = flight.job, None

@@ -117,6 +117,12 @@ class Scheme:
     def finish(self, job: Job) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def finish_together(cls, jobs: list[Job]) -> None:
+        """Called once per step, before any :meth:`finish`, with every job of this scheme in group
+        order (the same on every rank of a communicator): a scheme whose exchanges are blocking may
+        complete them for all its groups at once here. Nothing by default."""
+
     @staticmethod
     def second_stage(job: Job, total: torch.Tensor, name: str, segments: list[Segment] | None,
                      at: int = 0) -> tuple[Compressed, torch.Tensor]:
@@ -328,22 +334,60 @@ class ZenPushPull(Scheme):
         job.state.update(ids=idx.to(torch.int64), values=values.reshape(-1, 1).to(job.tensor.dtype))
 
     def finish(self, job: Job) -> torch.Tensor:
-        comm, numel = job.comm, job.tensor.numel()
-        partitioner = self._partitioners.setdefault(comm.size, HashPartitioner(comm.size, self.SEED))
-        received = pushpull.push(comm, job.state["ids"], job.state["values"], partitioner.group)
-        with timed_work(job.work, "decode", numel, 1):
-            ids, values = pushpull.aggregate(received)
+        if "total" in job.state:  # summed with the other groups in finish_together
+            return job.state.pop("total")
+        total = self._push_pull([job], job.tensor.numel())
+        return job.compressor.combine(total, job.comm.size)
+
+    @classmethod
+    def finish_together(cls, jobs: list[Job]) -> None:
+        """One push and one pull for all groups of one communicator and dtype, their elements in one
+        index space (group after group): two exchange rounds per step instead of two per group.
+        Each round's fixed cost (a message to every peer, the ranks meeting) is paid once; the
+        hashing spreads the joint space as evenly as each group's. Measured on 8 emulated machines
+        (lstm, top-k 1%, layer-wise), per-group rounds made Zen slower than an allgather per group."""
+        batches: dict[tuple[int, torch.dtype], list[Job]] = {}
+        for job in jobs:
+            batches.setdefault((id(job.comm), job.tensor.dtype), []).append(job)
+        for batch in batches.values():
+            numel = sum(job.tensor.numel() for job in batch)
+            if len(batch) < 2 or numel >= 2**31:
+                continue  # alone, or past int32 indices: each group in its own finish
+            started = time.perf_counter()
+            total = cls._push_pull(batch, numel)
+            elapsed, at = time.perf_counter() - started, 0
+            for job in batch:
+                n = job.tensor.numel()
+                job.state["total"] = job.compressor.combine(total[at: at + n], job.comm.size)
+                if job.work is not None:  # each group's part of the joint exchange, by its size
+                    job.work.seconds["finish"] += elapsed * n / numel
+                at += n
+
+    @classmethod
+    def _push_pull(cls, jobs: list[Job], numel: int) -> torch.Tensor:
+        """The summed selections of ``jobs`` (one communicator, one dtype), laid end to end."""
+        comm, first = jobs[0].comm, jobs[0]
+        partitioner = cls._partitioners.setdefault(comm.size, HashPartitioner(comm.size, cls.SEED))
+        offsets, at = [], 0
+        for job in jobs:
+            offsets.append(at)
+            at += job.tensor.numel()
+        ids = torch.cat([job.state["ids"] + offset for job, offset in zip(jobs, offsets, strict=True)])
+        values = torch.cat([job.state["values"] for job in jobs])
+        received = pushpull.push(comm, ids, values, partitioner.group)
+        with timed_work(first.work, "decode", numel, 1):
+            summed_ids, summed = pushpull.aggregate(received)
         # The format every rank can decide alike: fixed-size selections have a known count.
-        kept = job.state["ids"].numel()
-        if job.compressor.fixed_size and volume.pull_as_bitmap(numel, kept, comm.size, pushpull.INDEX_BYTES):
-            pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), ids, values)
+        fixed = all(job.compressor.fixed_size for job in jobs)
+        if fixed and volume.pull_as_bitmap(numel, ids.numel(), comm.size, pushpull.INDEX_BYTES):
+            pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), summed_ids, summed)
         else:
-            pulled = pushpull.pull_coo(comm, ids, values)
-        with timed_work(job.work, "decode", numel, 1):
-            total = job.tensor.new_zeros(numel)
+            pulled = pushpull.pull_coo(comm, summed_ids, summed)
+        with timed_work(first.work, "decode", numel, 1):
+            total = first.tensor.new_zeros(numel)
             for piece_ids, piece_values in pulled:
                 total[piece_ids] = piece_values.reshape(-1)
-            return job.compressor.combine(total, comm.size)
+        return total
 
 
 SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast, ZenPushPull)}
