@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import tempfile
 from collections import defaultdict
@@ -122,6 +123,22 @@ def main(argv: list[str] | None = None) -> None:
               f"holder; {args.reps} alternating repetitions. Target: Gemini's overhead <= 3% with device time. "
               "All machines share this host's cores, so checkpoint copies and hashing compete with training "
               "compute here, unlike on separate machines.",
+        summary={
+            "Compared": "iteration time with no checkpoint, blocking, unpipelined and Gemini checkpoints every "
+                        "iteration (m = 2 replicas, HMAC-SHA256).",
+            "Emulation": f"{args.nodes} emulated machines, one worker each, {args.bandwidth} NICs, model {args.model}, "
+                         f"{args.device_time:g} s device time per step (the CPU idles as next to a GPU), on this "
+                         f"host's {os.cpu_count()} cores.",
+            "Bound by": f"without checkpoints sync took {spread(syncs['none'])[0] * 1e3:.0f} ms of the "
+                        f"{spread(times['none'])[0] * 1e3:.0f} ms step ({args.device_time * 1e3:.0f} ms of it device "
+                        f"time); Gemini added {(spread(times['gemini'])[0] - spread(times['none'])[0]) * 1e3:.0f} ms "
+                        f"per step, {(spread(syncs['gemini'])[0] - spread(syncs['none'])[0]) * 1e3:.0f} ms of it in "
+                        "sync (medians).",
+            "Repetitions": f"{args.reps}, alternating, {args.steps} steps each (mean over the last {args.steps // 2}).",
+            "Answer": f"Gemini costs {(table[-1][2] - 1):.1%} ({table[-1][3]:.3f}-{table[-1][4]:.3f}x no checkpoint): "
+                      f"the 3% target is {'met' if table[-1][2] <= 1.03 else 'MISSED'}; blocking costs "
+                      f"{table[1][2] - 1:.0%}.",
+        },
         command=f"python -m experiments.gemini_overhead --model {args.model} --nodes {args.nodes} "
                 f"--bandwidth {args.bandwidth} --steps {args.steps} --reps {args.reps} --device-time {args.device_time:g}"
                 + (f" --name {args.name}" if args.name != "gemini_overhead" else ""),
