@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: help setup train test test-slow lint experiments clean
+.PHONY: help setup train test test-slow lint experiments experiments-quick clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -31,8 +31,11 @@ test-slow: setup  ## only the slow tests
 lint: setup  ## ruff
 	$(BIN)/ruff check .
 
-experiments: setup  ## regenerate experiments/results (minutes; see each module's docstring)
-	$(BIN)/python -m experiments.overhead
+experiments: setup  ## regenerate every claim of experiments/README.md, in order (hours, root; QUICK=1: the reduced run)
+	$(BIN)/python -m experiments.harness $(if $(QUICK),--quick)
+
+experiments-quick: setup  ## the same commands with fewer reps/steps/cells, into experiments/results-quick (~30 min)
+	$(BIN)/python -m experiments.harness --quick
 
 clean:  ## remove run outputs and caches (keeps .venv)
 	rm -rf outputs multirun lightning_logs .pytest_cache .ruff_cache

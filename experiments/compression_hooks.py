@@ -141,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         notes=f"{args.workers} gloo workers on this host, {args.steps} steps (first 3 excluded), {args.reps} "
               "alternating repetitions; plain PyTorch loops (Lightning drops comm hooks on CPU)."
               + "".join(f"\n\nFailed: {w} / {v}: {msg}" for (w, v), msg in failures.items()),
+        summary={"Compared": "ddlscale's fp16 and PowerSGD compression paths against PyTorch's DDP comm hooks "
+                             f"(fp16_compress_hook, powerSGD_hook), same model and loop, {args.workloads}.",
+                 "Emulation": f"none: {args.workers} gloo workers over loopback on this host's cores, no device time.",
+                 "Bound by": "not measured.",
+                 "Repetitions": f"{args.reps}, alternating, {args.steps} steps each (first 3 excluded).",
+                 "Answer": "ddlscale / hook, median of paired reps: " + ", ".join(
+                     f"{r[0]} {r[1]} " + ("not measured (the hook failed)" if r[4] != r[4] else f"{r[4]:.3f}")
+                     for r in table) + "."},
         command=f"python -m experiments.compression_hooks --workloads {args.workloads} --workers {args.workers} "
                 f"--steps {args.steps} --reps {args.reps}",
     )

@@ -169,8 +169,16 @@ smallest size — below it the per-call constant dominates, above it the cost gr
 Not measured: ddlscale's fp16 and PowerSGD paths against PyTorch's fp16_compress_hook and
 powerSGD_hook on the same model — that comparison needs the sync=compress backend.
 """
+    speed = sorted((row[-4], row[0]) for row in table if row[0] != "none")
+    summary = {"Compared": f"encode + decode time of {len(table)} compressors at their defaults, tensor sizes "
+                           f"2^{exps[0]} to 2^{exps[-1]}.",
+               "Emulation": f"none: one process, torch intra-op threads {torch.get_num_threads()}.",
+               "Bound by": "not applicable: compute only.",
+               "Repetitions": f"{args.reps}, alternating, each a timed loop of at least {args.budget} s.",
+               "Answer": f"at 2^{exps[-1]} elements, Melem/s: fastest " + ", ".join(f"{n} {v:g}" for v, n in speed[::-1][:3])
+                         + "; slowest " + ", ".join(f"{n} {v:g}" for v, n in speed[:2]) + "."}
     results.write_markdown("Compressor encode + decode cost vs tensor size", header, table, notes=notes,
-                           command="python -m experiments.compressor_speed")
+                           command="python -m experiments.compressor_speed", summary=summary)
 
 
 def plot(rows: list[dict], names: list[str], path: Path) -> None:

@@ -233,6 +233,18 @@ def main(argv: list[str] | None = None) -> None:
               "host's cores in use during the collective; 'start skew' how far apart the ranks entered it (timed from "
               "the last one).\n\nProjection to larger clusters (wire model: real "
               "machines have their own CPUs):\n" + projection_text,
+        summary={"Compared": "measured allreduce, allgather and all-to-all of " + args.sizes_mb.replace(",", ", ")
+                             + " MB against the alpha-beta cost model (the wire alone, and wire + host).",
+                 "Emulation": f"{args.nodes} emulated machines, one rank each, {args.bandwidth} NICs, on this host's "
+                              f"{model.shared_host.cores} cores; no device time.",
+                 "Bound by": "measured per point as the share of the host's cores in use during the collective "
+                             f"(medians {min(float(r[9].rstrip('%')) for r in table):.0f}-"
+                             f"{max(float(r[9].rstrip('%')) for r in table):.0f}%, column 'host CPU busy').",
+                 "Repetitions": f"{args.reps} per point.",
+                 "Answer": f"{misses} of the points >= 4 MB miss 15%; worst error there "
+                           + max((r[8] for r in table if r[11] in ("yes", "NO")), key=lambda e: abs(float(e[:-1])),
+                                 default="none")
+                           + "."},
         command=f"python -m experiments.costmodel_validation --nodes {args.nodes} --sizes-mb {args.sizes_mb} "
                 f"--reps {args.reps} --bandwidth {args.bandwidth}",
     )

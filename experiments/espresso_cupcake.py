@@ -28,6 +28,7 @@ import argparse
 import csv
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -492,9 +493,37 @@ Cupcake faster than layer-wise: judged on cnn; predicted within 15% of measured)
         ["bandwidth", "workload", "compressor", "method", "measured ms (min-max)", "speed-up vs dense",
          "predicted ms", "measured / predicted", f"projected {PROJECT_TO} workers ms",
          f"projected speed-up vs dense at {PROJECT_TO}"],
-        table, notes=notes, command=command)
+        table, notes=notes, command=command, summary=header(args, runs, targets, probes, bandwidths, workloads))
     plot(summary_rows, bandwidths, workloads, compressors, results.figure_path(), plt)
     print(f"wrote {results.dir}")
+
+
+def header(args: argparse.Namespace, runs: dict, targets: list[dict], probes: dict, bandwidths: list[str],
+           workloads: list[str]) -> dict[str, str]:
+    """results.md's opening lines; 'bound by' from the dense runs: the wait for communication after backward
+    (sync_ms) against the rest of the step."""
+    bound = []
+    for bw, workload in itertools.product(bandwidths, workloads):
+        dense = runs[(bw, workload, None, "dense")]
+        step, sync = (statistics.median(float(r[k]) for r in dense) for k in ("step_ms", "sync_ms"))
+        bound.append(f"{bw} {workload} {sync:.0f} of {step:.0f} ms ({'network' if sync > step - sync else 'host CPU'})")
+    n = len(targets)
+    return {
+        "Compared": "step period of dense (DDP's buckets), layer-wise compression, Cupcake's fused groups and "
+                    f"Espresso's plans with {args.compressors} on {args.workloads}; each planner's predicted step "
+                    "beside the measured one.",
+        "Emulation": f"{args.nodes} emulated machines, one worker each, {args.bandwidths} NICs (the host sustained "
+                     + ", ".join(f"{p['fraction']:.0%} of {bw}" for bw, p in probes.items())
+                     + f"), on this host's {os.cpu_count()} cores; no device time.",
+        "Bound by": "measured on the dense runs, the wait for communication after backward against the rest of the "
+                    "step (runs.csv `sync_ms`, `step_ms`): " + "; ".join(bound) + ".",
+        "Repetitions": f"{args.reps}, alternating, {args.steps} steps each.",
+        "Answer": f"Espresso within noise of the best method in {sum(t['espresso ok'] for t in targets)} of {n} "
+                  f"cases; Cupcake faster than layer-wise in {sum(t['cupcake / layer-wise'] < 1 for t in targets)} "
+                  f"of {n}; predictions within 15%: Espresso "
+                  f"{sum(abs(t['pred err espresso']) <= 0.15 for t in targets)} of {n}, Cupcake "
+                  f"{sum(abs(t['pred err cupcake']) <= 0.15 for t in targets)} of {n}.",
+    }
 
 
 def plot(rows: list[dict[str, Any]], bandwidths: list[str], workloads: list[str], compressors: list[str],

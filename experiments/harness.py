@@ -3,7 +3,17 @@
 BENCHMARKS.md's rules live here: methods are compared side by side in one invocation, alternating
 (and rotating which goes first) so drift on a shared machine hits all alike; results are medians
 with min/max; each experiment writes a CSV, a PNG and a markdown table under
-``experiments/results/<name>/`` stating the machine it ran on.
+``experiments/results/<name>/`` stating the machine it ran on and how long the run took.
+``$DDLSCALE_RESULTS_DIR`` moves that root elsewhere (``make experiments-quick`` writes its reduced
+runs to ``experiments/results-quick`` so they never overwrite the real ones).
+
+Run as a module, it regenerates every claim of ``experiments/README.md``: the table's commands in
+order, each once, after printing how long each took when last run::
+
+    python -m experiments.harness [--quick] [--dry-run]
+
+``--quick`` runs each command with fewer repetitions, steps and cells (``QUICK`` below) into
+``experiments/results-quick``; ``--dry-run`` only prints the commands and the time estimate.
 """
 
 from __future__ import annotations
@@ -12,6 +22,8 @@ import csv
 import json
 import os
 import platform
+import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -22,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "experiments" / "results"
+RESULTS = Path(os.environ.get("DDLSCALE_RESULTS_DIR") or ROOT / "experiments" / "results")
+KEPT = "## Earlier runs kept here"  # a results.md section that a re-run carries over (see write_markdown)
 
 
 def machine() -> dict[str, Any]:
@@ -91,17 +104,28 @@ class Results:
         return path
 
     def write_markdown(self, title: str, header: Sequence[str], table: list[Sequence[Any]],
-                       notes: str = "", command: str = "") -> Path:
+                       notes: str = "", command: str = "", summary: dict[str, str] | None = None) -> Path:
+        """results.md: title, command, the ``summary`` header (what is compared, the emulation, what bound
+        the run, repetitions, the answer: ``header_lines``), the table, the machine and the run's duration,
+        then ``notes``. A section headed ``KEPT`` in the old file (runs made by other commands, kept
+        beside this one) is carried over to the end."""
         lines = [f"# {title}", ""]
         if command:
             lines += [f"Regenerate: `{command}`", ""]
+        if summary:
+            lines += [*header_lines(summary), ""]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in table]
         info = machine()
-        lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)]
+        took = (time.perf_counter() - self.started) / 60
+        lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
+                  + f"; the run took {took:.1f} min"]
         if notes:
             lines += ["", notes.strip()]
         path = self.dir / "results.md"
+        old = path.read_text() if path.exists() else ""
+        if KEPT in old:
+            lines += ["", old[old.index(KEPT):].strip()]
         path.write_text("\n".join(lines) + "\n")
         return path
 
@@ -109,7 +133,139 @@ class Results:
         return self.dir / filename
 
 
+SUMMARY_KEYS = ("Compared", "Emulation", "Bound by", "Repetitions", "Answer")
+
+
+def header_lines(summary: dict[str, str]) -> list[str]:
+    """The header every results.md opens with, one bold-labelled line per key of ``SUMMARY_KEYS``."""
+    missing = [k for k in SUMMARY_KEYS if not summary.get(k)]
+    if missing:
+        raise ValueError(f"results header without {missing}")
+    return [f"- **{key}:** {summary[key]}" for key in SUMMARY_KEYS]
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+# ---- `python -m experiments.harness`: every claim's command, in experiments/README.md's order ----
+
+README = ROOT / "experiments" / "README.md"
+QUICK_RESULTS = ROOT / "experiments" / "results-quick"
+# The reduced run: per module, the flags that cut repetitions, steps and cells (each module's own flags).
+QUICK: dict[str, dict[str, str]] = {
+    "overhead": {"--reps": "2", "--steps": "20"},
+    "sparse_allreduce": {"--nodes": "2", "--bandwidths": "1gbit", "--densities": "0.01", "--reps": "2",
+                         "--sweep": "0"},
+    "zen_speed": {"--nodes": "4", "--bandwidths": "1gbit", "--models": "lstm", "--reps": "1", "--steps": "6",
+                  "--syncs": "dense,sparcml,zen"},
+    "zen_volume": {"--workers": "2,4", "--densities": "0.01"},
+    "zen_projection": {"--models": "lstm", "--workers": "16"},
+    "native_kernels": {"--sizes": "1,1e3,1e5", "--reps": "2"},
+    "costmodel_validation": {"--nodes": "2,4", "--sizes-mb": "1,4", "--reps": "2"},
+    "compression_hooks": {"--workloads": "cnn", "--steps": "10", "--reps": "1"},
+    "compression_accuracy": {"--workloads": "cnn", "--compressors": "topk,fp16", "--steps": "30"},
+    "compression_schemes": {"--workloads": "lstm", "--reps": "1", "--measure": "5", "--clusters": "8x1"},
+    "espresso_cupcake": {"--bandwidths": "1gbit", "--workloads": "lstm", "--compressors": "dgc", "--reps": "1"},
+    "espresso_planning": {"--counts": "50,100", "--seeds": "2", "--reps": "1"},
+    "planned_convergence": {"--workloads": "cnn", "--compressors": "dgc", "--steps": "40", "--seeds": "0"},
+    "gemini_overhead": {"--steps": "30", "--reps": "1"},
+    "gemini_recovery": {"--steps": "60", "--failures": "1", "--reps": "1"},
+    "dcp_async": {"--mib": "64", "--reps": "2"},
+}
+# How long a folder's run took where its results.md predates the recorded duration and no runs.csv has
+# per-run wall times: minutes and where the figure comes from.
+RECORDED = {"gemini_recovery": (33.0, "its Reading: 11:24-11:57"),
+            "planned_convergence": (20.0, "README's estimate"),
+            "compression_schemes": (120.0, "README's estimate with --reps 4")}
+
+
+def claimed_commands(readme: Path = README) -> list[tuple[str, str]]:
+    """(folder, command) of every claims-table row, first appearance order, each command once."""
+    lines = readme.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| claim |"))
+    header = [c.strip() for c in lines[start].strip("|").split("|")]
+    out: dict[str, str] = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        row = dict(zip(header, (c.strip().strip("`") for c in line.strip().strip("|").split("|")), strict=True))
+        out.setdefault(row["command"], row["folder"])
+    return [(folder, command) for command, folder in out.items()]
+
+
+def quick(command: str) -> str:
+    """``command`` with its module's QUICK flags in place of (or after) its own."""
+    words = shlex.split(command)
+    module = words[2].removeprefix("experiments.")
+    for flag, value in QUICK.get(module, {}).items():
+        if flag in words:
+            words[words.index(flag) + 1] = value
+        else:
+            words += [flag, value]
+    return shlex.join(words)
+
+
+def took_minutes(folder: str) -> tuple[float | None, str]:
+    """How long the folder's last run took, and the source of the figure (None: unknown)."""
+    path = RESULTS / folder
+    text = (path / "results.md").read_text() if (path / "results.md").exists() else ""
+    recorded = re.search(r"^Machine: .*the run took ([\d.]+) min", text, re.M)
+    if recorded:
+        return float(recorded.group(1)), "results.md"
+    if (path / "runs.csv").exists():
+        with (path / "runs.csv").open() as f:
+            rows = list(csv.DictReader(f))
+        if rows and "wall_s" in rows[0]:
+            return sum(float(r["wall_s"]) for r in rows) / 60, "runs.csv wall_s"
+    if folder in RECORDED:
+        return RECORDED[folder]
+    return None, "not recorded"
+
+
+def run_all(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Regenerate every claim of experiments/README.md, in order.")
+    parser.add_argument("--quick", action="store_true", help=f"reduced runs, written to {QUICK_RESULTS}")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands and the time estimate only")
+    args = parser.parse_args(argv)
+    commands = claimed_commands()
+    known, unknown = 0.0, []
+    print(f"{len(commands)} commands (from {README.relative_to(ROOT)}); the last full run of each took:")
+    for folder, _ in commands:
+        minutes, source = took_minutes(folder)
+        if minutes is None:
+            unknown.append(folder)
+        else:
+            known += minutes
+        print(f"  {folder:22s} {'unknown' if minutes is None else f'{minutes:5.0f} min'}  ({source})")
+    print(f"Full run: at least {known / 60:.1f} h, plus {len(unknown)} experiments whose time is not recorded "
+          f"({', '.join(unknown)}). The emulated-cluster ones need root.")
+    env = dict(os.environ)
+    if args.quick:
+        env["DDLSCALE_RESULTS_DIR"] = str(QUICK_RESULTS)
+        print(f"--quick: reduced runs into {QUICK_RESULTS} (the committed results are left alone); about 30 "
+              "min on 2 cores, not timed")
+    failed = []
+    for done, (folder, command) in enumerate(commands, start=1):
+        line = quick(command) if args.quick else command
+        print(f"[{done}/{len(commands)}] {line}", flush=True)
+        if args.dry_run:
+            continue
+        words = shlex.split(line)
+        started = time.perf_counter()
+        result = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=env)
+        print(f"[{done}/{len(commands)}] {folder}: exit {result.returncode} after "
+              f"{(time.perf_counter() - started) / 60:.1f} min", flush=True)
+        if result.returncode:
+            failed.append(folder)
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_all())

@@ -165,6 +165,15 @@ def main(argv: list[str] | None = None) -> None:
               f">= {WIN}) there and above, used for native.NATIVE_FROM (None = never): {thresholds}. "
               f"1-minute load average at start / end: {load_start:.1f} / {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} cores (other jobs share this machine; single repetitions can be far off).",
+        summary={"Compared": "Zen's C++ kernels (" + ", ".join(chosen) + ") against their pure-PyTorch references, "
+                             "outputs checked bit-identical.",
+                 "Emulation": f"none: one process, torch intra-op threads {torch.get_num_threads()}, "
+                              f"{args.servers} servers, rows of {args.width} fp32 values.",
+                 "Bound by": "not applicable: compute only, no communication.",
+                 "Repetitions": f"{args.reps}, alternating, ratios paired per repetition.",
+                 "Answer": "native / reference speed-up, medians per op and size: "
+                           f"{min(s['speedup'] for s in summary.values()):.2f}x to "
+                           f"{max(s['speedup'] for s in summary.values()):.2f}x; native used from: {thresholds}."},
         command=f"python -m experiments.native_kernels --sizes {args.sizes} --servers {args.servers} "
                 f"--reps {args.reps} --width {args.width}",
     )

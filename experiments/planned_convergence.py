@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         mean = statistics.fmean(values)
         return f"{mean:.4g}" if len(values) == 1 else f"{mean:.4g} ({min(values):.4g} to {max(values):.4g})"
 
-    table = []
+    table, in_spread = [], []
     for workload, method, compressor in cases:
         name = compressor or "none"
         losses = [final(s, workload, method, name) for s in seeds]
@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> None:
             to_layerwise = [final(s, workload, method, name) - final(s, workload, "layerwise", name) for s in seeds]
             plans = [r["plan"] for r in rows if (r["workload"], r["method"], r["compressor"]) == (workload, method, name)]
             row[5:] = [summary(to_layerwise), f"{sum(g < 0 for g in to_layerwise)}/{len(seeds)}", " / ".join(plans)]
+            layerwise = [final(s, workload, "layerwise", name) for s in seeds]
+            if max(layerwise) > min(layerwise):  # the mean gap as a share of layer-wise's own spread over seeds
+                in_spread.append(statistics.fmean(to_layerwise) / (max(layerwise) - min(layerwise)))
         table.append(row)
     results.write_markdown(
         "Convergence under Cupcake and Espresso plans vs the same compressor layer-wise",
@@ -115,6 +118,15 @@ def main(argv: list[str] | None = None) -> None:
               + f". Planners told {args.bandwidth} (profile 3 dense steps first; Espresso without its "
                 "trial, so the model's plan runs). The dense and layer-wise rows' own spread over seeds says how "
                 "far apart two runs land without any change of method.",
+        summary={"Compared": "final loss under Cupcake and Espresso plans against the same compressor layer-wise "
+                             f"and dense: {args.compressors} on {args.workloads}.",
+                 "Emulation": f"2 workers on this host; the planners are told {args.bandwidth}. Losses only, no timing.",
+                 "Bound by": "not measured: losses, not time.",
+                 "Repetitions": f"{len(seeds)} seed(s) per case, gaps paired by seed.",
+                 "Answer": ("mean gap to layer-wise over layer-wise's own spread over seeds: "
+                            f"{statistics.median(in_spread):+.2f} ({min(in_spread):+.2f} to {max(in_spread):+.2f}); "
+                            + ("every plan within that spread." if max(in_spread) < 1 else "NOT every plan within it.")
+                            if in_spread else "one seed: no spread over seeds to compare the gaps with.")},
         command=f"python -m experiments.planned_convergence --workloads {args.workloads} --compressors "
                 f"{args.compressors} --steps {args.steps} --bandwidth {args.bandwidth} --seeds {','.join(map(str, seeds))}")
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -301,6 +302,10 @@ def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespac
             targets.append([f"Zen (COO pull) at {table_rows} rows / at {args.rows}, same non-zero rows, "
                             f"~{groups[small][0]['density']:.0%}", "<= 1.2", f"{ratio:.2f}",
                             "met" if ratio <= 1.2 else "MISSED"])
+    by_bandwidth: dict[str, list[float]] = {}
+    for key, runs in groups.items():
+        if key[2] == args.rows:
+            by_bandwidth.setdefault(key[1], []).append(statistics.median(r["sync_s"] for r in runs) / wire_of[key])
     results.write_markdown(
         f"Sparse allreduce of an embedding gradient ({args.rows} x {args.width}, Zipf {ZIPF}): "
         "PyTorch's call beside every sync, emulated machines",
@@ -318,6 +323,20 @@ def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespac
               "every method (sync / wire well above 1 for all), so times follow bytes.\n\n"
               "## Targets (issue 26)\n\n| claim | target | measured (medians) | |\n|---|---|---|---|\n"
               + "\n".join("| " + " | ".join(t) + " |" for t in targets),
+        summary={"Compared": f"`torch.distributed.all_reduce` on a {args.rows} x {args.width} embedding's sparse "
+                             "gradient beside " + ", ".join(m for m in args.methods.split(",") if m != "torch")
+                             + ", both routings" + (f"; and a table {args.sweep}x larger at the same non-zero rows"
+                                                    if args.sweep else "") + ".",
+                 "Emulation": f"{args.nodes} emulated machines, one rank each, {args.bandwidths} NICs, on this "
+                              f"host's {os.cpu_count()} cores; no device time.",
+                 "Bound by": "measured as sync time over the busiest NIC's wire time, medians per cell and method: "
+                             + "; ".join(f"at {bw} {statistics.median(ws):.2f} ({min(ws):.2f}-{max(ws):.2f})"
+                                         for bw, ws in by_bandwidth.items())
+                             + " (1 is the network's limit; above it the host's CPU adds).",
+                 "Repetitions": f"{args.reps} timed after {WARMUP} untimed, the methods taking turns step by step.",
+                 "Answer": f"{sum(t[3] == 'met' for t in targets)} of {len(targets)} targets met; missed: "
+                           + ("; ".join(f"{t[0]} ({t[2]}, target {t[1]})" for t in targets if t[3] != "met") or "none")
+                           + "."},
         command=f"python -m experiments.sparse_allreduce --nodes {args.nodes} --bandwidths {args.bandwidths} "
                 f"--densities {args.densities} --rows {args.rows} --width {args.width} --reps {args.reps} "
                 f"--sweep {args.sweep}" + (f" --name {args.name}" if args.name != "sparse_allreduce" else ""),

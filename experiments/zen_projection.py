@@ -160,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
         notes=f"Model: alpha {args.latency}, {args.bandwidth} NICs, one worker per machine; each scheme's bytes "
               "are computed from the real non-zero index sets of one training step (the first n of "
               f"{max(counts)} workers). Paper's ordering: {PAPER_ORDER}.",
+        summary={"Compared": "the cost model's communication time per step of " + ", ".join(SCHEMES) + ".",
+                 "Emulation": f"none: a model of {args.workers} machines, one worker each, {args.bandwidth} NICs, "
+                              f"{args.latency} latency, fed the real index sets of one step of {args.models}.",
+                 "Bound by": "not measured: a model, nothing is timed.",
+                 "Repetitions": "one step's gradients per model (not timed).",
+                 "Answer": "best baseline / Zen per model and size: " + "; ".join(
+                     f"{row[0]} at {row[1]}: {row[-2]}" for row in table) + "."},
         command=f"python -m experiments.zen_projection --models {args.models} --workers {args.workers} "
                 f"--bandwidth {args.bandwidth} --latency {args.latency}",
     )

@@ -169,6 +169,18 @@ def main(argv: list[str] | None = None) -> None:
               "this host's 2 cores, so compute and encode/decode run ~4x slower than on 8 real machines.\n\n"
               "## Targets (issue 26)\n\n| claim | target | measured (median steps) | |\n|---|---|---|---|\n"
               + "\n".join(targets),
+        summary={"Compared": "training steps of " + args.models.replace(",", " and ") + " under " + ", ".join(labels)
+                             + ", each sparse sync routing on the same network model.",
+                 "Emulation": f"{args.nodes} emulated machines, one worker each, {args.bandwidths} NICs, on this "
+                              "host's shared cores; no device time.",
+                 "Bound by": "dense's communication wait against the rest of its step, medians: " + "; ".join(
+                     f"{bw} {m} {median((bw, m, 'dense'), 'comm_time_s') * 1e3:.0f} against "
+                     f"{(median((bw, m, 'dense'), 'step_time_s') - median((bw, m, 'dense'), 'sync_time_s')) * 1e3:.0f} ms"
+                     for bw, m in cells) + ".",
+                 "Repetitions": f"{args.reps}, alternating, {args.steps} steps each (first excluded).",
+                 "Answer": "Zen's step against the best other's: " + "; ".join(
+                     t.split(" | ")[0].removeprefix("| Zen's step faster than dense and every baseline, ") + " "
+                     + t.split(" | ")[2] for t in targets) + "."},
         command=f"python -m experiments.zen_speed --nodes {args.nodes} --bandwidths {args.bandwidths} "
                 f"--models {args.models} --routes {args.routes} --reps {args.reps} --steps {args.steps} "
                 f"--syncs {args.syncs}"

@@ -12,8 +12,8 @@ Usage::
     python -m ddlscale.tools.sparsity model=lstm workers=8 [steps=3] [seed=0] [out=DIR] [model.key=value ...]
 
 It writes ``results.csv``, ``results.md`` and ``results.png`` into ``out`` (default
-``outputs/sparsity/<model>``; the figures in ``experiments/results/sparsity/`` were made with
-``out=experiments/results/sparsity/<model>``).
+``outputs/sparsity/<model>``). It is a tool, not an experiment: nothing of it is committed under
+``experiments/results`` (the lstm and deepfm profiles made on 2026-11-30 are in git history).
 
 Decisions the papers leave open, and why:
 
