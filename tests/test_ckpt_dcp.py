@@ -1,5 +1,6 @@
-"""The persistent tier in DCP format: loadable by torch.distributed.checkpoint alone, read back by
-ddlscale without unpickling, written asynchronously; resuming at another world size."""
+"""The persistent tier in DCP format: loadable by torch.distributed.checkpoint alone (Gemini's drained
+versions too), read back by ddlscale without unpickling, written asynchronously; resuming at another
+world size."""
 
 import pickle
 
@@ -12,10 +13,14 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddlscale.ckpt import DiskCheckpointer, load_version, read_manifest
+from ddlscale.ckpt.checksum import checksum
 from ddlscale.ckpt.data import DataPosition, consumed_samples, position_loader_at_sample
 from ddlscale.ckpt.dcp import DcpVersion, DcpWriter
-from ddlscale.ckpt.manifest import list_manifests, write_manifest
-from ddlscale.ckpt.state import SYNC_STATE_KEY
+from ddlscale.ckpt.drain import persist_committed
+from ddlscale.ckpt.manifest import Manifest, ShardRecord, list_manifests, write_manifest
+from ddlscale.ckpt.rng import capture_rng
+from ddlscale.ckpt.snapshot import to_bytes
+from ddlscale.ckpt.state import PAYLOAD_FORMAT, RANK_STATE_KEY, SYNC_STATE_KEY
 from ddlscale.compress.memory import ResidualMemory
 from ddlscale.sync.compress.regroup import load_summed_share
 
@@ -76,8 +81,6 @@ def test_ddlscale_reads_a_version_without_unpickling(tmp_path, monkeypatch):
     poison = pickle.dumps(type("P", (), {"__reduce__": lambda self: (open, (str(marker), "w"))})())
     meta = manifest.parent / record.files[-1].file
     meta.write_bytes(poison)
-    from ddlscale.ckpt.checksum import checksum
-
     dcp_record = {**record.dcp, "metadata": {"file": record.files[-1].file, "bytes": len(poison),
                                              "checksum": checksum(poison)}}
     write_manifest(manifest.parent, type(record)(**{**record.__dict__, "dcp": dcp_record}))
@@ -211,3 +214,64 @@ def test_train_resumes_at_another_world_size(saved, resumed, tmp_path):
         total = sum(s["memory"]["residuals"][name].double() for s in sync_states if name in s["memory"]["residuals"])
         assert torch.allclose(sum(m.residual(name).double() for m in memories), total, rtol=0, atol=1e-6)
 
+
+
+# -- Gemini's drain writes the same format ---------------------------------------------------------------
+def _replica(rank, world, step, model, optimizer):
+    """Rank ``rank``'s in-memory version as Gemini sends it: the whole state (the rank-shared part on every
+    rank), one snapshot stream."""
+    generator = torch.Generator().manual_seed(rank)
+    local = {"rank": rank, "world_size": world, "global_step": step, "rng": capture_rng(),
+             "data": DataPosition(0, step, 10, step * 8 * world).to_dict(),
+             "sync": {"memory": {"residuals": {"g0": torch.randn(5, generator=generator)}}}}
+    shared = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": step}
+    return {"format": PAYLOAD_FORMAT, "local": local, "shared": shared}
+
+
+def test_a_drained_gemini_version_loads_with_torch_distributed_checkpoint_alone(job, agent, tmp_path):
+    step, world = 5, 2
+    model = Regression()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.net(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    payloads = [_replica(r, world, step, model, optimizer) for r in range(world)]
+    shards = []
+    with job.client(agent) as client:
+        for rank, payload in enumerate(payloads):
+            data = to_bytes(payload)
+            mac = checksum(data, "hmac-sha256", job.auth.replica)
+            client.begin(step, rank, len(data))
+            for offset in range(0, len(data), 1 << 16):
+                client.data(step, rank, offset, [memoryview(data)[offset:offset + (1 << 16)]])
+            client.end(step, rank, mac)
+            shards.append(ShardRecord(rank, f"memory:rank{rank}", len(data), mac))
+    job.store.publish(Manifest(step=step, world_size=world, shards=tuple(shards), epoch=0, batch=step, tier="memory",
+                               placement={"incarnation": job.incarnation, "machines": 1,
+                                          "holders": {str(r): [0] for r in range(world)}}))
+    job.decide(step, "committed")
+
+    written = persist_committed(job.store, tmp_path / "checkpoints")
+    record = read_manifest(written)
+    assert (record.step, record.world_size, record.layout) == (step, world, "dcp")
+    version_dir = written.parent / record.shards[0].file.split("/")[0]
+    assert sorted(p.name for p in version_dir.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # DCP's stock reader, nothing of ddlscale: the model, the optimizer, and rank 1's own error feedback.
+    fresh = Regression()
+    state = {"model": fresh.state_dict(),
+             "optimizer": {"0": {"state": {i: {k: torch.zeros_like(v) for k, v in s.items()}
+                                           for i, s in optimizer.state_dict()["state"].items()}}},
+             "rank1": {"sync": {"memory": {"residuals": {"g0": torch.zeros(5)}}}}}
+    dcp.load(state, checkpoint_id=str(version_dir))
+    assert all(torch.equal(state["model"][k], v) for k, v in model.state_dict().items())
+    saved = optimizer.state_dict()["state"]
+    assert all(torch.equal(state["optimizer"]["0"]["state"][i][k], v) for i in saved for k, v in saved[i].items())
+    assert torch.equal(state["rank1"]["sync"]["memory"]["residuals"]["g0"],
+                       payloads[1]["local"]["sync"]["memory"]["residuals"]["g0"])
+    # ddlscale resumes from it as from any persistent version, each rank with its own local state.
+    for rank in range(world):
+        loaded = load_version(written, rank=rank)
+        assert all(torch.equal(loaded["state_dict"][k], v) for k, v in model.state_dict().items())
+        assert loaded[RANK_STATE_KEY]["rank"] == rank and loaded[RANK_STATE_KEY]["data"] == payloads[rank]["local"]["data"]
+        assert torch.equal(loaded[SYNC_STATE_KEY]["ranks"][rank]["memory"]["residuals"]["g0"],
+                           payloads[rank]["local"]["sync"]["memory"]["residuals"]["g0"])
+    assert persist_committed(job.store, tmp_path / "checkpoints") is None  # nothing newer than what is there

@@ -110,4 +110,4 @@ def test_running_the_same_command_again_resumes_from_the_newest_committed_versio
     assert "ckpt=gemini: resuming from step 15" in again.stdout
     summary = _summary(run)
     assert summary["ckpt_resumed_step"] == 15 and summary["ckpt_recovery_sources"] == ["persistent", "persistent"]
-    assert_continues(straight, run, 15)
+    assert_continues(straight, run, 15, restarted_in_place=True)  # one metrics.csv across both commands

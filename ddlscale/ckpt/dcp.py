@@ -1,7 +1,8 @@
 """The persistent tier in torch.distributed.checkpoint (DCP) format: written by DCP, read without unpickling.
 
 A version is one DCP checkpoint directory, written by DCP's stock ``FileSystemWriter`` through
-``dcp.async_save`` (or ``dcp.save``), plus ddlscale's commit record beside it (:mod:`~ddlscale.ckpt.manifest`,
+``dcp.async_save`` (or ``dcp.save``; a Gemini launch's last in-memory version, drained when the launch
+ends, through :func:`save_ranks`), plus ddlscale's commit record beside it (:mod:`~ddlscale.ckpt.manifest`,
 ``layout: dcp``)::
 
     step_000000012.manifest.json          the commit record: per-file sha256, the item index
@@ -57,6 +58,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -180,6 +182,45 @@ class PacedFileSystem(FileSystem):
             yield _PacedStream(stream, self.bandwidth_bps) if "w" in mode else stream
 
 
+def file_system_writer(path: Path, bandwidth_bps: float | None = None) -> dcp.FileSystemWriter:
+    """DCP's stock writer as every version is written: one file per rank (the reader's shard records),
+    fsynced, never over an existing version; paced to ``bandwidth_bps`` when given."""
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+    if bandwidth_bps:
+        writer.fs = PacedFileSystem(bandwidth_bps)
+    return writer
+
+
+def save_ranks(path: Path, ranks: list[dict[str, torch.Tensor]]) -> Any:
+    """What ``dcp.save`` writes when ``len(ranks)`` processes each save their state dict, written by one
+    process; DCP's ``Metadata``, as ``dcp.save`` returns it.
+
+    For a launcher that holds every rank's state once the ranks are gone (:mod:`~ddlscale.ckpt.drain`).
+    DCP's save is collective: each rank plans its items, the coordinator merges the plans, each rank
+    writes its file, the coordinator writes ``.metadata``. ``dcp.save(no_dist=True)`` would write all
+    ranks' items as one rank's file, which is not a version of ``len(ranks)`` ranks (one data file per
+    rank is what :func:`commit` records and the reader, resharding included, reads). So each step runs
+    here for every rank in turn, through DCP's own planner and writer, in the order the collectives
+    would run them.
+    """
+    planners = [DefaultSavePlanner() for _ in ranks]
+    writers = [file_system_writer(path) for _ in ranks]
+    plans = []
+    for rank, (items, planner, writer) in enumerate(zip(ranks, planners, writers, strict=True)):
+        planner.set_up_planner(state_dict=items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+    plans, metadata = planners[0].create_global_plan(plans)
+    plans = writers[0].prepare_global_plan(plans)
+    results = []
+    for plan, planner, writer in zip(plans, planners, writers, strict=True):
+        written = writer.write_data(planner.finish_plan(plan), planner)
+        written.wait()
+        results.append(written.value())
+    writers[0].finish(metadata=metadata, results=results)
+    return metadata
+
+
 def _file_rank(name: str) -> int:
     match = _DATA_FILE.fullmatch(name)
     if match is None:
@@ -215,6 +256,17 @@ def commit(directory: Path, version_dir: str, step: int, world_size: int, positi
                              "index": index})
     write_manifest(directory, manifest)
     return manifest
+
+
+def write_version(directory: Path, version_dir: str, step: int, payloads: list[dict[str, Any]],
+                  position: DataPosition) -> Manifest:
+    """Version ``step`` of ``len(payloads)`` ranks (payload r: rank r's, the rank-shared state in rank 0's
+    alone), written and committed by one process (:func:`save_ranks`): the files the ranks' own
+    :class:`DcpWriter` would have written."""
+    directory = Path(directory)
+    items = [state_items(payload, rank, live=None) for rank, payload in enumerate(payloads)]
+    metadata = save_ranks(directory / version_dir, items)
+    return commit(directory, version_dir, step, len(payloads), position, metadata)
 
 
 def _record(root: Path, file: str, rank: int) -> ShardRecord:
@@ -255,12 +307,6 @@ class DcpWriter:
         self._pending: Future | None = None
         self.item_bytes: list[int] = []  # this rank's bytes per version
 
-    def _writer(self, path: Path) -> dcp.FileSystemWriter:
-        writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-        if self.bandwidth_bps:
-            writer.fs = PacedFileSystem(self.bandwidth_bps)
-        return writer
-
     def save(self, step: int, version_dir: str, payload: dict[str, Any], live: set[int] | None,
              position: DataPosition) -> None:
         """Start writing version ``step`` (every rank, same step); returns once the state may change
@@ -269,7 +315,8 @@ class DcpWriter:
         items = state_items(payload, self.rank, live)
         self.item_bytes.append(sum(t.numel() * t.element_size() for t in items.values()))
         path = self.directory / version_dir
-        kwargs = {"storage_writer": self._writer(path), "process_group": self.process_group, "no_dist": self.no_dist}
+        kwargs = {"storage_writer": file_system_writer(path, self.bandwidth_bps), "process_group": self.process_group,
+                  "no_dist": self.no_dist}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
             if not self.asynchronous:

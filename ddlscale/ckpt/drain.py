@@ -2,10 +2,13 @@
 
 The agents die with the launch that started them (``cluster=local``, ``cluster=emulated``), and with
 them the in-memory versions. So on the way out the launcher reads the committed manifest, fetches every
-rank's replica from a live holder, checks its MAC, and writes the version as an ordinary persistent
-version (shards plus a manifest, sha256, atomic: :mod:`ddlscale.ckpt.manifest`). Running the same
-command again in the same run directory then resumes from it instead of from step 0 — after a normal
-end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is SIGKILLed.
+rank's replica from a live holder, checks its MAC, parses it (a snapshot stream: JSON and raw tensors,
+nothing unpickled) and writes the version as the persistent tier writes its own: a
+torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
+(:mod:`ddlscale.ckpt.dcp`), so it loads with DCP's tools alone and resumes at any world size. Running
+the same command again in the same run directory then resumes from it instead of from step 0 — after
+a normal end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is
+SIGKILLed.
 
     python -m ddlscale.ckpt.drain --store HOST:PORT --job JOB --dir RUN/checkpoints   # $DDLSCALE_SECRET_FILE
 """
@@ -19,11 +22,13 @@ from pathlib import Path
 
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.auth import JobKeys
-from ddlscale.ckpt.checksum import checksum, matches
+from ddlscale.ckpt.checksum import matches
+from ddlscale.ckpt.data import DataPosition
+from ddlscale.ckpt.dcp import write_version
 from ddlscale.ckpt.disk import DiskCheckpointer
-from ddlscale.ckpt.manifest import Manifest, ShardRecord, list_manifests, step_of, write_manifest
+from ddlscale.ckpt.manifest import Manifest, ShardRecord, list_manifests, step_of
 from ddlscale.ckpt.replica import AgentClient, ReplicaError
-from ddlscale.ckpt.storage import write_atomic
+from ddlscale.ckpt.state import decode
 
 KEEP = 2  # persistent versions kept, as the persistent tier keeps them
 
@@ -39,9 +44,7 @@ def persist_committed(store: kvstore.JobStore, directory: Path) -> Path | None:
         return None
     incarnation = int(store.get(store.keys.incarnation, 0))
     alive = store.get(store.keys.alive, list(range(manifest.placement["machines"])))
-    shard_dir = f"step_{manifest.step:09d}.{uuid.uuid4().hex[:8]}"
-    (directory / shard_dir).mkdir(parents=True, exist_ok=True)
-    records = []
+    payloads = []
     for rank in range(manifest.world_size):
         record = manifest.shard(rank)
         holders = sorted(manifest.placement["holders"][str(rank)], key=lambda h: h not in alive)
@@ -50,13 +53,15 @@ def persist_committed(store: kvstore.JobStore, directory: Path) -> Path | None:
             warnings.warn(f"gemini: rank {rank} has no intact replica of step {manifest.step}: not persisted",
                           stacklevel=2)
             return None
-        file = f"{shard_dir}/rank_{rank:05d}.ckpt"
-        write_atomic(directory / file, data)
-        records.append(ShardRecord(rank, file, len(data), checksum(data, "sha256")))
-    written = write_manifest(directory, Manifest(step=manifest.step, world_size=manifest.world_size,
-                                                 shards=tuple(records), epoch=manifest.epoch, batch=manifest.batch))
+        payload = decode(data, where=f"replica of rank {rank} of step {manifest.step}")
+        if rank != manifest.shared_rank:
+            payload["shared"] = None  # every replica carries the rank-shared state: the version keeps one copy
+        payloads.append(payload)
+    position = DataPosition.from_dict(payloads[manifest.shared_rank]["local"]["data"])
+    version_dir = f"step_{manifest.step:09d}.{uuid.uuid4().hex[:8]}"
+    written = write_version(directory, version_dir, manifest.step, payloads, position)
     DiskCheckpointer(dir=str(directory), keep=KEEP).prune()
-    return written
+    return directory / written.name
 
 
 def announce(written: Path | None) -> None:

@@ -17,9 +17,10 @@ the old one.
 The same record (with ``tier`` and ``placement`` set) describes a version held in peers' memory.
 
 ``layout`` says how a version's files hold the state: ``snapshot`` (one snapshot stream per rank, as
-above; Gemini's drain writes these) or ``dcp`` (a torch.distributed.checkpoint directory, see
-:mod:`ddlscale.ckpt.dcp`): there ``shards`` are the ranks' DCP data files, and ``dcp`` holds DCP's own
-``.metadata`` file's record and the item index ddlscale reads instead of that (pickled) file.
+above: versions written before the persistent tier and Gemini's drain moved to DCP, still read) or
+``dcp`` (a torch.distributed.checkpoint directory, see :mod:`ddlscale.ckpt.dcp`): there ``shards`` are
+the ranks' DCP data files, and ``dcp`` holds DCP's own ``.metadata`` file's record and the item index
+ddlscale reads instead of that (pickled) file.
 """
 
 from __future__ import annotations
