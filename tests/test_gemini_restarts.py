@@ -82,7 +82,7 @@ def test_the_readme_torchrun_recipe_restarts_after_a_kill(tmp_path):
     _torchrun_recipe(run, tmp_path, kill_after=10)
     summary = _summary(run)
     assert summary["ckpt_recovery_sources"] == ["local", "local"] and summary["ckpt_resumed_step"] >= 8
-    assert_continues(straight, run, summary["ckpt_resumed_step"])
+    assert_continues(straight, run, summary["ckpt_resumed_step"], restarted_in_place=True)
 
 
 def test_cluster_local_with_max_restarts_recovers_from_the_agents(straight, tmp_path):
@@ -96,7 +96,7 @@ def test_cluster_local_with_max_restarts_recovers_from_the_agents(straight, tmp_
     assert launcher.returncode == 0, output[-4000:]
     summary = _summary(run)
     assert summary["ckpt_recovery_sources"] == ["local", "local"] and summary["ckpt_resumed_step"] >= 8
-    assert_continues(straight, run, summary["ckpt_resumed_step"])
+    assert_continues(straight, run, summary["ckpt_resumed_step"], restarted_in_place=True)
     lines = (run / PROGRESS_FILE).read_text().splitlines()
     assert [line.split()[0] for line in lines if line.startswith(("start", "resumed"))] == ["start", "resumed"]
     assert [line.split()[0] for line in lines].count("launched") == 2  # the restarted worker's launch, timed
