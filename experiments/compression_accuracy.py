@@ -129,6 +129,17 @@ def main(argv: list[str] | None = None) -> None:
               "experiments/compression_accuracy.py). "
               "'vs dense': final loss / dense's (seed 0); within 5% means at most 1.05. How far dense lands from "
               "itself with another seed: " + "; ".join(spreads) + ".",
+        summary={"Compared": "final training loss of " + ", ".join(compressors) + " (each at its default error "
+                             "feedback and settings) against dense, on " + " and ".join(workloads) + ".",
+                 "Emulation": "2 workers on this host's cores, no network shaping and no device time: a loss "
+                              "figure, not a timing.",
+                 "Bound by": "not measured (nothing here is timed).",
+                 "Repetitions": f"one run per compressor (seed 0); dense also on seeds {args.dense_seeds} "
+                                "for the spread a gap is weighed against.",
+                 "Answer": f"{sum(r[6] == 'yes' and r[1] != 'dense' for r in table)} of {len(table) - len(workloads)} compressor runs "
+                           "within 5% of dense's final loss; not: "
+                           + (", ".join(f"{r[1]} on {r[0]} ({r[5]:.2f}x)" for r in table
+                                        if r[6] == "NO") or "none") + "."},
         command=f"python -m experiments.compression_accuracy --workloads {args.workloads} "
                 f"--compressors {args.compressors} --steps {args.steps} --memories {args.memories} "
                 f"--dense-seeds {args.dense_seeds}" + (f" --name {args.name}" if args.name != "compression_accuracy" else ""),
