@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                                                        f"{row['step_ms']:.1f} ms, sync {row['sync_ms']:.1f} ms "
                                                        f"(run {row['wall_s']:.0f} s)")
     results.write_csv([*earlier_rows, *rows], "runs.csv")
-    table, summary_rows, lines, zen_lines = [], [], [], []
+    table, summary_rows, lines, zen_lines, answers = [], [], [], [], []
     for cluster in clusters:
         for workload in workloads_of[cluster]:
             present = [m for m in methods[cluster] if runs[(cluster, workload, m)]]  # a method may have failed
@@ -219,12 +219,17 @@ def main(argv: list[str] | None = None) -> None:
                               record["step_speedup_vs_dense"], record["per_rep_step_ms"], plans])
             if {"zen", "allgather"} <= set(present):
                 ratio = stats["allgather"]["sync_ms"][0] / stats["zen"]["sync_ms"][0]
+                answers.append(f"{cluster} {workload}: zen's sync {ratio:.2f}x allgather's"
+                               + (f" (target 1.5x: {'met' if ratio >= 1.5 else 'MISSED'})" if cluster == "8x1" else ""))
                 zen_lines.append(f"| {cluster} | {workload} | {stats['allgather']['sync_ms'][0]:.1f} | "
                                  f"{stats['zen']['sync_ms'][0]:.1f} | {ratio:.2f}x | {('met' if ratio >= 1.5 else 'MISSED') if cluster == '8x1' else '(8x1 only)'} | "
                                  f"{stats['allgather']['step_ms'][0] / stats['zen']['step_ms'][0]:.2f}x |")
             if cluster == "4x2" and {"espresso search", "espresso trial", "cupcake", "allgather", "dense"} <= set(present):
                 best = min((m for m in UNIFORM if m in stats), key=lambda m: stats[m]["step_ms"][0])
                 search = stats["espresso search"]["step_ms"][0]
+                answers.append(f"{cluster} {workload}: Espresso's search {search / stats[best]['step_ms'][0]:.3f}x the "
+                               f"best uniform plan's step ({best}; target at most 1: "
+                               f"{'met' if search <= stats[best]['step_ms'][0] else 'MISSED'})")
                 lines.append(f"| {workload} | {best} {stats[best]['step_ms'][0]:.1f} | {search:.1f} | "
                              f"{search / stats[best]['step_ms'][0]:.3f} | "
                              f"{'met' if search <= stats[best]['step_ms'][0] else 'MISSED'} | "
@@ -235,7 +240,11 @@ def main(argv: list[str] | None = None) -> None:
         results.write_csv(failures, "failures.csv")
     cpu = "; ".join(f"{c} {w}: dense sync {statistics.median(r['sync_ms'] for r in runs[(c, w, 'dense')]):.1f} ms of "
                     f"a {statistics.median(r['step_ms'] for r in runs[(c, w, 'dense')]):.1f} ms step"
-                    for c in clusters for w in workloads_of[c] if "dense" in methods[c])
+                    for c in clusters for w in workloads_of[c] if runs[(c, w, "dense")])
+    bound = "; ".join(f"{c} {w}: {wait:.0f} ms against {rest:.0f} ms, {'network' if wait > rest else 'host CPU'}"
+                      for c in clusters for w in workloads_of[c] if (dense_runs := runs[(c, w, "dense")])
+                      for wait, rest in [(statistics.median(r["comm_ms"] for r in dense_runs),
+                                          statistics.median(r["step_ms"] - r["comm_ms"] for r in dense_runs))])
     notes = f"""
 {args.compressor} ratio {args.ratio} with its default error feedback ({rows[-1]['memory']}), {args.bandwidth} per
 emulated machine; `8x1`: 8 machines x 1 worker, `4x2`: 4 machines x 2 workers (hierarchical: dense inside a machine,
@@ -267,7 +276,16 @@ met when the search's median is at most the best uniform plan's):
         f"Compressed sync on the emulated cluster: schemes, uniform plans, Cupcake and Espresso ({args.compressor} "
         f"{args.ratio}, {args.bandwidth})",
         ["cluster", "workload", "method", "step period ms (min-max)", "sync ms (min-max)", "step speed-up vs dense",
-         "step period per rep", "plans kept (per rep)"], table, notes=notes, command=command)
+         "step period per rep", "plans kept (per rep)"], table, notes=notes, command=command,
+        summary={"Compared": f"{args.compressor} {args.ratio} synchronized through each aggregation scheme, every "
+                             "uniform plan, Cupcake and Espresso (search alone and with its trial), beside dense "
+                             "allreduce, on " + "; ".join(f"{c}: {', '.join(workloads_of[c])}" for c in clusters) + ".",
+                 "Emulation": "; ".join(f"{c}: {CLUSTERS[c][0]} emulated machines x {CLUSTERS[c][1]} worker(s)"
+                                        for c in clusters) + f", {args.bandwidth} NICs, on this host's 2 shared "
+                              "cores; no device time.",
+                 "Bound by": "dense's communication wait against the rest of its step (medians): " + bound + ".",
+                 "Repetitions": f"{args.reps}, alternating, the last {args.measure} steps of each run measured.",
+                 "Answer": "; ".join(answers) + "."})
     plot(summary_rows, clusters, workloads_of, methods, results.figure_path(), plt)
     print(f"wrote {results.dir}")
 
