@@ -29,7 +29,11 @@
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
 
-The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again.
+The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again. A run
+resumed at another world size (:meth:`PlannedSync.load_resharded`) profiles and plans again: the plan
+was made for the cluster it profiled. The error-feedback residuals and compressor state it merged
+from the saved ranks wait, laid out per tensor, through the dense steps and go into the groups that
+follow them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from ddlscale.plan.profile import (
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.compress import Plan, TensorPlan
 from ddlscale.sync.compress.backend import CompressSync
+from ddlscale.sync.compress.regroup import GroupLayout, regroup
 from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.dense import DenseAllreduce
 
@@ -152,6 +157,7 @@ class PlannedSync(CompressSync):
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
+        self._dense_buckets = False  # whether the buckets are profiling's (set as they are assigned)
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -193,9 +199,21 @@ class PlannedSync(CompressSync):
         super().on_setup()
 
     def _assign(self, order: list[int]) -> list[list[int]]:
+        self._dense_buckets = self.profiling
         if self.profiling:
             return DenseAllreduce._assign(self, order)  # DDP's buckets while measuring
         return super()._assign(order)
+
+    def _layouts(self) -> dict[str, GroupLayout]:
+        # Dense buckets neither use nor name error feedback or compressor state: what state there is
+        # while they run (carried in by a resharded resume) is kept per tensor, and regrouped from
+        # there into the groups that follow (calibration's, a plan's) when they are built.
+        if self._dense_buckets:
+            return self._per_tensor_layouts()
+        return super()._layouts()
+
+    def _per_tensor_layouts(self) -> dict[str, GroupLayout]:
+        return {name: GroupLayout(((name, p.numel()),)) for name, p in zip(self.names, self.params, strict=True)}
 
     def _launch_full_buckets(self) -> None:
         if self.profiling:
@@ -535,9 +553,26 @@ class PlannedSync(CompressSync):
         super().load_state_dict(state)
 
     def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
-        # The plan is kept (the saved residuals are laid out by its groups); a re-plan may follow as usual.
-        self._load_plan(states[0])
+        """Restore from the states of a run of ``len(states)`` ranks: the saved plan is not loaded
+        (made from a profile of other ranks, another network, perhaps other machines), so this run
+        warms up, profiles (and calibrates, trials) again at its own size and plans for it.
+
+        The merged residuals and compressor state (total kept) are carried, not flushed into the first
+        dense step: compressor state such as momenta cannot be sent and must be carried into the new
+        plan's groups anyway, and residuals ride along the same way — error feedback stays exact however
+        many steps they wait. Their saved groups' layout is split per tensor here; :meth:`_layouts`
+        keeps it so through the dense steps. A saved hierarchical group's state (this rank's chunk of
+        its machine's sum) has no total to share out and is refused."""
         super().load_resharded(states, rank, world_size)
+        self._restored_groups = None  # the saved groups are the old plan's; the state is re-laid out below
+        saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
+                                                                           for i in group))
+                 for group in states[0]["groups"]}
+        regroup(self._group_states(), saved, self._per_tensor_layouts())
+        chunked = sorted({key for state in self._group_states() for key in state if key.endswith("@machine")})
+        if chunked:  # chunks of another machine layout, summed position by position: not a total
+            raise ValueError(f"sync={self.system}: the saved state of hierarchical groups ({', '.join(chunked)}) "
+                             f"cannot be resharded; resume at {len(states)} workers")
 
     def _load_plan(self, state: dict[str, Any]) -> None:
         trial = state.get("trial")

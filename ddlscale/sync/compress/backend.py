@@ -134,9 +134,12 @@ class CompressSync(DenseAllreduce):
         super().on_setup()
         self._flights: list[_Flight | None] = [None] * len(self.buckets)
         self._choices = [self.plan.for_group([self.names[i] for i in b.members]) for b in self.buckets]
+        regroup(self._group_states(), before, self._layouts(), lambda flat: self.intra.allreduce(flat).wait())
+
+    def _group_states(self) -> list[dict[str, torch.Tensor]]:
+        """The per-group state of the memory and the compressors, each owner once."""
         owners = {id(o): o for o in [self.memory, *self.compressors.values()]}.values()
-        regroup([state for owner in owners for state in owner.group_states()], before, self._layouts(),
-                lambda flat: self.intra.allreduce(flat).wait())
+        return [state for owner in owners for state in owner.group_states()]
 
     def _hierarchical(self, b: int) -> bool:
         return self._choices[b].hierarchical and self.intra is not None
