@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
+from ddlscale.sync.compress import CompressSync
 from ddlscale.sync.compress.regroup import _unchunk
 from ddlscale.sync.cupcake import CupcakeSync
 
@@ -117,18 +118,26 @@ def test_a_resharded_planned_sync_plans_again_and_loses_no_error_feedback(saved,
                                        msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _hierarchical_saved(rank, world):
-    sync, _ = _sync()
+def _compress_sync():
+    params = [(name, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))) for name, shape in SHAPES.items()]
+    sync = CompressSync(TopK(ratio=0.1), comm="allgather", memory="residual")
+    sync.setup(params)
+    return sync, params
+
+
+def _hierarchical_saved(rank, world, make):
+    sync, _ = make()
     state = sync.state_dict()
     # Two saved ranks' chunks of a hierarchical group: equal shapes, different positions in the buffer.
     chunked = [{**state, "memory": {"residuals": {"b@machine": torch.full((51,), float(r))}}} for r in range(2)]
     try:
-        _sync()[0].load_resharded(chunked, rank, world)
+        make()[0].load_resharded(chunked, rank, world)
     except ValueError as exc:
         return str(exc)
     return None
 
 
-def test_a_hierarchical_groups_chunks_are_refused_not_summed():
-    (said,) = run_workers(_hierarchical_saved, 1)
+@pytest.mark.parametrize("make", [_sync, _compress_sync], ids=["cupcake", "compress"])
+def test_a_hierarchical_groups_chunks_are_refused_not_summed(make):
+    (said,) = run_workers(_hierarchical_saved, 1, make)
     assert said is not None and "b@machine" in said and "resume at 2 workers" in said

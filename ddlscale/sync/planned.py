@@ -561,18 +561,13 @@ class PlannedSync(CompressSync):
         dense step: compressor state such as momenta cannot be sent and must be carried into the new
         plan's groups anyway, and residuals ride along the same way — error feedback stays exact however
         many steps they wait. Their saved groups' layout is split per tensor here; :meth:`_layouts`
-        keeps it so through the dense steps. A saved hierarchical group's state (this rank's chunk of
-        its machine's sum) has no total to share out and is refused."""
+        keeps it so through the dense steps. (A saved hierarchical group's state is refused by the base.)"""
         super().load_resharded(states, rank, world_size)
         self._restored_groups = None  # the saved groups are the old plan's; the state is re-laid out below
         saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
                                                                            for i in group))
                  for group in states[0]["groups"]}
         regroup(self._group_states(), saved, self._per_tensor_layouts())
-        chunked = sorted({key for state in self._group_states() for key in state if key.endswith("@machine")})
-        if chunked:  # chunks of another machine layout, summed position by position: not a total
-            raise ValueError(f"sync={self.system}: the saved state of hierarchical groups ({', '.join(chunked)}) "
-                             f"cannot be resharded; resume at {len(states)} workers")
 
     def _load_plan(self, state: dict[str, Any]) -> None:
         trial = state.get("trial")

@@ -321,6 +321,11 @@ class CompressSync(DenseAllreduce):
         load_summed_share(self.memory, [s["memory"] for s in states], world_size)
         for k, c in self.compressors.items():
             load_summed_share(c, [s["compressors"][k] for s in states], world_size)
+        chunked = sorted({key for state in self._group_states() for key in state if key.endswith("@machine")})
+        if chunked:  # each rank's chunk of its machine's sum: summed position by position it is no total
+            raise ValueError(f"the saved error feedback of hierarchical groups ({', '.join(chunked)}) cannot be "
+                             f"resharded; resume at {len(states)} workers, or save from a run with "
+                             "sync.hierarchical=false")
         self._restored_groups = (self.plan, [list(g) for g in states[0]["groups"]])
         super().load_resharded(states, rank, world_size)
 
