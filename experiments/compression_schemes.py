@@ -181,18 +181,20 @@ def main(argv: list[str] | None = None) -> None:
                     try:
                         summary = train([f"model={workload}", *overrides_of(method, cluster, args)], timeout=1800,
                                         run_dir=run_dir)
-                    except RuntimeError as error:  # reported, not fatal: one broken method must not void the rest
+                        row = {"cluster": cluster, "workload": workload, "method": method, "rep": rep,
+                               **measured(run_dir, args.measure), "memory": summary.get("memory"),
+                               "final_loss": summary["final_loss"], "wall_s": round(time.perf_counter() - started, 1),
+                               "plan_kept": "", "plan_fusion": "", "plan_options": "", "predicted_ms": ""}
+                        if method in PLANNED:
+                            row.update(plan_of(run_dir))
+                    except Exception as error:  # reported, not fatal: one broken method must not void the rest
                         failures.append({"cluster": cluster, "workload": workload, "method": method, "rep": rep,
-                                         "error": str(error)[-800:]})
-                        results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: FAILED")
+                                         "error": f"{type(error).__name__}: {error}"[-800:]})
+                        results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: "
+                                                                           f"FAILED ({type(error).__name__})")
                         continue
-                    row = {"cluster": cluster, "workload": workload, "method": method, "rep": rep,
-                           **measured(run_dir, args.measure), "memory": summary.get("memory"),
-                           "final_loss": summary["final_loss"], "wall_s": round(time.perf_counter() - started, 1),
-                           "plan_kept": "", "plan_fusion": "", "plan_options": "", "predicted_ms": ""}
-                    if method in PLANNED:
-                        row.update(plan_of(run_dir))
                     rows.append(row)
+                    results.write_csv([*earlier_rows, *rows], "runs.csv")  # so far: an interrupted run keeps its rows
                     runs[(cluster, workload, method)].append(row)
                     results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: step "
                                                        f"{row['step_ms']:.1f} ms, sync {row['sync_ms']:.1f} ms "

@@ -141,11 +141,19 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
     return out
 
 
-def per_step(run_dir: Path) -> list[dict[str, float]]:
-    """Rank 0's logged figures, one dict per optimizer step, in order."""
+def per_step(run_dir: Path) -> list[dict[str, float | str]]:
+    """Rank 0's logged figures, one dict per optimizer step, in order (numbers as floats; text such as
+    a planned sync's ``sync_phase`` as it was logged)."""
     with (run_dir / "metrics.csv").open() as f:
         rows = [r for r in csv.DictReader(f) if r.get("step_time_s")]
-    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+    return [{k: _figure(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+
+
+def _figure(text: str) -> float | str:
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def window_median(steps: list[dict[str, float]], key: str, first: int) -> float:
