@@ -1,7 +1,7 @@
 """Compressed sync on the emulated cluster: the aggregation schemes side by side, and what Espresso's search is worth.
 
     python -m experiments.compression_schemes [--workloads lstm,gpt] [--compressor topk] [--ratio 0.01]
-        [--bandwidth 1gbit] [--reps 4] [--measure 15] [--flat-methods dense,allgather,zen]
+        [--bandwidth 1gbit] [--reps 4] [--measure 15] [--flat-methods dense,allgather,zen] [--workloads-4x2 lstm]
 
 One compressor (top-k 1% by default, with its default error feedback: residual), one table, two clusters:
 
@@ -127,13 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flat-methods", default="dense,allgather,zen", help="the 8x1 cluster's methods")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
     parser.add_argument("--name", default="compression_schemes", help="results folder under experiments/results")
+    parser.add_argument("--workloads-4x2", default="", help="the 4x2 cluster's workloads, where they differ from "
+                        "--workloads (its 13 methods take ~55 min per workload at --reps 4)")
     parser.add_argument("--runs-from", default="", help="a results folder whose runs.csv gives the clusters not "
                         "run now (same workloads and flags): one table from runs made in two sittings")
     args = parser.parse_args(argv)
     workloads, clusters = args.workloads.split(","), args.clusters.split(",")
     methods = {"8x1": tuple(args.flat_methods.split(",")), "4x2": (*UNIFORM, *PLANNED)}
     earlier_rows, earlier_probes = earlier_runs(args.runs_from, clusters)
-    workloads_of = {c: workloads for c in clusters}
+    workloads_of = {c: args.workloads_4x2.split(",") if c == "4x2" and args.workloads_4x2 else workloads
+                    for c in clusters}
 
     import matplotlib
 
@@ -144,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     command = (f"python -m experiments.compression_schemes --workloads {args.workloads} --compressor {args.compressor} "
                f"--ratio {args.ratio} --bandwidth {args.bandwidth} --reps {args.reps} --measure {args.measure} "
                f"--clusters {args.clusters} --flat-methods {args.flat_methods}"
+               + (f" --workloads-4x2 {args.workloads_4x2}" if args.workloads_4x2 else "")
                + (f" --overrides '{args.overrides}'" if args.overrides else "")
                + (f" --name {args.name}" if args.name != "compression_schemes" else "")
                + (f" --runs-from {args.runs_from}" if args.runs_from else ""))
@@ -171,10 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     run_now = args.clusters.split(",")
     rows: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
-    total = sum(len(workloads) * args.reps * len(methods[c]) for c in run_now)
+    total = sum(len(workloads_of[c]) * args.reps * len(methods[c]) for c in run_now)
     with tempfile.TemporaryDirectory(prefix="ddlscale-cs-") as scratch:
         for cluster in run_now:
-            for workload in workloads:
+            for workload in workloads_of[cluster]:
                 for rep, method in alternating(methods[cluster], args.reps):
                     run_dir = Path(scratch) / f"{cluster}-{workload}-{method.replace(' ', '_').replace('/', '-')}-{rep}"
                     started = time.perf_counter()
