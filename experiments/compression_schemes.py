@@ -110,7 +110,7 @@ def earlier_runs(name: str, clusters: list[str]) -> tuple[list[dict[str, Any]], 
     for row in rows:
         row["rep"] = int(row["rep"])
         for key in ("step_ms", "sync_ms", "comm_ms", "bytes_sent", "final_loss", "wall_s"):
-            row[key] = float(row[key])
+            row[key] = float(row[key]) if row[key] != "" else float("nan")  # a null figure is written empty
     probes = json.loads((folder / "config.json").read_text())["probe"]
     return rows, probes
 
@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
                     results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: step "
                                                        f"{row['step_ms']:.1f} ms, sync {row['sync_ms']:.1f} ms "
                                                        f"(run {row['wall_s']:.0f} s)")
+    if failures:  # first: whatever follows, the failures are on disk
+        results.write_csv(failures, "failures.csv")
+    if not rows and not earlier_rows:
+        raise SystemExit(f"every run failed: {results.dir / 'failures.csv'}")
     results.write_csv([*earlier_rows, *rows], "runs.csv")
     table, summary_rows, lines, zen_lines, answers = [], [], [], [], []
     for cluster in clusters:
@@ -242,8 +246,6 @@ def main(argv: list[str] | None = None) -> None:
                              f"{stats['espresso trial']['step_ms'][0]:.1f} | {stats['cupcake']['step_ms'][0]:.1f} | "
                              f"{stats['allgather']['step_ms'][0]:.1f} | {dense['step_ms'][0]:.1f} |")
     results.write_csv(summary_rows)
-    if failures:
-        results.write_csv(failures, "failures.csv")
     cpu = "; ".join(f"{c} {w}: dense sync {statistics.median(r['sync_ms'] for r in runs[(c, w, 'dense')]):.1f} ms of "
                     f"a {statistics.median(r['step_ms'] for r in runs[(c, w, 'dense')]):.1f} ms step"
                     for c in clusters for w in workloads_of[c] if runs[(c, w, "dense")])
@@ -252,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
                       for wait, rest in [(statistics.median(r["comm_ms"] for r in dense_runs),
                                           statistics.median(r["step_ms"] - r["comm_ms"] for r in dense_runs))])
     notes = f"""
-{args.compressor} ratio {args.ratio} with its default error feedback ({rows[-1]['memory']}), {args.bandwidth} per
+{args.compressor} ratio {args.ratio} with its default error feedback ({[*earlier_rows, *rows][-1]['memory']}), {args.bandwidth} per
 emulated machine; `8x1`: 8 machines x 1 worker, `4x2`: 4 machines x 2 workers (hierarchical: dense inside a machine,
 compressed across). Per (cluster, workload) the methods alternate over {args.reps} repetitions; each run's
 figures are rank 0's medians over its last {args.measure} steps (after {WARMUP} warm-up steps, and the planners'

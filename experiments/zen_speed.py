@@ -252,7 +252,7 @@ def cause(args: argparse.Namespace) -> None:
     lines += ["| " + " | ".join(f"{c:.4g}" if isinstance(c, float) else str(c) for c in row) + " |" for row in table]
     lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine().items() if v is not None)]
     lines += ["", f"Medians over {args.reps} alternating repetitions of {args.steps} steps (first excluded), "
-              "route=auto, the grid's cluster; 'ms in flight': from a collective's issue to its completion, "
+              "route=auto, the grid's cluster; 'collectives/step': the busiest rank's; per op: rank 0's; 'ms in flight': from a collective's issue to its completion, "
               "summed over the step's collectives of that op (overlapping ones each count whole)."]
     (results.dir / "cause.md").write_text("\n".join(lines) + "\n")
     print(f"wrote {results.dir / 'cause.md'}")

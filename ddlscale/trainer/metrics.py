@@ -2,7 +2,8 @@
 
 The callback times each optimizer step (all its micro-batches), reads the sync backend's byte and
 time figures and the collectives it issued (how many of each op, how long in flight), logs them per
-step, and at the end reduces them over ranks into the summary every experiment reads. Medians skip the first step, which pays one-off costs (order learning, warm-up).
+step, and at the end reduces them over ranks into the summary every experiment reads (the per-op
+figures are rank 0's). Medians skip the first step, which pays one-off costs (order learning, warm-up).
 
 ``step_loss`` is the loss of an optimizer step on rank 0 as Lightning trains on it: the sum of its
 micro-batches' losses, each divided by the accumulation count (their mean) — the objective whose

@@ -119,9 +119,9 @@ class Scheme:
 
     @classmethod
     def finish_together(cls, jobs: list[Job]) -> None:
-        """Called once per step, before any :meth:`finish`, with every job of this scheme in group
-        order (the same on every rank of a communicator): a scheme whose exchanges are blocking may
-        complete them for all its groups at once here. Nothing by default."""
+        """Called once per step, before any :meth:`finish`, with this rank's jobs of this scheme in
+        group order (each communicator's jobs the same on all its ranks): a scheme whose exchanges
+        are blocking may complete them for all its groups at once here. Nothing by default."""
 
     @staticmethod
     def second_stage(job: Job, total: torch.Tensor, name: str, segments: list[Segment] | None,
@@ -307,8 +307,11 @@ class ZenPushPull(Scheme):
     element (the thesis's two halves: compression makes gradients sparse, Zen syncs sparse ones).
     The sum is exact, so this rank's share is what it sent and error feedback loses nothing.
 
-    Blocking exchanges, so the whole exchange runs in :meth:`finish` (after backward), in the order
-    every rank finishes its groups; compression runs in :meth:`start`, as the other schemes do."""
+    Blocking exchanges, so they run after backward: in :meth:`finish_together`, one push and one
+    pull for all of a communicator's zen groups (a group alone, or past int32 indices, in its own
+    :meth:`finish`); compression runs in :meth:`start`, as the other schemes do. The cost model
+    (:mod:`ddlscale.plan.cost`) still prices zen's two rounds per group, so it overprices layer-wise
+    zen against what runs."""
 
     name = "zen"
     SEED = 0x5EED  # a constant every rank shares: no agreement round needed
@@ -336,7 +339,8 @@ class ZenPushPull(Scheme):
     def finish(self, job: Job) -> torch.Tensor:
         if "total" in job.state:  # summed with the other groups in finish_together
             return job.state.pop("total")
-        total = self._push_pull([job], job.tensor.numel())
+        total, decode_s = self._push_pull([job], job.tensor.numel())
+        _charge_decode(job, decode_s, 1.0)
         return job.compressor.combine(total, job.comm.size)
 
     @classmethod
@@ -351,21 +355,26 @@ class ZenPushPull(Scheme):
             batches.setdefault((id(job.comm), job.tensor.dtype), []).append(job)
         for batch in batches.values():
             numel = sum(job.tensor.numel() for job in batch)
-            if len(batch) < 2 or numel >= 2**31:
-                continue  # alone, or past int32 indices: each group in its own finish
+            if len(batch) < 2 or numel == 0 or numel >= 2**31:
+                continue  # alone, empty, or past int32 indices: each group in its own finish
             started = time.perf_counter()
-            total = cls._push_pull(batch, numel)
+            total, decode_s = cls._push_pull(batch, numel)
             elapsed, at = time.perf_counter() - started, 0
             for job in batch:
                 n = job.tensor.numel()
                 job.state["total"] = job.compressor.combine(total[at: at + n], job.comm.size)
-                if job.work is not None:  # each group's part of the joint exchange, by its size
+                # Each group's part of the joint exchange and its decode, by its size (the planners'
+                # calibration reads per-group work; a joint figure would be one sample at the whole
+                # model's size).
+                _charge_decode(job, decode_s, n / numel)
+                if job.work is not None:
                     job.work.seconds["finish"] += elapsed * n / numel
                 at += n
 
     @classmethod
-    def _push_pull(cls, jobs: list[Job], numel: int) -> torch.Tensor:
-        """The summed selections of ``jobs`` (one communicator, one dtype), laid end to end."""
+    def _push_pull(cls, jobs: list[Job], numel: int) -> tuple[torch.Tensor, float]:
+        """The summed selections of ``jobs`` (one communicator, one dtype), laid end to end, and the
+        seconds spent decoding (summing at the owner, scattering the pulled sums)."""
         comm, first = jobs[0].comm, jobs[0]
         partitioner = cls._partitioners.setdefault(comm.size, HashPartitioner(comm.size, cls.SEED))
         offsets, at = [], 0
@@ -375,19 +384,28 @@ class ZenPushPull(Scheme):
         ids = torch.cat([job.state["ids"] + offset for job, offset in zip(jobs, offsets, strict=True)])
         values = torch.cat([job.state["values"] for job in jobs])
         received = pushpull.push(comm, ids, values, partitioner.group)
-        with timed_work(first.work, "decode", numel, 1):
-            summed_ids, summed = pushpull.aggregate(received)
+        started = time.perf_counter()
+        summed_ids, summed = pushpull.aggregate(received)
+        decode_s = time.perf_counter() - started
         # The format every rank can decide alike: fixed-size selections have a known count.
         fixed = all(job.compressor.fixed_size for job in jobs)
         if fixed and volume.pull_as_bitmap(numel, ids.numel(), comm.size, pushpull.INDEX_BYTES):
             pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), summed_ids, summed)
         else:
             pulled = pushpull.pull_coo(comm, summed_ids, summed)
-        with timed_work(first.work, "decode", numel, 1):
-            total = first.tensor.new_zeros(numel)
-            for piece_ids, piece_values in pulled:
-                total[piece_ids] = piece_values.reshape(-1)
-        return total
+        started = time.perf_counter()
+        total = first.tensor.new_zeros(numel)
+        for piece_ids, piece_values in pulled:
+            total[piece_ids] = piece_values.reshape(-1)
+        return total, decode_s + time.perf_counter() - started
+
+
+def _charge_decode(job: Job, seconds: float, share: float) -> None:
+    """Add ``share`` of a zen exchange's decode to ``job``'s work: its seconds, and two calls (the
+    owner's sum, the scatter) on the job's elements, as the fits count them."""
+    if job.work is not None:
+        job.work.seconds["decode"] += seconds * share
+        job.work.calls["decode"] += [(job.tensor.numel(), 1)] * 2
 
 
 SCHEMES: dict[str, type[Scheme]] = {s.name: s for s in (Allreduce, Allgather, AllToAll, GatherBroadcast, ZenPushPull)}
