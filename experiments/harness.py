@@ -104,7 +104,8 @@ class Results:
         return path
 
     def write_markdown(self, title: str, header: Sequence[str], table: list[Sequence[Any]],
-                       notes: str = "", command: str = "", summary: dict[str, str] | None = None) -> Path:
+                       notes: str = "", command: str = "", summary: dict[str, str] | None = None,
+                       filename: str = "results.md") -> Path:
         """results.md: title, command, the ``summary`` header (what is compared, the emulation, what bound
         the run, repetitions, the answer: ``header_lines``), the table, the machine and the run's duration,
         then ``notes``. A section headed ``KEPT`` in the old file (runs made by other commands, kept
@@ -122,7 +123,7 @@ class Results:
                   + f"; the run took {took:.1f} min"]
         if notes:
             lines += ["", notes.strip()]
-        path = self.dir / "results.md"
+        path = self.dir / filename
         old = path.read_text() if path.exists() else ""
         if KEPT in old:
             lines += ["", old[old.index(KEPT):].strip()]

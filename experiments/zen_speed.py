@@ -27,7 +27,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from experiments.harness import Results, alternating, machine, spread, train
+from experiments.harness import Results, alternating, spread, train
 
 SYNCS = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
 ROUTES = ("auto", "sparse")
@@ -244,17 +244,16 @@ def cause(args: argparse.Namespace) -> None:
             table.append([bandwidth, model, sync, med("step_time_s") * 1e3, med("sync_time_s") * 1e3,
                           med("comm_time_s") * 1e3, (med("encode_time_s") + med("decode_time_s")) * 1e3,
                           med("bytes_sent_per_step") / 2**20, med("collectives_per_step"), breakdown])
-    lines = ["# Zen against the fastest other sparse method: the collectives per step", "",
-             f"Regenerate: `python -m experiments.zen_speed --cause --nodes {args.nodes} --reps {args.reps} "
-             f"--steps {args.steps}` (after the grid: it reads the grid's results.csv for each cell's fastest other)",
-             "", "| NIC | model | sync | step ms | sync ms | comm ms | encode+decode ms | MiB sent/step | "
-             "collectives/step | per op: count, ms in flight per step (rank 0) |", "|" + "---|" * 10]
-    lines += ["| " + " | ".join(f"{c:.4g}" if isinstance(c, float) else str(c) for c in row) + " |" for row in table]
-    lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in machine().items() if v is not None)]
-    lines += ["", f"Medians over {args.reps} alternating repetitions of {args.steps} steps (first excluded), "
-              "route=auto, the grid's cluster; 'collectives/step': the busiest rank's; per op: rank 0's; 'ms in flight': from a collective's issue to its completion, "
-              "summed over the step's collectives of that op (overlapping ones each count whole)."]
-    (results.dir / "cause.md").write_text("\n".join(lines) + "\n")
+    results.write_markdown(
+        "Zen against the fastest other sparse method: the collectives per step",
+        ["NIC", "model", "sync", "step ms", "sync ms", "comm ms", "encode+decode ms", "MiB sent/step",
+         "collectives/step", "per op: count, ms in flight per step (rank 0)"], table,
+        notes=f"Medians over {args.reps} alternating repetitions of {args.steps} steps (first excluded), route=auto, "
+              "the grid's cluster; 'collectives/step': the busiest rank's; per op: rank 0's; 'ms in flight': from "
+              "a collective's issue to its completion, summed over the step's collectives of that op (overlapping "
+              "ones each count whole).",
+        command=f"python -m experiments.zen_speed --cause --nodes {args.nodes} --reps {args.reps} --steps {args.steps}",
+        filename="cause.md")
     print(f"wrote {results.dir / 'cause.md'}")
 
 
