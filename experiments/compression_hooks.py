@@ -1,6 +1,7 @@
 """ddlscale's fp16 and PowerSGD paths vs PyTorch's own DDP comm hooks, on the same model, side by side.
 
     python -m experiments.compression_hooks [--workloads cnn,lstm] [--workers 2] [--steps 30] [--reps 3]
+                                            [--powersgd-bucket-mb 25]
 
 Each variant trains the same workload for the same steps on the same data in a plain PyTorch loop
 over gloo (Lightning drops DDP comm hooks on CPU, so both sides run outside it):
@@ -11,6 +12,12 @@ over gloo (Lightning drops DDP comm hooks on CPU, so both sides run outside it):
   from the third step, its earliest);
 - ``ddlscale powersgd``: ``CompressSync(PowerSGD(rank=1), comm=allreduce, memory=residual,
   fusion=bucket)``: DDP's buckets, each tensor its own matrix, a bucket's factors in shared allreduces.
+
+Both PowerSGD variants use buckets of ``--powersgd-bucket-mb`` (default DDP's 25). torch's
+``powerSGD_hook`` over gloo aborts the process when DDP holds more than one such bucket (gpt at
+25 MB: "Received data size doesn't match expected size", 1536 vs 1408 bytes: two buckets' hook
+collectives interleave differently on the two ranks); with one bucket it runs, so the claims'
+command sets it large for both sides alike.
 
 Reported: median step time per variant and the ratio ddlscale / torch per rep (target <= 1).
 """
@@ -31,7 +38,8 @@ from experiments.harness import Results, alternating, spread
 VARIANTS = ("torch fp16", "ddlscale fp16", "torch powersgd", "ddlscale powersgd")
 
 
-def _train(rank: int, world: int, workload: str, variant: str, steps: int) -> list[float]:
+def _train(rank: int, world: int, workload: str, variant: str, steps: int, powersgd_bucket_mb: float = 25.0
+           ) -> list[float]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
@@ -47,7 +55,8 @@ def _train(rank: int, world: int, workload: str, variant: str, steps: int) -> li
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     step_model, sync = _Loss(model), None
     if variant.startswith("torch"):
-        step_model = DistributedDataParallel(step_model)
+        step_model = DistributedDataParallel(
+            step_model, bucket_cap_mb=powersgd_bucket_mb if variant == "torch powersgd" else 25.0)
         if variant == "torch fp16":
             step_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         else:
@@ -58,7 +67,8 @@ def _train(rank: int, world: int, workload: str, variant: str, steps: int) -> li
         if variant == "ddlscale fp16":
             sync = CompressSync(FP16(), comm="allreduce", memory="none", fusion="bucket")
         else:
-            sync = CompressSync(PowerSGD(rank=1), comm="allreduce", memory="residual", fusion="bucket")
+            sync = CompressSync(PowerSGD(rank=1), comm="allreduce", memory="residual", fusion="bucket",
+                                bucket_mb=powersgd_bucket_mb)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for _, p in named:
             dist.broadcast(p.data, 0)
@@ -89,9 +99,9 @@ class _Loss(torch.nn.Module):
         return self.workload.loss(batch)
 
 
-def _step_time(workers: int, workload: str, variant: str, steps: int) -> float:
+def _step_time(workers: int, workload: str, variant: str, steps: int, powersgd_bucket_mb: float) -> float:
     """Median step time of one run; a step lasts as long as its slowest rank; 3 warm-up steps dropped."""
-    per_rank = run_workers(_train, workers, workload, variant, steps, timeout_s=60)
+    per_rank = run_workers(_train, workers, workload, variant, steps, powersgd_bucket_mb, timeout_s=60)
     return statistics.median(max(ts) for ts in list(zip(*per_rank, strict=True))[3:])
 
 
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--powersgd-bucket-mb", type=float, default=25.0,
+                        help="bucket size of both PowerSGD variants (torch's hook needs one bucket on gloo)")
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
 
@@ -117,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             step = float("nan")
             if (workload, variant) not in failures:  # a failure is deterministic: do not wait for it twice
                 try:
-                    step = _step_time(args.workers, workload, variant, args.steps)
+                    step = _step_time(args.workers, workload, variant, args.steps, args.powersgd_bucket_mb)
                 except Exception as err:  # reported, not hidden: PyTorch's PowerSGD hook can abort in gloo
                     failures[(workload, variant)] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
             medians[(workload, variant)].append(step)
@@ -139,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
          "no slower"],
         table,
         notes=f"{args.workers} gloo workers on this host, {args.steps} steps (first 3 excluded), {args.reps} "
-              "alternating repetitions; plain PyTorch loops (Lightning drops comm hooks on CPU)."
+              "alternating repetitions; plain PyTorch loops (Lightning drops comm hooks on CPU). "
+              f"PowerSGD's buckets (both sides): {args.powersgd_bucket_mb:g} MB; fp16's: 25 MB."
               + "".join(f"\n\nFailed: {w} / {v}: {msg}" for (w, v), msg in failures.items()),
         summary={"Compared": "ddlscale's fp16 and PowerSGD compression paths against PyTorch's DDP comm hooks "
                              f"(fp16_compress_hook, powerSGD_hook), same model and loop, {args.workloads}.",
@@ -150,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"{r[0]} {r[1]} " + ("not measured (the hook failed)" if r[4] != r[4] else f"{r[4]:.3f}")
                      for r in table) + "."},
         command=f"python -m experiments.compression_hooks --workloads {args.workloads} --workers {args.workers} "
-                f"--steps {args.steps} --reps {args.reps}",
+                f"--steps {args.steps} --reps {args.reps} --powersgd-bucket-mb {args.powersgd_bucket_mb:g}",
     )
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"{w}\n{v}" for w in workloads for v in VARIANTS]
