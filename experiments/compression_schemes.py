@@ -46,22 +46,19 @@ PLANNER = {"sync.warmup_steps": 4, "sync.profile_steps": 6, "sync.settle_steps":
 TRIAL_STEPS = 3  # Espresso's trial: 3 candidates x 3 turns of a settling and a measured step
 
 
-def settle_steps(method: str, workers: int = 1) -> int:
-    """Steps a method's run takes before its measured window: the planners profile, calibrate (a
-    second time in machine groups where a machine holds several workers), plan (and the trial's
-    turns), and the first planned step rebuilds the groups."""
+def settle_steps(method: str) -> int:
+    """Steps a method's run takes before its measured window: the planners profile, calibrate, plan
+    (and the trial's turns), and the first planned step rebuilds the groups."""
     if method not in PLANNED:
         return WARMUP
     steps = sum(PLANNER.values()) + 1
-    if workers > 1:
-        steps += PLANNER["sync.settle_steps"] + PLANNER["sync.calibrate_steps"]
     return steps + (3 * TRIAL_STEPS * 2 if method == "espresso trial" else 0) + WARMUP
 
 
 def overrides_of(method: str, cluster: str, args: argparse.Namespace) -> list[str]:
     nodes, workers = CLUSTERS[cluster]
     out = ["cluster=emulated", f"cluster.nodes={nodes}", f"cluster.bandwidth={args.bandwidth}",
-           f"trainer.devices={workers}", f"trainer.max_steps={settle_steps(method, workers) + args.measure}", "seed=0",
+           f"trainer.devices={workers}", f"trainer.max_steps={settle_steps(method) + args.measure}", "seed=0",
            *args.overrides.split()]
     if method == "dense":
         return [*out, "sync=dense"]

@@ -28,7 +28,7 @@ from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
-from ddlscale.plan.planner import configured_option, cost_model, espresso_plan, hierarchical_overhead
+from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
 from ddlscale.plan.profile import (
     MEMBER_COSTS,
     CompressorProfile,
@@ -39,7 +39,7 @@ from ddlscale.plan.profile import (
     profile_compressor,
     slowest_lag,
 )
-from ddlscale.plan.result import CompressionPlan, uniform_time
+from ddlscale.plan.result import CompressionPlan
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.espresso import EspressoSync
 from ddlscale.tools import plan as plan_tool
@@ -496,54 +496,6 @@ def test_espresso_sync_with_machines_builds_their_groups():
     for exact, ops in run_workers(_hierarchical_steps, 4):
         assert all(exact)
         assert "reduce_scatter" in ops and "allgather" in ops  # inside the machine, around the scheme
-
-
-def _hierarchical_calibration(rank, world, tmp):
-    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=0.1), profile_steps=1, gpus_per_machine=2, calibrate_steps=2, settle_steps=1,
-                        run_dir=tmp if rank == 0 else None)
-    sync.setup(params)
-    phases = []
-    for step in range(9):
-        phases.append(sync.phase)
-        g = torch.Generator().manual_seed(100 * rank + step)
-        for _, p in reversed(params):
-            p.grad = torch.randn(p.shape, generator=g)
-            sync.grad_ready(p)
-        sync.finish_step()
-    return phases, sync.computed is not None
-
-
-def test_machines_of_several_ranks_calibrate_hierarchical_groups_too(tmp_path):
-    """A flat configured option is calibrated twice: flat, then the same option in machine groups,
-    whose measured steps give the per-group cost of hierarchical groups that the plan is priced with."""
-    for phases, planned in run_workers(_hierarchical_calibration, 4, str(tmp_path)):
-        assert phases == ["warmup", "profile", "settle", "calibrate", "calibrate", "settle hierarchical",
-                          "calibrate hierarchical", "calibrate hierarchical", "plan"]
-        assert planned
-    profile = Profile.load(tmp_path / "plan_profile.json")
-    assert profile.network["hierarchical_layerwise_step_s"] > 0 and profile.network["hierarchical_group_s"] >= 0
-    assert "per hierarchical group" in (tmp_path / "plan.txt").read_text()
-
-
-def test_hierarchical_overhead_makes_the_hierarchical_prediction_what_training_measured():
-    profile = random_profile(random.Random(4), 20, world_size=8)
-    profile.network = {**profile.network, "gpus_per_machine": 2}
-    flat, units = configured_option(cost_model(profile)), units_of(profile)
-    hier = configured_option(cost_model(profile), hierarchical=True)
-    assert hier.hierarchical
-
-    def step(p, option):
-        return uniform_time(units, option, cost_model(p), p.backward_end_s, p.rest_s)
-
-    extra = 3e-4
-    dearer = dataclasses.replace(profile, network={**profile.network, "hierarchical_group_s": extra})
-    measured = step(dearer, hier)
-    assert measured > step(profile, hier) + extra  # every hierarchical group pays it on the training thread
-    assert step(dearer, flat) == step(profile, flat)  # flat groups do not
-    assert hierarchical_overhead(profile, hier, measured) == pytest.approx(extra, abs=1e-6)
-    assert hierarchical_overhead(profile, hier, 0.9 * step(profile, hier)) == 0.0  # the model already says more
-    assert hierarchical_overhead(profile, flat, measured) == 0.0  # no machine groups: nothing to charge
 
 
 def test_bad_config_names_the_key():

@@ -22,11 +22,7 @@ The collectives are those :class:`~ddlscale.sync.compress.CompressSync` issues (
   charged to encode, on the compute stream, not to the asynchronous communication;
 - hierarchical: a dense reduce-scatter among a machine's k ranks (blocking, so charged to encode),
   the scheme across the m machines on a 1/k chunk with the NIC shared by the k concurrent inter
-  groups, and an allgather inside the machine after backward (charged to decode); plus the
-  profile's ``network["hierarchical_group_s"]`` per group on the training thread, what layer-wise
-  hierarchical steps measured beyond all that (:func:`~ddlscale.plan.planner.hierarchical_overhead`:
-  the blocking machine collective waits for its partner ranks, which the intra-machine link of the
-  model does not know).
+  groups, and an allgather inside the machine after backward (charged to decode).
 
 "Encode" and "decode" are the profiled per-group work of the executor (error feedback, compress,
 pack / unpack, decompress, sum), ``none`` included where it is not free (hierarchical: error
@@ -253,7 +249,6 @@ class CostModel:
         # (a measured profile has both: sync.network_latency=measured).
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
         self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
-        self.hierarchical_group_s = float(net.get("hierarchical_group_s", 0.0))  # measured in training, per group
         self._cache: dict[tuple, tuple[float, float, float]] = {}
 
     # -- the option space ------------------------------------------------------------------------
@@ -388,7 +383,7 @@ class CostModel:
         encode = decode = 0.0
         numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
         if option.hierarchical:
-            encode += net.reduce_scatter(dense_bytes, k) + self.hierarchical_group_s  # one machine: its intra links
+            encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
             numel, shapes, ranks = -(-total // k), [None] * total.size, n // k
             across = self.across if option.scheme == "allreduce" else self.exchange_across

@@ -89,28 +89,6 @@ def group_overhead(profile: Profile, option: Option, measured_s: float,
     return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
 
 
-def hierarchical_overhead(profile: Profile, option: Option, measured_s: float,
-                          compressors: dict[str, Compressor] | None = None) -> float:
-    """Seconds per hierarchical group (``network["hierarchical_group_s"]``) that make the model's
-    layer-wise iteration under the hierarchical ``option`` take ``measured_s``, a layer-wise
-    hierarchical step measured in training; 0 where the model already says that much or more.
-
-    A hierarchical group blocks the training thread in its machine's reduce-scatter until every rank
-    of the machine reaches it; on a shared host (emulated machines), or behind a slower partner,
-    that wait is far more than the intra-machine link's alpha-beta time. It is charged per group,
-    on top of the compressor's per-group overhead that the flat calibration already fitted."""
-    if not option.hierarchical:
-        return 0.0
-    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
-    units = units_of(profile)
-
-    def predicted(extra: float) -> float:
-        profiled = replace(profile, network={**profile.network, "hierarchical_group_s": extra})
-        return uniform_time(units, option, CostModel(profiled, compressors), profile.backward_end_s, profile.rest_s)
-
-    return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
-
-
 def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | None = None,
                          first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> float:
     """The factor on the model's allreduce times (``NetworkModel.efficiency``) that makes its dense

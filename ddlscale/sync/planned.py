@@ -9,11 +9,6 @@
    other ranks' work — on emulated machines sharing a host's cores several times what the same
    calls cost in a benchmark loop. (Timed inside dense steps instead, it is worse still: there it
    competes with the dense allreduce's reductions and traffic, which compressed steps do not have.)
-   Where machines hold several ranks and the configured option is flat, as many steps again run
-   the option in machine groups (phases ``settle hierarchical``, ``calibrate hierarchical``): a
-   plan may choose hierarchical groups, whose blocking machine collectives the flat steps never
-   measured (on the emulated 4 x 2 cluster layer-wise dense/hier ran 1.5x the flat step, which the
-   network model's intra-machine link put near the flat one).
 2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
    which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
    measures the configured compressor's encode/decode cost on its device at the same time (as they
@@ -26,9 +21,7 @@
    backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
    layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too),
-   and a per-hierarchical-group overhead from the hierarchical steps the same way
-   (:func:`~ddlscale.plan.planner.hierarchical_overhead`) —
+   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
@@ -63,13 +56,7 @@ from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.cost import CostModel
-from ddlscale.plan.planner import (
-    allreduce_efficiency,
-    check_plannable,
-    configured_option,
-    group_overhead,
-    hierarchical_overhead,
-)
+from ddlscale.plan.planner import allreduce_efficiency, check_plannable, configured_option, group_overhead
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -168,9 +155,6 @@ class PlannedSync(CompressSync):
         self.calibrate_steps, self.settle_steps = calibrate_steps, settle_steps
         self.calibrating = False
         self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
-        self._calibrating_hierarchy = False  # the second calibration phase: the option in machine groups
-        self._flat_calibration: tuple[list | None, list[float]] = (None, [])  # the first phase's, meanwhile
-        self._hierarchical_ends: list[float] = []  # the second phase's step ends
         self.trial_steps = trial_steps
         self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
         self._dense_buckets = False  # whether the buckets are profiling's (set as they are assigned)
@@ -270,8 +254,7 @@ class PlannedSync(CompressSync):
         """What the current step does: warmup, profile, settle, calibrate, trial settle / trial (with
         the candidate's label), or plan (the kept plan runs)."""
         if self.calibrating:
-            phase = "settle" if self._calibration_seen < self.settle_steps else "calibrate"
-            return phase + (" hierarchical" if self._calibrating_hierarchy else "")
+            return "settle" if self._calibration_seen < self.settle_steps else "calibrate"
         if self.computed is None:
             return "warmup" if len(self.recorder.steps) < self.warmup_steps else "profile"
         if self.trial is not None:
@@ -302,14 +285,11 @@ class PlannedSync(CompressSync):
         return report
 
     # -- calibration -----------------------------------------------------------------------------
-    def _start_calibration(self, hierarchical: bool | None = None) -> None:
-        """Every tensor compressed alone with the configured option, its work timed (self.work);
-        ``hierarchical=True``: the second phase, the same option in machine groups."""
-        if hierarchical is None:
-            hierarchical = self.hierarchical and self._hierarchical_possible()
+    def _start_calibration(self) -> None:
+        """Every tensor compressed alone with the configured option, its work timed (self.work)."""
         self.calibrating, self.work, self._calibration_seen, self._calibration_ends = True, [], 0, []
-        self._calibrating_hierarchy = hierarchical and not self.hierarchical
-        self.plan = Plan(default=TensorPlan("default", self.comm_scheme, hierarchical))
+        self.plan = Plan(default=TensorPlan("default", self.comm_scheme,
+                                            self.hierarchical and self._hierarchical_possible()))
         self._check_choice(self.plan.default, "sync.comm")
         self.on_setup()
 
@@ -320,14 +300,6 @@ class PlannedSync(CompressSync):
             self.work.clear()
             self._calibration_ends = self._calibration_ends[-1:]
         elif self._calibration_seen >= self.settle_steps + self.calibrate_steps:
-            if self._calibrating_hierarchy:  # the second phase: back to the first phase's measurements
-                self._hierarchical_ends = self._calibration_ends
-                self.work, self._calibration_ends = self._flat_calibration
-            elif self._hierarchical_possible() and not self.hierarchical:
-                # Plans may put groups in machine groups, which the flat steps did not measure.
-                self._flat_calibration = (self.work, self._calibration_ends)
-                self._start_calibration(hierarchical=True)
-                return
             self.calibrating = False
             self._plan_and_switch()
 
@@ -358,24 +330,12 @@ class PlannedSync(CompressSync):
 
     def calibrate_groups(self, profile: Profile) -> Profile:
         """``profile`` with the configured compressor's per-group overhead that makes the model's
-        layer-wise step take what the calibration steps took (their median period on this rank),
-        then the per-group overhead of hierarchical groups that makes the layer-wise hierarchical
-        step take what the second phase's steps took (where machines hold several ranks)."""
+        layer-wise step take what the calibration steps took (their median period on this rank)."""
         ends, self._calibration_ends = self._calibration_ends, []
-        hierarchical_ends, self._hierarchical_ends = self._hierarchical_ends, []
         periods = [b - a for a, b in zip(ends, ends[1:], strict=False)]
         if not periods or "default" not in profile.compressors:
             return profile
-        profile = self._with_group_overhead(profile, statistics.median(periods))
-        periods = [b - a for a, b in zip(hierarchical_ends, hierarchical_ends[1:], strict=False)]
-        if not periods:
-            return profile
-        measured = statistics.median(periods)
-        compressors = self._planning_compressors()
-        option = configured_option(CostModel(profile, compressors), self.comm_scheme, hierarchical=True)
-        extra = hierarchical_overhead(profile, option, measured, compressors)
-        return replace(profile, network={**profile.network, "hierarchical_group_s": extra,
-                                         "hierarchical_layerwise_step_s": measured})
+        return self._with_group_overhead(profile, statistics.median(periods))
 
     def _with_group_overhead(self, profile: Profile, measured: float) -> Profile:
         compressors = self._planning_compressors()
@@ -638,9 +598,6 @@ def _calibration_note(profile: Profile) -> str:
     if "group_s" in calibration:
         parts.append(f"{calibration['group_s'] * 1e3:.3f} ms more per group, for the layer-wise steps' "
                      f"{calibration['layerwise_step_s'] * 1e3:.1f} ms")
-    if "hierarchical_layerwise_step_s" in profile.network:
-        parts.append(f"{profile.network['hierarchical_group_s'] * 1e3:.3f} ms more per hierarchical group, for "
-                     f"the layer-wise hierarchical steps' {profile.network['hierarchical_layerwise_step_s'] * 1e3:.1f} ms")
     return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 
