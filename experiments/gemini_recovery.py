@@ -53,6 +53,7 @@ from pathlib import Path
 from ddlscale.ckpt.base import PROGRESS_FILE
 from ddlscale.ckpt.drill import GeminiDrill
 from ddlscale.comm.cost import parse_bandwidth
+from ddlscale.trainer.loggers import metrics_rows
 from experiments.harness import Results, alternating
 
 STRATEGIES = ("none", "gemini", "highfreq", "strawman")
@@ -126,8 +127,15 @@ def _running(path: Path) -> tuple[int, int]:
     return len(starts), len([r for r in rows[starts[-1]:] if r[0] == "step"]) if starts else 0
 
 
-def run_strategy(strategy: str, args: argparse.Namespace, rng: random.Random) -> tuple[list[dict], list[float]]:
-    """The failures of one run (none for ``none``) and its iteration times."""
+def sync_seconds(run: Path, steps: int) -> list[float]:
+    """Rank 0's communication wait per step (``sync_time_s``) over the run's second half."""
+    return [float(r["sync_time_s"]) for r in metrics_rows(run)
+            if r.get("sync_time_s") and r.get("step") and int(r["step"]) > steps // 2]
+
+
+def run_strategy(strategy: str, args: argparse.Namespace,
+                 rng: random.Random) -> tuple[list[dict], list[float], list[float]]:
+    """The failures of one run (none for ``none``), its iteration times and its per-step sync times."""
     storage = f"{parse_bandwidth(args.bandwidth) / args.storage_fraction:.0f}bit"
     failures = 0 if strategy == "none" else args.failures
     with tempfile.TemporaryDirectory(prefix="ddlscale-recovery-") as scratch:
@@ -145,7 +153,8 @@ def run_strategy(strategy: str, args: argparse.Namespace, rng: random.Random) ->
                 drill.kill_trainer(rng.randrange(args.nodes))
             drill.finish(timeout_s=1800)
         rows = read_progress(progress)
-    return [split_failure(rows, t) for t in kills], iteration_times(rows)
+        syncs = sync_seconds(run, args.steps)
+    return [split_failure(rows, t) for t in kills], iteration_times(rows), syncs
 
 
 # -- the 1000-machine simulation -------------------------------------------------------------------
@@ -217,15 +226,16 @@ def main(argv: list[str] | None = None) -> None:
     imports = import_seconds(args.nodes)
     results.progress(0, 0, f"{args.nodes} interpreters importing train.py's modules at once: "
                      + ", ".join(f"{t:.1f}s" for t in imports))
-    rows, runs, per, t_iter = [], [], defaultdict(list), defaultdict(dict)
+    rows, runs, per, t_iter, t_sync = [], [], defaultdict(list), defaultdict(dict), defaultdict(dict)
     total = args.reps * len(STRATEGIES)
     for done, (rep, strategy) in enumerate(alternating(STRATEGIES, args.reps), start=1):
         rng = random.Random(args.seed * 1000 + rep)  # the same failure schedule for every strategy
-        failures, iterations = run_strategy(strategy, args, rng)
+        failures, iterations, syncs = run_strategy(strategy, args, rng)
         t_iter[strategy][rep] = statistics.fmean(iterations)
+        t_sync[strategy][rep] = statistics.fmean(syncs) if syncs else math.nan
         runs.append({"strategy": strategy, "rep": rep, "mean_iteration_s": t_iter[strategy][rep],
                      "median_iteration_s": statistics.median(iterations), "max_iteration_s": max(iterations),
-                     "iterations": len(iterations)})
+                     "iterations": len(iterations), "mean_sync_s": t_sync[strategy][rep]})
         for i, failure in enumerate(failures):
             rows.append({"strategy": strategy, "rep": rep, "failure": i, **failure})
             per[strategy].append(failure)
@@ -239,6 +249,11 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(f[key] for f in per[strategy])
 
     overhead = {s: statistics.median(t_iter[s][r] / t_iter["none"][r] - 1 for r in reps) for s in STRATEGIES}
+    # What bounds the step without checkpoints: its communication wait against its CPU work (the step less
+    # that wait and the emulated device time).
+    none_step, none_sync = statistics.median(t_iter["none"].values()), statistics.median(t_sync["none"].values())
+    none_cpu = none_step - none_sync - args.device_time
+    bound = "the network" if none_sync > none_cpu else "the host's CPU"
     table, totals = [], defaultdict(dict)
     for s in STRATEGIES[1:]:
         waste = median(s, "wasted_s")
@@ -289,7 +304,10 @@ def main(argv: list[str] | None = None) -> None:
             "Emulation": f"{args.nodes} emulated machines, one worker each, {args.bandwidth} NICs, storage at "
                          f"1/{args.storage_fraction:g} of that rate, model {args.model}, {args.device_time:g} s device "
                          f"time per step, on this host's {os.cpu_count()} cores.",
-            "Bound by": f"not measured; restart dominates each failure (Gemini: {median('gemini', 'restart_s'):.1f} s, "
+            "Bound by": f"training without checkpoints: {bound}, measured: its step of {none_step * 1e3:.0f} ms waited "
+                        f"{none_sync * 1e3:.0f} ms for communication against {none_cpu * 1e3:.0f} ms of CPU work "
+                        f"({args.device_time * 1e3:.0f} ms device time; medians, iterations.csv). Each failure is "
+                        f"bound by restart (Gemini: {median('gemini', 'restart_s'):.1f} s, "
                         f"{median('gemini', 'startup_s'):.1f} s of it worker start-up).",
             "Repetitions": f"{args.reps}, alternating, {args.failures} failures each "
                            f"({args.reps * args.failures} per strategy).",

@@ -44,7 +44,7 @@ def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_pa
             {"step_at_kill": 20, "resumed_step": 19, "lost_steps": 1, "restart_s": 9.0, "torchrun_s": 2.0,
              "startup_s": 6.5, "restore_s": 0.5, "retrieve_s": 0.1, "lost_progress_s": waste[strategy] - 9.1,
              "wasted_s": waste[strategy]}] * 2
-        return failures, [iteration[strategy]] * 50
+        return failures, [iteration[strategy]] * 50, [0.060] * 25
 
     monkeypatch.setattr(gemini_recovery, "run_strategy", run)
     gemini_recovery.main(["--reps", "2"])
@@ -56,3 +56,11 @@ def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_pa
     assert "Gemini overhead <= 3%: 1.00% (met)" in report
     assert f"16 machines {highfreq16 / gemini16:.1f}x (met)" in report
     assert (tmp_path / "gemini_recovery" / "iterations.csv").exists()
+    # none's 300 ms step: 200 ms device time (the default), 60 ms communication wait, so 40 ms of CPU work.
+    assert "the network, measured: its step of 300 ms waited 60 ms for communication against 40 ms" in report
+
+
+def test_sync_seconds_reads_rank0s_second_half(tmp_path):
+    (tmp_path / "metrics.csv").write_text("step,sync_time_s,loss\n1,0.9,\n2,,1.0\n3,0.05,\n4,0.07,\n")
+    assert gemini_recovery.sync_seconds(tmp_path, steps=4) == [0.05, 0.07]
+    assert gemini_recovery.sync_seconds(tmp_path / "absent", steps=4) == []
