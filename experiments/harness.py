@@ -35,7 +35,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("DDLSCALE_RESULTS_DIR") or ROOT / "experiments" / "results")
-KEPT = "## Earlier runs kept here"  # a results.md section that a re-run carries over (see write_markdown)
 
 
 def machine() -> dict[str, Any]:
@@ -108,8 +107,7 @@ class Results:
                        filename: str = "results.md") -> Path:
         """results.md: title, command, the ``summary`` header (what is compared, the emulation, what bound
         the run, repetitions, the answer: ``header_lines``), the table, the machine and the run's duration,
-        then ``notes``. A section headed ``KEPT`` in the old file (runs made by other commands, kept
-        beside this one) is carried over to the end."""
+        then ``notes``. The folder holds only the current run: the old results.md is replaced whole."""
         lines = [f"# {title}", ""]
         if command:
             lines += [f"Regenerate: `{command}`", ""]
@@ -124,9 +122,6 @@ class Results:
         if notes:
             lines += ["", notes.strip()]
         path = self.dir / filename
-        old = path.read_text() if path.exists() else ""
-        if KEPT in old:
-            lines += ["", old[old.index(KEPT):].strip()]
         path.write_text("\n".join(lines) + "\n")
         return path
 
