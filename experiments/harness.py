@@ -171,11 +171,6 @@ QUICK: dict[str, dict[str, str]] = {
     "gemini_recovery": {"--steps": "60", "--failures": "1", "--reps": "1"},
     "dcp_async": {"--mib": "64", "--reps": "2"},
 }
-# How long a folder's run took where its results.md predates the recorded duration and no runs.csv has
-# per-run wall times: minutes and where the figure comes from.
-RECORDED = {"gemini_recovery": (33.0, "its Reading: 11:24-11:57"),
-            "planned_convergence": (20.0, "README's estimate"),
-            "compression_schemes": (120.0, "README's estimate with --reps 4")}
 
 
 def claimed_commands(readme: Path = README) -> list[tuple[str, str]]:
@@ -216,8 +211,6 @@ def took_minutes(folder: str) -> tuple[float | None, str]:
             rows = list(csv.DictReader(f))
         if rows and "wall_s" in rows[0]:
             return sum(float(r["wall_s"]) for r in rows) / 60, "runs.csv wall_s"
-    if folder in RECORDED:
-        return RECORDED[folder]
     return None, "not recorded"
 
 
