@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
                         + ", ".join(workloads) + ".",
             "Emulation": f"none: {args.devices} gloo workers over loopback on this host's cores, no NIC limit, "
                          "no device time.",
-            "Bound by": "not measured as host CPU against network (loopback measures compute overhead); "
+            "Bound by": "host CPU: unshaped loopback sets no network limit, so each step is compute and copies on "
+                        "this host's cores; "
                         + "; ".join(f"{w}: ddlscale's sync {sync_ms[w]:.1f} ms of a "
                                     f"{spread(times[(w, 'ddlscale')])[0] * 1e3:.1f} ms step" for w in workloads)
                         + " (medians).",
