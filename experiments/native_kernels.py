@@ -154,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     table = [[op, size, s["reference"] * 1e3, s["native"] * 1e3, f"{s['speedup']:.2f}x",
               f"{s['ratio_min']:.2f}-{s['ratio_max']:.2f}"] for (op, size), s in summary.items()]
     thresholds = {op: native_from(summary, op, sizes) for op in chosen}
+    slowest = min(summary, key=lambda key: summary[key]["speedup"])
+    fastest = max(summary, key=lambda key: summary[key]["speedup"])
+    by_threshold: dict[int | None, list[str]] = {}
+    for op, n in thresholds.items():
+        by_threshold.setdefault(n, []).append(op)
     results.write_markdown(
         "The sparse syncs' kernels: native C++ vs pure-PyTorch reference",
         ["op", "size", "reference ms (median)", "native ms (median)", "speedup (median of paired reps)",
@@ -171,9 +176,11 @@ def main(argv: list[str] | None = None) -> None:
                               f"{args.servers} servers, rows of {args.width} fp32 values.",
                  "Bound by": "not applicable: compute only, no communication.",
                  "Repetitions": f"{args.reps}, alternating, ratios paired per repetition.",
-                 "Answer": "native / reference speed-up, medians per op and size: "
-                           f"{min(s['speedup'] for s in summary.values()):.2f}x to "
-                           f"{max(s['speedup'] for s in summary.values()):.2f}x; native used from: {thresholds}."},
+                 "Answer": f"native / reference speed-up, medians per op and size: {summary[slowest]['speedup']:.2f}x "
+                           f"({slowest[0]} at {slowest[1]:g}) to {summary[fastest]['speedup']:.2f}x ({fastest[0]} at "
+                           f"{fastest[1]:g}); native used " + "; ".join(
+                               ("never" if n is None else f"from size {n}") + ": " + ", ".join(ops)
+                               for n, ops in by_threshold.items()) + "."},
         command=f"python -m experiments.native_kernels --sizes {args.sizes} --servers {args.servers} "
                 f"--reps {args.reps} --width {args.width}",
     )
