@@ -60,6 +60,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overrides", default=DEFAULT_OVERRIDES, help="extra train.py overrides, "
                         "space-separated (e.g. 'model.vocab_size=100000')")
     parser.add_argument("--name", default="zen_speed", help="results folder name")
+    parser.add_argument("--resume", action="store_true", help="keep the (NIC, model) cells the folder's "
+                        "results.csv holds whole, from an invocation that stopped, and run the rest")
     parser.add_argument("--cause", action="store_true", help="instead of the grid: per cell of the folder's "
                         "results.csv, Zen and the fastest other method again, with their collectives per step "
                         "(count and time in flight per op): cause.csv and cause.md beside the grid's results")
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     results = Results(args.name)
     cells = [(bw, model) for bw in args.bandwidths.split(",") for model in args.models.split(",")]
     rows, by_cell, done = [], defaultdict(list), 0
+    kept = kept_cells(read_rows(results.dir / "results.csv"), cells, labels, methods, args.reps) if args.resume else {}
     planned = len(cells) * args.reps * sum(route != "sparse" for _, route in methods)  # plus forced re-runs
 
     def run(bandwidth: str, model: str, label: str, rep: int) -> dict:
@@ -103,6 +106,11 @@ def main(argv: list[str] | None = None) -> None:
         return row
 
     for bandwidth, model in cells:
+        if (bandwidth, model) in kept:
+            for row in kept[bandwidth, model]:
+                rows.append(row)
+                by_cell[(bandwidth, model, row["sync"] if row["route"] == "-" else f"{row['sync']}/{row['route']}")].append(row)
+            continue
         automatic = [label for label, (_, route) in zip(labels, methods, strict=True) if route in ("-", "auto")]
         for rep, label in alternating(automatic, args.reps):
             run(bandwidth, model, label, rep)
@@ -166,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
               "routing already sends exactly those tensors sparse, its '/sparse' row is its '/auto' runs, "
               "not run twice: rerun=False in the CSV). 'bound by': dense's "
               "communication wait against the rest of its step, medians. All emulated machines share "
-              "this host's 2 cores, so compute and encode/decode run ~4x slower than on 8 real machines.\n\n"
+              "this host's 2 cores, so compute and encode/decode run ~4x slower than on 8 real machines."
+              + (f" Resumed (--resume): {', '.join(f'{bw} {m}' for bw, m in kept)} kept from the invocation that "
+                 "stopped, and the run time above is the resumed part's." if kept else "") + "\n\n"
               "## Targets (issue 26)\n\n| claim | target | measured (median steps) | |\n|---|---|---|---|\n"
               + "\n".join(targets),
         summary={"Compared": "training steps of " + args.models.replace(",", " and ") + " under " + ", ".join(labels)
@@ -199,6 +209,29 @@ def main(argv: list[str] | None = None) -> None:
     fig.tight_layout()
     fig.savefig(results.figure_path(), dpi=120)
     print(f"wrote {results.dir}")
+
+
+def read_rows(path) -> list[dict]:
+    """A folder's results.csv typed as :func:`main` wrote it (none when there is no file)."""
+    if not path.exists():
+        return []
+    text = {"bandwidth", "model", "sync", "route", "param_sha256", "sparse", "forced"}
+    with open(path, newline="") as f:
+        return [{k: v if k in text else int(v) if k == "rep" else v == "True" if k == "rerun" else float(v)
+                 for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def kept_cells(rows: list[dict], cells: list, labels: list[str], methods: list, reps: int) -> dict:
+    """(NIC, model) -> its rows, for each cell whose every auto-routed method has all ``reps`` runs: a
+    cell that stopped part-way runs again whole, so its repetitions still alternate."""
+    automatic = [label for label, (_, route) in zip(labels, methods, strict=True) if route in ("-", "auto")]
+    kept = {}
+    for bandwidth, model in cells:
+        mine = [r for r in rows if (r["bandwidth"], r["model"]) == (bandwidth, model)]
+        have = {(r["sync"] if r["route"] == "-" else f"{r['sync']}/{r['route']}", r["rep"]) for r in mine}
+        if mine and all((label, rep) in have for label in automatic for rep in range(reps)):
+            kept[bandwidth, model] = mine
+    return kept
 
 
 def cause(args: argparse.Namespace) -> None:

@@ -1,0 +1,31 @@
+"""zen_speed --resume: whole cells are kept from a stopped invocation's CSV, a part-done cell runs again."""
+
+import csv
+
+from experiments import zen_speed
+
+METHODS = [("dense", "-"), ("zen", "auto")]
+LABELS = ["dense", "zen/auto"]
+CELLS = [("1gbit", "lstm"), ("100mbit", "lstm")]
+
+
+def _row(bandwidth, sync, route, rep):
+    return {"bandwidth": bandwidth, "model": "lstm", "sync": sync, "route": route, "rep": rep, "rerun": True,
+            "step_time_s": 0.1 + rep, "param_sha256": "ab", "sparse": "emb", "forced": "emb"}
+
+
+def test_resume_keeps_complete_cells_typed_and_reruns_a_partial_one(tmp_path):
+    rows = [_row("1gbit", s, r, rep) for rep in range(2) for s, r in METHODS]
+    rows.append(_row("100mbit", "dense", "-", 0))  # the invocation stopped here
+    path = tmp_path / "results.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    read = zen_speed.read_rows(path)
+    assert read == rows  # typed back: rep int, rerun bool, times float, text kept
+    kept = zen_speed.kept_cells(read, CELLS, LABELS, METHODS, reps=2)
+    assert list(kept) == [("1gbit", "lstm")] and len(kept["1gbit", "lstm"]) == 4
+    # one repetition short of what was asked: nothing is kept
+    assert zen_speed.kept_cells(read, CELLS, LABELS, METHODS, reps=3) == {}
+    assert zen_speed.read_rows(tmp_path / "absent.csv") == []
