@@ -205,7 +205,8 @@ def took_minutes(folder: str) -> tuple[float | None, str]:
     text = (path / "results.md").read_text() if (path / "results.md").exists() else ""
     recorded = re.search(r"^Machine: .*the run took ([\d.]+) min", text, re.M)
     if recorded:
-        return float(recorded.group(1)), "results.md"
+        resumed = "Resumed (--resume)" in text  # its time is the part after the stop only
+        return float(recorded.group(1)), "results.md, a resumed run: more in full" if resumed else "results.md"
     if (path / "runs.csv").exists():
         with (path / "runs.csv").open() as f:
             rows = list(csv.DictReader(f))

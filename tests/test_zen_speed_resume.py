@@ -29,3 +29,17 @@ def test_resume_keeps_complete_cells_typed_and_reruns_a_partial_one(tmp_path):
     # one repetition short of what was asked: nothing is kept
     assert zen_speed.kept_cells(read, CELLS, LABELS, METHODS, reps=3) == {}
     assert zen_speed.read_rows(tmp_path / "absent.csv") == []
+
+
+def test_the_time_estimate_says_when_a_folder_holds_a_resumed_run(tmp_path, monkeypatch):
+    from experiments import harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    machine = "Machine: cpu x86_64, cores 2; the run took 15.2 min\n"
+    for name, notes in (("whole", ""), ("resumed", "Resumed (--resume): 1gbit lstm kept ...\n")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.md").write_text("# t\n\n" + machine + notes)
+    assert harness.took_minutes("whole") == (15.2, "results.md")
+    minutes, source = harness.took_minutes("resumed")
+    assert minutes == 15.2 and "resumed" in source
+    assert harness.took_minutes("absent") == (None, "not recorded")
