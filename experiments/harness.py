@@ -223,7 +223,7 @@ def run_all(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the commands and the time estimate only")
     args = parser.parse_args(argv)
     commands = claimed_commands()
-    known, unknown = 0.0, []
+    known, unknown, partial = 0.0, [], False
     print(f"{len(commands)} commands (from {README.relative_to(ROOT)}); the last full run of each took:")
     for folder, _ in commands:
         minutes, source = took_minutes(folder)
@@ -231,9 +231,11 @@ def run_all(argv: Sequence[str] | None = None) -> int:
             unknown.append(folder)
         else:
             known += minutes
+        partial |= "resumed" in source
         print(f"  {folder:22s} {'unknown' if minutes is None else f'{minutes:5.0f} min'}  ({source})")
-    print(f"Full run: at least {known / 60:.1f} h, plus {len(unknown)} experiments whose time is not recorded "
-          f"({', '.join(unknown)}). The emulated-cluster ones need root.")
+    missing = f", plus {', '.join(unknown)}, whose time is not recorded" if unknown else ""
+    print(f"Full run: {'at least ' if unknown or partial else 'about '}{known / 60:.1f} h{missing}. "
+          "The emulated-cluster ones need root.")
     env = dict(os.environ)
     if args.quick:
         env["DDLSCALE_RESULTS_DIR"] = str(QUICK_RESULTS)

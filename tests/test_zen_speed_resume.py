@@ -31,7 +31,7 @@ def test_resume_keeps_complete_cells_typed_and_reruns_a_partial_one(tmp_path):
     assert zen_speed.read_rows(tmp_path / "absent.csv") == []
 
 
-def test_the_time_estimate_says_when_a_folder_holds_a_resumed_run(tmp_path, monkeypatch):
+def test_the_time_estimate_says_when_a_folder_holds_a_resumed_run(tmp_path, monkeypatch, capsys):
     from experiments import harness
 
     monkeypatch.setattr(harness, "RESULTS", tmp_path)
@@ -43,3 +43,10 @@ def test_the_time_estimate_says_when_a_folder_holds_a_resumed_run(tmp_path, monk
     minutes, source = harness.took_minutes("resumed")
     assert minutes == 15.2 and "resumed" in source
     assert harness.took_minutes("absent") == (None, "not recorded")
+    # the printed total is a lower bound while any folder is resumed or unrecorded, else an estimate
+    for names, expected in ((["whole"], "Full run: about 0.3 h."),
+                            (["whole", "resumed"], "Full run: at least 0.5 h."),
+                            (["whole", "absent"], "Full run: at least 0.3 h, plus absent, whose time is not recorded.")):
+        monkeypatch.setattr(harness, "claimed_commands", lambda names=names: [(n, f"python -m x.{n}") for n in names])
+        harness.run_all(["--dry-run"])
+        assert expected in capsys.readouterr().out
