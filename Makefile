@@ -34,7 +34,7 @@ lint: setup  ## ruff
 experiments: setup  ## regenerate every claim of experiments/README.md, in order (hours, root; QUICK=1: the reduced run)
 	$(BIN)/python -m experiments.harness $(if $(QUICK),--quick)
 
-experiments-quick: setup  ## the same commands with fewer reps/steps/cells, into experiments/results-quick (~30 min)
+experiments-quick: setup  ## the same commands with fewer reps/steps/cells, into experiments/results-quick (~21 min)
 	$(BIN)/python -m experiments.harness --quick
 
 clean:  ## remove run outputs and caches (keeps .venv)

@@ -239,8 +239,8 @@ def run_all(argv: Sequence[str] | None = None) -> int:
     env = dict(os.environ)
     if args.quick:
         env["DDLSCALE_RESULTS_DIR"] = str(QUICK_RESULTS)
-        print(f"--quick: reduced runs into {QUICK_RESULTS} (the committed results are left alone); 27.5 "
-              "min on 2 cores when timed on 2026-12-04")
+        print(f"--quick: reduced runs into {QUICK_RESULTS} (the committed results are left alone); about "
+              "21 min on 2 cores when timed on 2026-12-04")
     failed = []
     for done, (folder, command) in enumerate(commands, start=1):
         line = quick(command) if args.quick else command
