@@ -199,20 +199,18 @@ def quick(command: str) -> str:
     return shlex.join(words)
 
 
+RESUMED = "results.md, a resumed run: more in full"
+
+
 def took_minutes(folder: str) -> tuple[float | None, str]:
     """How long the folder's last run took, and the source of the figure (None: unknown)."""
-    path = RESULTS / folder
-    text = (path / "results.md").read_text() if (path / "results.md").exists() else ""
+    path = RESULTS / folder / "results.md"
+    text = path.read_text() if path.exists() else ""
     recorded = re.search(r"^Machine: .*the run took ([\d.]+) min", text, re.M)
-    if recorded:
-        resumed = "Resumed (--resume)" in text  # its time is the part after the stop only
-        return float(recorded.group(1)), "results.md, a resumed run: more in full" if resumed else "results.md"
-    if (path / "runs.csv").exists():
-        with (path / "runs.csv").open() as f:
-            rows = list(csv.DictReader(f))
-        if rows and "wall_s" in rows[0]:
-            return sum(float(r["wall_s"]) for r in rows) / 60, "runs.csv wall_s"
-    return None, "not recorded"
+    if not recorded:
+        return None, "not recorded"
+    resumed = "Resumed (--resume)" in text  # its time is the part after the stop only
+    return float(recorded.group(1)), RESUMED if resumed else "results.md"
 
 
 def run_all(argv: Sequence[str] | None = None) -> int:
@@ -231,7 +229,7 @@ def run_all(argv: Sequence[str] | None = None) -> int:
             unknown.append(folder)
         else:
             known += minutes
-        partial |= "resumed" in source
+        partial |= source == RESUMED
         print(f"  {folder:22s} {'unknown' if minutes is None else f'{minutes:5.0f} min'}  ({source})")
     missing = f", plus {', '.join(unknown)}, whose time is not recorded" if unknown else ""
     print(f"Full run: {'at least ' if unknown or partial else 'about '}{known / 60:.1f} h{missing}. "
