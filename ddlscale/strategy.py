@@ -226,10 +226,9 @@ class DDLStrategy(DDPStrategy):
         ends_after_fit = isinstance(self._launcher, _MultiProcessingLauncher) or (
             self.cluster_environment is not None and self.cluster_environment.creates_processes_externally)
         if ends_after_fit and dist.is_initialized():
-            # This worker process (spawned, or started by torchrun/SLURM) ends right after fit: shut
-            # gloo's threads down in order here. Left to interpreter exit, a collective's completion
-            # callback can outlive them and abort the process ("terminate called without an active
-            # exception").
+            # This worker process (spawned, or started by torchrun/SLURM) ends right after fit: end
+            # every process group here, gloo's threads joined while Python runs. ddlscale holds none
+            # strongly (ddlscale.comm.groups); one left to interpreter shutdown can abort the process.
             dist.destroy_process_group()
 
     @classmethod

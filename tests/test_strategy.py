@@ -13,6 +13,7 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from ddlscale.strategy import DDLStrategy
 from ddlscale.sync import DenseAllreduce
+from ddlscale.sync.sparse.zen import ZenSync
 from ddlscale.workloads import LSTMLanguageModel, ResNetCNN
 
 STEPS = 20
@@ -33,9 +34,10 @@ def _fit(make_model, strategy, world, accumulate=1, clip=None):
 
 
 class _StockDDP(DDPStrategy):
-    """Stock DDP whose spawned workers shut gloo down at teardown, as DDLStrategy's do. Left to
-    interpreter exit, a late completion callback can abort a worker after training finished
-    ("terminate called without an active exception"), failing the test for nothing it compares."""
+    """Stock DDP whose spawned workers end their process groups at teardown, as DDLStrategy's do.
+    Left to interpreter shutdown, a group's gloo thread can abort a worker after training finished
+    ("terminate called without an active exception", see ddlscale.comm.groups), failing the test for
+    nothing it compares."""
 
     def teardown(self) -> None:
         super().teardown()
@@ -43,9 +45,38 @@ class _StockDDP(DDPStrategy):
             dist.destroy_process_group()
 
 
-def _small_lstm():
+def _gloo_threads() -> list[str]:
+    """This process's threads that gloo started (their names: pt_gloo_runloop, gloo_tcp_loop...)."""
+    names = []
+    for comm in Path("/proc/self/task").glob("*/comm"):
+        try:
+            names.append(comm.read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(name for name in names if "gloo" in name)
+
+
+class _ReportsThreads:
+    """Each worker writes, once teardown is over, the gloo threads it still runs to ``report``/rank."""
+
+    report: Path
+
+    def teardown(self) -> None:
+        super().teardown()
+        (self.report / str(self.global_rank)).write_text(" ".join(_gloo_threads()))
+
+
+class _DDLReportsThreads(_ReportsThreads, DDLStrategy):
+    pass
+
+
+class _StockDDPReportsThreads(_ReportsThreads, _StockDDP):
+    pass
+
+
+def _small_lstm(**kwargs):
     return LSTMLanguageModel(vocab_size=2000, embed_dim=16, hidden_dim=32, num_sampled=64,
-                             num_samples=2048, lr=0.5)
+                             num_samples=2048, lr=0.5, **kwargs)
 
 
 def _small_cnn():
@@ -83,6 +114,22 @@ class _Manual(BoringModel):
     def __init__(self):
         super().__init__()
         self.automatic_optimization = False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
+@pytest.mark.parametrize("kind", ["zen-hierarchical", "stock-ddp"])
+def test_workers_end_every_process_group_at_teardown(kind, tmp_path):
+    """No gloo thread is left when teardown is over: a process group that lives on into interpreter
+    shutdown can abort the worker after training finished (ddlscale.comm.groups). Zen holds three
+    groups of its own besides the world: its sparse lane and the machine groups (here 1 rank each)."""
+    if kind == "stock-ddp":
+        strategy, make_model = _StockDDPReportsThreads(start_method="spawn"), _small_cnn
+    else:
+        sync = ZenSync(hierarchical=True, local_size=1, profile_steps=1)
+        strategy, make_model = _DDLReportsThreads(sync=sync), lambda: _small_lstm(sparse_embedding=True)
+    strategy.report = tmp_path
+    _fit(make_model, strategy, 2)
+    assert {path.name: path.read_text() for path in tmp_path.iterdir()} == {"0": "", "1": ""}
 
 
 def test_manual_optimization_is_refused_clearly():

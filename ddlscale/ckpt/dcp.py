@@ -67,6 +67,7 @@ from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, read_shard, write_manifest
 from ddlscale.ckpt.snapshot import TAG, encode, rebuild_skeleton
 from ddlscale.ckpt.storage import fsync_dir
+from ddlscale.comm.groups import weak_group
 
 SKELETON_FORMAT = "ddlscale-dcp-rank/1"
 METADATA_FILE = ".metadata"  # DCP's name for its (pickled) index
@@ -298,7 +299,7 @@ class DcpWriter:
         self.rank, self.world_size = rank, world_size
         self.asynchronous = asynchronous
         self.bandwidth_bps = bandwidth_bps
-        self.process_group = process_group
+        self._process_group = weak_group(process_group)  # c10d owns it (see ddlscale.comm.groups)
         self.on_commit = on_commit
         self.no_dist = not (dist.is_available() and dist.is_initialized())
         self._stager: DefaultStager | None = None
@@ -315,7 +316,7 @@ class DcpWriter:
         items = state_items(payload, self.rank, live)
         self.item_bytes.append(sum(t.numel() * t.element_size() for t in items.values()))
         path = self.directory / version_dir
-        kwargs = {"storage_writer": file_system_writer(path, self.bandwidth_bps), "process_group": self.process_group,
+        kwargs = {"storage_writer": file_system_writer(path, self.bandwidth_bps), "process_group": self._process_group(),
                   "no_dist": self.no_dist}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")

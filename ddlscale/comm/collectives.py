@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.comm import volume
+from ddlscale.comm.groups import weak_group
 
 SEGMENT_BYTES = 256 << 10  # point-to-point segment size on gloo (see Communicator._exchange)
 SMALL_BYTES = 64 << 10  # below this per rank, gloo's own collectives win: one call, no per-peer ops
@@ -141,7 +142,7 @@ class Communicator:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: CommLedger | None = None):
-        self.group = group
+        self._group = weak_group(group)  # c10d owns it: destroy_process_group must end it (see groups)
         self.ledger = ledger if ledger is not None else CommLedger()
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
@@ -150,6 +151,11 @@ class Communicator:
         # exchange()'s first receive per source and its pieces (gloo; None: sizes go first).
         self.piece_bytes = None if self.segment_bytes is None else max(
             SEGMENT_BYTES, min(EXCHANGE_PIECE_BYTES, EXCHANGE_BUFFER_BYTES // max(1, self.size - 1)))
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None: the world's)."""
+        return self._group()
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _issue(self, op: str, sent: int, recv: int, launch, result: Any = None) -> Pending:

@@ -8,24 +8,35 @@ training thread keeps issuing dense allreduces meanwhile, so the jobs use a proc
 own, created once per process (every rank creates it at the same point of set-up) and shared by every
 sparse backend of the process; jobs run in submission order, which is the same on every rank.
 ``concurrent.futures`` supplies the thread and hands back results and exceptions.
+
+Neither a lane nor the table of lanes keeps a process group alive (see :mod:`ddlscale.comm.groups`):
+a lane ends with its world.
 """
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
 
-_lanes: dict[Any, SyncLane] = {}
+from ddlscale.comm.groups import weak_group
+
+_lanes: weakref.WeakKeyDictionary[Any, SyncLane] = weakref.WeakKeyDictionary()  # by world group
 
 
 class SyncLane:
     """One process group over the world's ranks and one thread running submitted jobs in order."""
 
     def __init__(self) -> None:
-        self.group = dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend())
+        self._group = weak_group(dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend()))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-sparse")
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The lane's process group."""
+        return self._group()
 
     def submit(self, job, *args: Any) -> Future:
         return self._executor.submit(job, *args)
