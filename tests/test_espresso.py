@@ -469,6 +469,16 @@ def test_an_exchange_latency_prices_allgather_and_not_allreduce():
     assert exchange.costs(unit, gather)[1] == pytest.approx(base.costs(unit, gather)[1] + 3 * (5e-3 - 50e-6))
 
 
+def test_trial_candidates_without_a_compressor():
+    """sync=espresso with the config's compressor=none: the trial's three candidates are built and
+    named, Cupcake's being groups of dense allreduce (this once raised KeyError: 'default')."""
+    profile = random_profile(random.Random(11), 6, world_size=4)
+    profile = dataclasses.replace(profile, compressors={"none": profile.compressors["none"]})
+    plans = EspressoSync(None, run_dir=None).candidate_plans(profile, cost_model(profile))
+    assert [plan.context["candidate"] for plan in plans] == [
+        "espresso search", "cupcake groups of none/allreduce", "dense, DDP buckets"]
+
+
 def _hierarchical_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)

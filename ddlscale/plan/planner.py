@@ -108,7 +108,8 @@ def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | 
     return _solve(predicted, profile.step_s, 1.0, 100.0)
 
 
-def _label(model: CostModel, option: Option | None) -> str:
+def option_label(model: CostModel, option: Option | None) -> str:
+    """An option as plans name it, with the configured compressor's name ("-": no option)."""
     if option is None:
         return "-"
     return option.label({"default": model.compressors["default"].name} if "default" in model.compressors else {})
@@ -143,7 +144,7 @@ def _baselines(profile: Profile, model: CostModel, option: Option) -> dict[str, 
     and DDP run, not one allreduce per tensor, which no one runs) and the configured option layer-wise."""
     out = {"dense, DDP buckets": dense_plan(profile, model).iteration_s}
     if option.compressed:
-        out[f"layer-wise {_label(model, option)}"] = uniform_time(units_of(profile), option, model,
+        out[f"layer-wise {option_label(model, option)}"] = uniform_time(units_of(profile), option, model,
                                                                   profile.backward_end_s, profile.rest_s)
     return out
 
@@ -198,7 +199,7 @@ def espresso_plan(profile: Profile, model: CostModel, cupcake_option: Option | N
                       offload=offload, fuse=fuse, cupcake_option=cupcake_option)
     fusion = {"per tensor": "none (each tensor alone)",
               "fused runs": "runs of consecutive tensors with the same option fused (Cupcake's DP)",
-              "cupcake groups": f"Cupcake's groups of {_label(model, cupcake_option)} as units"}[result.fusion]
+              "cupcake groups": f"Cupcake's groups of {option_label(model, cupcake_option)} as units"}[result.fusion]
     plan = CompressionPlan("espresso", result.units, result.options, result.iteration_s, fusion,
                            per_unit_savings(result.units, result.options, model, profile.backward_end_s,
                                             profile.rest_s),

@@ -18,7 +18,7 @@ would give, not what runs: off by default, and the plan says so when on.
 from __future__ import annotations
 
 from ddlscale.plan.cost import CostModel
-from ddlscale.plan.planner import configured_option, cupcake_plan, dense_plan, espresso_plan
+from ddlscale.plan.planner import configured_option, cupcake_plan, dense_plan, espresso_plan, option_label
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.planned import PlannedSync
@@ -49,7 +49,7 @@ class EspressoSync(PlannedSync):
         option and dense allreduce in DDP's buckets."""
         option = configured_option(model, self.comm_scheme, self.hierarchical)
         plans = {"espresso search": self.compute_plan(profile, model),
-                 f"cupcake groups of {option.label({'default': model.compressors['default'].name})}":
+                 f"cupcake groups of {option_label(model, option)}":
                      cupcake_plan(profile, model, option),
                  "dense, DDP buckets": dense_plan(profile, model, self.first_bucket_bytes, self.bucket_bytes)}
         for label, plan in plans.items():
