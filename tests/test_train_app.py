@@ -11,9 +11,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from ddlscale.ckpt.snapshot import encode
 from ddlscale.cluster import free_port
 from ddlscale.compress import build_compressor
 from ddlscale.sync import GradSync
+from ddlscale.trainer import app
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY_KEYS = {
@@ -29,6 +31,18 @@ def _train(*overrides, env=None, cwd=ROOT, timeout=240):
         [sys.executable, str(ROOT / "train.py"), *overrides], cwd=cwd, env={**os.environ, **(env or {})},
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+@pytest.mark.parametrize("model", ["lstm", "deepfm", "cnn", "gpt"])
+def test_every_model_checkpoints_its_hyperparameters(model):
+    """Config lists reach a model as plain lists, so Gemini's snapshot (plain values only, nothing
+    pickled) takes its hyper-parameters: deepfm's mlp_dims once arrived as an OmegaConf ListConfig,
+    and every model=deepfm ckpt=gemini run failed at its first checkpoint."""
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"model={model}"])
+    module = app._build("model", cfg.model)
+    skeleton, _ = encode({"hyper_parameters": dict(module.hparams)}, live=None)  # raises on an OmegaConf value
+    assert skeleton
 
 
 @pytest.mark.parametrize("model", ["lstm", "deepfm", "cnn", "gpt"])

@@ -203,7 +203,9 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
 
 def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
     try:
-        return instantiate(cfg, **kwargs)
+        # Plain lists and dicts, not OmegaConf's: arguments end up in checkpoints (a model's
+        # hyper-parameters), which hold plain values only.
+        return instantiate(cfg, _convert_="all", **kwargs)
     except InstantiationException as exc:
         cause = exc.__cause__ or exc
         message = str(cause)
