@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -312,6 +313,8 @@ def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: lis
         ckpt_path = resume_path(trainer)
         with _own_rendezvous_port():
             trainer.fit(model, ckpt_path=ckpt_path)
+    if dist.is_initialized():  # a rank run in this process (start_method=popen): end its groups while Python runs
+        dist.destroy_process_group()
     summary_path = output_dir / "summary.json"
     # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
