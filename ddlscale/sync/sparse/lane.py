@@ -34,8 +34,8 @@ class SyncLane:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-sparse")
 
     @property
-    def group(self) -> dist.ProcessGroup | None:
-        """The lane's process group."""
+    def group(self) -> dist.ProcessGroup:
+        """The lane's process group (an error once it is destroyed)."""
         return self._group()
 
     def submit(self, job, *args: Any) -> Future:
