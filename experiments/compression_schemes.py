@@ -103,13 +103,13 @@ def plan_of(run_dir: Path) -> dict[str, Any]:
 
 
 def earlier_runs(name: str, clusters: list[str]) -> tuple[list[dict[str, Any]], dict]:
-    """The rows and host probes of ``name``'s runs.csv for the clusters not in ``clusters``."""
+    """The rows and host probes of ``name``'s trials.csv for the clusters not in ``clusters``."""
     if not name:
         return [], {}
     folder = RESULTS / name
-    rows = [r for r in csv.DictReader((folder / "runs.csv").open()) if r["cluster"] not in clusters]
+    rows = [r for r in csv.DictReader((folder / "trials.csv").open()) if r["cluster"] not in clusters]
     if not rows:
-        raise SystemExit(f"--runs-from {name}: {folder / 'runs.csv'} has no runs of a cluster other than {clusters}")
+        raise SystemExit(f"--runs-from {name}: {folder / 'trials.csv'} has no runs of a cluster other than {clusters}")
     for row in rows:
         row["rep"] = int(row["rep"])
         for key in ("step_ms", "sync_ms", "comm_ms", "bytes_sent", "final_loss", "wall_s"):
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--name", default="compression_schemes", help="results folder under experiments/results")
     parser.add_argument("--workloads-4x2", default="", help="the 4x2 cluster's workloads, where they differ from "
                         "--workloads (its 13 methods take ~55 min per workload at --reps 4)")
-    parser.add_argument("--runs-from", default="", help="a results folder whose runs.csv gives the clusters not "
+    parser.add_argument("--runs-from", default="", help="a results folder whose trials.csv gives the clusters not "
                         "run now (same workloads and flags): one table from runs made in two sittings")
     args = parser.parse_args(argv)
     workloads, clusters = args.workloads.split(","), args.clusters.split(",")
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                            f"FAILED ({type(error).__name__})")
                         continue
                     rows.append(row)
-                    results.write_csv([*earlier_rows, *rows], "runs.csv")  # so far: an interrupted run keeps its rows
+                    results.write_csv([*earlier_rows, *rows], "trials.csv")  # so far: an interrupted run keeps its rows
                     runs[(cluster, workload, method)].append(row)
                     results.progress(len(rows) + len(failures), total, f"{cluster} {workload} {method} rep {rep}: step "
                                                        f"{row['step_ms']:.1f} ms, sync {row['sync_ms']:.1f} ms "
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         results.write_csv(failures, "failures.csv")
     if not rows and not earlier_rows:
         raise SystemExit(f"every run failed: {results.dir / 'failures.csv'}")
-    results.write_csv([*earlier_rows, *rows], "runs.csv")
+    results.write_csv([*earlier_rows, *rows], "trials.csv")
     table, summary_rows, lines, zen_lines, answers = [], [], [], [], []
     for cluster in clusters:
         for workload in workloads_of[cluster]:

@@ -10,7 +10,7 @@ each compressor's default error feedback (residual for the three here). One work
 machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
 dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step
 period (one optimizer step's end to the next: the batch and the loop's time between batches, which is
-what the planners' profiles measure and their predictions mean; runs.csv also has the batch alone)
+what the planners' profiles measure and their predictions mean; trials.csv also has the batch alone)
 over the steps after that (the planned syncs profile dense for the first steps), the same steps for
 every method. The planners are told
 the NIC's TCP payload rate and measure the per-message latency themselves
@@ -244,7 +244,7 @@ def work_table(runs: dict[tuple, list[dict[str, Any]]], cases: list[tuple[str, s
     if not lines:
         return []
     return ["", f"Where the kept plans' time went, rank 0, summed over groups, medians over the last {WORK_STEPS} "
-                "steps and then over repetitions, ms measured / model (`work_*` and `model_*` in runs.csv): "
+                "steps and then over repetitions, ms measured / model (`work_*` and `model_*` in trials.csv): "
                 "compressor encode (the model's without its fitted per-group overhead), decode, and the time the "
                 "training thread spent completing groups after backward beside the model's tail from backward "
                 "end to the last decode:", "",
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> None:
                     results.progress(done, total, f"{bw} {workload} {method}{'/' + comp if comp else ''} rep {rep}: "
                                                   f"step {row['step_ms']:.1f} ms{pred} (run {wall:.0f} s, "
                                                   f"~{eta:.0f} min left)")
-    results.write_csv(rows, "runs.csv")
+    results.write_csv(rows, "trials.csv")
 
     # Per (bandwidth, workload, compressor, method): measured spread, model at --nodes and at 64.
     table, summary_rows, targets = [], [], []
@@ -524,7 +524,7 @@ def header(args: argparse.Namespace, runs: dict, targets: list[dict], probes: di
                      + ", ".join(f"{p['fraction']:.0%} of {bw}" for bw, p in probes.items())
                      + f"), on this host's {os.cpu_count()} cores; no device time.",
         "Bound by": "measured on the dense runs, the wait for communication after backward against the rest of the "
-                    "step (runs.csv `sync_ms`, `step_ms`): " + "; ".join(bound) + ".",
+                    "step (trials.csv `sync_ms`, `step_ms`): " + "; ".join(bound) + ".",
         "Repetitions": f"{args.reps}, alternating, {args.steps} steps each.",
         "Answer": f"Espresso within noise of the best method in {sum(t['espresso ok'] for t in targets)} of {n} "
                   f"cases; Cupcake faster than layer-wise in {sum(t['cupcake / layer-wise'] < 1 for t in targets)} "
