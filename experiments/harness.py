@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from experiments import claims
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("DDLSCALE_RESULTS_DIR") or ROOT / "experiments" / "results")
 
@@ -175,15 +177,9 @@ QUICK: dict[str, dict[str, str]] = {
 
 def claimed_commands(readme: Path = README) -> list[tuple[str, str]]:
     """(folder, command) of every claims-table row, first appearance order, each command once."""
-    lines = readme.read_text().splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| claim |"))
-    header = [c.strip() for c in lines[start].strip("|").split("|")]
     out: dict[str, str] = {}
-    for line in lines[start + 2:]:
-        if not line.startswith("|"):
-            break
-        row = dict(zip(header, (c.strip().strip("`") for c in line.strip().strip("|").split("|")), strict=True))
-        out.setdefault(row["command"], row["folder"])
+    for row in claims.claims(readme):
+        out.setdefault(claims.code(row["command"]), claims.code(row["folder"]))
     return [(folder, command) for command, folder in out.items()]
 
 
