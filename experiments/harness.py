@@ -3,7 +3,9 @@
 BENCHMARKS.md's rules live here: methods are compared side by side in one invocation, alternating
 (and rotating which goes first) so drift on a shared machine hits all alike; results are medians
 with min/max; each experiment writes a CSV, a PNG and a markdown table under
-``experiments/results/<name>/`` stating the machine it ran on and how long the run took.
+``experiments/results/<name>/`` stating the machine, the commit and the time dilation it ran on and how
+long the run took. Writing results.md also judges the folder's claims (``experiments/claims.py``) on the
+CSVs just written and appends them to the folder's ``runs.csv``, which results.md lists at its end.
 ``$DDLSCALE_RESULTS_DIR`` moves that root elsewhere (``make experiments-quick`` writes its reduced
 runs to ``experiments/results-quick`` so they never overwrite the real ones).
 
@@ -37,6 +39,7 @@ from experiments import claims
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("DDLSCALE_RESULTS_DIR") or ROOT / "experiments" / "results")
+README = ROOT / "experiments" / "README.md"  # its claims table: the claims each run judges
 
 
 def machine() -> dict[str, Any]:
@@ -63,8 +66,13 @@ def alternating(methods: Sequence[str], reps: int) -> Iterator[tuple[int, str]]:
             yield rep, method
 
 
+# Every time-dilation factor the train.py runs of this process reported (summary.json "dilation"): what
+# Results records when the experiment does not set Results.dilation itself.
+DILATIONS: set[float] = set()
+
+
 def train(overrides: Sequence[str], timeout: float = 900, run_dir: Path | None = None) -> dict[str, Any]:
-    """Run ``train.py`` with Hydra overrides; return its summary.json.
+    """Run ``train.py`` with Hydra overrides; return its summary.json (its dilation noted in DILATIONS).
 
     The run writes into ``run_dir`` when given (to read its metrics.csv after), else a scratch dir.
     """
@@ -75,7 +83,28 @@ def train(overrides: Sequence[str], timeout: float = 900, run_dir: Path | None =
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if result.returncode != 0:
             raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-4000:]}")
-        return json.loads((out / "summary.json").read_text())
+        summary = json.loads((out / "summary.json").read_text())
+        if "dilation" in summary:
+            DILATIONS.add(summary["dilation"])
+        return summary
+
+
+def git_commit() -> str:
+    """HEAD's short hash, with ``+dirty`` when tracked files outside the results folders differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)experiments/results",
+                      ":(exclude)experiments/results-quick")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if changed else "")
+
+
+def _number_text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, int | float) else str(value)
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:
@@ -84,13 +113,25 @@ def spread(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 class Results:
-    """The output folder of one experiment."""
+    """The output folder of one experiment.
+
+    ``dilation``: the emulated cluster's time-dilation factor, for an experiment that drives the cluster
+    itself (a number, or short text such as "4 (8 machines), 1 (2 machines)"); None: the factors its
+    train.py runs reported, else 1.
+    """
 
     def __init__(self, name: str):
         self.name = name
         self.dir = RESULTS / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.started = time.perf_counter()
+        self.commit = git_commit()  # at the start: the code the run runs
+        self.dilation: Any = None
+
+    def dilation_text(self) -> str:
+        if self.dilation is not None:
+            return _number_text(self.dilation)
+        return ", ".join(_number_text(d) for d in sorted(DILATIONS)) or "1"
 
     def progress(self, done: int, total: int, message: str) -> None:
         elapsed = time.perf_counter() - self.started
@@ -108,24 +149,50 @@ class Results:
                        notes: str = "", command: str = "", summary: dict[str, str] | None = None,
                        filename: str = "results.md") -> Path:
         """results.md: title, command, the ``summary`` header (what is compared, the emulation, what bound
-        the run, repetitions, the answer: ``header_lines``), the table, the machine and the run's duration,
-        then ``notes``. The folder holds only the current run: the old results.md is replaced whole."""
+        the run, repetitions, the answer: ``header_lines``) and the dilation, the table, the machine, the
+        commit and the run's duration, then ``notes``. The old results.md is replaced whole; results.md
+        (not another filename) then gets this run's claims appended to runs.csv and listed (``record_run``).
+        The experiment writes its CSVs first: the claims are judged on them."""
         lines = [f"# {title}", ""]
         if command:
             lines += [f"Regenerate: `{command}`", ""]
         if summary:
-            lines += [*header_lines(summary), ""]
+            lines += [*header_lines(summary), f"- **Dilation:** {self.dilation_text()} (the emulated cluster's "
+                                              "time-dilation factor; 1: none)", ""]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in table]
         info = machine()
         took = (time.perf_counter() - self.started) / 60
+        dilation = "" if summary else f", dilation {self.dilation_text()}"
         lines += ["", "Machine: " + ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)
-                  + f"; the run took {took:.1f} min"]
+                  + f", commit {self.commit}{dilation}; the run took {took:.1f} min"]
         if notes:
             lines += ["", notes.strip()]
         path = self.dir / filename
         path.write_text("\n".join(lines) + "\n")
+        if filename == "results.md":
+            self.record_run(command, info["date"])
         return path
+
+    def record_run(self, command: str, date: str) -> None:
+        """Judge every claims-table row naming this folder on the CSVs as written now, append one runs.csv
+        row per claim (claim ``-`` where none names it) and list every run at the end of results.md."""
+        rows = [r for r in claims.claims(README) if claims.code(r["folder"]) == self.name]
+        command = command or (claims.code(rows[0]["command"]) if rows else "")
+        reps = claims.reps_of(command) if command else None
+        run = {"date": date, "commit": self.commit, "dilation": self.dilation_text(),
+               "reps": "-" if reps is None else str(reps)}
+        judged = [{**run, "claim": "-", "figure": "-", "verdict": "-"}] if not rows else []
+        for row in rows:
+            try:
+                figure, verdict = claims.judge_run(row, self.dir, command)
+            except Exception as e:  # e.g. a --quick run without the cells the check reads
+                print(f"[{self.name}] claim {row['id']} not judged: {type(e).__name__}: {e}", flush=True)
+                figure, verdict = "-", "not judged"
+            judged.append({**run, "claim": row["id"], "figure": figure, "verdict": verdict})
+        claims.append_runs(self.dir, judged)
+        with (self.dir / "results.md").open("a") as f:
+            f.write("\n" + claims.runs_section(claims.read_runs(self.dir)))
 
     def figure_path(self, filename: str = "results.png") -> Path:
         return self.dir / filename
@@ -150,7 +217,6 @@ def _fmt(value: Any) -> str:
 
 # ---- `python -m experiments.harness`: every claim's command, in experiments/README.md's order ----
 
-README = ROOT / "experiments" / "README.md"
 QUICK_RESULTS = ROOT / "experiments" / "results-quick"
 # The reduced run: per module, the flags that cut repetitions, steps and cells (each module's own flags).
 QUICK: dict[str, dict[str, str]] = {

@@ -104,3 +104,61 @@ def test_a_figure_is_reprinted_as_its_row_prints_it():
     assert c.reprint("0.38 s (0.23-0.54 s)", c.Figure(0.5, 0.25, 1)) == "0.50 s (0.25-1.00 s)"
     assert c.reprint("4.42x", c.Figure(4.0, 3, 5)) == "4.00x"
     assert c.figure_text("11.7x (1.16-407x); partition's 407x") == "11.7x (1.16-407x)"
+
+
+SUMMARY = {"Compared": "t", "Emulation": "none", "Bound by": "n/a", "Repetitions": "4", "Answer": "t is 1.5"}
+
+
+def test_each_run_is_judged_kept_in_runs_csv_and_listed(tmp_path, monkeypatch):
+    """harness.Results judges the README's rows naming its folder on the CSVs it just wrote, appends them to
+    runs.csv (never rewriting a row) and lists every run at the end of results.md."""
+    from experiments import harness
+
+    readme = tmp_path / "README.md"
+    readme.write_text("| " + " | ".join(c.COLUMNS) + " |\n|" + "---|" * len(c.COLUMNS) + "\n"
+                      "| fast | t is fast | `median <= 2` t | 1.5 (1.0-2.0) | met | `demo` | 2026-01-02 | "
+                      "`python -m experiments.demo --reps 4` | `results.csv: col(\"t\")` |\n")
+    monkeypatch.setattr(harness, "README", readme)
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(harness, "DILATIONS", set())
+    monkeypatch.setattr(harness, "machine", lambda: {"cpu": "x86_64", "date": "2026-01-02 03:04"})
+    command = "python -m experiments.demo --reps 4"
+
+    demo = harness.Results("demo")
+    demo.write_csv([{"t": 1.0}, {"t": 3.0}, {"t": 1.5}])
+    demo.write_markdown("demo", ["a"], [[1]], command=command, summary=SUMMARY)
+    first = c.read_runs(demo.dir)
+    assert [{k: r[k] for k in ("date", "dilation", "reps", "claim", "figure", "verdict")} for r in first] == [
+        {"date": "2026-01-02 03:04", "dilation": "1", "reps": "4", "claim": "fast", "figure": "1.5 (1.0-3.0)",
+         "verdict": "within noise"}]
+    assert first[0]["commit"] == demo.commit and demo.commit.startswith(harness.git_commit()[:7])
+    text = (demo.dir / "results.md").read_text()
+    assert f"date 2026-01-02 03:04, commit {demo.commit}; the run took" in text
+    assert "- **Dilation:** 1 " in text
+    assert not c.folder_problems(demo.dir)
+
+    # the next run appends: its dilation is what its train.py runs reported
+    harness.DILATIONS.update({4.0, 1})
+    demo.write_csv([{"t": 1.0}, {"t": 1.2}])
+    demo.write_markdown("demo", ["a"], [[1]], command=command, summary=SUMMARY)
+    second = c.read_runs(demo.dir)
+    assert second[0] == first[0] and len(second) == 2
+    assert (second[1]["dilation"], second[1]["figure"], second[1]["verdict"]) == ("1, 4", "1.1 (1.0-1.2)", "met")
+    assert not c.folder_problems(demo.dir)
+
+    # an experiment that sets its dilation, in a folder no claim names: the run is kept all the same
+    other = harness.Results("other")
+    other.dilation = "4 (8 machines), 1 (2 machines)"
+    other.write_csv([{"t": 1.0}])
+    other.write_markdown("other", ["a"], [[1]], command="python -m experiments.other")
+    assert [(r["claim"], r["reps"], r["dilation"]) for r in c.read_runs(other.dir)] == [
+        ("-", "-", "4 (8 machines), 1 (2 machines)")]
+    assert ", dilation 4 (8 machines), 1 (2 machines); the run took" in (other.dir / "results.md").read_text()
+
+
+def test_make_experiments_reads_the_commands_from_the_table():
+    from experiments import harness
+
+    commands = harness.claimed_commands()
+    assert ("overhead", c.code(ROWS[0]["command"])) == commands[0]
+    assert len(commands) == len({c.code(r["command"]) for r in ROWS})
