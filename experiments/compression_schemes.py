@@ -233,19 +233,18 @@ def main(argv: list[str] | None = None) -> None:
             if {"zen", "allgather"} <= set(present):
                 ratio = stats["allgather"]["sync_ms"][0] / stats["zen"]["sync_ms"][0]
                 answers.append(f"{cluster} {workload}: zen's sync {ratio:.2f}x as fast as allgather's"
-                               + (f" (target 1.5x: {'met' if ratio >= 1.5 else 'MISSED'})" if cluster == "8x1" else ""))
+                               + (" (target >= 1.5x)" if cluster == "8x1" else ""))
                 zen_lines.append(f"| {cluster} | {workload} | {stats['allgather']['sync_ms'][0]:.1f} | "
-                                 f"{stats['zen']['sync_ms'][0]:.1f} | {ratio:.2f}x | {('met' if ratio >= 1.5 else 'MISSED') if cluster == '8x1' else '(8x1 only)'} | "
+                                 f"{stats['zen']['sync_ms'][0]:.1f} | {ratio:.2f}x | {('yes' if ratio >= 1.5 else 'no') if cluster == '8x1' else '(8x1 only)'} | "
                                  f"{stats['allgather']['step_ms'][0] / stats['zen']['step_ms'][0]:.2f}x |")
             if cluster == "4x2" and {"espresso search", "espresso trial", "cupcake", "allgather", "dense"} <= set(present):
                 best = min((m for m in UNIFORM if m in stats), key=lambda m: stats[m]["step_ms"][0])
                 search = stats["espresso search"]["step_ms"][0]
                 answers.append(f"{cluster} {workload}: Espresso's search {search / stats[best]['step_ms'][0]:.3f}x the "
-                               f"best uniform plan's step ({best}; target at most 1: "
-                               f"{'met' if search <= stats[best]['step_ms'][0] else 'MISSED'})")
+                               f"best uniform plan's step ({best}; target at most 1)")
                 lines.append(f"| {workload} | {best} {stats[best]['step_ms'][0]:.1f} | {search:.1f} | "
                              f"{search / stats[best]['step_ms'][0]:.3f} | "
-                             f"{'met' if search <= stats[best]['step_ms'][0] else 'MISSED'} | "
+                             f"{'yes' if search <= stats[best]['step_ms'][0] else 'no'} | "
                              f"{stats['espresso trial']['step_ms'][0]:.1f} | {stats['cupcake']['step_ms'][0]:.1f} | "
                              f"{stats['allgather']['step_ms'][0]:.1f} | {dense['step_ms'][0]:.1f} |")
     results.write_csv(summary_rows)
@@ -273,14 +272,14 @@ at once): {"; ".join(f"{c} {p['fraction']:.0%} of the payload rate" for c, p in 
 
 Zen against allgather (medians of the sync time, ms; target: zen's sync at least 1.5x faster):
 
-| cluster | workload | allgather sync | zen sync | allgather / zen | target | step speed-up |
+| cluster | workload | allgather sync | zen sync | allgather / zen | >= 1.5x | step speed-up |
 |---|---|---|---|---|---|---|
 """ + "\n".join(zen_lines) + """
 
 Espresso's search alone against the best uniform plan it could have chosen (4x2; medians of the step period, ms;
-met when the search's median is at most the best uniform plan's):
+the target: the search's median at most the best uniform plan's):
 
-| workload | best uniform plan | Espresso search | search / best | target | Espresso trial | Cupcake | layer-wise allgather | dense |
+| workload | best uniform plan | Espresso search | search / best | <= 1 | Espresso trial | Cupcake | layer-wise allgather | dense |
 |---|---|---|---|---|---|---|---|---|
 """ + "\n".join(lines)
     results.write_markdown(

@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> None:
                         f"per step, {(spread(syncs['gemini'])[0] - spread(syncs['none'])[0]) * 1e3:.0f} ms of it in "
                         "sync (medians).",
             "Repetitions": f"{args.reps}, alternating, {args.steps} steps each (mean over the last {args.steps // 2}).",
-            "Answer": f"Gemini costs {(table[-1][2] - 1):.1%} ({table[-1][3]:.3f}-{table[-1][4]:.3f}x no checkpoint): "
-                      f"the 3% target is {'met' if table[-1][2] <= 1.03 else 'MISSED'}; blocking costs "
+            "Answer": f"Gemini costs {(table[-1][2] - 1):.1%} ({table[-1][3]:.3f}-{table[-1][4]:.3f}x no checkpoint; "
+                      f"target <= 3%); blocking costs "
                       f"{table[1][2] - 1:.0%}.",
         },
         command=f"python -m experiments.gemini_overhead --model {args.model} --nodes {args.nodes} "
