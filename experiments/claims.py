@@ -395,8 +395,8 @@ def append_runs(folder: Path, rows: list[dict[str, str]]) -> None:
 def runs_section(rows: list[dict[str, str]]) -> str:
     """results.md's closing section: every run in runs.csv, oldest first."""
     lines = [RUNS_HEADING, "",
-             "Every run of this experiment (runs.csv, appended by each run; verdicts as judged at the time; "
-             "claim `-`: a run no claim judged):", "",
+             "Every run of this experiment (runs.csv: each run appends its rows, none is rewritten; claim `-`: "
+             "a run no claim judged):", "",
              "| " + " | ".join(RUNS_COLUMNS) + " |", "|" + "---|" * len(RUNS_COLUMNS)]
     lines += ["| " + " | ".join(r[c] for c in RUNS_COLUMNS) + " |" for r in rows]
     return "\n".join(lines) + "\n"

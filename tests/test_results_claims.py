@@ -12,6 +12,7 @@ from experiments import claims as c
 
 ROWS = c.claims()
 IDS = [r["id"] for r in ROWS]
+FOLDERS = sorted(p for p in c.results_of().iterdir() if p.is_dir())
 
 
 def test_the_table_has_rows_with_unique_ids():
@@ -32,6 +33,16 @@ def test_row_figures_match_the_csv(row):
 @pytest.mark.parametrize("row", ROWS, ids=IDS)
 def test_row_verdict_is_what_the_rules_give(row):
     assert not c.verdict_problems(row, c.ROOT)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=IDS)
+def test_row_is_its_newest_run_in_runs_csv(row):
+    assert not c.history_problems(row, c.ROOT)
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[f.name for f in FOLDERS])
+def test_folder_keeps_every_run_and_states_no_verdict_of_its_own(folder):
+    assert not c.folder_problems(folder)
 
 
 def test_a_wrong_figure_fails(tmp_path):
