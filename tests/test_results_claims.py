@@ -6,6 +6,10 @@ that the harness judges each run with the same code. Each check returns its prob
 
 from __future__ import annotations
 
+import csv
+import shutil
+from pathlib import Path
+
 import pytest
 
 from experiments import claims as c
@@ -173,3 +177,63 @@ def test_make_experiments_reads_the_commands_from_the_table():
     commands = harness.claimed_commands()
     assert ("overhead", c.code(ROWS[0]["command"])) == commands[0]
     assert len(commands) == len({c.code(r["command"]) for r in ROWS})
+
+
+# ---- the judging is not vacuous: a copy of the README and the results, mutated, fails ----
+
+def _copy(where: Path) -> Path:
+    """A tree with the README, the results and the experiment modules (their commands name them)."""
+    root = where / "repo"
+    (root / "experiments").mkdir(parents=True)
+    for module in (c.ROOT / "experiments").glob("*.py"):
+        shutil.copy(module, root / "experiments")
+    shutil.copy(c.readme_of(), c.readme_of(root))
+    shutil.copytree(c.results_of(), c.results_of(root))
+    return root
+
+
+def _set_cell(root: Path, claim: str, column: str, value: str) -> None:
+    readme = c.readme_of(root)
+    lines = readme.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith(f"| {claim} |"))
+    cells = [x.strip() for x in lines[i].strip().strip("|").split("|")]
+    cells[c.COLUMNS.index(column)] = value
+    lines[i] = "| " + " | ".join(cells) + " |"
+    readme.write_text("\n".join(lines) + "\n")
+
+
+def _slow_one_rep(root: Path) -> None:
+    """overhead's first lstm ddlscale step, doubled: overhead-lstm's check reads it."""
+    path = c.results_of(root) / "overhead" / "results.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    row = next(r for r in rows if (r["workload"], r["strategy"]) == ("lstm", "ddlscale"))
+    row["step_time_s"] = str(2 * float(row["step_time_s"]))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+MUTATIONS = {
+    "met-to-missed": (lambda root: _set_cell(root, "zen-vs-allgather-gpt", "verdict", "MISSED: by hand"),
+                      "zen-vs-allgather-gpt"),
+    "missed-to-met": (lambda root: _set_cell(root, "zen-vs-allgather-lstm", "verdict", "met"), "zen-vs-allgather-lstm"),
+    "target-raised": (lambda root: _set_cell(root, "zen-vs-allgather-gpt", "target",
+                                             "`median >= 5` allgather's median sync / Zen's"), "zen-vs-allgather-gpt"),
+    "csv-value": (_slow_one_rep, "overhead-lstm"),
+    "runs-csv-deleted": (lambda root: (c.results_of(root) / "zen_volume" / "runs.csv").unlink(), "zen_volume"),
+}
+
+
+def test_the_copy_as_it_is_passes(tmp_path):
+    assert c.all_problems(_copy(tmp_path)) == []
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_judging_a_mutated_copy_fails(tmp_path, name):
+    mutate, where = MUTATIONS[name]
+    root = _copy(tmp_path)
+    mutate(root)
+    problems = c.all_problems(root)
+    assert any(where in p for p in problems), f"{name} not caught: {problems}"
