@@ -177,9 +177,13 @@ class Results:
     def record_run(self, command: str, date: str) -> None:
         """Judge every claims-table row naming this folder on the CSVs as written now, append one runs.csv
         row per claim (claim ``-`` where none names it) and list every run at the end of results.md."""
-        rows = [r for r in claims.claims(README) if claims.code(r["folder"]) == self.name]
+        try:
+            rows = [r for r in claims.claims(README) if claims.code(r["folder"]) == self.name]
+        except Exception as e:  # an unreadable table must not cost the run its record
+            print(f"[{self.name}] {README} unreadable, no claim judged: {type(e).__name__}: {e}", flush=True)
+            rows = []
         command = command or (claims.code(rows[0]["command"]) if rows else "")
-        reps = claims.reps_of(command) if command else None
+        reps = claims.reps_of(command)  # the module wrote the command: its --reps is a number
         run = {"date": date, "commit": self.commit, "dilation": self.dilation_text(),
                "reps": "-" if reps is None else str(reps)}
         judged = [{**run, "claim": "-", "figure": "-", "verdict": "-"}] if not rows else []
