@@ -10,7 +10,8 @@ judging at the end of each experiment and appends the outcome to the folder's ``
 
 ``where`` keeps the CSV rows matching every filter (``=``, ``!=``, ``>=``, ``<=``; numbers compare as
 numbers). ``per`` splits the kept rows into groups and evaluates EXPRESSION once per group; without it
-EXPRESSION is evaluated once. Either way it gives values: a number, a list of numbers, or figures (below).
+EXPRESSION is evaluated once. Either way it gives values: a number, a list of numbers, or figures (below);
+an empty list: this group gives none (e.g. a calibration point left out of a model's validation).
 The row's "measured" cell is the median of the values and, in parentheses, their smallest and largest;
 a value given as a figure counts by its median. EXPRESSION is Python over these names, each taking a
 column and optional ``column=value`` filters on the current rows:
