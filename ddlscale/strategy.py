@@ -22,7 +22,6 @@ collective an error that names both sides.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -37,6 +36,7 @@ from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
+from ddlscale import clock
 from ddlscale.ckpt.state import SYNC_STATE_KEY
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.sync import DenseAllreduce, GradSync
@@ -95,6 +95,8 @@ class DDLStrategy(DDPStrategy):
             if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
                 raise ValueError(f"strategy.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
             timeout = timedelta(seconds=timeout_s)
+        if timeout is not None:  # in emulated seconds: a dilated cluster's collectives take k times longer
+            timeout = clock.wall_timeout(timeout.total_seconds())
         if not isinstance(debug_collectives, bool):
             raise ValueError(f"strategy.debug_collectives must be true or false, got {debug_collectives!r}")
         if sync is not None and not isinstance(sync, GradSync):
@@ -163,7 +165,7 @@ class DDLStrategy(DDPStrategy):
     # -- per step ------------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.device_time_s:
-            time.sleep(self.device_time_s)
+            clock.sleep(self.device_time_s)
         if self.broadcast_buffers and self.sync.world_size > 1:
             self._broadcast_buffers()
         return super().training_step(*args, **kwargs)

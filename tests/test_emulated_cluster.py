@@ -98,12 +98,13 @@ def test_train_on_emulated_cluster(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "cluster=emulated", "cluster.nodes=2", "cluster.bandwidth=1gbit",
-         "trainer.devices=1", "trainer.max_steps=5", "trainer.enable_progress_bar=false", f"hydra.run.dir={out}"],
+         "cluster.dilation=1", "trainer.devices=1", "trainer.max_steps=5", "trainer.enable_progress_bar=false", f"hydra.run.dir={out}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cluster"] == "emulated" and summary["world_size"] == 2 and summary["cluster_nodes"] == 2
+    assert summary["dilation"] == 1 and summary["cpu_cap"].startswith("not capped")  # today's emulation
     payload_bps = 1e9 * 1448 / 1514  # TCP payload per Ethernet frame
     assert summary["wire_time_per_step_s"] == pytest.approx(summary["bytes_sent_per_step"] * 8 / payload_bps)
     projected = summary["projected_step_time_s"]

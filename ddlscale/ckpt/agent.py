@@ -46,12 +46,12 @@ import socket
 import socketserver
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddlscale import clock
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.auth import MAC_BYTES, SECRET_ENV, JobKeys, SecretError
 from ddlscale.ckpt.checksum import KEYED, algorithm_of, matches
@@ -447,11 +447,11 @@ class Agent:
         seen: dict[int, tuple[int, float]] = {}  # machine -> (last count, when it last changed)
         failed: set[int] = set()
         lost_store_since: float | None = None
-        while not self.stopped.wait(self.heartbeat_s):
+        while not self.stopped.wait(clock.wall(self.heartbeat_s)):
             try:
                 beats += 1
                 store.set(keys.heartbeat(self.machine), beats)
-                now = time.monotonic()
+                now = clock.now()
                 for m in range(self.machines):
                     count = int(store.get(keys.heartbeat(m), 0))
                     if m not in seen or seen[m][0] != count:
@@ -466,8 +466,8 @@ class Agent:
                     failed = self._watch(store, stale, failed)
                 lost_store_since = None
             except (RuntimeError, OSError, ConnectionError):
-                lost_store_since = lost_store_since or time.monotonic()
-                if time.monotonic() - lost_store_since > 10 * self.failure_timeout_s:
+                lost_store_since = lost_store_since or clock.now()
+                if clock.now() - lost_store_since > 10 * self.failure_timeout_s:
                     self.stop()  # the job (and its store) is over
                     return
 
@@ -485,11 +485,11 @@ class Agent:
         """As root: record machines that stopped heartbeating and machines that came back."""
         keys = store.keys
         for m in sorted(stale - failed):
-            store.set(keys.failed(m), {"detected_unix": time.time(), "by": self.machine})
-            self._log(store, {"event": "failed", "machine": m, "unix": time.time(), "root": self.machine})
+            store.set(keys.failed(m), {"detected_unix": clock.timestamp(), "by": self.machine})
+            self._log(store, {"event": "failed", "machine": m, "unix": clock.timestamp(), "root": self.machine})
         for m in sorted(failed - stale):
             store.delete(keys.failed(m))
-            self._log(store, {"event": "replaced", "machine": m, "unix": time.time(), "root": self.machine})
+            self._log(store, {"event": "replaced", "machine": m, "unix": clock.timestamp(), "root": self.machine})
         store.set(keys.alive, [m for m in range(self.machines) if m not in stale])
         return set(stale)
 

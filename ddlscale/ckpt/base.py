@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from ddlscale import clock
 from ddlscale.ckpt.io import ManifestCheckpointIO
 from ddlscale.ckpt.state import RANK_STATE_KEY, param_sha256, restore_local
 
@@ -129,7 +129,7 @@ class Checkpointer(pl.Callback):
         launched = process_started_unix()
         if launched is not None:
             self._progress(trainer, f"launched {trainer.global_step} {launched:.3f}")
-        self._progress(trainer, f"setup {trainer.global_step} {time.time():.3f}")
+        self._progress(trainer, f"setup {trainer.global_step} {clock.timestamp():.3f}")
 
     def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         self._pending_local = checkpoint.get(RANK_STATE_KEY)
@@ -144,9 +144,9 @@ class Checkpointer(pl.Callback):
                 self.loaded_param_sha256 = param_sha256(pl_module)
         self._last_step = trainer.global_step
         if self.resumed_step is not None:
-            self._progress(trainer, f"resumed {trainer.global_step} {time.time():.3f} {self.recovery.get('retrieve_s', 0):.4f}")
+            self._progress(trainer, f"resumed {trainer.global_step} {clock.timestamp():.3f} {self.recovery.get('retrieve_s', 0):.4f}")
         else:
-            self._progress(trainer, f"start {trainer.global_step} {time.time():.3f}")
+            self._progress(trainer, f"start {trainer.global_step} {clock.timestamp():.3f}")
 
     def _progress(self, trainer: pl.Trainer, line: str) -> None:
         if self.progress_path is not None and trainer.is_global_zero:
@@ -155,7 +155,7 @@ class Checkpointer(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._batch_start is None:
-            self._batch_start = time.perf_counter()
+            self._batch_start = clock.now()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -164,14 +164,14 @@ class Checkpointer(pl.Callback):
             return  # a micro-batch that only accumulated
         self._last_step = step
         if self._batch_start is not None:
-            self._step_times.append(time.perf_counter() - self._batch_start)
+            self._step_times.append(clock.now() - self._batch_start)
         self._batch_start = None
-        self._progress(trainer, f"step {step} {time.time():.3f}")
+        self._progress(trainer, f"step {step} {clock.timestamp():.3f}")
         if not self.due(step):
             return
-        start = time.perf_counter()
+        start = clock.now()
         self.save(trainer, batch_idx)
-        self.times.append(time.perf_counter() - start)
+        self.times.append(clock.now() - start)
         if self.interval is None:
             self._settle_highfreq(trainer, step)
 

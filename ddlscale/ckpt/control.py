@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddlscale import clock
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.manifest import Manifest
@@ -68,7 +69,7 @@ def watch(store: kvstore.JobStore, poll_s: float) -> None:
         manifest = store.manifest()
         if isinstance(manifest, Manifest) and manifest.step != last_step:
             last_step = manifest.step
-            emit({"committed": manifest.step, "incarnation": manifest.placement.get("incarnation"), "unix": time.time()})
+            emit({"committed": manifest.step, "incarnation": manifest.placement.get("incarnation"), "unix": clock.timestamp()})
         events = store.get(store.keys.events, [])
         for event in events[seen_events:]:
             emit(event)

@@ -46,7 +46,6 @@ import io
 import json
 import re
 import sys
-import time
 import warnings
 import zipfile
 from collections.abc import Iterator
@@ -62,6 +61,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from ddlscale import clock
 from ddlscale.ckpt.checksum import Checksum
 from ddlscale.ckpt.data import DataPosition
 from ddlscale.ckpt.manifest import Manifest, ManifestError, ShardRecord, read_shard, write_manifest
@@ -146,16 +146,16 @@ class _PacedStream(io.RawIOBase):
 
     def __init__(self, raw: Any, bandwidth_bps: float) -> None:
         self.raw, self.bps = raw, bandwidth_bps
-        self.start, self.written = time.perf_counter(), 0
+        self.start, self.written = clock.now(), 0
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         step = max(4096, int(self.bps / 8 / 20))
         for lo in range(0, len(view), step):
             self.written += self.raw.write(view[lo:lo + step])
-            delay = self.start + self.written * 8 / self.bps - time.perf_counter()
+            delay = self.start + self.written * 8 / self.bps - clock.now()
             if delay > 0:
-                time.sleep(delay)
+                clock.sleep(delay)
         return len(view)
 
     def writable(self) -> bool:
@@ -347,20 +347,20 @@ class DcpWriter:
         """Wait until the last version's tensors are copied (call before the optimizer step); seconds waited."""
         if self._staging is None:
             return 0.0
-        start = time.perf_counter()
+        start = clock.now()
         staging, self._staging = self._staging, None
         staging.result()
-        return time.perf_counter() - start
+        return clock.now() - start
 
     def wait(self) -> float:
         """Wait until the version in flight is written (and on rank 0 committed); seconds waited. Raises
         what writing it raised."""
-        start = time.perf_counter()
+        start = clock.now()
         self.staged()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-        return time.perf_counter() - start
+        return clock.now() - start
 
     def close(self) -> None:
         try:

@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import uuid
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.dcp import DcpWriter
 from ddlscale.ckpt.io import load_version
@@ -183,7 +182,7 @@ class DiskCheckpointer(Checkpointer):
         group = None
         if dist.is_available() and dist.is_initialized():
             # DCP's own group: its plan collectives run in DCP's thread, beside training's.
-            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=DCP_TIMEOUT_S))
+            group = dist.new_group(backend="gloo", timeout=clock.wall_timeout(DCP_TIMEOUT_S))
         self.writer = DcpWriter(self._directory(), self._rank, trainer.world_size, self.async_save, self.bandwidth_bps,
                                 group, on_commit=self._committed)
 
@@ -229,9 +228,9 @@ class DiskCheckpointer(Checkpointer):
         """Manifests read back at ``bandwidth`` (remote storage is slow both ways); timed for the summary."""
         if not path.endswith(SUFFIX):
             return None
-        start = time.perf_counter()
+        start = clock.now()
         loaded = load_version(Path(path), self._rank, self.bandwidth_bps, self._world_size)
-        self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+        self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
         return loaded
 
     def prune(self) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 import warnings
 import zlib
 from pathlib import Path
@@ -42,6 +41,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.ckpt import kvstore
 from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
@@ -224,12 +224,12 @@ class GeminiCheckpointer(Checkpointer):
 
     def _agent(self, machine: int, timeout_s: float = 30.0, local: bool = False) -> AgentClient:
         key = self.store.keys.agent(machine)
-        deadline = time.monotonic() + timeout_s
+        deadline = clock.now() + timeout_s
         while (address := self.store.get(key)) is None:
-            if time.monotonic() > deadline:
+            if clock.now() > deadline:
                 raise ReplicaError(f"no replica agent registered (signed with this job's secret) for machine "
                                    f"{machine} after {timeout_s:g} s")
-            time.sleep(0.05)
+            clock.sleep(0.05)
         return (LocalAgentClient if local else AgentClient)(address, self.auth, self.incarnation)
 
     def committed_manifest(self, store: kvstore.JobStore | None = None) -> Manifest | None:
@@ -288,14 +288,14 @@ class GeminiCheckpointer(Checkpointer):
 
     # -- checkpointing ------------------------------------------------------------------------------
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        start = time.perf_counter()
+        start = clock.now()
         payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
                    "shared": capture_shared(trainer)}
         position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
         transfer = Transfer(trainer.global_step, capture(payload, unchanged_until_step(trainer)), position=position)
         self.transfers.append(transfer)
         self.sender.submit(transfer)  # blocking mode: sent and checked before this returns
-        self.stalls.append(time.perf_counter() - start)
+        self.stalls.append(clock.now() - start)
         if self.persistent is not None and self.persistent.due(trainer.global_step):
             self.persistent.save(trainer, batch_idx)
 
@@ -369,7 +369,7 @@ class GeminiCheckpointer(Checkpointer):
                              batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._iteration_start is None:
-            self._iteration_start = time.perf_counter()
+            self._iteration_start = clock.now()
             self._sync_steps_at_start = self._sync.steps if self._sync is not None else 0
             if self.sender is not None:
                 self.sender.iteration_started()
@@ -404,7 +404,7 @@ class GeminiCheckpointer(Checkpointer):
 
     def _record_profile(self, start: float) -> None:
         """One iteration's gaps between training collectives; settle the plan once they are stable."""
-        now = time.perf_counter()
+        now = clock.now()
         records = self._sync.last_stats.collectives if self._sync is not None else []
         busy = [(r.start - start, (r.end if r.end is not None else now) - start) for r in records]
         profiled, horizons = self._profile
@@ -444,17 +444,17 @@ class GeminiCheckpointer(Checkpointer):
     # -- recovery ----------------------------------------------------------------------------------
     def load_path(self, path: str) -> dict[str, Any] | None:
         if path.endswith(SUFFIX):  # a persistent version resume_path chose: read at the tier's rate, timed
-            start = time.perf_counter()
+            start = clock.now()
             loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps,
                                   dist.get_world_size() if dist.is_initialized() else 1)
-            self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+            self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
             return loaded
         if not path.startswith(PATH_PREFIX):
             return None
         if self.store is None:
             self.store = self._connect()
         rank = dist.get_rank() if dist.is_initialized() else 0
-        start = time.perf_counter()
+        start = clock.now()
         data, source = self._fetch(int(path[len(PATH_PREFIX):]), rank)
         # On the strategy's device: NCCL reduces only GPU tensors.
         ok = torch.tensor([1 if data is not None else 0], device=self.device)
@@ -462,7 +462,7 @@ class GeminiCheckpointer(Checkpointer):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank restores the same version, or none does
         if int(ok) == 1:
             payload = rebuild(data)
-            self.recovery = {"source": source, "retrieve_s": time.perf_counter() - start, "tier": "memory"}
+            self.recovery = {"source": source, "retrieve_s": clock.now() - start, "tier": "memory"}
             return assemble(payload, payload)
         return self._fall_back(rank, start)
 
@@ -517,7 +517,7 @@ class GeminiCheckpointer(Checkpointer):
             loaded = load_version(Path(choice[0]), rank, self.persist_bps, world)
         except ManifestError as exc:
             raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
-        self.recovery = {"source": "persistent", "retrieve_s": time.perf_counter() - start, "tier": "disk"}
+        self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
         return loaded
 
     # -- figures -----------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ddlscale import clock
 from ddlscale.ckpt.checksum import Checksum
 from ddlscale.ckpt.replica import AgentClient, ReplicaError, ReplicaRefused, ReplicaSpaceError
 from ddlscale.ckpt.snapshot import Snapshot
@@ -175,7 +176,7 @@ class ReplicaSender:
 
     def iteration_started(self) -> None:
         with self._iteration:
-            self._iteration_start = time.perf_counter()
+            self._iteration_start = clock.now()
             self._iteration.notify_all()
 
     def deadline(self) -> float:
@@ -183,13 +184,13 @@ class ReplicaSender:
         transfer = self._current
         if transfer is None:
             return 0.0
-        start = time.perf_counter()
+        start = clock.now()
         self._deadline.set()
         with self._iteration:
             self._iteration.notify_all()
         transfer.done.wait()
         self._current = None
-        return time.perf_counter() - start
+        return clock.now() - start
 
     def settle(self) -> None:
         """Block until the last version is sent and its commit decided (end of training)."""
@@ -202,7 +203,7 @@ class ReplicaSender:
         self.settle()
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=clock.wall(30))
         for client in self.destinations:
             client.close()
 
@@ -269,7 +270,7 @@ class ReplicaSender:
         # Sent (or given up): drop the snapshot, whose copies (error feedback: a model's worth) would
         # otherwise live on in every finished transfer the checkpointer keeps for its figures.
         transfer.snapshot = None
-        transfer.finished = time.perf_counter()
+        transfer.finished = clock.now()
         transfer.done.set()  # the training thread may step now; the commit needs no more of our state
         try:
             self.on_done(transfer)
@@ -350,12 +351,12 @@ class ReplicaSender:
             if item is None:
                 return False
             offset, view = item
-            start = time.perf_counter()
+            start = clock.now()
             digest.update(view)
             for client in self.destinations:
                 self._request(client, client.data, transfer.version, self.owner, offset, [view])
             if len(view) == min(self.chunk_bytes, transfer.snapshot.nbytes):  # this snapshot's typical chunk
-                self.chunk_times.append(time.perf_counter() - start)
+                self.chunk_times.append(clock.now() - start)
             sent += 1
         return True
 

@@ -10,13 +10,13 @@ answers its own paths through ``loader``. Any other path goes to the wrapped plu
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from lightning_fabric.plugins import CheckpointIO
 
+from ddlscale import clock
 from ddlscale.ckpt.dcp import DcpVersion
 from ddlscale.ckpt.manifest import SUFFIX, read_manifest, read_shard
 from ddlscale.ckpt.reshard import assemble_resharded
@@ -29,7 +29,7 @@ def load_version(manifest_path: Path, rank: int, bandwidth_bps: float | None = N
     """Rank ``rank``'s restorable checkpoint dict from the version ``manifest_path`` commits, read at
     most at ``bandwidth_bps`` when given (emulated remote storage). ``world_size`` (default: the
     version's) other than the version's resumes at that size (:mod:`~ddlscale.ckpt.reshard`)."""
-    start = time.perf_counter()
+    start = clock.now()
     manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path)
     world = manifest.world_size if world_size is None else world_size

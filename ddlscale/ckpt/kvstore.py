@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.ckpt.auth import JobKeys
 from ddlscale.ckpt.manifest import Manifest, ManifestError
 from ddlscale.ckpt.replica import parse_address
@@ -80,7 +81,7 @@ def connect(address: str, timeout_s: float = 10.0) -> KeyValue:
         raise ValueError(f"ckpt.store must be HOST:PORT or etcd://HOST:PORT,..., got {address!r}") from None
     try:
         return dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+                             timeout=clock.wall_timeout(timeout_s))
     except (RuntimeError, OSError) as exc:
         raise ConnectionError(
             f"ckpt.store {address}: key-value store unreachable after {timeout_s:g} s ({exc}); start one "
@@ -165,14 +166,14 @@ class JobStore:
         return json.loads(text)
 
     def wait(self, key: str, timeout_s: float) -> None:
-        self.raw.wait([key], datetime.timedelta(seconds=timeout_s))
+        self.raw.wait([key], clock.wall_timeout(timeout_s))
 
     def wait_all(self, keys: list[str], timeout_s: float, poll_s: float = 0.002) -> bool:
         """Until every key exists (True) or ``timeout_s`` passed (False); the store's own ``wait``
         would raise after its client timeout instead."""
-        deadline = time.monotonic() + timeout_s
+        deadline = clock.now() + timeout_s
         while not self.raw.check(keys):
-            if time.monotonic() > deadline:
+            if clock.now() > deadline:
                 return False
             time.sleep(poll_s)
         return True

@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ddlscale import clock
 from ddlscale.ckpt.auth import MAC_BYTES, JobKeys
 
 MAGIC = b"GMN2"
@@ -114,7 +115,7 @@ class AgentClient:
 
     def _connect(self) -> None:
         try:
-            self.sock = socket.create_connection(parse_address(self.address), timeout=self.timeout_s)
+            self.sock = socket.create_connection(parse_address(self.address), timeout=clock.wall(self.timeout_s))
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             magic, protocol, self.nonce = HELLO.unpack(recv_bytes(self.sock, HELLO.size))
         except OSError as exc:

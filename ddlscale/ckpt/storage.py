@@ -9,8 +9,9 @@ temporary file, which readers never look at (see :func:`is_temporary`).
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
+
+from ddlscale import clock
 
 _TMP_MARK = ".tmp-"
 _CHUNK = 1 << 20
@@ -36,7 +37,7 @@ def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) ->
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
-    start = time.perf_counter()
+    start = clock.now()
     try:
         with open(tmp, "wb") as file:
             view = memoryview(data)
@@ -45,9 +46,9 @@ def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) ->
                 file.write(view[offset : offset + chunk])
                 if bandwidth_bps:
                     due = start + (offset + len(view[offset : offset + chunk])) * 8 / bandwidth_bps
-                    delay = due - time.perf_counter()
+                    delay = due - clock.now()
                     if delay > 0:
-                        time.sleep(delay)
+                        clock.sleep(delay)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
@@ -61,6 +62,6 @@ def pace(nbytes: int, bandwidth_bps: float | None, since: float) -> None:
     """Sleep until ``nbytes`` moved since ``since`` would have crossed a ``bandwidth_bps`` link (reads
     from emulated remote storage)."""
     if bandwidth_bps:
-        delay = since + nbytes * 8 / bandwidth_bps - time.perf_counter()
+        delay = since + nbytes * 8 / bandwidth_bps - clock.now()
         if delay > 0:
-            time.sleep(delay)
+            clock.sleep(delay)

@@ -4,6 +4,7 @@
     python -m ddlscale.cluster run --name ddl1a2b3c --machine 1 -- ip addr
     python -m ddlscale.cluster down --name ddl1a2b3c
     python -m ddlscale.cluster down --all     # every cluster whose owning process is gone
+    python -m ddlscale.cluster dilation --nodes 8 --bandwidth 1gbit --fresh   # probe cluster.dilation=auto's k
 A cluster made with `up` stays until `down --name`; train.py's `cluster=emulated` makes and removes
 its own. `down --all` never touches a cluster whose owner still runs (someone else's run on this
 host), one kept by `up`, nor namespaces that recorded no owner: remove those by name.
@@ -15,6 +16,8 @@ import argparse
 import subprocess
 import sys
 
+from ddlscale.cluster import dilation
+from ddlscale.cluster.cpucap import find_controller, remove_groups
 from ddlscale.cluster.emulated import (
     PREFIX,
     EmulatedCluster,
@@ -26,6 +29,7 @@ from ddlscale.cluster.emulated import (
     remove_namespaces,
 )
 from ddlscale.cluster.stop import start_time
+from ddlscale.comm.cost import parse_bandwidth, parse_time
 
 PROBE = f"{PREFIX}probe"  # unavailable_reason()'s short-lived namespace, named after its pid
 
@@ -62,6 +66,7 @@ def _down_all() -> None:
         removable, owner = ownership(name)
         if removable:
             remove_namespaces(list_namespaces(name if name.startswith(PROBE) else f"{name}-"))
+            remove_groups(find_controller(), name)
             forget_owner(name)
             removed += 1
         print(f"{name}: {'removed' if removable else 'left up'} ({owner})")
@@ -89,12 +94,23 @@ def main(argv: list[str] | None = None) -> int:
     down.add_argument("--name")
     down.add_argument("--all", action="store_true", help="remove every cluster whose owning process is gone")
     sub.add_parser("list", help="list emulated clusters")
+    probe = sub.add_parser("dilation", help="the k cluster.dilation=auto picks for a cluster shape (probes if not cached)")
+    probe.add_argument("--nodes", type=int, required=True)
+    probe.add_argument("--ranks", type=int, default=1, help="ranks per machine (trainer.devices)")
+    probe.add_argument("--bandwidth", default="1gbit")
+    probe.add_argument("--latency", default="0ms")
+    probe.add_argument("--fresh", action="store_true", help="probe again instead of reading the cache")
     args = parser.parse_args(argv)
 
     if args.command == "up":
         cluster = EmulatedCluster(args.nodes, args.bandwidth, args.latency, name=args.name, keep=True).up()
         addresses = ", ".join(cluster.address(i) for i in range(cluster.nodes))
         print(f"{cluster.name}: {cluster.nodes} machines at {addresses}, {args.bandwidth} NICs")
+        return 0
+    if args.command == "dilation":
+        choice = dilation.choose(dilation.AUTO, args.nodes, args.ranks, parse_bandwidth(args.bandwidth),
+                                 parse_time(args.latency), fresh=args.fresh)
+        print(choice.describe())
         return 0
     clusters = _clusters()
     if args.command == "list":
@@ -109,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         names = list_namespaces(f"{args.name}-")
         remove_namespaces(names)
+        remove_groups(find_controller(), args.name)
         forget_owner(args.name)
         print(f"removed {len(names)} namespaces")
         return 0

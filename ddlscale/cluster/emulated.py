@@ -27,10 +27,14 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ddlscale.clock import ENV as DILATION_ENV
+from ddlscale.clock import parse_factor
+from ddlscale.cluster.cpucap import CpuCaps, find_controller
 from ddlscale.cluster.stop import start_time
 from ddlscale.comm.collectives import SEGMENT_BYTES
 from ddlscale.comm.cost import NetworkModel, SharedHost, parse_bandwidth, parse_time
@@ -147,22 +151,33 @@ def remove_namespaces(names: Sequence[str], grace_s: float = 0.0) -> None:
 class EmulatedCluster:
     """N emulated machines with NICs of ``bandwidth`` (tc units, e.g. "1gbit") and one-way ``latency``.
 
+    ``dilation`` (k >= 1) slows the whole emulation by k (:mod:`ddlscale.clock`): the NICs are
+    shaped to bandwidth / k with k times the delay, every process started on a machine learns k
+    (``$DDLSCALE_DILATION``) and, for k > 1, joins its machine's CPU cap of ``ranks_per_machine / k``
+    cores (:mod:`ddlscale.cluster.cpucap`). ``bandwidth`` and ``latency`` stay the emulated cluster's
+    own: they are what the cost model and every reported figure refer to.
+
     Use as a context manager (``with EmulatedCluster(4, "1gbit") as cluster: ...``) or call
     :meth:`up` / :meth:`down`. ``keep=True`` leaves it up when the owner exits (the CLI's ``up``).
     """
 
     def __init__(self, nodes: int, bandwidth: str = "1gbit", latency: str = "0ms", name: str | None = None,
-                 keep: bool = False):
+                 keep: bool = False, dilation: float = 1.0, ranks_per_machine: int = 1, cap_cpus: bool | None = None):
         if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
             raise ValueError(f"cluster.nodes must be an integer in [1, {MAX_NODES}], got {nodes!r}")
         self.nodes = nodes
         self.bandwidth_bps = parse_bandwidth(bandwidth)
         self.latency_s = parse_time(latency)
+        self.dilation = parse_factor(dilation, "cluster.dilation")
+        self.ranks_per_machine = ranks_per_machine
         self.name = name or f"{PREFIX}{uuid.uuid4().hex[:6]}"
         if not self.name.startswith(PREFIX) or len(self.name) > 12:
             raise ValueError(f"cluster name must start with {PREFIX!r} and have at most 12 characters: {self.name!r}")
         self.keep = keep
         self.is_up = False
+        self.cap_cpus = self.dilation > 1 if cap_cpus is None else cap_cpus
+        self.cpu_caps: CpuCaps | None = None
+        self.cpu_cap_missing: str | None = None  # why k > 1 runs without CPU caps, if it does
 
     # -- names and addresses ---------------------------------------------------------------
     @property
@@ -205,6 +220,7 @@ class EmulatedCluster:
         _record_owner(self.name, self.keep)  # first: a build that dies half-way is owned too
         try:
             self._build()
+            self._cap_cpus()
         except BaseException:
             self.down()
             raise
@@ -235,22 +251,55 @@ class EmulatedCluster:
             self._shape(ns, "eth0")  # the machine's upload
             self._shape(sw, port)  # its download: the switch port's egress toward it
 
-    def _shape(self, ns: str, dev: str) -> None:
-        rate = f"{int(self.bandwidth_bps)}bit"
-        # A burst of ~1 ms of traffic (at least 64 KiB) keeps tbf accurate without starving TCP.
-        burst = max(int(self.bandwidth_bps / 8 / 1000), 64 * 1024)
-        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", "100ms"]
+    def _shape(self, ns: str, dev: str, verb: str = "add") -> None:
+        """Shape one direction of a link to the dilated rate and delay (``verb`` "replace": re-shape)."""
+        bandwidth = self.bandwidth_bps / self.dilation
+        rate = f"{int(bandwidth)}bit"
+        # A burst of ~1 ms of traffic (at least 64 KiB) keeps tbf accurate without starving TCP; its
+        # queue holds 100 ms of emulated time.
+        burst = max(int(bandwidth / 8 / 1000), 64 * 1024)
+        tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", f"{100 * self.dilation:.0f}ms"]
         if self.latency_s > 0:
-            delay = f"{self.latency_s * 1e6:.0f}us"
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+            delay = f"{self.latency_s * self.dilation * 1e6:.0f}us"
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem",
                 "delay", delay)
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", *tbf)
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "parent", "1:", "handle", "2:", *tbf)
         else:
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", *tbf)
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", *tbf)
+
+    def _cap_cpus(self) -> None:
+        """Under dilation, cap every machine at ranks / k cores (see :mod:`ddlscale.cluster.cpucap`)."""
+        if not self.cap_cpus:
+            return
+        controller = find_controller()
+        if controller is None:
+            self.cpu_cap_missing = "no writable cgroup CPU controller on this host: CPU work is not slowed by k"
+            warnings.warn(f"cluster.dilation={self.dilation:g}: {self.cpu_cap_missing}", stacklevel=3)
+            return
+        self.cpu_caps = CpuCaps(controller, self.name, self.nodes, self.ranks_per_machine / self.dilation)
+
+    def set_dilation(self, dilation: float) -> None:
+        """Re-shape a running cluster to another k (the processes already started keep the k they were given)."""
+        self.dilation = parse_factor(dilation, "cluster.dilation")
+        for i in range(self.nodes):
+            self._shape(self.namespace(i), "eth0", "replace")
+            self._shape(self.switch, f"v{i}", "replace")
+        if self.cpu_caps is not None:
+            self.cpu_caps.set_cores(self.ranks_per_machine / self.dilation)
+
+    def cpu_cap(self) -> str:
+        """What bounds each machine's CPU, in words (for printouts and summaries)."""
+        if self.cpu_caps is not None:
+            return (f"{self.ranks_per_machine}/{self.dilation:g} core of this host per machine "
+                    f"(cgroup v{self.cpu_caps.controller.version})")
+        return self.cpu_cap_missing or "not capped: the machines share the host's cores"
 
     def down(self, grace_s: float = 0.0) -> None:
         """Remove the cluster; ``grace_s``: first let its processes stop on SIGTERM for up to that long."""
         remove_namespaces([ns for ns in self.namespaces if ns in set(list_namespaces(self.name))], grace_s)
+        if self.cpu_caps is not None:
+            self.cpu_caps.remove()
+            self.cpu_caps = None
         forget_owner(self.name)
         self.is_up = False
 
@@ -262,9 +311,12 @@ class EmulatedCluster:
 
     # -- running things on machines ----------------------------------------------------------------
     def popen(self, machine: int, argv: Sequence[str], env: dict[str, str] | None = None, **kwargs: Any):
-        """Start ``argv`` inside machine ``machine``'s namespace."""
-        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", **(env or {})}
-        return subprocess.Popen(["ip", "netns", "exec", self.namespace(machine), *argv], env=full_env, **kwargs)
+        """Start ``argv`` inside machine ``machine``'s namespace (and CPU cap), told the cluster's k."""
+        full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", DILATION_ENV: f"{self.dilation:g}", **(env or {})}
+        command = ["ip", "netns", "exec", self.namespace(machine), *argv]
+        if self.cpu_caps is not None:
+            command = self.cpu_caps.wrap(machine, command)
+        return subprocess.Popen(command, env=full_env, **kwargs)
 
     def kill_machine(self, machine: int) -> None:
         """Machine failure: every process of that machine dies at once (trainer, agents...)."""

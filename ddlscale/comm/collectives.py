@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.comm import volume
 from ddlscale.comm.groups import weak_group
 
@@ -88,7 +88,7 @@ class Pending:
             work.wait()
         self._works = []
         if self.record.end is None:
-            self.record.end = time.perf_counter()
+            self.record.end = clock.now()
         if self.on_wait is not None:
             self.on_wait, settle = None, self.on_wait
             settle()
@@ -106,7 +106,7 @@ def _stamp_completion(works: list[Any], record: CollectiveRecord) -> None:
     def done(_: Any) -> None:
         remaining[0] -= 1
         if remaining[0] == 0 and record.end is None:
-            record.end = time.perf_counter()
+            record.end = clock.now()
 
     for future in futures:
         future.add_done_callback(done)
@@ -159,7 +159,7 @@ class Communicator:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _issue(self, op: str, sent: int, recv: int, launch, result: Any = None) -> Pending:
-        record = CollectiveRecord(op, sent, recv, time.perf_counter())
+        record = CollectiveRecord(op, sent, recv, clock.now())
         self.ledger.records.append(record)
         works = launch()
         point_to_point = isinstance(works, list)
@@ -328,11 +328,11 @@ class Communicator:
         """Blocking broadcast of many small tensors in a few flat messages (DDP's buffer sync)."""
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         sent, recv = volume.flat_broadcast(nbytes, self.size, self.rank, src)
-        record = CollectiveRecord("broadcast_coalesced", sent, recv, time.perf_counter())
+        record = CollectiveRecord("broadcast_coalesced", sent, recv, clock.now())
         self.ledger.records.append(record)
         group = self.group if self.group is not None else dist.group.WORLD
         dist._broadcast_coalesced(group, tensors, 64 * 2**20, self._global(src))
-        record.end = time.perf_counter()
+        record.end = clock.now()
 
     def gather(self, tensor: torch.Tensor, dst: int = 0) -> Pending:
         """Gather equal-sized tensors to ``dst``; the result there is a list, elsewhere None."""
@@ -389,14 +389,14 @@ class Communicator:
         device = torch.device(device) if device is not None else next(
             (m.frame.device for m in messages.values()), torch.device("cpu"))
         record = CollectiveRecord(op, sum(HEADER_BYTES + m.payload.numel() for m in messages.values()), 0,
-                                  time.perf_counter())
+                                  clock.now())
         self.ledger.records.append(record)
         if self.piece_bytes is None:
             received = self._exchange_sized_first(messages, sources, device)
         else:
             received = {p: t.to(device) for p, t in self._exchange_framed(messages, sources).items()}
         record.bytes_recv = sum(HEADER_BYTES + payload.numel() for payload in received.values())
-        record.end = time.perf_counter()
+        record.end = clock.now()
         return received
 
     def _exchange_framed(self, messages: dict[int, Message], sources: list[int]) -> dict[int, torch.Tensor]:

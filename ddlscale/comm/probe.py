@@ -9,12 +9,12 @@ sparse syncs) measure it once before they decide.
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.comm.cost import NetworkModel
 
 MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
@@ -42,10 +42,10 @@ def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int 
                        ("allreduce", lambda: dist.all_reduce(one, group=group))):
         call()  # warm
         dist.barrier(group=group)
-        start = time.perf_counter()
+        start = clock.now()
         for _ in range(calls):
             call()
-        timed[name] = (time.perf_counter() - start) / calls
+        timed[name] = (clock.now() - start) / calls
     predict = {"allgather": lambda m: m.allgather(4, world_size, "ring"), "allreduce": lambda m: m.allreduce(4, world_size)}
     zero, unit = (NetworkModel(bandwidth_bps, alpha, 1) for alpha in (0.0, 1.0))  # unit: per message step
     alpha = {k: max(0.0, (timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero))) for k in timed}
@@ -71,9 +71,9 @@ def probe_bandwidth(group: Any, world_size: int, block_bytes: int = 1 << 20, cal
 
     def timed(out: torch.Tensor, data: torch.Tensor) -> float:
         dist.barrier(group=group)
-        start = time.perf_counter()
+        start = clock.now()
         dist.all_to_all_single(out, data, group=group)
-        return time.perf_counter() - start
+        return clock.now() - start
 
     timed(recv, send)  # warm
     base = statistics.median(timed(tiny_out, tiny) for _ in range(calls))

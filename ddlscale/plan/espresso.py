@@ -45,10 +45,10 @@ All candidates are scored by :func:`ddlscale.comm.timeline.iteration_time` on
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ddlscale import clock
 from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, merged_busy, simulate
 from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
 from ddlscale.plan.cupcake import FusionPlan, plan_fusion
@@ -339,7 +339,7 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
     and the search over the Cupcake groups of ``cupcake_option``; the best of these, and last
     (``offload``) Algorithm 2 on its units. Fusion comes before offloading because the fusion DP
     is exact for compute-stream compression only."""
-    started = time.perf_counter()
+    started = clock.now()
     best = search(units, model, backward_end_s, optimizer_s, options, max_passes=max_passes)
     if fuse and units:
         candidates = [best]
@@ -361,5 +361,5 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
         best.options, best.iteration_s, moved = algorithm2(ev, best.options, best.iteration_s)
         best.steps.append(f"algorithm 2: {moved} unit(s) offloaded to the side device -> "
                           f"{best.iteration_s * 1e3:.3f} ms ({ev.evaluations} simulations)")
-    best.steps.append(f"planning took {time.perf_counter() - started:.3f} s")
+    best.steps.append(f"planning took {clock.now() - started:.3f} s")
     return best

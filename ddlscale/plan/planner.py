@@ -7,10 +7,10 @@ run used (for the same cluster).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from ddlscale import clock
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
@@ -179,9 +179,9 @@ def dense_plan(profile: Profile, model: CostModel, first_bytes: float = 1 << 20,
 
 def cupcake_plan(profile: Profile, model: CostModel, option: Option) -> CompressionPlan:
     """Cupcake: every group under ``option``, the partition optimal for the simulator."""
-    started = time.perf_counter()
+    started = clock.now()
     fusion = plan_fusion(units_of(profile), model, option, profile.backward_end_s, profile.rest_s)
-    elapsed = time.perf_counter() - started
+    elapsed = clock.now() - started
     plan = CompressionPlan("cupcake", fusion.units, fusion.options, fusion.iteration_s,
                            f"{len(fusion.groups)} contiguous groups (optimal partition by dynamic programming)",
                            per_unit_savings(fusion.units, fusion.options, model, profile.backward_end_s,

@@ -22,7 +22,6 @@ import copy
 import json
 import math
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ddlscale import clock
 from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor, wire
 from ddlscale.plan.fit import CostFit
 
@@ -166,13 +166,13 @@ class StepRecorder:
         self._backward_end: float | None = None
 
     def ready(self, index: int) -> None:
-        self._current.setdefault(index, time.perf_counter())
+        self._current.setdefault(index, clock.now())
 
     def backward_end(self) -> None:
-        self._backward_end = time.perf_counter()
+        self._backward_end = clock.now()
 
     def step_end(self) -> None:
-        end = time.perf_counter()
+        end = clock.now()
         self.steps.append({"ready": self._current, "backward_end": self._backward_end or end, "end": end})
         self._current, self._backward_end = {}, None
 
@@ -242,13 +242,13 @@ def _timed(fn, budget_s: float, device: torch.device, max_calls: int = 50, min_c
     (at least three: one call of a large size is as likely to be an outlier as not)."""
     fn()  # warm-up
     times: list[float] = []
-    deadline = time.perf_counter() + budget_s
-    while len(times) < max_calls and (len(times) < min_calls or time.perf_counter() < deadline):
-        start = time.perf_counter()
+    deadline = clock.now() + budget_s
+    while len(times) < max_calls and (len(times) < min_calls or clock.now() < deadline):
+        start = clock.now()
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(clock.now() - start)
     return statistics.median(times)
 
 

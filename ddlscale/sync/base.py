@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.comm import CollectiveRecord, CommLedger, Communicator
 
 
@@ -141,11 +141,11 @@ class GradSync:
         """Charge the time inside to ``phase`` of this step. On a thread running a background job
         (:meth:`record_phases`), the spans go to that job's record instead, for :meth:`finish` to
         fold in without counting twice what overlapped the training thread's wait."""
-        start = time.perf_counter()
+        start = clock.now()
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end = clock.now()
             record = getattr(self._thread_phases, "record", None)
             if record is None:
                 self._timers[phase] += end - start

@@ -9,10 +9,9 @@ bucket is small, so communication starts early in backward.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from ddlscale import clock
 from ddlscale.comm import Pending
 from ddlscale.sync.base import GradSync
 
@@ -125,13 +124,13 @@ class DenseAllreduce(GradSync):
                 f"gradient of {self.names[index]!r} became ready twice in one step "
                 "(backward called twice before the optimizer step?)"
             )
-        start = time.perf_counter()  # not self.timed(): this runs once per parameter per step
+        start = clock.now()  # not self.timed(): this runs once per parameter per step
         grad = param.grad
         if grad.is_sparse:
             self._was_sparse[index] = grad.sparse_dim()
             grad = grad.to_dense()
         torch.mul(grad, 1.0 / self.world_size, out=bucket.views[slot])
-        self._timers["encode"] += time.perf_counter() - start
+        self._timers["encode"] += clock.now() - start
         bucket.filled.add(index)
         self._launch_full_buckets()
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import copy
 import json
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
@@ -295,7 +295,7 @@ class PlannedSync(CompressSync):
 
     def _calibration_step(self) -> None:
         self._calibration_seen += 1
-        self._calibration_ends.append(time.perf_counter())  # a step's end: the next one's start
+        self._calibration_ends.append(clock.now())  # a step's end: the next one's start
         if self._calibration_seen <= self.settle_steps:  # settling: residuals and buffers allocated, warming up
             self.work.clear()
             self._calibration_ends = self._calibration_ends[-1:]
@@ -379,7 +379,7 @@ class PlannedSync(CompressSync):
                           "seen": 0, "last_end": None}
         self.adopt(CompressionPlan.from_dict(plans[0]))
         if self.trial is not None:
-            self.trial["last_end"] = time.perf_counter()
+            self.trial["last_end"] = clock.now()
 
     def _decided_on_rank0(self, decide: Callable[[], Any], what: str) -> Any:
         """``decide()`` run on rank 0 and broadcast to every rank. An error there is raised on every
@@ -403,7 +403,7 @@ class PlannedSync(CompressSync):
     def _trial_step(self) -> None:
         """After each step on trial: time it; after a turn, hand over to the next candidate, and after
         the last turn keep the fastest."""
-        trial, now = self.trial, time.perf_counter()
+        trial, now = self.trial, clock.now()
         trial["seen"] += 1
         if trial["seen"] > 1 and trial["last_end"] is not None:  # a turn's first step settles on new groups
             trial["periods"][trial["index"]].append(now - trial["last_end"])

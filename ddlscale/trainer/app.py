@@ -40,7 +40,7 @@ from ddlscale.ckpt.launch import (
     start_emulated_agent,
     start_emulated_etcd,
 )
-from ddlscale.cluster import stop
+from ddlscale.cluster import dilation, stop
 from ddlscale.cluster.control_plane import missing as etcd_missing
 from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
 from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
@@ -125,6 +125,7 @@ def _check_emulated(cfg: DictConfig) -> None:
     _int_in(cfg, "cluster.max_restarts", 0)
     _quantity(cfg, "cluster.bandwidth", parse_bandwidth)
     _quantity(cfg, "cluster.latency", parse_time)
+    _quantity(cfg, "cluster.dilation", dilation.parse)
     if cfg.cluster.get("fallback", "loopback") not in FALLBACKS:
         raise ConfigError(f"cluster.fallback must be one of {', '.join(FALLBACKS)}, got {cfg.cluster.fallback!r}")
 
@@ -424,9 +425,14 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
     """
     nodes, devices = int(cfg.cluster.nodes), int(cfg.trainer.devices)
     worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
-    with job_secret() as secret, EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency)) as cluster:
+    choice = dilation.choose(dilation.parse(cfg.cluster.get("dilation", 1)), nodes, devices,
+                             parse_bandwidth(cfg.cluster.bandwidth), parse_time(cfg.cluster.latency))
+    with job_secret() as secret, EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency),
+                                                 dilation=choice.k, ranks_per_machine=devices) as cluster:
+        cpu_cap = cluster.cpu_cap()
         print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
-              f"{cfg.cluster.bandwidth} NICs", flush=True)
+              f"{cfg.cluster.bandwidth} NICs, {choice.describe()}; CPU: {cpu_cap}; every time "
+              f"reported is wall time / {choice.k:g}", flush=True)
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cfg.cluster.port)
@@ -467,6 +473,8 @@ def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[s
     network = cluster.network_model(gpus_per_machine=devices)
     summary["cluster_nodes"] = nodes
     summary["cluster_bandwidth_bps"] = cluster.bandwidth_bps
+    summary.update(choice.summary())
+    summary["cpu_cap"] = cpu_cap
     world = summary["world_size"]
     if summary.get("bytes_sent_per_step") and world > 1:
         # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.

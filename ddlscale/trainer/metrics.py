@@ -20,13 +20,13 @@ import json
 import math
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
+from ddlscale import clock
 from ddlscale.ckpt.state import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
@@ -93,7 +93,7 @@ class StepMetrics(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._step_start is None:
-            self._step_start = time.perf_counter()
+            self._step_start = clock.now()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Lightning hands over each micro-batch's loss divided by the accumulation count.
@@ -104,7 +104,7 @@ class StepMetrics(pl.Callback):
         if trainer.global_step == self._last_global_step or self._step_start is None:
             return  # a micro-batch that only accumulated
         self._last_global_step = trainer.global_step
-        now = time.perf_counter()
+        now = clock.now()
         step_time = now - self._step_start
         # The period also holds what the loop does between batches (data, logging, callbacks): the
         # iteration time throughput sees, and what the planners' profiles and predictions measure.
@@ -191,6 +191,7 @@ class StepMetrics(pl.Callback):
         summary = {
             **self.run_info,
             "status": "finished",
+            "dilation": clock.dilation(),  # every time here is wall time / this k
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "final_loss": float(ranks[0, 4]),
@@ -224,6 +225,7 @@ class StepMetrics(pl.Callback):
             "status": "interrupted" if signal_name else "failed",
             "stopped_by": signal_name or f"{type(exception).__name__}: {exception}"[:500],
             "figures_from": "rank 0 alone (the run did not finish)",
+            "dilation": clock.dilation(),
             "world_size": trainer.world_size,
             "steps": trainer.global_step,
             "final_loss": h["loss"][-1] if h["loss"] else None,

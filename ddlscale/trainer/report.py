@@ -47,6 +47,8 @@ def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
              f"  final loss {number('final_loss', digits=4)}, {number('samples_per_s', digits=0)} samples/s, "
              f"step {number('step_time_s', 1e3, ' ms')} (sync {number('sync_time_s', 1e3, ' ms')}), "
              f"{volume} sent per step"]
+    if (summary.get("dilation") or 1) != 1:
+        lines.append(f"  times in emulated seconds: wall time / {summary['dilation']:g} (time dilation)")
     if summary.get("figures_from"):
         lines.append(f"  figures from {summary['figures_from']}")
     if "plan_state" in summary:

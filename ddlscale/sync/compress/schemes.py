@@ -33,13 +33,13 @@ same name in :data:`ddlscale.plan.cost.PRICES`, so the planners may choose it).
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ddlscale import clock
 from ddlscale.comm import Communicator, volume
 from ddlscale.compress import wire
 from ddlscale.compress.base import Compressed, Compressor, Segment, pieces
@@ -86,9 +86,9 @@ def timed_work(work: GroupWork | None, kind: str, numel: int = 0, calls: int = 0
     if work is None:
         yield
         return
-    start = time.perf_counter()
+    start = clock.now()
     yield
-    work.seconds[kind] += time.perf_counter() - start
+    work.seconds[kind] += clock.now() - start
     if calls:
         work.calls[kind].append((numel, calls))
 
@@ -357,9 +357,9 @@ class ZenPushPull(Scheme):
             numel = sum(job.tensor.numel() for job in batch)
             if len(batch) < 2 or numel == 0 or numel >= 2**31:
                 continue  # alone, empty, or past int32 indices: each group in its own finish
-            started = time.perf_counter()
+            started = clock.now()
             total, decode_s = cls._push_pull(batch, numel)
-            elapsed, at = time.perf_counter() - started, 0
+            elapsed, at = clock.now() - started, 0
             for job in batch:
                 n = job.tensor.numel()
                 job.state["total"] = job.compressor.combine(total[at: at + n], job.comm.size)
@@ -384,20 +384,20 @@ class ZenPushPull(Scheme):
         ids = torch.cat([job.state["ids"] + offset for job, offset in zip(jobs, offsets, strict=True)])
         values = torch.cat([job.state["values"] for job in jobs])
         received = pushpull.push(comm, ids, values, partitioner.group)
-        started = time.perf_counter()
+        started = clock.now()
         summed_ids, summed = pushpull.aggregate(received)
-        decode_s = time.perf_counter() - started
+        decode_s = clock.now() - started
         # The format every rank can decide alike: fixed-size selections have a known count.
         fixed = all(job.compressor.fixed_size for job in jobs)
         if fixed and volume.pull_as_bitmap(numel, ids.numel(), comm.size, pushpull.INDEX_BYTES):
             pulled = pushpull.pull_bitmap(comm, partitioner.owned(numel, ids.device), summed_ids, summed)
         else:
             pulled = pushpull.pull_coo(comm, summed_ids, summed)
-        started = time.perf_counter()
+        started = clock.now()
         total = first.tensor.new_zeros(numel)
         for piece_ids, piece_values in pulled:
             total[piece_ids] = piece_values.reshape(-1)
-        return total, decode_s + time.perf_counter() - started
+        return total, decode_s + clock.now() - started
 
 
 def _charge_decode(job: Job, seconds: float, share: float) -> None:

@@ -34,7 +34,6 @@ again for ``profile_steps`` steps (tensors keep their current path meanwhile) an
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.comm import Communicator
 from ddlscale.comm.cost import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
@@ -266,9 +266,9 @@ class SparseSync(DenseAllreduce):
             if job.future is None:
                 results = self._sync_group(job)
             else:
-                start = time.perf_counter()
+                start = clock.now()
                 results = job.future.result()
-                self.fold_phases(job.phases, (start, time.perf_counter()))
+                self.fold_phases(job.phases, (start, clock.now()))
             for i, grad, summed in results:
                 self.params[i].grad = grad
                 drifted |= self._drifted(i, summed)

@@ -1,0 +1,220 @@
+"""Time dilation: the clock every figure uses, the CPU caps, and how cluster.dilation=auto picks k."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from ddlscale import clock
+from ddlscale.cluster import cpucap, dilation
+from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
+from ddlscale.trainer import app
+
+ROOT = Path(__file__).resolve().parents[1]
+REASON = unavailable_reason()
+needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
+
+
+# -- the clock ---------------------------------------------------------------------------------------
+def test_the_clock_divides_measured_time_and_multiplies_waits(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "perf_counter", lambda: 100.0)
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    monkeypatch.setattr(time, "sleep", slept.append)
+    with clock.dilated(4):
+        assert clock.dilation() == 4
+        assert clock.now() == 25.0 and clock.timestamp() == 250.0
+        clock.sleep(0.5)
+        assert clock.wall(3) == 12 and clock.wall_timeout(3).total_seconds() == 12
+    assert slept == [2.0]
+    with clock.dilated(1):
+        assert clock.now() == 100.0
+
+
+def test_the_clock_reads_its_factor_from_the_launcher(tmp_path):
+    code = "from ddlscale import clock; print(clock.dilation())"
+    env = {"PATH": "/usr/bin:/bin", clock.ENV: "2.5"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert out.stdout.strip() == "2.5", out.stderr
+    env[clock.ENV] = "0.5"
+    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert bad.returncode != 0 and "DDLSCALE_DILATION" in bad.stderr
+
+
+@pytest.mark.parametrize("value", [0.5, 0, -1, "fast", True, float("nan"), float("inf")])
+def test_a_dilation_below_one_or_not_a_number_is_refused_naming_the_key(value):
+    with pytest.raises(ValueError, match="cluster.dilation"):
+        dilation.parse(value)
+
+
+def test_dilation_accepts_auto_and_numbers():
+    assert dilation.parse("auto") == dilation.parse(" AUTO ") == "auto"
+    assert dilation.parse(4) == 4.0 and dilation.parse("2.5") == 2.5
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=["cluster=emulated", *overrides])
+
+
+def test_a_bad_dilation_is_refused_before_any_worker_starts():
+    with pytest.raises(app.ConfigError, match="cluster.dilation"):
+        app.check_config(_cfg("cluster.dilation=0.5"))
+    assert _cfg().cluster.dilation == "auto"
+
+
+# -- the search behind auto ---------------------------------------------------------------------------
+def _probe(ratios):
+    asked = []
+
+    def probe(k):
+        asked.append(k)
+        return {"sockets": ratios[k], "gloo": 1.5}
+
+    return probe, asked
+
+
+def test_auto_stops_where_the_exchange_is_near_its_wire_time():
+    probe, asked = _probe({1.0: 1.04})
+    k, tried, why = dilation.search(probe, 0.7)
+    assert (k, asked) == (1.0, [1.0]) and "wire time" in why
+    assert tried == [{"k": 1.0, "ratio": 1.04, "gloo_ratio": 1.5}]
+
+
+def test_auto_stops_where_slowing_further_buys_nothing():
+    # The CPU share starts it at 4; doubling to 8 does not help: the rest is the network's own.
+    probe, asked = _probe({4.0: 1.21, 8.0: 1.27})
+    assert dilation.search(probe, 4)[0] == 4.0 and asked == [4.0, 8.0]
+    # While doubling still helps, it goes on.
+    probe, asked = _probe({4.0: 1.68, 8.0: 1.40, 16.0: 1.30})
+    assert dilation.search(probe, 3.2)[0] == 8.0 and asked == [4.0, 8.0, 16.0]
+
+
+def test_auto_never_exceeds_its_cap():
+    probe, asked = _probe({k: 1 + 64 / k for k in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)})
+    k, _, why = dilation.search(probe, 1)
+    assert k == dilation.MAX_DILATION and asked[-1] == dilation.MAX_DILATION and "largest" in why
+
+
+def test_auto_probes_once_per_host_and_shape_then_reads_its_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv(dilation.CACHE_ENV, str(tmp_path))
+    probes = []
+
+    def fake_probe(machines, ranks, bandwidth, latency, start, log):
+        probes.append((machines, ranks, bandwidth))
+        return 4.0, [{"k": 4.0, "ratio": 1.2}, {"k": 8.0, "ratio": 1.22}], "the network's own"
+
+    monkeypatch.setattr(dilation, "probe_cluster", fake_probe)
+    first = dilation.choose("auto", 8, 1, 1e9, 0.0, log=lambda _: None)
+    again = dilation.choose("auto", 8, 1, 1e9, 0.0)
+    other = dilation.choose("auto", 8, 1, 1e8, 0.0, log=lambda _: None)
+    assert probes == [(8, 1, 1e9), (8, 1, 1e8)]
+    assert first.k == again.k == 4.0 and first.cached is None and str(tmp_path) in again.cached
+    assert other.k == 4.0
+    assert "k=4" in again.describe() and "1.20x at k=4" in again.describe()
+    assert dilation.choose(2.0, 8, 1, 1e9, 0.0).how == "configured"
+    assert dilation.choose("auto", 8, 1, 1e9, 0.0, fresh=True, log=lambda _: None).cached is None
+    assert len(probes) == 3
+    assert json.loads((tmp_path / "dilation.json").read_text())
+
+
+def test_the_cpu_share_needs_a_core_per_rank():
+    assert dilation.cpu_share(8, 1, 2) == 4 and dilation.cpu_share(2, 1, 2) == 1 and dilation.cpu_share(1, 1, 8) == 1
+
+
+# -- CPU caps ---------------------------------------------------------------------------------------
+def _fake_cgroups(tmp_path, version):
+    root = tmp_path / "cg"
+    root.mkdir()
+    mounts = tmp_path / "mounts"
+    if version == 1:
+        mounts.write_text(f"cgroup {root} cgroup rw,relatime,cpu 0 0\n")
+    else:
+        (root / "cgroup.controllers").write_text("cpuset cpu io memory\n")
+        (root / "cgroup.subtree_control").write_text("\n")
+        (root / "ddlscale").mkdir()  # in a real cgroup2 tree the kernel makes a child's control files
+        (root / "ddlscale" / "cgroup.subtree_control").write_text("")
+        mounts.write_text(f"cgroup2 {root} cgroup2 rw 0 0\n")
+    return root, mounts
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_cpu_caps_give_each_machine_its_cores_in_either_cgroup_version(tmp_path, version):
+    root, mounts = _fake_cgroups(tmp_path, version)
+    controller = cpucap.find_controller(mounts)
+    assert controller == cpucap.Controller(root, version)
+    caps = cpucap.CpuCaps(controller, "ddltest", 2, 0.25)
+    group = root / "ddlscale" / "ddltest-m1"
+    if version == 1:
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
+        assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+    else:
+        assert (group / "cpu.max").read_text().strip() == "2500 10000"
+        assert "+cpu" in (root / "cgroup.subtree_control").read_text()
+    caps.set_cores(1 / 32)  # the kernel's smallest quota is 1 ms: a longer period instead
+    quota, period = ((group / "cpu.max").read_text().split() if version == 2 else
+                     [(group / f).read_text() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")])
+    assert int(quota) >= cpucap.MIN_QUOTA_US and int(quota) / int(period) == pytest.approx(1 / 32, rel=0.01)
+    wrapped = caps.wrap(1, ["ip", "netns", "exec", "x", "true"])
+    assert wrapped[:2] == ["sh", "-c"] and str(group / "cgroup.procs") in wrapped and wrapped[-5:][0] == "ip"
+
+
+def test_no_cgroup_controller_means_no_caps(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("proc /proc proc rw 0 0\n")
+    assert cpucap.find_controller(mounts) is None
+
+
+def test_a_dilated_link_runs_k_times_slower_with_k_times_the_delay(monkeypatch):
+    from ddlscale.cluster import emulated
+
+    commands = []
+    monkeypatch.setattr(emulated, "_sh", lambda *argv: commands.append(" ".join(argv)))
+    EmulatedCluster(2, "100mbit", "1ms", dilation=4)._shape("ns", "eth0")
+    assert "netem delay 4000us" in commands[0]
+    assert "tbf rate 25000000bit" in commands[1] and "latency 400ms" in commands[1]
+
+
+@needs_namespaces
+def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
+    with EmulatedCluster(2, "100mbit", dilation=4) as cluster:
+        for ns, dev in ((cluster.namespace(1), "eth0"), (cluster.switch, "v1")):
+            shaping = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
+                                     capture_output=True, text=True).stdout
+            assert "rate 25Mbit" in shaping
+        code = "import os; from ddlscale import clock; print(clock.dilation(), open('/proc/self/cgroup').read())"
+        shown = cluster.popen(1, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        out = shown.communicate(timeout=60)[0]
+        assert out.startswith("4.0")
+        if cluster.cpu_caps is not None:
+            assert f"{cluster.name}-m1" in out and "cgroup" in cluster.cpu_cap()
+            groups = list(cluster.cpu_caps.groups)
+        else:
+            assert "not slowed" in cluster.cpu_cap()
+            groups = []
+    assert list_namespaces(cluster.name) == [] and not any(g.exists() for g in groups)
+
+
+@needs_namespaces
+def test_train_on_a_dilated_cluster_reports_emulated_time(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "cluster=emulated", "cluster.nodes=2", "cluster.dilation=2",
+         "trainer.devices=1", "trainer.max_steps=4", "trainer.enable_progress_bar=false", "model=cnn",
+         f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["dilation"] == 2 and summary["dilation_choice"]["how"] == "configured"
+    assert "time dilation k=2 (configured)" in result.stdout and "wall time / 2" in result.stdout
+    assert summary["cpu_cap"]
+
+
+@pytest.mark.slow
+@needs_namespaces
+def test_the_probe_times_a_many_to_many_exchange_on_the_cluster():
+    k, tried, why = dilation.probe_cluster(2, 1, 1e8, 0.0, 1.0, log=lambda _: None)
+    assert k >= 1 and tried[0]["k"] == 1 and tried[0]["ratio"] > 0.9 and tried[0]["gloo_ratio"] > 0.9 and why
