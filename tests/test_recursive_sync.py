@@ -95,7 +95,7 @@ def _profiled(rank, world, overlap):
     local = torch.zeros(numel)
     local[indices] = 1.0
     p = torch.nn.Parameter(torch.zeros(numel))
-    sync = ZenSync(profile_steps=1)  # 1 Gbit/s, 100 us
+    sync = ZenSync(profile_steps=1, network_latency="100us")  # 1 Gbit/s, 100 us: the routing the test expects
     sync.setup([("w", p)])
     for _ in range(2):
         p.grad = local.clone()
@@ -222,7 +222,7 @@ def _hierarchical_routing(rank, world):
     numel = 1 << 18
     g = torch.Generator().manual_seed(rank)
     full, rare = torch.nn.Parameter(torch.zeros(numel)), torch.nn.Parameter(torch.zeros(numel))
-    sync = ZenSync(profile_steps=1, hierarchical=True, local_size=2)  # 1 Gbit/s, 100 us
+    sync = ZenSync(profile_steps=1, hierarchical=True, local_size=2, network_latency="100us")  # 1 Gbit/s, 100 us
     sync.setup([("full", full), ("rare", rare)])
     local_rare = torch.zeros(numel)
     local_rare[torch.randint(0, numel, (100,), generator=g)] = 1.0
@@ -299,7 +299,7 @@ def _resumed(rank, world):
 
     def make():
         p = torch.nn.Parameter(torch.zeros(numel))
-        sync = ZenSync(profile_steps=2, sparse_params=["w"], reprofile_drift=2.0)
+        sync = ZenSync(profile_steps=2, sparse_params=["w"], reprofile_drift=2.0, network_latency="100us")
         sync.setup([("w", p)])
         return p, sync
 

@@ -123,7 +123,7 @@ class PlannedSync(CompressSync):
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather",
                  memory: Memory | str | None = None, memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
-                 network_bandwidth: str = "1gbit", network_latency: str = "100us", gpus_per_machine: int = 1,
+                 network_bandwidth: str = "1gbit", network_latency: str = MEASURED, gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = 0,
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,12 @@ class StepMetrics(pl.Callback):
         self.config = dict(config or {})
         self.history: dict[str, list[float]] = {
             k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss",
-                            "encode_time_s", "comm_time_s", "decode_time_s", "collectives")
+                            "encode_time_s", "comm_time_s", "decode_time_s", "collectives", "cpu_s")
         }
         self.phases: dict[str, int] = {}  # steps per sync phase, for backends that have phases
         self.ops: list[dict[str, tuple[int, float]]] = []  # per step: collective op -> (count, seconds in flight)
         self._step_start: float | None = None
+        self._step_cpu = 0.0  # the process's CPU seconds (all its threads) at the step's start
         self._last_step_end: float | None = None  # for the period: one optimizer step's end to the next
         self._step_loss: torch.Tensor | None = None
         self._last_global_step = 0
@@ -93,7 +95,7 @@ class StepMetrics(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._step_start is None:
-            self._step_start = clock.now()
+            self._step_start, self._step_cpu = clock.now(), time.process_time()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # Lightning hands over each micro-batch's loss divided by the accumulation count.
@@ -125,6 +127,9 @@ class StepMetrics(pl.Callback):
             "decode_time_s": stats.decode_s if stats else float("nan"),
             # Collectives issued: each pays a round's fixed cost (launch, latency) whatever its bytes.
             "collectives": float(len(stats.collectives)) if stats else float("nan"),
+            # CPU seconds this rank used in the step: against its step time, how CPU-bound it ran.
+            # Not divided by the dilation: a capped machine spends the same CPU work k times slower.
+            "cpu_s": time.process_time() - self._step_cpu,
         }
         for key, value in row.items():
             self.history[key].append(value)
@@ -174,6 +179,7 @@ class StepMetrics(pl.Callback):
                 _median_after_warmup(h["comm_time_s"]),
                 _median_after_warmup(h["decode_time_s"]),
                 _median_after_warmup(h["collectives"]),
+                _median_after_warmup(h["cpu_s"]),
             ],
             dtype=torch.float64,
         )
@@ -205,6 +211,7 @@ class StepMetrics(pl.Callback):
             "comm_time_s": float(ranks[:, 6].max()),
             "decode_time_s": float(ranks[:, 7].max()),
             "collectives_per_step": float(ranks[:, 8].max()),
+            "cpu_s_per_step": float(ranks[:, 9].max()),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }
@@ -238,6 +245,7 @@ class StepMetrics(pl.Callback):
             "comm_time_s": _median_after_warmup(h["comm_time_s"]),
             "decode_time_s": _median_after_warmup(h["decode_time_s"]),
             "collectives_per_step": _median_after_warmup(h["collectives"]),
+            "cpu_s_per_step": _median_after_warmup(h["cpu_s"]),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }

@@ -113,7 +113,7 @@ class SparseSync(DenseAllreduce):
     max_group_units = torch.iinfo(INDEX_DTYPE).max + 1
 
     def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto", route: str = "auto",
-                 network_bandwidth: str = "1gbit", network_latency: str = "100us",
+                 network_bandwidth: str = "1gbit", network_latency: str = MEASURED,
                  reprofile_drift: float | None = 2.0, overlap: bool = True, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
