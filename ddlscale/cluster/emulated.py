@@ -253,11 +253,12 @@ class EmulatedCluster:
 
     def _shape(self, ns: str, dev: str, verb: str = "add") -> None:
         """Shape one direction of a link to the dilated rate and delay (``verb`` "replace": re-shape)."""
-        bandwidth = self.bandwidth_bps / self.dilation
-        rate = f"{int(bandwidth)}bit"
-        # A burst of ~1 ms of traffic (at least 64 KiB) keeps tbf accurate without starving TCP; its
-        # queue holds 100 ms of emulated time.
-        burst = max(int(bandwidth / 8 / 1000), 64 * 1024)
+        rate = f"{int(self.bandwidth_bps / self.dilation)}bit"
+        # A burst of ~1 ms of the NIC's traffic (at least 64 KiB) keeps tbf accurate without starving
+        # TCP; its queue holds 100 ms. Both in bytes, the same at every k (in emulated time: 1 ms and
+        # 100 ms): a burst sized to the dilated rate would split the 64 KiB segments TCP hands down
+        # and wake the receiver per packet, which costs the capped machine CPU the real NIC's would not.
+        burst = max(int(self.bandwidth_bps / 8 / 1000), 64 * 1024)
         tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", f"{100 * self.dilation:.0f}ms"]
         if self.latency_s > 0:
             delay = f"{self.latency_s * self.dilation * 1e6:.0f}us"
