@@ -224,6 +224,7 @@ def _fmt(value: Any) -> str:
 QUICK_RESULTS = ROOT / "experiments" / "results-quick"
 # The reduced run: per module, the flags that cut repetitions, steps and cells (each module's own flags).
 QUICK: dict[str, dict[str, str]] = {
+    "dilation": {"--ks": "1,2", "--syncs": "dense", "--reps": "1", "--steps": "6", "--big-nodes": "0"},
     "overhead": {"--reps": "2", "--steps": "20"},
     "sparse_allreduce": {"--nodes": "2", "--bandwidths": "1gbit", "--densities": "0.01", "--reps": "2",
                          "--sweep": "0"},

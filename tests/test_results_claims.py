@@ -175,7 +175,7 @@ def test_make_experiments_reads_the_commands_from_the_table():
     from experiments import harness
 
     commands = harness.claimed_commands()
-    assert ("overhead", c.code(ROWS[0]["command"])) == commands[0]
+    assert (c.code(ROWS[0]["folder"]), c.code(ROWS[0]["command"])) == commands[0]
     assert len(commands) == len({c.code(r["command"]) for r in ROWS})
 
 
