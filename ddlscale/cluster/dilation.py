@@ -9,12 +9,10 @@ room per emulated second, so the host stops deciding the figures; it costs k tim
 
 * **CPU share**: capped at 1/k core per rank, the machines' ranks fit this host's cores only from
   k = machines x ranks per machine / cores.
-* **Moving bytes while computing**: veth, bridge and tc run in the kernel on the same cores, beside
-  the ranks' own compute and their collective library's threads. A probe on the cluster itself,
-  capped as the job will be, times a many-to-many exchange (every rank sending to every other at
-  once, the pattern of sparse syncs and compressed exchanges) alone and beside a fixed amount of
-  compute in each rank (a training step's shape), and k doubles while doubling still shortens
-  them (:func:`search`).
+* **Moving bytes**: veth, bridge and tc run in the kernel on the same cores. A many-to-many exchange
+  (an all-to-all among every rank, the pattern of sparse syncs and compressed exchanges) is timed on
+  the cluster itself, capped as the job will be, and k grows until that exchange runs within
+  :data:`TOLERANCE` of its wire time (the busiest NIC's bytes / bandwidth).
 
 The probe's answer depends on the host, not the job, so it is cached per host and cluster shape
 (:func:`cache_path`); ``python -m ddlscale.cluster dilation`` probes again and shows the steps.
@@ -40,15 +38,15 @@ from typing import Any
 from ddlscale.clock import parse_factor
 
 AUTO = "auto"
-TOLERANCE = 1.15  # the exchange alone within this factor of its wire time needs no more k...
-KNEE = 1.15  # ...else it, and the exchange beside compute, within this factor of their time at twice the k
+TOLERANCE = 1.15  # the probe's exchange within this factor of its wire time...
+KNEE = 1.10  # ...or within this factor of its time at twice the k (slowing further buys nothing)
 MAX_DILATION = 32
 PROBE_WIRE_S = 0.25  # emulated seconds of wire time per timed exchange
 PROBE_REPS = 5
 MAX_BLOCK_BYTES = 16 << 20
 PROBE_PORT = 29519
 CACHE_ENV = "DDLSCALE_CACHE_DIR"
-PROBE_VERSION = 2  # what the probe times and how k is chosen: a cached answer of another version is not used
+PROBE_VERSION = 2  # the probe and the shaping it measures: a cached answer of another version is not used
 
 
 def parse(value: object, key: str = "cluster.dilation") -> float | str:
@@ -81,13 +79,12 @@ class Choice:
         k = f"{self.k:g}"
         if self.how != AUTO:
             return f"time dilation k={k} (configured)"
-        tried = ", ".join(f"{p['ratio']:.2f}x alone and {p.get('mixed_ratio', float('nan')):.2f}x beside compute at "
-                          f"k={p['k']:g}" for p in self.probes)
+        tried = ", ".join(f"{p['ratio']:.2f}x at k={p['k']:g}" for p in self.probes)
         gloo = next((p.get("gloo_ratio") for p in self.probes if p["k"] == self.k), None)
         library = f"; gloo's all_to_all of the same blocks {gloo:.2f}x at k={k}" if gloo else ""
         source = f"; cached {self.cached}" if self.cached else ""
         return (f"time dilation k={k} (auto: the CPU share needs k >= {self.cpu_share:g}; every rank sending to every "
-                f"other at once over sockets took {tried} its wire time; stopped at k={k}: {self.why}{library}{source})")
+                f"other at once over sockets took {tried} its wire time; k={k}: {self.why}{library}{source})")
 
     def summary(self) -> dict[str, Any]:
         return {"dilation": self.k, "dilation_choice": asdict(self)}
@@ -125,15 +122,13 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
 
 # -- the search -------------------------------------------------------------------------------------
 def search(probe: Any, start: float) -> tuple[float, list[dict[str, float]], str]:
-    """The smallest k from ``start`` (doubling) at which the host no longer limits the probe.
+    """The smallest k from ``start`` (doubling) at which the host no longer limits the exchange.
 
-    ``probe(k)`` gives, in emulated time over the exchange's wire time, the sockets' exchange alone
-    (``sockets``) and beside each rank's compute (``mixed``), plus any other ratios (kept). The host
-    limits the run while slowing the emulation further still shortens either: k stops once both
-    are within :data:`KNEE` of their time at twice the k (the exchange alone also when it is within
-    :data:`TOLERANCE` of its wire time). What then remains over the wire time is the emulated
-    network's own (TCP's many flows through shaped links: 1.2-1.3x on this host at any k), not the
-    host's. Returns (k, every probe, why).
+    ``probe(k)`` gives the sockets' exchange time over its wire time (and any other ratios, kept).
+    The host limits it while slowing the emulation further still speeds the exchange up; it does not
+    once the exchange is within :data:`TOLERANCE` of its wire time, or within :data:`KNEE` of its
+    time at twice the k. The second case is the emulated network's own floor: TCP's many flows
+    through shaped links, measured 1.2-1.3x on this host at any k. Returns (k, every probe, why).
     """
     def tried_at(k: float) -> dict[str, float]:
         ratios = probe(k)
@@ -143,15 +138,17 @@ def search(probe: Any, start: float) -> tuple[float, list[dict[str, float]], str
     k = float(max(1, math.ceil(start)))
     tried = [tried_at(k)]
     current = tried[-1]
-    while k * 2 <= MAX_DILATION:
+    while True:
+        if current["ratio"] <= TOLERANCE:
+            return k, tried, f"within {TOLERANCE:g}x of its wire time"
+        if k * 2 > MAX_DILATION:
+            return k, tried, f"the largest k tried (the cap is {MAX_DILATION})"
         tried.append(tried_at(k * 2))
         doubled = tried[-1]
-        exchange_free = current["ratio"] <= max(TOLERANCE, KNEE * doubled["ratio"])
-        if exchange_free and current["mixed_ratio"] <= KNEE * doubled["mixed_ratio"]:
-            return k, tried, (f"the exchange, alone and beside compute, within {KNEE:g}x of its time at "
-                              f"k={k * 2:g}")
+        if current["ratio"] <= KNEE * doubled["ratio"]:
+            return k, tried, (f"within {KNEE:g}x of its time at k={k * 2:g}: what remains is the emulated "
+                              "network's own, not the host's")
         k, current = k * 2, doubled
-    return k, tried, f"the largest k tried (the cap is {MAX_DILATION})"
 
 
 def choose(setting: float | str, machines: int, ranks_per_machine: int, bandwidth_bps: float, latency_s: float,
@@ -195,7 +192,7 @@ def probe_cluster(machines: int, ranks_per_machine: int, bandwidth_bps: float, l
             def probe(k: float) -> dict[str, float]:
                 cluster.set_dilation(k)
                 for worker in workers:
-                    worker.stdin.write(f"{block} {PROBE_REPS} {k} {wire_s}\n")
+                    worker.stdin.write(f"{block} {PROBE_REPS}\n")
                     worker.stdin.flush()
                 replies = [worker.stdout.readline() for worker in workers]
                 if not replies[0].startswith("RESULT "):
@@ -203,8 +200,7 @@ def probe_cluster(machines: int, ranks_per_machine: int, bandwidth_bps: float, l
                 walls = json.loads(replies[0][len("RESULT "):])
                 ratios = {kind: statistics.median(times) / k / wire_s for kind, times in walls.items()}
                 log(f"  k={k:g}: {block / 2**20:.2f} MiB to every peer at once: sockets {ratios['sockets']:.2f}x "
-                    f"their wire time alone, {ratios['mixed']:.2f}x beside compute; gloo's all_to_all "
-                    f"{ratios['gloo']:.2f}x")
+                    f"their wire time, gloo's all_to_all {ratios['gloo']:.2f}x")
                 return ratios
 
             return search(probe, start)
@@ -264,42 +260,10 @@ def _connect(rank: int, world: int, ranks_per_machine: int, addresses: list[str]
     return peers
 
 
-class _Compute:
-    """A fixed amount of CPU work, the same at every k: matrix products in a thread, sized on the first
-    k to last the exchange's wire time on one emulated core. Each product is large (tens of ms), and
-    torch holds no GIL while it runs, so the exchange's Python threads wait for the GIL rarely."""
-
-    def __init__(self) -> None:
-        import torch
-
-        self.a = torch.ones(768, 768)
-        self.products: int | None = None
-
-    def size(self, k: float, wire_s: float) -> None:
-        if self.products is None:  # 0.2 emulated seconds of products, scaled to the wire time
-            start, count = time.perf_counter(), 0
-            while time.perf_counter() - start < 0.2 * k:
-                self.a @ self.a
-                count += 1
-            self.products = max(1, round(count * wire_s / 0.2))
-
-    def run(self) -> None:
-        for _ in range(self.products or 0):
-            self.a @ self.a
-
-
-def _beside(compute: _Compute, exchange: Any) -> None:
-    """The exchange while this rank computes: the shape of a training step's overlap."""
-    worker = threading.Thread(target=compute.run)
-    worker.start()
-    exchange()
-    worker.join()
-
-
 def _worker(rank: int, world: int, ranks_per_machine: int, addresses: list[str]) -> None:
-    """One probe rank: for each ``BLOCK REPS K WIRE_S`` line on stdin, time REPS exchanges of BLOCK bytes
-    with every peer over plain sockets, as many beside a fixed compute, and as many gloo all-to-alls
-    (each the slowest rank's wall time); rank 0 prints them."""
+    """One probe rank: for each ``BLOCK REPS`` line on stdin, time REPS exchanges of BLOCK bytes with
+    every peer over plain sockets and as many gloo all-to-alls (each the slowest rank's wall time);
+    rank 0 prints them."""
     import torch
     import torch.distributed as dist
 
@@ -315,16 +279,11 @@ def _worker(rank: int, world: int, ranks_per_machine: int, addresses: list[str])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
         return float(took)
 
-    compute = _Compute()
     for line in sys.stdin:
-        words = line.split()
-        block, reps, k, wire_s = int(words[0]), int(words[1]), float(words[2]), float(words[3])
-        compute.size(k, wire_s)
+        block, reps = (int(x) for x in line.split())
         send = torch.zeros(world * block, dtype=torch.uint8)
         recv = torch.empty_like(send)
-        exchange = partial(_exchange, peers, block)
-        calls = {"sockets": exchange, "mixed": partial(_beside, compute, exchange),
-                 "gloo": partial(dist.all_to_all_single, recv, send)}
+        calls = {"sockets": partial(_exchange, peers, block), "gloo": partial(dist.all_to_all_single, recv, send)}
         times: dict[str, list[float]] = {}
         for kind, call in calls.items():
             call()  # warm: the shaping just changed
