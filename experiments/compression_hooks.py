@@ -1,7 +1,7 @@
 """ddlscale's fp16 and PowerSGD paths vs PyTorch's own DDP comm hooks, on the same model, side by side.
 
     python -m experiments.compression_hooks [--workloads cnn,lstm] [--workers 2] [--steps 30] [--reps 3]
-                                            [--powersgd-bucket-mb 25]
+                                            [--powersgd-bucket-mb 25] [--dilation 2]
 
 Each variant trains the same workload for the same steps on the same data in a plain PyTorch loop
 over gloo (Lightning drops DDP comm hooks on CPU, so both sides run outside it):
@@ -20,19 +20,24 @@ collectives interleave differently on the two ranks); with one bucket it runs, s
 command sets it large for both sides alike.
 
 Reported: median step time per variant and the ratio ddlscale / torch per rep (target <= 1).
+
+``--dilation k`` runs the workers as one time-dilated machine (:func:`ddlscale.cluster.dilation.dilated_here`):
+capped at workers / k cores, times in emulated seconds, so each worker has one core of its own and the
+host's rest takes the kernel and the driver.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 
+from ddlscale import clock
 from ddlscale.cluster import run_workers
+from ddlscale.cluster.dilation import dilated_here
 from experiments.harness import Results, alternating, spread
 
 VARIANTS = ("torch fp16", "ddlscale fp16", "torch powersgd", "ddlscale powersgd")
@@ -79,13 +84,13 @@ def _train(rank: int, world: int, workload: str, variant: str, steps: int, power
     times = []
     for _ in range(steps):
         batch = next(batches)
-        start = time.perf_counter()
+        start = clock.now()
         optimizer.zero_grad(set_to_none=True)
         step_model(batch).backward()
         if sync is not None:
             sync.finish_step()
         optimizer.step()
-        times.append(time.perf_counter() - start)
+        times.append(clock.now() - start)
     return times
 
 
@@ -102,7 +107,8 @@ class _Loss(torch.nn.Module):
 
 def _step_time(workers: int, workload: str, variant: str, steps: int, powersgd_bucket_mb: float) -> float:
     """Median step time of one run; a step lasts as long as its slowest rank; 3 warm-up steps dropped."""
-    per_rank = run_workers(_train, workers, workload, variant, steps, powersgd_bucket_mb, timeout_s=60)
+    per_rank = run_workers(_train, workers, workload, variant, steps, powersgd_bucket_mb,
+                           timeout_s=clock.wall(60))
     return statistics.median(max(ts) for ts in list(zip(*per_rank, strict=True))[3:])
 
 
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--powersgd-bucket-mb", type=float, default=DDP_BUCKET_MB,
                         help="bucket size of both PowerSGD variants (torch's hook needs one bucket on gloo)")
+    parser.add_argument("--dilation", type=float, default=1.0, help="time dilation k of the one machine (1: none)")
     args = parser.parse_args(argv)
     workloads = args.workloads.split(",")
 
@@ -125,19 +132,21 @@ def main(argv: list[str] | None = None) -> None:
     results = Results("compression_hooks")
     rows, medians, failures = [], defaultdict(list), {}
     total, done = len(workloads) * args.reps * len(VARIANTS), 0
-    for workload in workloads:
-        for rep, variant in alternating(VARIANTS, args.reps):
-            step = float("nan")
-            if (workload, variant) not in failures:  # a failure is deterministic: do not wait for it twice
-                try:
-                    step = _step_time(args.workers, workload, variant, args.steps, args.powersgd_bucket_mb)
-                except Exception as err:  # reported, not hidden: PyTorch's PowerSGD hook can abort in gloo
-                    failures[(workload, variant)] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
-            medians[(workload, variant)].append(step)
-            rows.append({"workload": workload, "variant": variant, "rep": rep, "step_time_s": step})
-            done += 1
-            results.progress(done, total, f"{workload} {variant} rep {rep}: {step * 1e3:.1f} ms/step"
-                             + (" (failed)" if step != step else ""))
+    with dilated_here(args.dilation, args.workers) as cap:
+        results.dilation = args.dilation
+        for workload in workloads:
+            for rep, variant in alternating(VARIANTS, args.reps):
+                step = float("nan")
+                if (workload, variant) not in failures:  # a failure is deterministic: do not wait for it twice
+                    try:
+                        step = _step_time(args.workers, workload, variant, args.steps, args.powersgd_bucket_mb)
+                    except Exception as err:  # reported, not hidden: PyTorch's PowerSGD hook can abort in gloo
+                        failures[(workload, variant)] = (str(err).strip().splitlines() or [type(err).__name__])[-1][:200]
+                medians[(workload, variant)].append(step)
+                rows.append({"workload": workload, "variant": variant, "rep": rep, "step_time_s": step})
+                done += 1
+                results.progress(done, total, f"{workload} {variant} rep {rep}: {step * 1e3:.1f} ms/step"
+                                 + (" (failed)" if step != step else ""))
     results.write_csv(rows)
     table = []
     for workload in workloads:
@@ -157,15 +166,18 @@ def main(argv: list[str] | None = None) -> None:
               + "".join(f"\n\nFailed: {w} / {v}: {msg}" for (w, v), msg in failures.items()),
         summary={"Compared": "ddlscale's fp16 and PowerSGD compression paths against PyTorch's DDP comm hooks "
                              f"(fp16_compress_hook, powerSGD_hook), same model and loop, {args.workloads}.",
-                 "Emulation": f"none: {args.workers} gloo workers over loopback on this host's cores, no device time.",
-                 "Bound by": "host CPU: unshaped loopback sets no network limit, so each step is compute and "
-                             "copies on this host's cores.",
+                 "Emulation": f"one machine: {args.workers} gloo workers over loopback, no device time; "
+                              + (f"time dilation k={args.dilation:g}, the workers capped at {cap} (each worker one "
+                                 "emulated core)" if args.dilation > 1 else "no dilation: the workers share this host's "
+                                 "cores with the driver and the kernel") + ".",
+                 "Bound by": "CPU: unshaped loopback sets no network limit, so each step is compute and copies.",
                  "Repetitions": f"{args.reps}, alternating, {args.steps} steps each (first 3 excluded).",
                  "Answer": "ddlscale / hook, median of paired reps: " + ", ".join(
                      f"{r[0]} {r[1]} " + ("not measured (the hook failed)" if r[4] != r[4] else f"{r[4]:.3f}")
                      for r in table) + "."},
         command=f"python -m experiments.compression_hooks --workloads {args.workloads} --workers {args.workers} "
-                f"--steps {args.steps} --reps {args.reps} --powersgd-bucket-mb {args.powersgd_bucket_mb:g}",
+                f"--steps {args.steps} --reps {args.reps} --powersgd-bucket-mb {args.powersgd_bucket_mb:g}"
+                + (f" --dilation {args.dilation:g}" if args.dilation != 1 else ""),
     )
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"{w}\n{v}" for w in workloads for v in VARIANTS]

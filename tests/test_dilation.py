@@ -221,3 +221,22 @@ def test_train_on_a_dilated_cluster_reports_emulated_time(tmp_path):
 def test_the_probe_times_a_many_to_many_exchange_on_the_cluster():
     k, tried, why = dilation.probe_cluster(2, 1, 1e8, 0.0, 1.0, log=lambda _: None)
     assert k >= 1 and tried[0]["k"] == 1 and tried[0]["ratio"] > 0.9 and tried[0]["gloo_ratio"] > 0.9 and why
+
+
+def _cpu_cgroup() -> str:
+    return next((line.split(":", 2)[2].strip() for line in open("/proc/self/cgroup") if ":cpu:" in line
+                 or line.startswith("0::")), "")
+
+
+@pytest.mark.skipif(cpucap.find_controller() is None, reason="no writable cgroup CPU controller")
+def test_one_machine_dilated_in_place_caps_this_process_and_its_children_then_lets_go():
+    before = _cpu_cgroup()
+    with dilation.dilated_here(4, 1) as cap:
+        assert "1/4 core" in cap and clock.dilation() == 4
+        child = subprocess.run([sys.executable, "-c", "from ddlscale import clock; print(clock.dilation())"],
+                               capture_output=True, text=True, cwd=ROOT)
+        assert child.stdout.strip() == "4.0"
+        inside = _cpu_cgroup()
+        assert inside != before and inside.startswith("/ddlscale/ddlh")
+    assert _cpu_cgroup() == before and clock.dilation() == 1 and clock.ENV not in __import__("os").environ
+    assert not (cpucap.find_controller().root / inside.lstrip("/")).exists()

@@ -93,6 +93,15 @@ def _read(path: Path) -> str:
         return ""
 
 
+def own_group(controller: Controller) -> Path:
+    """The cgroup this process is in, in ``controller``'s hierarchy."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        number, controllers, path = line.split(":", 2)
+        if (controller.version == 2 and number == "0") or (controller.version == 1 and "cpu" in controllers.split(",")):
+            return controller.root / path.lstrip("/")
+    return controller.root
+
+
 class CpuCaps:
     """One capped cgroup per machine of cluster ``name``: ``cores`` cores each (a fraction of one here)."""
 

@@ -21,6 +21,7 @@ The probe's answer depends on the host, not the job, so it is cached per host an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -30,11 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from ddlscale import clock
 from ddlscale.clock import parse_factor
 
 AUTO = "auto"
@@ -118,6 +121,39 @@ def _write_cache(key: str, entry: dict[str, Any]) -> None:
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(data, indent=1) + "\n")
     os.replace(partial, path)
+
+
+# -- one machine, dilated in place ---------------------------------------------------------------
+@contextlib.contextmanager
+def dilated_here(k: float, ranks: int) -> Iterator[str]:
+    """Run this process, and every process it starts meanwhile, as one emulated machine of ``ranks``
+    ranks at dilation k: capped at ranks / k cores (:mod:`ddlscale.cluster.cpucap`), told k through
+    ``$DDLSCALE_DILATION`` and :func:`ddlscale.clock.dilated`. For experiments on one machine (no
+    NIC to shape): each rank gets one emulated core of its own and the host keeps the rest for the
+    kernel and the launcher, as a machine with spare cores would. Yields the cap in words."""
+    from ddlscale.cluster.cpucap import CpuCaps, find_controller, own_group
+
+    k = parse_factor(k, "dilation")
+    controller = find_controller() if k > 1 else None
+    if k > 1 and controller is None:
+        raise RuntimeError("dilation on one machine needs a writable cgroup CPU controller (root, cgroups)")
+    caps = CpuCaps(controller, f"ddlh{os.getpid() % 100000}", 1, ranks / k) if controller else None
+    home = own_group(controller) if controller else None
+    saved = os.environ.get(clock.ENV)
+    os.environ[clock.ENV] = f"{k:g}"
+    try:
+        if caps is not None:
+            (caps.groups[0] / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        with clock.dilated(k):
+            yield f"{ranks}/{k:g} core of this host" if caps else "not capped (k = 1)"
+    finally:
+        if caps is not None:  # back where it was, then the empty group can go
+            (home / "cgroup.procs").write_text(f"{os.getpid()}\n")
+            caps.remove()
+        if saved is None:
+            os.environ.pop(clock.ENV, None)
+        else:
+            os.environ[clock.ENV] = saved
 
 
 # -- the search -------------------------------------------------------------------------------------
