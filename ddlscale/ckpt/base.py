@@ -6,7 +6,7 @@ position), and reports checkpoint figures for ``summary.json``. A tier subclasse
 :meth:`save` (and :meth:`resume_path` to offer a version to resume from).
 
 Invariants a subclass must keep: :meth:`save` runs on every rank at the same step and may use
-collectives; the state it persists is :func:`ddlscale.ckpt.state.capture_shard`'s, taken inside
+collectives; the state it persists is :func:`ddlscale.ckpt.state.shard.capture_shard`'s, taken inside
 ``save`` (at on_train_batch_end, after the optimizer step, where Lightning's restore expects it).
 """
 
@@ -23,8 +23,8 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale import clock
-from ddlscale.ckpt.io import ManifestCheckpointIO
-from ddlscale.ckpt.state import RANK_STATE_KEY, param_sha256, restore_local
+from ddlscale.ckpt.state.shard import RANK_STATE_KEY, param_sha256, restore_local
+from ddlscale.ckpt.version.io import ManifestCheckpointIO
 
 HIGHFREQ = "highfreq"
 PROGRESS_FILE = "ckpt_progress.log"  # in the run directory

@@ -29,10 +29,9 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
-from ddlscale.ckpt.agent import remove_replicas
-from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
-from ddlscale.ckpt.kvstore import ETCD
-from ddlscale.ckpt.launch import (
+from ddlscale.ckpt.gemini.agent import remove_replicas
+from ddlscale.ckpt.gemini.checkpointer import STORE_ENV, GeminiCheckpointer, job_name, machine_count
+from ddlscale.ckpt.gemini.launch import (
     emulated_env,
     job_secret,
     local_gemini,
@@ -40,6 +39,7 @@ from ddlscale.ckpt.launch import (
     start_emulated_agent,
     start_emulated_etcd,
 )
+from ddlscale.ckpt.gemini.store import ETCD
 from ddlscale.cluster import dilation, stop
 from ddlscale.cluster.control_plane import missing as etcd_missing
 from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
@@ -155,7 +155,7 @@ def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
 
 def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
     """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker — as the
-    workers count them (:func:`ddlscale.ckpt.gemini.machine_layout`)."""
+    workers count them (:func:`ddlscale.ckpt.gemini.checkpointer.machine_layout`)."""
     machines = machine_count({"emulated": cfg.cluster.get("nodes", 1),
                               "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(kind, cfg.trainer.num_nodes))
     try:
