@@ -36,7 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ddlscale.ckpt.disk.dcp import DcpWriter
+from ddlscale.ckpt.disk.writer import DcpWriter
 from ddlscale.ckpt.state.data import DataPosition
 from experiments.harness import Results, alternating, spread
 

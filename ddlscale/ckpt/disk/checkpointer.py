@@ -1,6 +1,6 @@
 """``ckpt=disk``: the persistent tier — every K steps a torch.distributed.checkpoint (DCP) version.
 
-One version, step s (:mod:`~ddlscale.ckpt.disk.dcp`):
+One version, step s (:mod:`~ddlscale.ckpt.disk.layout`):
 
 1. every rank captures its state (rank 0 adds the rank-shared part) and hands it to DCP's
    ``async_save`` (``async_save: false``: ``dcp.save`` on the training thread), which writes the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.disk.dcp import DcpWriter
+from ddlscale.ckpt.disk.writer import DcpWriter
 from ddlscale.ckpt.state.shard import (
     PAYLOAD_FORMAT,
     capture_local,

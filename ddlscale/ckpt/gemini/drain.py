@@ -5,7 +5,7 @@ them the in-memory versions. So on the way out the launcher reads the committed 
 rank's replica from a live holder, checks its MAC, parses it (a snapshot stream: JSON and raw tensors,
 nothing unpickled) and writes the version as the persistent tier writes its own: a
 torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
-(:mod:`ddlscale.ckpt.disk.dcp`), so it loads with DCP's tools alone and resumes at any world size. Running
+(:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. Running
 the same command again in the same run directory then resumes from it instead of from step 0 — after
 a normal end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is
 SIGKILLed.
@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
-from ddlscale.ckpt.disk.dcp import write_version
+from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
 from ddlscale.ckpt.gemini.store import JobStore, connect

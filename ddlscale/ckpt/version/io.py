@@ -17,7 +17,7 @@ from typing import Any
 from lightning_fabric.plugins import CheckpointIO
 
 from ddlscale import clock
-from ddlscale.ckpt.disk.dcp import DcpVersion
+from ddlscale.ckpt.disk.reader import DcpVersion
 from ddlscale.ckpt.state.reshard import assemble_resharded
 from ddlscale.ckpt.state.shard import assemble, decode
 from ddlscale.ckpt.version.manifest import SUFFIX, read_manifest, read_shard

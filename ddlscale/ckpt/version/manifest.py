@@ -18,7 +18,7 @@ The same record (with ``tier`` and ``placement`` set) describes a version held i
 
 ``layout`` says how a version's files hold the state: ``snapshot`` (one snapshot stream per rank, as
 above: versions written before the persistent tier and Gemini's drain moved to DCP, still read) or
-``dcp`` (a torch.distributed.checkpoint directory, see :mod:`ddlscale.ckpt.disk.dcp`): there ``shards`` are
+``dcp`` (a torch.distributed.checkpoint directory, see :mod:`ddlscale.ckpt.disk.layout`): there ``shards`` are
 the ranks' DCP data files, and ``dcp`` holds DCP's own ``.metadata`` file's record and the item index
 ddlscale reads instead of that (pickled) file.
 """

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from ddlscale.ckpt import DiskCheckpointer, load_version, read_manifest
-from ddlscale.ckpt.disk.dcp import DcpVersion, DcpWriter
+from ddlscale.ckpt.disk.reader import DcpVersion
+from ddlscale.ckpt.disk.writer import DcpWriter
 from ddlscale.ckpt.gemini.drain import persist_committed
 from ddlscale.ckpt.state.data import DataPosition, consumed_samples, position_loader_at_sample
 from ddlscale.ckpt.state.rng import capture_rng

@@ -1,34 +1,4 @@
-"""The persistent tier in torch.distributed.checkpoint (DCP) format: written by DCP, read without unpickling.
-
-A version is one DCP checkpoint directory, written by DCP's stock ``FileSystemWriter`` through
-``dcp.async_save`` (or ``dcp.save``; a Gemini launch's last in-memory version, drained when the launch
-ends, through :func:`save_ranks`), plus ddlscale's commit record beside it (:mod:`~ddlscale.ckpt.version.manifest`,
-``layout: dcp``)::
-
-    step_000000012.manifest.json          the commit record: per-file sha256, the item index
-    step_000000012.<token>/.metadata      DCP's own index (written by DCP, for DCP's tools)
-    step_000000012.<token>/__<r>_0.distcp rank r's items
-
-Items (DCP's fully qualified names): ``model.<name>`` (the LightningModule's state dict),
-``optimizer.<i>.state.<id>.<key>`` (optimizer i), ``trainer.<path>`` (other tensors of Lightning's
-checkpoint), ``rank<r>.<path>`` (rank r's own state: RNG, sync-backend state such as error feedback)
-and ``ddlscale.rank<r>``: rank r's JSON skeleton as uint8 — everything that is not a tensor (loop
-counters, hyper-parameters, param groups, the data position) and where each item goes back. Rank 0
-writes the rank-shared state, every rank its own. So DCP's own tools load the model with nothing
-from ddlscale::
-
-    dcp.load({"model": module.state_dict()}, checkpoint_id="<ckpt dir>/step_000000012.<token>")
-
-Why ddlscale does not read the files with DCP's reader: ``FileSystemReader.read_metadata`` unpickles
-``.metadata`` (``pickle.load``: whoever can write the directory runs code in every process that
-resumes), and ``read_data`` ``torch.load``-s each item (the weights-only unpickler: restricted, but
-an unpickler). ddlscale's restore path runs neither. Its index of the items (file, offset, length) is
-taken, at commit, from the ``Metadata`` object DCP returns in memory, and written as JSON into the
-manifest with a sha256 of every file; a reader checks a file's hash before parsing a byte of it,
-finds an item's raw storage bytes by the item's zip directory alone (``torch.save`` stores a tensor's
-storage as an uncompressed zip member) and takes dtype and shape from the skeleton, which the
-snapshot decoder (:func:`~ddlscale.ckpt.state.snapshot.rebuild_skeleton`) rebuilds: JSON, containers,
-tensors, numeric arrays, nothing else.
+"""Writing versions of the persistent tier with DCP's stock writer, and committing them.
 
 Asynchrony: the training thread captures the state (tensors the next iteration changes before its
 optimizer step — RNG, error feedback, BatchNorm statistics — are copied; parameters and optimizer
@@ -43,11 +13,7 @@ and atomically. One version is in flight at a time; the next save first waits fo
 from __future__ import annotations
 
 import io
-import json
-import re
-import sys
 import warnings
-import zipfile
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -62,85 +28,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from ddlscale import clock
+from ddlscale.ckpt.disk.layout import DATA_FILE, METADATA_FILE, state_items
 from ddlscale.ckpt.state.data import DataPosition
-from ddlscale.ckpt.state.snapshot import TAG, encode, rebuild_skeleton
 from ddlscale.ckpt.version.checksum import Checksum
-from ddlscale.ckpt.version.manifest import Manifest, ManifestError, ShardRecord, read_shard, write_manifest
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, write_manifest
 from ddlscale.ckpt.version.storage import fsync_dir
 from ddlscale.comm.groups import weak_group
 
-SKELETON_FORMAT = "ddlscale-dcp-rank/1"
-METADATA_FILE = ".metadata"  # DCP's name for its (pickled) index
-_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
-
-def skeleton_item(rank: int) -> str:
-    return f"ddlscale.rank{rank}"
-
-
-# -- naming the items --------------------------------------------------------------------------------
-def _segment_paths(node: Any, path: tuple[str, ...], out: dict[int, tuple[str, ...]]) -> None:
-    """Walk a snapshot skeleton; record the path of every segment (tensor or array) by its index."""
-    if isinstance(node, list):
-        for i, value in enumerate(node):
-            _segment_paths(value, (*path, str(i)), out)
-        return
-    if not isinstance(node, dict):
-        return
-    tag = node.get(TAG)
-    if tag in ("tensor", "ndarray") and "segment" in node:
-        out[node["segment"]] = path
-    elif tag in ("dict", "odict"):
-        for key, value in node["items"]:
-            _segment_paths(value, (*path, key if isinstance(key, str) else json.dumps(key)), out)
-    elif tag == "tuple":
-        _segment_paths(node["items"], path, out)
-    else:
-        for key, value in node.items():
-            if key != TAG:
-                _segment_paths(value, (*path, key), out)
-
-
-def _item_name(path: tuple[str, ...], rank: int) -> str:
-    """DCP's name for a payload path: the model and optimizers under the names users load them by."""
-    if path[:2] == ("shared", "state_dict"):
-        return ".".join(("model", *path[2:]))
-    if path[:2] == ("shared", "optimizer_states"):
-        return ".".join(("optimizer", *path[2:]))
-    if path[0] == "shared":
-        return ".".join(("trainer", *path[1:]))
-    return ".".join((f"rank{rank}", *path[1:]))
-
-
-def _owning(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when it is its whole storage (what the reader expects of an item), else a copy."""
-    whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-    return tensor if whole and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
-
-
-def state_items(payload: dict[str, Any], rank: int, live: set[int] | None) -> dict[str, torch.Tensor]:
-    """The DCP state dict of one rank's payload (``{"local", "shared"}`` as :mod:`~ddlscale.ckpt.state.shard`
-    builds it): its tensors by name, and its skeleton. ``live`` as :func:`~ddlscale.ckpt.state.snapshot.capture`:
-    tensors unchanged until the optimizer step are referenced, the others copied now."""
-    skeleton, tensors = encode(payload, live, inline_bytes=1)  # only empty tensors inline: DCP's tools see all
-    paths: dict[int, tuple[str, ...]] = {}
-    _segment_paths(skeleton, (), paths)
-    names: list[str] = []
-    seen: set[str] = set()
-    for index in range(len(tensors)):
-        name = _item_name(paths[index], rank)
-        if name in seen:  # two payload paths that join to one dotted name: keep both, distinctly
-            name = f"{name}#{index}"
-        seen.add(name)
-        names.append(name)
-    items = {name: _owning(t) for name, t in zip(names, tensors, strict=True)}
-    record = {"format": SKELETON_FORMAT, "rank": rank, "segments": names, "skeleton": skeleton}
-    items[skeleton_item(rank)] = torch.frombuffer(bytearray(json.dumps(record, separators=(",", ":")).encode()),
-                                                  dtype=torch.uint8)
-    return items
-
-
-# -- writing -----------------------------------------------------------------------------------------
 class _PacedStream(io.RawIOBase):
     """A file whose writes take as long as ``bandwidth_bps`` allows (emulated remote storage)."""
 
@@ -223,7 +118,7 @@ def save_ranks(path: Path, ranks: list[dict[str, torch.Tensor]]) -> Any:
 
 
 def _file_rank(name: str) -> int:
-    match = _DATA_FILE.fullmatch(name)
+    match = DATA_FILE.fullmatch(name)
     if match is None:
         raise RuntimeError(f"DCP wrote an unexpected file {name!r}")
     return int(match.group(1))
@@ -372,79 +267,3 @@ class DcpWriter:
             if self._committer is not None:
                 self._committer.shutdown(wait=True)
                 self._committer = None
-
-
-# -- reading -----------------------------------------------------------------------------------------
-def _storage_bytes(blob: bytes, where: str) -> bytearray:
-    """The raw storage bytes of one item: ``torch.save``'s zip, read through its directory alone (its
-    pickled ``data.pkl`` is never looked at)."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as archive:
-            infos = archive.infolist()
-            storages = [i for i in infos if i.filename.split("/")[-2:-1] == ["data"]]
-            if len(storages) != 1:
-                raise ValueError(f"{len(storages)} storages, expected one")
-            info = storages[0]
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise ValueError("a compressed storage")
-            order = [i for i in infos if i.filename.endswith("/byteorder")]
-            if order and archive.read(order[0]).decode() != sys.byteorder:
-                raise ValueError(f"stored {archive.read(order[0]).decode()}-endian on a {sys.byteorder}-endian host")
-            return bytearray(archive.read(info))  # zipfile checks the member's CRC
-    except (zipfile.BadZipFile, ValueError, UnicodeDecodeError, EOFError) as exc:
-        raise ManifestError(f"{where}: not a tensor item ({exc})") from None
-
-
-class DcpVersion:
-    """A committed DCP version, read rank by rank; every file's hash is checked before it is parsed."""
-
-    def __init__(self, directory: Path, manifest: Manifest) -> None:
-        if manifest.layout != "dcp":
-            raise ValueError("not a DCP version")
-        self.directory = Path(directory)
-        self.manifest = manifest
-        self._files: dict[str, bytes] = {}
-        self.bytes_read = 0
-
-    def _file(self, name: str) -> bytes:
-        if name not in self._files:
-            record = next((r for r in self.manifest.shards if r.file.rpartition("/")[2] == name), None)
-            if record is None:
-                raise ManifestError(f"step {self.manifest.step}: the index names {name!r}, which no shard record covers")
-            self._files[name] = read_shard(self.directory, record)  # size and sha256 checked
-            self.bytes_read += record.bytes
-        return self._files[name]
-
-    def _item(self, name: str) -> bytearray:
-        entry = self.manifest.dcp["index"].get(name)
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in entry[1:])):
-            raise ManifestError(f"step {self.manifest.step}: no readable index entry for item {name!r}")
-        file, offset, length = entry
-        blob = self._file(file)
-        if offset + length > len(blob):
-            raise ManifestError(f"step {self.manifest.step}: item {name!r} lies outside {file}")
-        return _storage_bytes(blob[offset:offset + length], f"{file}[{name}]")
-
-    def payload(self, rank: int) -> dict[str, Any]:
-        """Rank ``rank``'s payload (``{"format", "local", "shared"}``), tensors on the CPU."""
-        where = f"step {self.manifest.step} rank {rank}"
-        try:
-            record = json.loads(bytes(self._item(skeleton_item(rank))))
-        except ValueError as exc:
-            raise ManifestError(f"{where}: unreadable skeleton ({exc})") from None
-        if not isinstance(record, dict) or record.get("format") != SKELETON_FORMAT or record.get("rank") != rank:
-            raise ManifestError(f"{where}: not a ddlscale rank skeleton")
-        segments = record.get("segments")
-        if not isinstance(segments, list) or not all(isinstance(s, str) for s in segments):
-            raise ManifestError(f"{where}: malformed segment list")
-
-        def fetch(index: int, nbytes: int) -> bytearray:
-            if not 0 <= index < len(segments):
-                raise ValueError(f"segment {index} not in the skeleton's list")
-            return self._item(segments[index])
-
-        try:
-            return rebuild_skeleton(record.get("skeleton"), fetch)
-        except ValueError as exc:
-            raise ManifestError(f"{where}: {exc}") from None
