@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddlscale.ckpt.gemini.agent import remove_replicas
+from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV
 from ddlscale.ckpt.gemini.checkpointer import job_name
 from ddlscale.ckpt.gemini.launch import emulated_env, job_secret, start_emulated_agent, start_emulated_etcd

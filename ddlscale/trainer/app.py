@@ -29,7 +29,7 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
-from ddlscale.ckpt.gemini.agent import remove_replicas
+from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.checkpointer import STORE_ENV, GeminiCheckpointer, job_name, machine_count
 from ddlscale.ckpt.gemini.launch import (
     emulated_env,

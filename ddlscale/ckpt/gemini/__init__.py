@@ -6,7 +6,7 @@
 * :mod:`~ddlscale.ckpt.gemini.protocol`, :mod:`~ddlscale.ckpt.gemini.auth` — the authenticated agent
   protocol and its client; the job's secret and the keys derived from it.
 * :mod:`~ddlscale.ckpt.gemini.store` — the job's signed keys in a TCPStore or etcd.
-* :mod:`~ddlscale.ckpt.gemini.agent` — the per-machine replica agent.
+* :mod:`~ddlscale.ckpt.gemini.agent` — the per-machine replica agent (slots, server, membership).
 * :mod:`~ddlscale.ckpt.gemini.launch`, :mod:`~ddlscale.ckpt.gemini.drain`,
   :mod:`~ddlscale.ckpt.gemini.control` — starting a job's store and agents, writing its last committed
   version to disk when it ends, watching it.

@@ -651,7 +651,8 @@ def test_own_machine_writes_go_straight_into_the_agents_shared_memory(job, agent
 
 
 def test_a_replacement_agent_starts_empty_and_stopping_frees_the_memory(job, agent):
-    from ddlscale.ckpt.gemini.agent import ReplicaStore, shm_dir
+    from ddlscale.ckpt.gemini.agent.slots import ReplicaStore
+    from ddlscale.ckpt.gemini.protocol import shm_dir
 
     store = ReplicaStore("ddl-test-leftover-m0")
     slot = store.begin(0, 1, 4096, 0, None, lambda inc, v: False)
