@@ -30,7 +30,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer, PlacementPlan
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
-from ddlscale.ckpt.gemini.checkpointer import STORE_ENV, GeminiCheckpointer, job_name, machine_count
+from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+from ddlscale.ckpt.gemini.env import STORE_ENV, job_name, machine_count
 from ddlscale.ckpt.gemini.launch import (
     emulated_env,
     job_secret,
@@ -155,7 +156,7 @@ def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
 
 def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
     """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker — as the
-    workers count them (:func:`ddlscale.ckpt.gemini.checkpointer.machine_layout`)."""
+    workers count them (:func:`ddlscale.ckpt.gemini.env.machine_layout`)."""
     machines = machine_count({"emulated": cfg.cluster.get("nodes", 1),
                               "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(kind, cfg.trainer.num_nodes))
     try:

@@ -15,16 +15,11 @@ Per version v (the state after optimizer step v), on every rank:
    for that outcome, and each agent, reading the manifest itself, never overwrites the committed
    version's buffer, so a committed version is never lost.
 
-Everything is authenticated with the job's secret (:mod:`ddlscale.ckpt.gemini.auth`): agent messages, store
-records, the replicas' MACs. Restoring parses a snapshot stream (JSON and raw tensors): no unpickling.
-
-Recovery (``resume=auto``, before workers start): the committed manifest in the store names the
-version; every rank fetches its own replica — from its machine's agent (software failure), else from
-a live holder (machine failure, the replacement took the rank) — and checks its checksum. All ranks
-agree by one collective: if any rank found no intact replica (whole group lost, checksum mismatch),
-everyone loads the newest persistent checkpoint instead. When a launch ends, its launcher writes the
-committed version to the persistent directory (:func:`persist_committed`), so running the same
-command again in the same run directory continues from there.
+Everything is authenticated with the job's secret (:mod:`ddlscale.ckpt.gemini.auth`): agent messages,
+store records, the replicas' MACs. Recovery is :mod:`~ddlscale.ckpt.gemini.recovery`'s. When a launch
+ends, its launcher writes the committed version to the persistent directory
+(:mod:`~ddlscale.ckpt.gemini.drain`), so running the same command again in the same run directory
+continues from there.
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ import math
 import os
 import statistics
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -43,72 +37,24 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, find_resumable, write_rate
+from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
-from ddlscale.ckpt.gemini.interleave import (
-    MODES,
-    ReplicaSender,
-    Transfer,
-    Wire,
-    busy_periods,
-    chunks_per_gap,
-    gaps,
-    is_stable,
-    profile_gaps,
-)
+from ddlscale.ckpt.gemini.env import STORE_ENV, job_name, machine_layout
+from ddlscale.ckpt.gemini.interleave import MODES, ReplicaSender, Transfer
 from ddlscale.ckpt.gemini.placement import KINDS, PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
+from ddlscale.ckpt.gemini.recovery import GeminiRecovery
 from ddlscale.ckpt.gemini.store import ETCD, JobStore, check_address, connect
+from ddlscale.ckpt.gemini.wire import TrainingWire
 from ddlscale.ckpt.state.data import DataPosition
-from ddlscale.ckpt.state.shard import (
-    PAYLOAD_FORMAT,
-    assemble,
-    capture_local,
-    capture_shared,
-    unchanged_until_step,
-)
-from ddlscale.ckpt.state.snapshot import capture, rebuild
-from ddlscale.ckpt.version.checksum import KEYED, matches
-from ddlscale.ckpt.version.io import load_version
-from ddlscale.ckpt.version.manifest import SUFFIX, Manifest, ManifestError, ShardRecord, step_of
+from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
+from ddlscale.ckpt.state.snapshot import capture
+from ddlscale.ckpt.version.checksum import KEYED
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
 
-PATH_PREFIX = "gemini:"
-STORE_ENV, MACHINE_ENV, MACHINES_ENV, JOB_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES", "DDLSCALE_JOB"
 # Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
 OUTCOME_SLACK_S = 10.0
-
-
-def job_name(run_dir: str | None) -> str:
-    """A job id every rank derives alike: the launcher's, else one from the run directory."""
-    if os.environ.get(JOB_ENV):
-        return os.environ[JOB_ENV]
-    where = str(Path(run_dir).resolve()) if run_dir else "default"
-    return f"{Path(where).name}-{zlib.crc32(where.encode()):08x}"
-
-
-def machine_count(default: int) -> int:
-    """Machines the placement spans: the launcher's ``$DDLSCALE_MACHINES``, else ``default``."""
-    return int(os.environ.get(MACHINES_ENV, default))
-
-
-def machine_layout(rank: int, world: int, node_rank: int, nodes: int) -> tuple[int, int]:
-    """(this rank's machine, machines) for placement.
-
-    ``$DDLSCALE_MACHINE`` where the launcher set it; else with as many machines as ranks (cluster=local:
-    an agent per rank) each rank is its own machine; else one machine per node (the launcher's node
-    rank: torchrun's GROUP_RANK, SLURM's node id). Never one per rank by default: with several ranks
-    per node, placement could make two ranks of one node each other's only copy.
-    """
-    machines = machine_count(nodes)
-    if os.environ.get(MACHINE_ENV):
-        return int(os.environ[MACHINE_ENV]), machines
-    if machines == world:
-        return rank, machines
-    if machines == nodes:
-        return node_rank, machines
-    raise ValueError(f"ckpt=gemini: {MACHINES_ENV}={machines} machines but {nodes} nodes and {world} ranks: "
-                     f"set {MACHINE_ENV} to each rank's machine")
 
 
 def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
@@ -117,7 +63,7 @@ def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
     return value
 
 
-class GeminiCheckpointer(Checkpointer):
+class GeminiCheckpointer(GeminiRecovery, Checkpointer):
     """In-memory checkpoints replicated to peers' agents, with a rare persistent tier behind them.
 
     Args:
@@ -198,11 +144,8 @@ class GeminiCheckpointer(Checkpointer):
         self.committed: list[int] = []
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
-        self._profile: tuple[list[list[float]], list[float]] = ([], [])  # gaps and horizon per iteration
+        self.wire = TrainingWire(None, self.profile_steps, self.mu)  # the sync backend is known in setup
         self._iteration_start: float | None = None
-        self._sync: Any = None
-        self._sync_steps_at_start = 0
-        self._interleave: dict[str, Any] = {}
 
     # -- where things are ---------------------------------------------------------------------------
     def _store_address(self) -> str:
@@ -242,25 +185,6 @@ class GeminiCheckpointer(Checkpointer):
         manifest = (store if store is not None else self.store).manifest()
         return manifest if isinstance(manifest, Manifest) else None
 
-    # -- before workers start -----------------------------------------------------------------------
-    def resume_path(self, world_size: int) -> str | None:
-        if self.resume is None:
-            return None
-        manifest = self.committed_manifest(self._connect())
-        if manifest is not None and manifest.world_size == world_size:
-            return f"{PATH_PREFIX}{manifest.step}"
-        found = self._persistent_path(world_size)
-        if found is not None and os.environ.get("RANK", "0") == "0":
-            print(f"ckpt=gemini: resuming from step {step_of(Path(found))}, the newest version in {self.persist_dir} "
-                  "(no committed version in memory)", flush=True)
-        return found
-
-    def _persistent_path(self, world_size: int) -> str | None:
-        if self.persist_dir is None or not self.persist_dir.exists():
-            return None
-        found = find_resumable(self.persist_dir, world_size, set_aside=False)
-        return str(found) if found is not None else None
-
     # -- set-up in the workers ----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
@@ -284,13 +208,13 @@ class GeminiCheckpointer(Checkpointer):
             self.incarnation = last + 1
             self.store.set(self.store.keys.incarnation, self.incarnation)
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
+        self.wire.sync = getattr(trainer.strategy, "sync", None)
         holders = list(self.plan.holders_of(machine))
         destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
         self._check_shared_memory(destinations[0], pl_module, world, machines)
         self.sender = ReplicaSender(rank, destinations, holders, self.chunk_bytes, self.subbuffers, self.mode,
                                     self.checksum, self.auth.replica, before_begin=self._before_begin,
-                                    on_done=self._on_sent, wire=self._wire, device=trainer.strategy.root_device)
-        self._sync = getattr(trainer.strategy, "sync", None)
+                                    on_done=self._on_sent, wire=self.wire.now, device=trainer.strategy.root_device)
 
     # -- checkpointing ------------------------------------------------------------------------------
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
@@ -376,18 +300,9 @@ class GeminiCheckpointer(Checkpointer):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._iteration_start is None:
             self._iteration_start = clock.now()
-            self._sync_steps_at_start = self._sync.steps if self._sync is not None else 0
+            self.wire.iteration_started()
             if self.sender is not None:
                 self.sender.iteration_started()
-
-    def _wire(self) -> Wire:
-        """The training communication now (the sender thread polls this)."""
-        if self._sync is None or self._sync.steps != self._sync_steps_at_start:
-            return Wire(completed=0, idle=True, finished=True)  # this iteration's sync is over
-        spans = [(r.start, r.end if r.end is not None else float("inf")) for r in list(self._sync.ledger.records)]
-        periods = busy_periods(spans)
-        in_flight = bool(periods) and periods[-1][1] == float("inf")
-        return Wire(completed=len(periods) - in_flight, idle=not in_flight, finished=False)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         persist_wait = self.persistent.before_optimizer_step() if self.persistent is not None else 0.0
@@ -397,7 +312,9 @@ class GeminiCheckpointer(Checkpointer):
         if self.sender is None:
             return
         if start is not None and self.mode != "blocking" and self.sender.plan is None:
-            self._record_profile(start)
+            plan = self.wire.record(start, self.sender.chunk_seconds())
+            if plan is not None:
+                self.sender.plan = plan
         waited = self.sender.deadline()
         if waited and self.stalls:
             self.stalls[-1] += waited
@@ -407,27 +324,6 @@ class GeminiCheckpointer(Checkpointer):
             if len(self.transfers) == 1:  # the first version: stop at start-up rather than train unprotected
                 raise RuntimeError(message)
             warnings.warn(message, stacklevel=2)
-
-    def _record_profile(self, start: float) -> None:
-        """One iteration's gaps between training collectives; settle the plan once they are stable."""
-        now = clock.now()
-        records = self._sync.last_stats.collectives if self._sync is not None else []
-        busy = [(r.start - start, (r.end if r.end is not None else now) - start) for r in records]
-        profiled, horizons = self._profile
-        profiled.append(gaps(busy, now - start))
-        horizons.append(now - start)
-        chunk_s = self.sender.chunk_seconds()
-        recent = slice(-self.profile_steps, None)
-        if len(horizons) < self.profile_steps or chunk_s is None:
-            return
-        stable = is_stable(horizons[recent])
-        if not stable and len(horizons) < 3 * self.profile_steps:
-            return  # keep profiling; after 3x the steps, go with what there is
-        gap_s = profile_gaps(profiled[recent])
-        self.sender.plan = chunks_per_gap(gap_s, chunk_s, self.mu)
-        self._interleave = {"profiled_steps": len(horizons), "stable": stable, "gaps": len(gap_s),
-                            "idle_s": sum(gap_s), "horizon_s": statistics.median(horizons[recent]),
-                            "chunk_s": chunk_s, "planned_chunks": sum(self.sender.plan)}
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sender is not None:
@@ -447,85 +343,6 @@ class GeminiCheckpointer(Checkpointer):
         if self.persistent is not None:
             self.persistent.teardown(trainer, pl_module, stage)
 
-    # -- recovery ----------------------------------------------------------------------------------
-    def load_path(self, path: str) -> dict[str, Any] | None:
-        if path.endswith(SUFFIX):  # a persistent version resume_path chose: read at the tier's rate, timed
-            start = clock.now()
-            loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps,
-                                  dist.get_world_size() if dist.is_initialized() else 1)
-            self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
-            return loaded
-        if not path.startswith(PATH_PREFIX):
-            return None
-        if self.store is None:
-            self.store = self._connect()
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        start = clock.now()
-        data, source = self._fetch(int(path[len(PATH_PREFIX):]), rank)
-        # On the strategy's device: NCCL reduces only GPU tensors.
-        ok = torch.tensor([1 if data is not None else 0], device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank restores the same version, or none does
-        if int(ok) == 1:
-            payload = rebuild(data)
-            self.recovery = {"source": source, "retrieve_s": clock.now() - start, "tier": "memory"}
-            return assemble(payload, payload)
-        return self._fall_back(rank, start)
-
-    def _fetch(self, step: int, rank: int) -> tuple[bytearray | None, str]:
-        """This rank's replica of ``step``, checksum-verified: own machine's agent first, then live holders."""
-        manifest = self.committed_manifest()
-        if manifest is None or manifest.step != step:
-            warnings.warn(f"gemini: version {step} is no longer the committed one", stacklevel=2)
-            return None, "none"
-        record = manifest.shard(rank)
-        machine = self.machine
-        holders = [int(h) for h in manifest.placement["holders"][str(rank)]]
-        alive = self.store.get(self.store.keys.alive, list(range(manifest.placement["machines"])))
-        order = ([machine] if machine in holders else []) + [h for h in holders if h != machine and h in alive]
-        for holder in order:
-            try:
-                with self._agent(holder, timeout_s=5.0) as client:
-                    data = client.get(step, rank, max_bytes=record.bytes)
-            except (ReplicaError, OSError) as exc:
-                warnings.warn(f"gemini: rank {rank} cannot read its replica on machine {holder}: {exc}", stacklevel=2)
-                continue
-            if len(data) != record.bytes or not matches(data, record.checksum, self.auth.replica):
-                warnings.warn(f"gemini: replica of rank {rank} on machine {holder} fails its MAC", stacklevel=2)
-                continue
-            return data, "local" if holder == machine else f"peer:{holder}"
-        return None, "none"
-
-    def _fall_back(self, rank: int, start: float) -> dict[str, Any]:
-        """No intact in-memory copy for some rank: everyone loads the newest persistent version."""
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        choice: list[str | None] = [None, None]  # rank 0's pick of the persistent versions, or why none fits
-        if rank == 0:
-            try:
-                choice[0] = self._persistent_path(world)
-            except ValueError as exc:  # the others wait in the broadcast: they must raise it too
-                choice[1] = str(exc)
-            if choice[0] is not None:
-                # Training goes back to that version: the committed one in memory (unrestorable) is stale,
-                # and the agents would keep its buffers from the replayed steps.
-                self.store.clear_manifest(f"fell back to {choice[0]}")
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        if choice[1] is not None:
-            raise RuntimeError(f"gemini: persistent fallback failed: {choice[1]}")
-        if choice[0] is None:
-            raise RuntimeError(
-                "gemini: the committed version cannot be restored (a whole placement group is lost or its "
-                "replicas fail their MACs) and there is no persistent checkpoint: set ckpt.persist_every"
-            )
-        warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
-        try:
-            loaded = load_version(Path(choice[0]), rank, self.persist_bps, world)
-        except ManifestError as exc:
-            raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
-        self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
-        return loaded
-
     # -- figures -----------------------------------------------------------------------------------
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
@@ -544,7 +361,7 @@ class GeminiCheckpointer(Checkpointer):
             "ckpt_recovery": self.recovery or None,  # rank 0's
             "ckpt_recovery_sources": sources if any(sources) else None,  # per rank: local, peer:<m>, persistent
         }
-        figures.update({f"ckpt_interleave_{k}": v for k, v in self._interleave.items()})
+        figures.update({f"ckpt_interleave_{k}": v for k, v in self.wire.summary.items()})
         if self.persistent is not None:
             figures["ckpt_persistent_count"] = len(self.persistent.bytes_written)
         if trainer.is_global_zero and self.store is not None:

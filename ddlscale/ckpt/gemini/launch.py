@@ -36,8 +36,8 @@ from typing import Any
 
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
-from ddlscale.ckpt.gemini.checkpointer import JOB_ENV, MACHINE_ENV, MACHINES_ENV, STORE_ENV
 from ddlscale.ckpt.gemini.drain import announce, persist_committed
+from ddlscale.ckpt.gemini.env import JOB_ENV, MACHINE_ENV, MACHINES_ENV, STORE_ENV
 from ddlscale.ckpt.gemini.store import JobStore, connect, serve
 from ddlscale.cluster.control_plane import EtcdMembers, Member
 

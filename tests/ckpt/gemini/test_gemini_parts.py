@@ -520,29 +520,31 @@ def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, t
     by the old manifest (whose version could not be restored); with no disk version it stays, so a
     restart fails the same clear way instead of starting from scratch."""
     from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import recovery
 
     (tmp_path / "disk").mkdir()
     checkpointer = gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=str(tmp_path / "disk"))
     checkpointer.store = job.store
     job.commit(12)
-    monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: None)
+    monkeypatch.setattr(recovery, "find_resumable", lambda directory, world, set_aside: None)
     with pytest.raises(RuntimeError, match="there is no persistent checkpoint"):
         checkpointer._fall_back(0, time.perf_counter())
     assert checkpointer.committed_manifest().step == 12
     persistent = tmp_path / "step-9.manifest.json"
-    monkeypatch.setattr(gemini, "find_resumable", lambda directory, world, set_aside: persistent)
-    monkeypatch.setattr(gemini, "load_version", lambda path, rank, bps, world: {"from": path})
+    monkeypatch.setattr(recovery, "find_resumable", lambda directory, world, set_aside: persistent)
+    monkeypatch.setattr(recovery, "load_version", lambda path, rank, bps, world: {"from": path})
     assert checkpointer._fall_back(0, time.perf_counter()) == {"from": persistent}
     assert checkpointer.committed_manifest() is None and job.store.manifest() == kvstore.CLEARED
 
 
 def _fall_back_on(rank, world, directory):
     from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import recovery
 
     def mismatch(directory, world_size, set_aside):
         raise ValueError(f"ckpt.resume: step 9 holds 4 ranks, this run has {world_size}")
 
-    gemini.find_resumable = mismatch  # in this forked worker only; rank 0 alone reads the directory
+    recovery.find_resumable = mismatch  # in this forked worker only; rank 0 alone reads the directory
     try:
         gemini.GeminiCheckpointer(replicas=1, persist_every=3, persist_dir=directory)._fall_back(rank, 0.0)
     except RuntimeError as exc:
@@ -564,7 +566,7 @@ def test_a_persistent_version_that_does_not_fit_is_the_same_error_on_every_rank(
     ({"DDLSCALE_MACHINE": "3", "DDLSCALE_MACHINES": "4"}, [3] * 8),  # the launcher knows best
 ])
 def test_a_ranks_machine_is_its_node_unless_the_launcher_says(monkeypatch, env, machines):
-    from ddlscale.ckpt.gemini.checkpointer import MACHINE_ENV, MACHINES_ENV, machine_layout
+    from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, machine_layout
 
     for key in (MACHINE_ENV, MACHINES_ENV):
         monkeypatch.delenv(key, raising=False)
@@ -575,7 +577,7 @@ def test_a_ranks_machine_is_its_node_unless_the_launcher_says(monkeypatch, env, 
 
 
 def test_machines_that_are_neither_nodes_nor_ranks_need_each_ranks_machine(monkeypatch):
-    from ddlscale.ckpt.gemini.checkpointer import MACHINE_ENV, machine_layout
+    from ddlscale.ckpt.gemini.env import MACHINE_ENV, machine_layout
 
     monkeypatch.delenv(MACHINE_ENV, raising=False)
     monkeypatch.setenv("DDLSCALE_MACHINES", "4")
