@@ -3,7 +3,7 @@
 Selected by ``ckpt=`` alone (``none``, ``disk``, ``gemini``). Where to look:
 
 * :mod:`~ddlscale.ckpt.base` — ``Checkpointer``, the callback every tier subclasses (when to save,
-  what to restore, summary figures).
+  what to restore, summary figures) and its launch hooks (``validate_launch``, ``services``).
 * :mod:`~ddlscale.ckpt.state` — a rank's state as bytes: capture, snapshot stream, RNG, data
   position, resharding to another world size.
 * :mod:`~ddlscale.ckpt.version` — a committed version: manifest, checksums, atomic storage, loading.

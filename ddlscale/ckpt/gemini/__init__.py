@@ -9,8 +9,8 @@
   protocol and its client; the job's secret and the keys derived from it.
 * :mod:`~ddlscale.ckpt.gemini.store` — the job's signed keys in a TCPStore or etcd.
 * :mod:`~ddlscale.ckpt.gemini.agent` — the per-machine replica agent (slots, server, membership).
-* :mod:`~ddlscale.ckpt.gemini.launch`, :mod:`~ddlscale.ckpt.gemini.env` — the secret, store and
-  agents around the workers; what the workers are told.
+* :mod:`~ddlscale.ckpt.gemini.launch`, :mod:`~ddlscale.ckpt.gemini.env` — the launch hooks: checks,
+  and the secret, store and agents around the workers; what the workers are told.
 * :mod:`~ddlscale.ckpt.gemini.drain`, :mod:`~ddlscale.ckpt.gemini.control` — a launch's last committed
   version to disk when it ends; watching a job.
 """

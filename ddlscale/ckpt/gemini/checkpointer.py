@@ -28,6 +28,7 @@ import math
 import os
 import statistics
 import warnings
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,9 @@ from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
-from ddlscale.ckpt.gemini.env import STORE_ENV, job_name, machine_layout
+from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
 from ddlscale.ckpt.gemini.interleave import MODES, ReplicaSender, Transfer
+from ddlscale.ckpt.gemini.launch import check_launch, launch_services
 from ddlscale.ckpt.gemini.placement import KINDS, PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.gemini.recovery import GeminiRecovery
@@ -51,6 +53,7 @@ from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_sha
 from ddlscale.ckpt.state.snapshot import capture
 from ddlscale.ckpt.version.checksum import KEYED
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+from ddlscale.cluster.context import Launch, Services, job_name
 
 # Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
@@ -146,6 +149,13 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.wire = TrainingWire(None, self.profile_steps, self.mu)  # the sync backend is known in setup
         self._iteration_start: float | None = None
+
+    # -- the launching process: before and around the workers --------------------------------------
+    def validate_launch(self, launch: Launch) -> None:
+        check_launch(self, launch)
+
+    def services(self, launch: Launch) -> AbstractContextManager[Services]:
+        return launch_services(self, launch)
 
     # -- where things are ---------------------------------------------------------------------------
     def _store_address(self) -> str:

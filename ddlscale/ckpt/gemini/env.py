@@ -1,24 +1,15 @@
-"""What a launcher tells Gemini's ranks through the environment: the job, its store, the machine layout.
+"""What a launcher tells Gemini's ranks through the environment: the job's store and the machine layout.
 
-The launchers of :mod:`~ddlscale.ckpt.gemini.launch` set these (and ``$DDLSCALE_SECRET_FILE``); on a
-real cluster the user exports them.
+The launchers of :mod:`~ddlscale.ckpt.gemini.launch` set these (with ``$DDLSCALE_JOB``,
+:data:`ddlscale.cluster.context.JOB_ENV`, and ``$DDLSCALE_SECRET_FILE``); on a real cluster the user
+exports them.
 """
 
 from __future__ import annotations
 
 import os
-import zlib
-from pathlib import Path
 
-STORE_ENV, MACHINE_ENV, MACHINES_ENV, JOB_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES", "DDLSCALE_JOB"
-
-
-def job_name(run_dir: str | None) -> str:
-    """A job id every rank derives alike: the launcher's, else one from the run directory."""
-    if os.environ.get(JOB_ENV):
-        return os.environ[JOB_ENV]
-    where = str(Path(run_dir).resolve()) if run_dir else "default"
-    return f"{Path(where).name}-{zlib.crc32(where.encode()):08x}"
+STORE_ENV, MACHINE_ENV, MACHINES_ENV = "DDLSCALE_STORE", "DDLSCALE_MACHINE", "DDLSCALE_MACHINES"
 
 
 def machine_count(default: int) -> int:

@@ -1,4 +1,8 @@
-"""Starting Gemini's infrastructure: the job's secret, its store and one replica agent per machine.
+"""Launching a Gemini job: checks before the workers start, and the secret, store and agents around them.
+
+:func:`check_launch` and :func:`launch_services` are ``GeminiCheckpointer``'s launch hooks
+(:class:`~ddlscale.ckpt.base.Checkpointer`): the app and the launch modes of
+:mod:`ddlscale.cluster.launch` call them without knowing the tier.
 
 The store is a TCPStore by default, or with ``ckpt.store=etcd`` an etcd cluster
 (:mod:`ddlscale.cluster.control_plane`): one member on loopback for ``cluster=local``, one on each of
@@ -32,17 +36,93 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.gemini.drain import announce, persist_committed
-from ddlscale.ckpt.gemini.env import JOB_ENV, MACHINE_ENV, MACHINES_ENV, STORE_ENV
-from ddlscale.ckpt.gemini.store import JobStore, connect, serve
-from ddlscale.cluster.control_plane import EtcdMembers, Member
+from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
+from ddlscale.ckpt.gemini.placement import PlacementPlan
+from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
+from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
+from ddlscale.cluster.control_plane import EtcdMembers, Member, missing
+
+if TYPE_CHECKING:
+    from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
 ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains
+
+
+def check_launch(gemini: GeminiCheckpointer, launch: Launch) -> None:
+    """Refuse, naming the key, what cannot work in this launch: m replicas need m machines — emulated
+    machines, nodes, or (one machine) one per worker, as the workers count them
+    (:func:`~ddlscale.ckpt.gemini.env.machine_layout`); and ``ckpt.store=etcd`` needs etcd where the
+    launcher starts the members (cluster=local, emulated), elsewhere their address."""
+    machines = machine_count(launch.world_size if launch.kind == "local" else launch.machines)
+    try:
+        PlacementPlan(int(machines), gemini.replicas, gemini.placement)
+    except ValueError as exc:
+        raise ValueError(f"ckpt.replicas / ckpt.placement: {exc}") from None
+    if gemini.store_address != ETCD:
+        return
+    if launch.is_worker or launch.kind not in ("local", "emulated"):
+        if not os.environ.get(STORE_ENV, "").startswith("etcd"):
+            raise ValueError(f"ckpt.store=etcd with cluster={launch.kind}: nothing starts etcd members here; give "
+                             "their address as ckpt.store=etcd://HOST:PORT,... (or $DDLSCALE_STORE)")
+        return
+    reason = missing(server=True)
+    if reason:
+        raise ValueError(f"ckpt.store=etcd cannot run here: {reason}")
+
+
+def launch_services(gemini: GeminiCheckpointer, launch: Launch) -> contextlib.AbstractContextManager[Services]:
+    """The secret, store and agents a launch needs, unless someone else provides them: the workers
+    (the launcher above them does), and a launch in this process given a store (``ckpt.store=HOST:PORT``
+    or ``$DDLSCALE_STORE``: its agents are the user's). An elastic launch starts its own whatever the
+    store: its agents must outlive the restarted workers."""
+    if launch.is_worker:
+        return contextlib.nullcontext(Services())
+    if launch.mode == EMULATED:
+        return _on_emulated_cluster(gemini, launch)
+    if launch.mode != ELASTIC and (gemini.store_address not in (None, ETCD) or os.environ.get(STORE_ENV)):
+        return contextlib.nullcontext(Services())
+    return _on_this_machine(gemini, launch)
+
+
+@contextlib.contextmanager
+def _on_this_machine(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
+    """One agent per rank on loopback; the workers inherit the environment that finds them."""
+    etcd_dir = launch.run_dir / "etcd" if gemini.store_address == ETCD else None
+    with local_gemini(launch.world_size, launch.job, gemini.persist_dir, etcd_dir=etcd_dir):
+        yield Services()
+
+
+@contextlib.contextmanager
+def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
+    """Store (the launcher's rendezvous store on machine 0, or etcd members on the first three machines,
+    which then hold torchrun's rendezvous too) and one agent per machine. When the launch ends the
+    committed version is written to ``persist_dir`` from inside machine 0, then the machines go down and
+    with them the agents, whose shared memory is removed last."""
+    cluster, job = launch.cluster, launch.job
+    with job_secret() as secret:
+        rendezvous = None
+        if gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
+            etcd = start_emulated_etcd(cluster, launch.run_dir / "etcd", job)
+            store, rendezvous = str(etcd.address), etcd.address
+            print(f"control plane: etcd members at {etcd.address.rendezvous_endpoint}", flush=True)
+        else:
+            store = launch.rendezvous_store()
+        env = {}
+        for machine in range(cluster.nodes):
+            start_emulated_agent(cluster, machine, store, job, secret)
+            env[machine] = emulated_env(cluster, machine, store, job, secret)
+        try:
+            yield Services(env=env, rendezvous=rendezvous)
+        finally:  # the same command in this run directory then continues from it
+            persist_emulated(cluster, store, job, secret, gemini.persist_dir)
+            cluster.down()
+            remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
 
 
 @contextlib.contextmanager
