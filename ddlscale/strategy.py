@@ -37,7 +37,7 @@ from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from ddlscale import clock
-from ddlscale.ckpt.state import SYNC_STATE_KEY
+from ddlscale.ckpt.state.shard import SYNC_STATE_KEY
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.sync import DenseAllreduce, GradSync
 

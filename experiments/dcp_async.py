@@ -36,8 +36,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from ddlscale.ckpt.data import DataPosition
-from ddlscale.ckpt.dcp import DcpWriter
+from ddlscale.ckpt.disk.writer import DcpWriter
+from ddlscale.ckpt.state.data import DataPosition
 from experiments.harness import Results, alternating, spread
 
 NAME = "dcp_async"

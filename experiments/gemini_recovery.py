@@ -51,8 +51,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from ddlscale.ckpt.base import PROGRESS_FILE
-from ddlscale.ckpt.drill import GeminiDrill
 from ddlscale.comm.cost import parse_bandwidth
+from ddlscale.testing.drill import GeminiDrill
 from ddlscale.trainer.loggers import metrics_rows
 from experiments.harness import Results, alternating
 

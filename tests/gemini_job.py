@@ -4,11 +4,11 @@ import socket
 
 import pytest
 
-from ddlscale.ckpt import kvstore
-from ddlscale.ckpt.agent import Agent
-from ddlscale.ckpt.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
-from ddlscale.ckpt.manifest import Manifest, ShardRecord
-from ddlscale.ckpt.replica import AgentClient
+from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini.agent import Agent
+from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
+from ddlscale.ckpt.gemini.protocol import AgentClient
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
 
 
 def free_port() -> int:

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from ddlscale.ckpt.snapshot import encode
+from ddlscale.ckpt.state.snapshot import encode
 from ddlscale.cluster import free_port
 from ddlscale.compress import build_compressor
 from ddlscale.sync import GradSync

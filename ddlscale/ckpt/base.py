@@ -5,8 +5,12 @@ probe checkpoint), restores at train start what Lightning's own restore leaves o
 position), and reports checkpoint figures for ``summary.json``. A tier subclasses it and implements
 :meth:`save` (and :meth:`resume_path` to offer a version to resume from).
 
+Launch hooks, called by the app and the launch modes for whatever tier is configured, so that they
+name none: :meth:`validate_launch` before anything starts, :meth:`services` around the workers (a
+tier that needs processes beside the trainers, such as Gemini's store and agents, starts them there).
+
 Invariants a subclass must keep: :meth:`save` runs on every rank at the same step and may use
-collectives; the state it persists is :func:`ddlscale.ckpt.state.capture_shard`'s, taken inside
+collectives; the state it persists is :func:`ddlscale.ckpt.state.shard.capture_shard`'s, taken inside
 ``save`` (at on_train_batch_end, after the optimizer step, where Lightning's restore expects it).
 """
 
@@ -16,6 +20,7 @@ import math
 import os
 import statistics
 import warnings
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +28,9 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale import clock
-from ddlscale.ckpt.io import ManifestCheckpointIO
-from ddlscale.ckpt.state import RANK_STATE_KEY, param_sha256, restore_local
+from ddlscale.ckpt.state.shard import RANK_STATE_KEY, param_sha256, restore_local
+from ddlscale.ckpt.version.io import ManifestCheckpointIO
+from ddlscale.cluster.context import Launch, Services
 
 HIGHFREQ = "highfreq"
 PROGRESS_FILE = "ckpt_progress.log"  # in the run directory
@@ -98,6 +104,17 @@ class Checkpointer(pl.Callback):
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Tier-specific summary figures (every rank calls this; collectives allowed)."""
         return {}
+
+    # -- launch hooks: in the launching process, before and around the workers --------------------
+    def validate_launch(self, launch: Launch) -> None:
+        """Refuse a launch this tier cannot work in (ValueError naming the key), before anything starts.
+        Also called in each worker, with ``launch.is_worker``."""
+
+    def services(self, launch: Launch) -> AbstractContextManager[Services]:
+        """What the tier needs running beside the workers of ``launch``: started on entering, stopped on
+        leaving (after the workers are done), and what the launch must pass on to them. Every launch
+        mode calls it, the workers too (``launch.is_worker``: a launcher above them already did)."""
+        return nullcontext(Services())
 
     # -- schedule ------------------------------------------------------------------------------
     def due(self, step: int) -> bool:

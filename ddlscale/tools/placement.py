@@ -13,7 +13,7 @@ import math
 import sys
 from collections.abc import Sequence
 
-from ddlscale.ckpt.placement import (
+from ddlscale.ckpt.gemini.placement import (
     ENUMERATION_LIMIT,
     KINDS,
     PlacementPlan,

@@ -14,11 +14,10 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +27,12 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from ddlscale.ckpt import Checkpointer, PlacementPlan
-from ddlscale.ckpt.agent import remove_replicas
-from ddlscale.ckpt.gemini import STORE_ENV, GeminiCheckpointer, job_name, machine_count
-from ddlscale.ckpt.kvstore import ETCD
-from ddlscale.ckpt.launch import (
-    emulated_env,
-    job_secret,
-    local_gemini,
-    persist_emulated,
-    start_emulated_agent,
-    start_emulated_etcd,
-)
+from ddlscale.ckpt import Checkpointer
 from ddlscale.cluster import dilation, stop
-from ddlscale.cluster.control_plane import missing as etcd_missing
-from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
+from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Launch, no_services
+from ddlscale.cluster.emulated import MAX_NODES, unavailable_reason
+from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
+from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
@@ -88,8 +77,29 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.devices * machines
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Reject values no component would catch before workers start."""
+def launch_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Launch:
+    """This process's part in the launch the config describes: the one place that asks the environment
+    whether this process is a launcher or one of the ranks (torchrun and SLURM set WORLD_SIZE)."""
+    kind = OmegaConf.select(cfg, "cluster.kind")
+    if "WORLD_SIZE" in os.environ:
+        mode = WORKER
+    elif kind == "emulated":
+        mode = EMULATED
+    elif kind == "local" and OmegaConf.select(cfg, "cluster.max_restarts"):
+        mode = ELASTIC
+    else:
+        mode = IN_PROCESS
+    # Read as configured, checked by check_config: a bad value is reported there, naming its key.
+    machines = OmegaConf.select(cfg, "cluster.nodes", default=1) if kind == "emulated" else (
+        OmegaConf.select(cfg, "trainer.num_nodes"))
+    return Launch(mode, kind, machines, OmegaConf.select(cfg, "trainer.devices"),
+                  Path(run_dir) if run_dir is not None else None)
+
+
+def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
+    """Reject values no component would catch before workers start (``launch``: the launch they are
+    checked for, by default :func:`launch_context`'s)."""
+    launch = launch if launch is not None else launch_context(cfg)
     _int_in(cfg, "trainer.devices")
     _int_in(cfg, "trainer.num_nodes")
     _int_in(cfg, "trainer.accumulate_grad_batches")
@@ -101,7 +111,7 @@ def check_config(cfg: DictConfig) -> None:
     kind = OmegaConf.select(cfg, "cluster.kind")
     if kind not in CLUSTER_KINDS:
         raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
-    if kind == "torchrun" and "WORLD_SIZE" not in os.environ:
+    if kind == "torchrun" and not launch.is_worker:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
     if OmegaConf.select(cfg, "cluster.max_restarts") is not None:
         _int_in(cfg, "cluster.max_restarts", least=0)
@@ -114,9 +124,11 @@ def check_config(cfg: DictConfig) -> None:
         _build("strategy", cfg.strategy)  # its own keys (strategy.timeout_s, strategy.start_method...)
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         checkpointer = _build("ckpt", cfg.ckpt)  # it checks its own keys (ckpt.every, ckpt.keep...)
-        if isinstance(checkpointer, GeminiCheckpointer):
-            _check_placement(cfg, checkpointer, kind)
-            _check_store(checkpointer, kind)
+        if isinstance(checkpointer, Checkpointer):  # and what it needs of the launch
+            try:
+                checkpointer.validate_launch(launch)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def _check_emulated(cfg: DictConfig) -> None:
@@ -151,32 +163,6 @@ def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
     if unknown:
         raise ConfigError(f"sync.sparse_params names {unknown}, not parameters of model={type(model).__name__}; "
                           f"its parameters: {', '.join(trainable)} (or sync.sparse_params=auto)")
-
-
-def _check_placement(cfg: DictConfig, gemini: GeminiCheckpointer, kind: str) -> None:
-    """m replicas need m machines: emulated machines, nodes, or (one machine) one per worker — as the
-    workers count them (:func:`ddlscale.ckpt.gemini.machine_layout`)."""
-    machines = machine_count({"emulated": cfg.cluster.get("nodes", 1),
-                              "local": cfg.trainer.devices * cfg.trainer.num_nodes}.get(kind, cfg.trainer.num_nodes))
-    try:
-        PlacementPlan(int(machines), gemini.replicas, gemini.placement)
-    except ValueError as exc:
-        raise ConfigError(f"ckpt.replicas / ckpt.placement: {exc}") from None
-
-
-def _check_store(gemini: GeminiCheckpointer, kind: str) -> None:
-    """ckpt.store=etcd: the launcher starts the members (cluster=local, emulated), so etcd must be here;
-    elsewhere the members' address comes from $DDLSCALE_STORE (or ckpt.store=etcd://...)."""
-    if gemini.store_address != ETCD:
-        return
-    if "WORLD_SIZE" in os.environ or kind not in ("local", "emulated"):
-        if not os.environ.get(STORE_ENV, "").startswith("etcd"):
-            raise ConfigError(f"ckpt.store=etcd with cluster={kind}: nothing starts etcd members here; give their "
-                              "address as ckpt.store=etcd://HOST:PORT,... (or $DDLSCALE_STORE)")
-        return
-    reason = etcd_missing(server=True)
-    if reason:
-        raise ConfigError(f"ckpt.store=etcd cannot run here: {reason}")
 
 
 def _sync_components(cfg: DictConfig) -> dict[str, Any]:
@@ -268,9 +254,10 @@ def run(
     output_dir = Path(output_dir)
     if cfg.get("keep_freed_memory", True) is True:  # before any tensor, and inherited by every worker
         keep_freed_memory()
-    check_config(cfg)
+    launch = launch_context(cfg, output_dir)
+    check_config(cfg, launch)
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
-    launching = "WORLD_SIZE" not in os.environ  # else torchrun or SLURM started this process as a worker
+    launching = not launch.is_worker
     rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)
@@ -278,7 +265,7 @@ def run(
     with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
         try:
             with stop.stop_on_signals() if launching else contextlib.nullcontext():
-                summary = _run(cfg, output_dir, info, overrides or [], config)
+                summary = _run(cfg, launch, info, overrides or [], config)
         except BaseException as exc:
             signal_name = stop.received() if launching else None
             if signal_name is None:
@@ -290,14 +277,16 @@ def run(
     return summary
 
 
-def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: list[str],
+def _run(cfg: DictConfig, launch: Launch, info: dict[str, Any], overrides: list[str],
          config: dict[str, Any] | None) -> dict[str, Any]:
-    if cfg.cluster.kind == "emulated" and "WORLD_SIZE" not in os.environ:
+    """Dispatch to the launch mode: the emulated cluster, torchrun with restarts, or Lightning here."""
+    output_dir = launch.run_dir
+    if launch.mode == EMULATED:
         reason = unavailable_reason()
         if reason is None:
             if isinstance(cfg.sync.get("sparse_params"), ListConfig):  # checked where the workers cannot
                 _check_model_keys(cfg, _build("model", cfg.model))
-            return run_on_emulated_cluster(cfg, output_dir, overrides)
+            return run_on_emulated_cluster(launch, cfg.cluster, overrides, _services(cfg, output_dir))
         if cfg.cluster.get("fallback", "loopback") != "loopback":
             raise ConfigError(f"cluster=emulated cannot run here: {reason} (cluster.fallback={cfg.cluster.fallback})")
         warnings.warn(f"emulated cluster unavailable ({reason}): running on loopback, NO bandwidth limit",
@@ -305,14 +294,18 @@ def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: lis
         info["cluster"] = f"emulated-fallback-loopback: {reason}"
         cfg = cfg.copy()
         cfg.trainer.devices = cfg.trainer.devices * cfg.cluster.nodes
-    if cfg.cluster.kind == "local" and cfg.cluster.get("max_restarts", 0) and "WORLD_SIZE" not in os.environ:
-        check_config(cfg)
-        return run_with_restarts(cfg, output_dir, overrides or [])
+        launch = replace(launch, mode=IN_PROCESS, machines=cfg.trainer.num_nodes, devices=cfg.trainer.devices)
+    if launch.mode == ELASTIC:
+        if OmegaConf.select(cfg, "ckpt._target_") is None:
+            warnings.warn("cluster.max_restarts without a checkpointer (ckpt=none): restarts begin at step 0",
+                          stacklevel=2)
+        return run_with_restarts(launch, int(cfg.cluster.max_restarts), overrides, _services(cfg, output_dir))
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     trainer, model = build_trainer(cfg, output_dir, info, config, check=False)
-    with _gemini_infrastructure(trainer, output_dir):
+    checkpointer = _checkpointer(trainer)
+    with checkpointer.services(launch) if checkpointer is not None else contextlib.nullcontext():
         ckpt_path = resume_path(trainer)
-        with _own_rendezvous_port():
+        with _own_rendezvous_port(launch):
             trainer.fit(model, ckpt_path=ckpt_path)
     if dist.is_initialized():  # a rank run in this process (start_method=popen): end its groups while Python runs
         dist.destroy_process_group()
@@ -321,6 +314,18 @@ def _run(cfg: DictConfig, output_dir: Path, info: dict[str, Any], overrides: lis
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
         return {}
     return json.loads(summary_path.read_text())
+
+
+def _checkpointer(trainer: pl.Trainer) -> Checkpointer | None:
+    return next((c for c in trainer.callbacks if isinstance(c, Checkpointer)), None)
+
+
+def _services(cfg: DictConfig, output_dir: Path) -> ServicesOf:
+    """The services of the run's checkpointer, built as its workers will build it (none without one)."""
+    target = OmegaConf.select(cfg, "ckpt._target_")
+    if target is None or not issubclass(get_class(target), Checkpointer):
+        return no_services
+    return _build("ckpt", cfg.ckpt, run_dir=str(output_dir)).services
 
 
 def resume_path(trainer: pl.Trainer) -> str | None:
@@ -334,49 +339,15 @@ def resume_path(trainer: pl.Trainer) -> str | None:
     return None
 
 
-def _gemini_infrastructure(trainer: pl.Trainer, output_dir: Path) -> contextlib.AbstractContextManager:
-    """Store and agents for ckpt=gemini when this process launches the workers and nobody else did."""
-    gemini = next((c for c in trainer.callbacks if isinstance(c, GeminiCheckpointer)), None)
-    if gemini is None or gemini.store_address not in (None, ETCD) or os.environ.get(STORE_ENV) or "WORLD_SIZE" in os.environ:
-        return contextlib.nullcontext()
-    return _local_gemini(gemini, trainer.world_size, output_dir)
-
-
-def _local_gemini(gemini: GeminiCheckpointer, machines: int, output_dir: Path) -> contextlib.AbstractContextManager:
-    etcd_dir = output_dir / "etcd" if gemini.store_address == ETCD else None
-    return local_gemini(machines, job_name(str(output_dir)), gemini.persist_dir, etcd_dir=etcd_dir)
-
-
-def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:
-    """Step time at 16-1024 workers: this run's non-sync time plus the model's allreduce of its gradients.
-
-    The gradient bytes are recovered from the measured ring volume, 2 (n-1)/n of them per rank.
-    """
-    world = summary["world_size"]
-    grad_bytes = summary["bytes_sent_per_step"] * world / (2 * (world - 1))
-    local = max(summary["step_time_s"] - summary["sync_time_s"], 0.0)
-    return {str(n): local + network.allreduce(grad_bytes, n) for n in PROJECTION_WORKERS}
-
-
-def _wait_all_or_first_failure(agents: list[Any], poll_s: float = 0.5) -> list[int | None]:
-    """Exit codes of all agents, or as soon as one fails (its peers could wait on it forever; the
-    cluster's teardown then kills them)."""
-    while True:
-        codes = [agent.poll() for agent in agents]
-        if all(code is not None for code in codes) or any(code for code in codes):
-            return codes
-        time.sleep(poll_s)
-
-
 @contextlib.contextmanager
-def _own_rendezvous_port() -> Iterator[None]:
+def _own_rendezvous_port(launch: Launch) -> Iterator[None]:
     """Let each fit started here pick a fresh free port, then put the environment back.
 
     Lightning's spawn launcher writes its port into MASTER_PORT for good; the next job of a sweep
     would reuse it while the last job's socket may still hold it. Under torchrun or SLURM the
     variable belongs to the launcher and is left alone.
     """
-    if "WORLD_SIZE" in os.environ:
+    if launch.is_worker:
         yield
         return
     saved = os.environ.get("MASTER_PORT")
@@ -387,100 +358,3 @@ def _own_rendezvous_port() -> Iterator[None]:
             os.environ.pop("MASTER_PORT", None)
         else:
             os.environ["MASTER_PORT"] = saved
-
-
-def _configured_gemini(cfg: DictConfig, output_dir: Path) -> GeminiCheckpointer | None:
-    """The run's Gemini checkpointer, as its workers will build it; None for other tiers."""
-    target = OmegaConf.select(cfg, "ckpt._target_")
-    if target is None or not issubclass(get_class(target), GeminiCheckpointer):
-        return None
-    return _build("ckpt", cfg.ckpt, run_dir=str(output_dir))
-
-
-def run_with_restarts(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """``cluster=local`` with ``cluster.max_restarts`` > 0: torchrun's elastic agent (torch's restart
-    engine) runs train.py's workers on this machine and restarts them all when one dies, up to that
-    many times; each restart resumes from the checkpointer. Gemini's store and agents belong to this
-    process, so they outlive the workers, and restarted workers recover from their memory."""
-    devices = int(cfg.trainer.devices)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
-            f"--max-restarts={int(cfg.cluster.max_restarts)}", str(TRAIN_SCRIPT), *overrides,
-            f"hydra.run.dir={output_dir}"]
-    if OmegaConf.select(cfg, "ckpt._target_") is None:
-        warnings.warn("cluster.max_restarts without a checkpointer (ckpt=none): restarts begin at step 0", stacklevel=2)
-    gemini = _configured_gemini(cfg, output_dir)
-    with (_local_gemini(gemini, devices, output_dir) if gemini else contextlib.nullcontext()):
-        code = subprocess.run(argv).returncode
-    if code:
-        raise RuntimeError(f"torchrun exited with code {code} after at most {cfg.cluster.max_restarts} restarts; "
-                           "see the output above")
-    return json.loads((output_dir / "summary.json").read_text())
-
-
-def run_on_emulated_cluster(cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any]:
-    """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
-
-    Every agent gets the same overrides, plus the machine count and this run's directory, so all
-    ranks write one run's outputs; the summary gains the cost model's view of the network.
-    """
-    nodes, devices = int(cfg.cluster.nodes), int(cfg.trainer.devices)
-    worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
-    choice = dilation.choose(dilation.parse(cfg.cluster.get("dilation", 1)), nodes, devices,
-                             parse_bandwidth(cfg.cluster.bandwidth), parse_time(cfg.cluster.latency))
-    with job_secret() as secret, EmulatedCluster(nodes, str(cfg.cluster.bandwidth), str(cfg.cluster.latency),
-                                                 dilation=choice.k, ranks_per_machine=devices) as cluster:
-        cpu_cap = cluster.cpu_cap()
-        print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
-              f"{cfg.cluster.bandwidth} NICs, {choice.describe()}; CPU: {cpu_cap}; every time "
-              f"reported is wall time / {choice.k:g}", flush=True)
-        # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
-        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
-        port = int(cfg.cluster.port)
-        gemini = _configured_gemini(cfg, output_dir)
-        job = job_name(str(output_dir))
-        etcd = None
-        if gemini and gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
-            etcd = start_emulated_etcd(cluster, output_dir / "etcd", job)
-            store = str(etcd.address)
-            print(f"control plane: etcd members at {etcd.address.rendezvous_endpoint}", flush=True)
-        else:
-            cluster.start_rendezvous_store(port)
-            store = f"{cluster.address(0)}:{port}"
-        envs = [dict(threads) for _ in range(nodes)]
-        if gemini:  # one replica agent per machine; the rendezvous store carries Gemini's keys
-            for i in range(nodes):
-                start_emulated_agent(cluster, i, store, job, secret)
-                envs[i].update(emulated_env(cluster, i, store, job, secret))
-        agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port, env=envs[i],
-                                   max_restarts=int(cfg.cluster.get("max_restarts", 0)),
-                                   etcd=etcd.address if etcd else None, run_id=job)
-                  for i in range(nodes)]
-        try:
-            codes = _wait_all_or_first_failure(agents)
-        except BaseException:
-            cluster.down(grace_s=stop.GRACE_S)  # SIGTERM first: the workers write what they have
-            raise
-        finally:
-            if gemini:  # the same command in this run directory then continues from it
-                persist_emulated(cluster, store, job, secret, gemini.persist_dir)
-            cluster.down()
-            if gemini:
-                remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
-    if any(codes):
-        raise RuntimeError(f"emulated-cluster agents exited with codes {codes}; see the output above")
-    summary_path = output_dir / "summary.json"
-    summary = json.loads(summary_path.read_text())
-    network = cluster.network_model(gpus_per_machine=devices)
-    summary["cluster_nodes"] = nodes
-    summary["cluster_bandwidth_bps"] = cluster.bandwidth_bps
-    summary.update(choice.summary())
-    summary["cpu_cap"] = cpu_cap
-    world = summary["world_size"]
-    if summary.get("bytes_sent_per_step") and world > 1:
-        # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
-        summary["wire_time_per_step_s"] = summary["bytes_sent_per_step"] * 8 / network.bandwidth_bps
-        summary["projected_step_time_s"] = project_step_time(summary, network)
-        print("projected step time (cost model, dense ring allreduce not overlapped): " + ", ".join(
-            f"{n} workers {t * 1e3:.0f} ms" for n, t in summary["projected_step_time_s"].items()), flush=True)
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary

@@ -28,7 +28,7 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale import clock
-from ddlscale.ckpt.state import param_sha256
+from ddlscale.ckpt.state.shard import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
 from ddlscale.trainer.loggers import record_config, record_summary

@@ -1,0 +1,262 @@
+"""``ckpt=disk``: the persistent tier — every K steps a torch.distributed.checkpoint (DCP) version.
+
+One version, step s (:mod:`~ddlscale.ckpt.disk.layout`):
+
+1. every rank captures its state (rank 0 adds the rank-shared part) and hands it to DCP's
+   ``async_save`` (``async_save: false``: ``dcp.save`` on the training thread), which writes the
+   DCP directory ``step_s.<token>/`` (one file per rank, at ``bandwidth`` if set) from its own thread;
+2. rank 0, once DCP reports every rank's file written, hashes the files and writes the manifest
+   atomically — the version now exists — and prunes all but the newest ``keep`` versions (and
+   directories no manifest names: leftovers of crashed writes).
+
+Resuming (``ckpt.resume=auto``) takes the newest version whose every file verifies; a version that
+fails is reported by file name, set aside (its manifest renamed ``*.rejected``) and the previous one
+is tried. Decided once, before workers start, so every rank loads the same version. A version saved
+at another world size is resumed there too (:mod:`~ddlscale.ckpt.state.reshard`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch.distributed as dist
+
+from ddlscale import clock
+from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.disk.writer import DcpWriter
+from ddlscale.ckpt.state.shard import (
+    PAYLOAD_FORMAT,
+    capture_local,
+    capture_shared,
+    data_position,
+    unchanged_until_step,
+)
+from ddlscale.ckpt.version.io import load_version
+from ddlscale.ckpt.version.manifest import (
+    REJECTED_SUFFIX,
+    SUFFIX,
+    Manifest,
+    ManifestError,
+    list_manifests,
+    read_manifest,
+    step_of,
+    verify,
+)
+from ddlscale.comm.cost import parse_bandwidth
+
+DEFAULT_SUBDIR = "checkpoints"
+# A DCP collective waiting longer than this for a peer fails the save instead of holding the process
+# (a peer that died mid-save) for gloo's default 30 minutes.
+DCP_TIMEOUT_S = 300
+
+
+def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> Path | None:
+    """The newest manifest in ``directory`` whose version verifies, or None.
+
+    Versions that fail (unreadable manifest, missing or corrupt file) are warned about by file name
+    and, with ``set_aside``, their manifests renamed so no later run considers them again. A version
+    of another world size than ``world_size`` counts (it is resharded on loading), said once.
+    """
+    for path in list_manifests(directory):
+        try:
+            manifest = read_manifest(path)
+            verify(directory, manifest)
+        except ManifestError as exc:
+            warnings.warn(f"ckpt: skipping checkpoint step {step_of(path)}: {exc}", stacklevel=2)
+            if set_aside:
+                path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+            continue
+        if manifest.world_size != world_size and os.environ.get("RANK", "0") == "0":
+            print(f"ckpt: {path.name} was saved by {manifest.world_size} workers; resuming on {world_size} "
+                  "(parameters and optimizer state as saved, data from the same global sample, sync state merged)",
+                  flush=True)
+        return path
+    return None
+
+
+def write_rate(bandwidth: str | float | None, key: str = "ckpt.bandwidth") -> float | None:
+    """Bits per second of an emulated write rate (None: full speed); a bad value names ``key``."""
+    if bandwidth is None:
+        return None
+    try:
+        bps = parse_bandwidth(bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if bps == 0:
+        raise ValueError(f"{key} must be > 0 (or null for no limit)")
+    return bps
+
+
+class DiskCheckpointer(Checkpointer):
+    """Atomic, checksummed, sharded checkpoints to a directory (local disk or a mounted store).
+
+    Args:
+        every: optimizer steps between checkpoints, or ``"highfreq"`` (K = ceil(t_ckpt / T_iter)).
+        dir: checkpoint directory; None means ``<run dir>/checkpoints``.
+        keep: complete versions to keep (older ones are deleted after each commit).
+        bandwidth: write rate per rank to emulate remote storage, e.g. ``"200mbit"``; None: full speed.
+        async_save: write with DCP's ``async_save`` off the training thread (True), or with ``dcp.save``
+            on it (False).
+        resume: None (fresh; refused if ``dir`` already holds checkpoints), ``"auto"`` (newest verified
+            version; fresh if none) or the path of a ``*.manifest.json``.
+        run_dir: the run's directory (set by the app).
+
+    In Python, outside ``train.py``: ``trainer.fit(model, ckpt_path=checkpointer.resume_path(trainer.world_size))``.
+    """
+
+    def __init__(self, every: int | str = 10, dir: str | None = None, keep: int = 3, bandwidth: str | float | None = None,
+                 resume: str | None = None, run_dir: str | None = None, async_save: bool = True) -> None:
+        super().__init__(every=every, resume=resume)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"ckpt.keep must be an integer >= 1, got {keep!r}")
+        if not isinstance(async_save, bool):
+            raise ValueError(f"ckpt.async_save must be true or false, got {async_save!r}")
+        self.keep = keep
+        self.async_save = async_save
+        self.bandwidth_bps = write_rate(bandwidth)
+        if dir is None and run_dir is None:
+            self.dir: Path | None = None  # only validating a config: no run yet
+        else:
+            self.dir = Path(dir) if dir is not None else Path(run_dir) / DEFAULT_SUBDIR
+        if run_dir is not None:
+            self.progress_path = Path(run_dir) / PROGRESS_FILE
+        self.bytes_written: list[int] = []  # rank 0: each committed version's bytes
+        self.writer: DcpWriter | None = None
+        self._token: str | None = None
+        self._rank = 0
+        self._world_size = 1
+
+    # -- before workers start ------------------------------------------------------------------
+    def resume_path(self, world_size: int) -> str | None:
+        directory = self._directory()
+        if self.resume is None:
+            existing = list_manifests(directory)
+            if existing:
+                raise ValueError(
+                    f"ckpt.dir {directory} already holds checkpoints (newest: {existing[0].name}); set "
+                    "ckpt.resume=auto to continue from them, or choose another ckpt.dir or run directory"
+                )
+            return None
+        if self.resume == "auto":
+            # Under torchrun every rank resolves; only rank 0 renames rejected versions.
+            found = find_resumable(directory, world_size, set_aside=os.environ.get("RANK", "0") == "0")
+            if found is None:
+                print(f"ckpt: no complete checkpoint in {directory}; starting from scratch", flush=True)
+            return str(found) if found is not None else None
+        return str(self._check_explicit(Path(self.resume), world_size))
+
+    def _check_explicit(self, path: Path, world_size: int) -> Path:
+        try:
+            manifest = read_manifest(path)
+            verify(path.parent, manifest)
+        except ManifestError as exc:
+            raise ValueError(f"ckpt.resume: {exc}") from None
+        if path.parent.resolve() == self._directory().resolve():
+            newer = [p for p in list_manifests(path.parent) if (step_of(p) or 0) > manifest.step]
+            if newer:
+                raise ValueError(
+                    f"ckpt.resume: {path.name} is older than {newer[0].name} in the same ckpt.dir; continuing "
+                    "from it would overwrite that history: set ckpt.dir to another directory"
+                )
+        return path
+
+    def _directory(self) -> Path:
+        if self.dir is None:
+            raise ValueError("ckpt.dir: no directory (set ckpt.dir, or pass run_dir)")
+        return self.dir
+
+    # -- in the workers ------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._directory().mkdir(parents=True, exist_ok=True)
+        # One token per run, the same on every rank: this run's version directories never collide with
+        # ones an existing manifest names.
+        self._token = trainer.strategy.broadcast(uuid.uuid4().hex[:8], src=0)
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        group = None
+        if dist.is_available() and dist.is_initialized():
+            # DCP's own group: its plan collectives run in DCP's thread, beside training's.
+            group = dist.new_group(backend="gloo", timeout=clock.wall_timeout(DCP_TIMEOUT_S))
+        self.writer = DcpWriter(self._directory(), self._rank, trainer.world_size, self.async_save, self.bandwidth_bps,
+                                group, on_commit=self._committed)
+
+    def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        step, rank = trainer.global_step, trainer.global_rank
+        payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
+                   "shared": capture_shared(trainer) if rank == 0 else None}
+        live = unchanged_until_step(trainer) if self.async_save else None
+        self.writer.save(step, f"step_{step:09d}.{self._token}", payload, live, data_position(trainer, batch_idx))
+        if self.interval is None:
+            self.writer.wait()  # HighFreq's probe: K = ceil(t_ckpt / T_iter) from the whole write, not the stall
+
+    def _committed(self, manifest: Manifest) -> None:
+        """Rank 0, in the committing thread: a version exists; keep only the newest ``keep``."""
+        self.bytes_written.append(sum(r.bytes for r in manifest.files))
+        self.prune()
+
+    def before_optimizer_step(self) -> float:
+        """The optimizer is about to change what the last version references: wait for its copy;
+        the seconds waited (a stall on the training thread, counted with the save)."""
+        waited = self.writer.staged() if self.writer is not None and self.async_save else 0.0
+        if self.times and waited:
+            self.times[-1] += waited
+        return waited
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.before_optimizer_step()
+
+    def finish(self) -> None:
+        """Wait for the version in flight to be written and committed (at train end, before the summary)."""
+        if self.writer is not None:
+            self.writer.wait()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.finish()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.writer is not None:
+            writer, self.writer = self.writer, None
+            writer.close()
+
+    def load_path(self, path: str) -> dict[str, Any] | None:
+        """Manifests read back at ``bandwidth`` (remote storage is slow both ways); timed for the summary."""
+        if not path.endswith(SUFFIX):
+            return None
+        start = clock.now()
+        loaded = load_version(Path(path), self._rank, self.bandwidth_bps, self._world_size)
+        self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
+        return loaded
+
+    def prune(self) -> None:
+        """Keep the newest ``keep`` versions; delete older ones and files no manifest names."""
+        directory = self._directory()
+        manifests = list_manifests(directory)
+        for old in manifests[self.keep:]:
+            old.unlink(missing_ok=True)  # the version ceases to exist before its files go
+        named: set[str] = set()
+        for path in manifests[: self.keep]:
+            try:
+                named.update(r.file.split("/")[0] for r in read_manifest(path).shards)
+            except ManifestError:
+                continue
+        for entry in directory.iterdir():
+            ours = entry.name.startswith("step_") or entry.name.startswith(".step_")
+            if not ours or entry.name.endswith(REJECTED_SUFFIX) or step_of(entry) is not None or entry.name in named:
+                continue
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+    def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        return {
+            "ckpt_bytes": self.bytes_written[-1] if self.bytes_written else None,
+            "ckpt_dir": str(self.dir),
+            "ckpt_bandwidth_bps": self.bandwidth_bps,
+        }

@@ -1,0 +1,269 @@
+"""Writing versions of the persistent tier with DCP's stock writer, and committing them.
+
+Asynchrony: the training thread captures the state (tensors the next iteration changes before its
+optimizer step — RNG, error feedback, BatchNorm statistics — are copied; parameters and optimizer
+state are referenced) and hands it to ``dcp.async_save``. DCP's stager copies the referenced tensors
+to CPU buffers in a background thread while the next iteration computes; :meth:`DcpWriter.staged`,
+called before that iteration's optimizer step, waits for the copy (the only wait, usually none). DCP
+then writes from its own thread over a process group of its own (its plan collectives must not
+interleave with training's), and rank 0 commits: hashes the files and publishes the manifest, last
+and atomically. One version is in flight at a time; the next save first waits for it.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from ddlscale import clock
+from ddlscale.ckpt.disk.layout import DATA_FILE, METADATA_FILE, state_items
+from ddlscale.ckpt.state.data import DataPosition
+from ddlscale.ckpt.version.checksum import Checksum
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, write_manifest
+from ddlscale.ckpt.version.storage import fsync_dir
+from ddlscale.comm.groups import weak_group
+
+
+class _PacedStream(io.RawIOBase):
+    """A file whose writes take as long as ``bandwidth_bps`` allows (emulated remote storage)."""
+
+    def __init__(self, raw: Any, bandwidth_bps: float) -> None:
+        self.raw, self.bps = raw, bandwidth_bps
+        self.start, self.written = clock.now(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        step = max(4096, int(self.bps / 8 / 20))
+        for lo in range(0, len(view), step):
+            self.written += self.raw.write(view[lo:lo + step])
+            delay = self.start + self.written * 8 / self.bps - clock.now()
+            if delay > 0:
+                clock.sleep(delay)
+        return len(view)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+class PacedFileSystem(FileSystem):
+    """DCP's file system with every written file paced to ``bandwidth_bps`` (files are unchanged)."""
+
+    def __init__(self, bandwidth_bps: float) -> None:
+        self.bandwidth_bps = bandwidth_bps
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            yield _PacedStream(stream, self.bandwidth_bps) if "w" in mode else stream
+
+
+def file_system_writer(path: Path, bandwidth_bps: float | None = None) -> dcp.FileSystemWriter:
+    """DCP's stock writer as every version is written: one file per rank (the reader's shard records),
+    fsynced, never over an existing version; paced to ``bandwidth_bps`` when given."""
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
+    if bandwidth_bps:
+        writer.fs = PacedFileSystem(bandwidth_bps)
+    return writer
+
+
+def save_ranks(path: Path, ranks: list[dict[str, torch.Tensor]]) -> Any:
+    """What ``dcp.save`` writes when ``len(ranks)`` processes each save their state dict, written by one
+    process; DCP's ``Metadata``, as ``dcp.save`` returns it.
+
+    For a launcher that holds every rank's state once the ranks are gone (:mod:`~ddlscale.ckpt.gemini.drain`).
+    DCP's save is collective: each rank plans its items, the coordinator merges the plans, each rank
+    writes its file, the coordinator writes ``.metadata``. ``dcp.save(no_dist=True)`` would write all
+    ranks' items as one rank's file, which is not a version of ``len(ranks)`` ranks (one data file per
+    rank is what :func:`commit` records and the reader, resharding included, reads). So each step runs
+    here for every rank in turn, through DCP's own planner and writer, in the order the collectives
+    would run them.
+    """
+    planners = [DefaultSavePlanner() for _ in ranks]
+    writers = [file_system_writer(path) for _ in ranks]
+    plans = []
+    for rank, (items, planner, writer) in enumerate(zip(ranks, planners, writers, strict=True)):
+        planner.set_up_planner(state_dict=items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+        plans.append(writer.prepare_local_plan(planner.create_local_plan()))
+    plans, metadata = planners[0].create_global_plan(plans)
+    plans = writers[0].prepare_global_plan(plans)
+    results = []
+    for plan, planner, writer in zip(plans, planners, writers, strict=True):
+        written = writer.write_data(planner.finish_plan(plan), planner)
+        written.wait()
+        results.append(written.value())
+    writers[0].finish(metadata=metadata, results=results)
+    return metadata
+
+
+def _file_rank(name: str) -> int:
+    match = DATA_FILE.fullmatch(name)
+    if match is None:
+        raise RuntimeError(f"DCP wrote an unexpected file {name!r}")
+    return int(match.group(1))
+
+
+def commit(directory: Path, version_dir: str, step: int, world_size: int, position: DataPosition,
+           metadata: Any) -> Manifest:
+    """Hash the version's files, check DCP's index against them, publish the manifest (rank 0)."""
+    root = directory / version_dir
+    index: dict[str, list[Any]] = {}
+    for key, info in metadata.storage_data.items():
+        if getattr(info, "transform_descriptors", None):
+            raise RuntimeError(f"DCP item {key.fqn} was written through stream transforms ddlscale cannot read")
+        index[key.fqn] = [info.relative_path, int(info.offset), int(info.length)]
+    sizes: dict[str, int] = {}
+    records = []
+    for name in sorted({entry[0] for entry in index.values()}):
+        record = _record(root, f"{version_dir}/{name}", _file_rank(name))
+        sizes[name] = record.bytes
+        records.append(record)
+    for item, (name, offset, length) in index.items():
+        if offset < 0 or length < 0 or offset + length > sizes[name]:
+            raise RuntimeError(f"DCP item {item} lies outside {name}")
+    if sorted(r.rank for r in records) != list(range(world_size)):
+        raise RuntimeError(f"DCP wrote files for ranks {[r.rank for r in records]}, expected one per rank")
+    meta = _record(root, f"{version_dir}/{METADATA_FILE}", -1)
+    fsync_dir(root)  # the files' names are on disk before the manifest names them
+    manifest = Manifest(step=step, world_size=world_size, shards=tuple(records), epoch=position.epoch,
+                        batch=position.batch, layout="dcp",
+                        dcp={"metadata": {"file": meta.file, "bytes": meta.bytes, "checksum": meta.checksum},
+                             "index": index})
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def write_version(directory: Path, version_dir: str, step: int, payloads: list[dict[str, Any]],
+                  position: DataPosition) -> Manifest:
+    """Version ``step`` of ``len(payloads)`` ranks (payload r: rank r's, the rank-shared state in rank 0's
+    alone), written and committed by one process (:func:`save_ranks`): the files the ranks' own
+    :class:`DcpWriter` would have written."""
+    directory = Path(directory)
+    items = [state_items(payload, rank, live=None) for rank, payload in enumerate(payloads)]
+    metadata = save_ranks(directory / version_dir, items)
+    return commit(directory, version_dir, step, len(payloads), position, metadata)
+
+
+def _record(root: Path, file: str, rank: int) -> ShardRecord:
+    summer, size = Checksum("sha256"), 0
+    with open(root.parent / file, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            summer.update(chunk)
+            size += len(chunk)
+    return ShardRecord(rank, file, size, summer.text())
+
+
+class DcpWriter:
+    """Writes versions of one rank's state into ``directory`` with DCP; rank 0 commits them.
+
+    Args:
+        directory: the checkpoint directory (versions are subdirectories, manifests beside them).
+        rank, world_size: this process's place in the job.
+        asynchronous: ``dcp.async_save`` with staging in the background (True), or ``dcp.save`` on the
+            calling thread (False: the synchronous baseline).
+        bandwidth_bps: emulated write rate per rank (None: disk speed).
+        process_group: DCP's collectives' group (a group of its own, so a save running in DCP's
+            thread never interleaves with training's collectives); None without torch.distributed.
+        on_commit: called on rank 0 with each committed manifest (in the committing thread).
+    """
+
+    def __init__(self, directory: Path, rank: int, world_size: int, asynchronous: bool = True,
+                 bandwidth_bps: float | None = None, process_group: Any = None, on_commit: Any = None) -> None:
+        self.directory = Path(directory)
+        self.rank, self.world_size = rank, world_size
+        self.asynchronous = asynchronous
+        self.bandwidth_bps = bandwidth_bps
+        self._process_group = weak_group(process_group)  # c10d owns it (see ddlscale.comm.groups)
+        self.on_commit = on_commit
+        self.no_dist = not (dist.is_available() and dist.is_initialized())
+        self._stager: DefaultStager | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        self._staging: Future | None = None
+        self._pending: Future | None = None
+        self.item_bytes: list[int] = []  # this rank's bytes per version
+
+    def save(self, step: int, version_dir: str, payload: dict[str, Any], live: set[int] | None,
+             position: DataPosition) -> None:
+        """Start writing version ``step`` (every rank, same step); returns once the state may change
+        again — at once when asynchronous (then :meth:`staged` before the optimizer step)."""
+        self.wait()
+        items = state_items(payload, self.rank, live)
+        self.item_bytes.append(sum(t.numel() * t.element_size() for t in items.values()))
+        path = self.directory / version_dir
+        kwargs = {"storage_writer": file_system_writer(path, self.bandwidth_bps), "process_group": self._process_group(),
+                  "no_dist": self.no_dist}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
+            if not self.asynchronous:
+                metadata = dcp.save(items, **kwargs)
+                self._commit(step, version_dir, position, metadata)
+                return
+            if self._stager is None:
+                cuda = any(t.is_cuda for t in items.values())
+                self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                            use_async_staging=True, use_non_blocking_copy=cuda))
+                self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-dcp-commit")
+            response = dcp.async_save(items, async_stager=self._stager, **kwargs)
+        self._staging = response.staging_completion
+        self._pending = self._committer.submit(self._finish, response.upload_completion, step, version_dir, position)
+
+    def _finish(self, upload: Future, step: int, version_dir: str, position: DataPosition) -> None:
+        self._commit(step, version_dir, position, upload.result())
+
+    def _commit(self, step: int, version_dir: str, position: DataPosition, metadata: Any) -> None:
+        if self.rank != 0:
+            return
+        manifest = commit(self.directory, version_dir, step, self.world_size, position, metadata)
+        if self.on_commit is not None:
+            self.on_commit(manifest)
+
+    def staged(self) -> float:
+        """Wait until the last version's tensors are copied (call before the optimizer step); seconds waited."""
+        if self._staging is None:
+            return 0.0
+        start = clock.now()
+        staging, self._staging = self._staging, None
+        staging.result()
+        return clock.now() - start
+
+    def wait(self) -> float:
+        """Wait until the version in flight is written (and on rank 0 committed); seconds waited. Raises
+        what writing it raised."""
+        start = clock.now()
+        self.staged()
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        return clock.now() - start
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._committer is not None:
+                self._committer.shutdown(wait=True)
+                self._committer = None

@@ -1,0 +1,135 @@
+"""The replica agent: one process per machine that keeps checkpoint replicas in CPU memory.
+
+It outlives the training processes of its machine (a trainer crash loses nothing) and dies with the
+machine. Bytes arrive straight into a replica buffer; ``END`` checks them against the version's MAC
+before the replica counts; a version of an older incarnation than the job's current one is refused as
+stale. Its parts:
+
+* :mod:`~ddlscale.ckpt.gemini.agent.slots` — two buffers per owner rank in shared memory, and the
+  fencing rule for which one a new version may overwrite (decided from the job's signed records only);
+* :mod:`~ddlscale.ckpt.gemini.agent.server` — the authenticated replica server, one handler per op code,
+  every length bounded before anything is allocated; refusals counted by reason (``STAT``) and logged;
+* :mod:`~ddlscale.ckpt.gemini.agent.membership` — heartbeats, failure detection and root election.
+
+Run one per machine (``$DDLSCALE_SECRET_FILE`` names the job's secret)::
+
+    python -m ddlscale.ckpt.gemini.agent --machine 0 --machines 4 --bind 10.213.0.1:29500 \\
+        --store 10.213.0.1:29400 --job myrun
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections import Counter
+from typing import Any
+
+from ddlscale.ckpt.gemini.agent.membership import Membership
+from ddlscale.ckpt.gemini.agent.server import ReplicaServer
+from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
+from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, SecretError
+from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir
+from ddlscale.ckpt.gemini.store import JobStore, connect
+
+
+class Agent:
+    """A machine's agent: the replica server, heartbeats and the root role, on the job's store."""
+
+    def __init__(self, machine: int, machines: int, bind: str, store: str, job: str, auth: JobKeys,
+                 heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0, max_version_bytes: int | None = None) -> None:
+        self.machine, self.machines = machine, machines
+        self.store_address, self.job, self.auth = store, job, auth
+        self.view = JobView(self._job_store())
+        host, port = parse_address(bind)
+        self.replicas = ReplicaStore(file_prefix(job, machine) + (f"-p{os.getpid()}" if port == 0 else ""))
+        # Beyond this limit (if any) a version is refused outright; below it, BEGIN checks the shared
+        # memory's free space before reserving, and refuses naming it.
+        self.max_version_bytes = max_version_bytes
+        self.server = ReplicaServer((host, port), self)
+        self.address = f"{host}:{self.server.server_address[1]}"
+        self.stopped = threading.Event()
+        self.membership = Membership(machine, machines, heartbeat_s, failure_timeout_s, self.stopped,
+                                     on_store_lost=self.stop)  # the job (and its store) is over
+        self.refusals: Counter[str] = Counter()
+        self._count_lock = threading.Lock()
+
+    @property
+    def is_root(self) -> bool:
+        return self.membership.is_root
+
+    def _job_store(self) -> JobStore:
+        return JobStore(connect(self.store_address), self.job, self.auth)
+
+    def count(self, reason: str, message: str) -> None:
+        with self._count_lock:
+            self.refusals[reason] += 1
+            n = self.refusals[reason]
+        if n <= 10 or n % 100 == 0:
+            print(f"gemini agent {self.machine}: refused ({reason}, #{n}) {message}", file=sys.stderr, flush=True)
+
+    def stat(self) -> dict[str, Any]:
+        usage = shutil.disk_usage(shm_dir())
+        with self._count_lock:
+            refused = dict(self.refusals)
+        return {"machine": self.machine, "holds": self.replicas.describe(), "refused": refused,
+                "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total}}
+
+    def start(self) -> Agent:
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
+                         name="replica-server").start()
+        store = self._job_store()
+        store.set(store.keys.agent(self.machine), self.address)
+        threading.Thread(target=self.membership.run, args=(store,), daemon=True, name="heartbeat").start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.replicas.release()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ddlscale.ckpt.gemini.agent",
+                                     description="ddlscale Gemini replica agent (one per machine)")
+    parser.add_argument("--machine", type=int, required=True)
+    parser.add_argument("--machines", type=int, required=True)
+    parser.add_argument("--bind", required=True, help="HOST:PORT to serve replicas on (port 0: any)")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the job's TCPStore")
+    parser.add_argument("--job", default="default")
+    parser.add_argument("--secret-file", default=os.environ.get(SECRET_ENV),
+                        help=f"the job's secret (default: ${SECRET_ENV})")
+    parser.add_argument("--failure-timeout", type=float, default=3.0)
+    parser.add_argument("--max-version-bytes", type=int, default=None,
+                        help="largest version accepted (default: what the shared memory's free space allows)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.machine < args.machines:
+        parser.error(f"--machine must be in 0..{args.machines - 1}")
+    try:
+        if not args.secret_file:
+            raise SecretError(f"no job secret: pass --secret-file or set ${SECRET_ENV}")
+        os.environ[SECRET_ENV] = args.secret_file
+        auth = JobKeys.from_env(args.job)
+    except SecretError as exc:
+        parser.error(str(exc))
+    agent = Agent(args.machine, args.machines, args.bind, args.store, args.job, auth,
+                  failure_timeout_s=args.failure_timeout, max_version_bytes=args.max_version_bytes).start()
+    signal.signal(signal.SIGTERM, lambda *_: agent.stopped.set())
+    usage = shutil.disk_usage(shm_dir())
+    print(f"ready {agent.address}", flush=True)
+    print(f"gemini agent {args.machine}: replicas in {shm_dir()} ({mib(usage.free)} free of {mib(usage.total)})",
+          file=sys.stderr, flush=True)
+    try:
+        while not agent.stopped.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    if agent.refusals:
+        print(f"gemini agent {args.machine}: refused {dict(agent.refusals)}", file=sys.stderr, flush=True)
+    agent.stop()  # the replicas' shared memory goes with the agent
+    sys.exit(0)
+

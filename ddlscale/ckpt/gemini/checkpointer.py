@@ -1,0 +1,393 @@
+"""``ckpt=gemini``: checkpoint every iteration into peers' CPU memory; recover from it in seconds.
+
+Per version v (the state after optimizer step v), on every rank:
+
+1. **capture** (training thread, at the end of step v): the whole state as a :class:`Snapshot` —
+   parameters and optimizer state referenced where they live, everything else copied;
+2. **send** (sender thread, during iteration v+1): ``BEGIN`` at every holder's agent (own machine
+   first, then its placement peers), chunks in the profiled idle spans, the rest at the deadline —
+   the optimizer step of v+1, which the training thread enters only once every chunk of v is out;
+   ``END`` with the stream's checksum, which each agent checks against what it holds;
+3. **commit**: each rank writes a signed record of its version (size, MAC, the holders whose END
+   check passed); rank 0 counts the verified replicas over all records and publishes the manifest
+   (version, world size, placement, sizes, MACs) as one signed key only when there are world size x
+   m of them: a version missing any one replica is never committed. The next version's BEGIN waits
+   for that outcome, and each agent, reading the manifest itself, never overwrites the committed
+   version's buffer, so a committed version is never lost.
+
+Everything is authenticated with the job's secret (:mod:`ddlscale.ckpt.gemini.auth`): agent messages,
+store records, the replicas' MACs. Recovery is :mod:`~ddlscale.ckpt.gemini.recovery`'s. When a launch
+ends, its launcher writes the committed version to the persistent directory
+(:mod:`~ddlscale.ckpt.gemini.drain`), so running the same command again in the same run directory
+continues from there.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import warnings
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from ddlscale import clock
+from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, write_rate
+from ddlscale.ckpt.gemini.auth import JobKeys
+from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
+from ddlscale.ckpt.gemini.interleave import MODES, ReplicaSender, Transfer
+from ddlscale.ckpt.gemini.launch import check_launch, launch_services
+from ddlscale.ckpt.gemini.placement import KINDS, PlacementPlan
+from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
+from ddlscale.ckpt.gemini.recovery import GeminiRecovery
+from ddlscale.ckpt.gemini.store import ETCD, JobStore, check_address, connect
+from ddlscale.ckpt.gemini.wire import TrainingWire
+from ddlscale.ckpt.state.data import DataPosition
+from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
+from ddlscale.ckpt.state.snapshot import capture
+from ddlscale.ckpt.version.checksum import KEYED
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+from ddlscale.cluster.context import Launch, Services, job_name
+
+# Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
+# began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
+OUTCOME_SLACK_S = 10.0
+
+
+def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"ckpt.{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+class GeminiCheckpointer(GeminiRecovery, Checkpointer):
+    """In-memory checkpoints replicated to peers' agents, with a rare persistent tier behind them.
+
+    Args:
+        every: optimizer steps between in-memory checkpoints (1: every iteration).
+        replicas: m, copies of each machine's checkpoint (its own included).
+        placement: ``mixed`` (Gemini's: groups, the last one a ring), ``group`` or ``ring``.
+        mode: ``gemini`` (interleaved, pipelined), ``unpipelined`` (interleaved, one sub-buffer) or
+            ``blocking`` (sent whole at the end of the step, for comparison).
+        chunk_kib, subbuffers: staging buffer of ``subbuffers`` chunks of ``chunk_kib`` KiB.
+        mu: fraction of each idle span the chunks may fill, 0 < mu < 1.
+        checksum: the replicas' MAC, ``hmac-sha256`` or ``blake2b`` (keyed with the job's secret), computed
+            by the sender and checked by every holder at END and by every reader.
+        profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
+        persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
+        persist_dir, persist_bandwidth: the persistent tier's directory (default ``<run dir>/checkpoints``,
+            also where a launch's last committed version is written when it ends) and write-rate emulation.
+        store: ``HOST:PORT`` of the job's TCPStore; null: ``$DDLSCALE_STORE`` (set by the launchers).
+        commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
+        resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
+    """
+
+    def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
+                 chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "hmac-sha256",
+                 profile_steps: int = 20,
+                 persist_every: int | None = None, persist_dir: str | None = None,
+                 persist_bandwidth: str | float | None = None, store: str | None = None,
+                 commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
+        if every == "highfreq":
+            raise ValueError("ckpt.every: gemini checkpoints every K steps (1 by default); highfreq is for ckpt=disk")
+        super().__init__(every=every, resume=resume)
+        if resume not in (None, "auto"):
+            raise ValueError(f"ckpt.resume for gemini must be 'auto' or null, got {resume!r}")
+        self.replicas = _positive_int("replicas", replicas)
+        if placement not in KINDS:
+            raise ValueError(f"ckpt.placement must be one of {', '.join(KINDS)}, got {placement!r}")
+        if mode not in MODES:
+            raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.placement, self.mode = placement, mode
+        self.chunk_bytes = _positive_int("chunk_kib", chunk_kib) * 1024
+        self.subbuffers = _positive_int("subbuffers", subbuffers)
+        # mu < 1 (SYSTEMS.md section 4): gap and chunk times are medians, so a plan filling whole gaps
+        # would spill chunks into the next collective.
+        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu < 1:
+            raise ValueError(f"ckpt.mu must be in (0, 1), got {mu!r}")
+        self.mu = float(mu)
+        if checksum not in KEYED:
+            raise ValueError(f"ckpt.checksum must be one of {', '.join(KEYED)}, got {checksum!r}")
+        self.checksum = checksum
+        self.profile_steps = _positive_int("profile_steps", profile_steps)
+        check_address(store)
+        self.store_address = store
+        if (isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float))
+                or not math.isfinite(commit_timeout_s) or commit_timeout_s <= 0):
+            raise ValueError(f"ckpt.commit_timeout_s must be a finite number > 0, got {commit_timeout_s!r}")
+        self.commit_timeout_s = float(commit_timeout_s)
+        self.run_dir = run_dir
+        self.persistent: DiskCheckpointer | None = None
+        self.persist_dir = Path(persist_dir) if persist_dir is not None else (
+            Path(run_dir) / DEFAULT_SUBDIR if run_dir else None)
+        # Parsed here so that a bad value is reported under this key, not the disk tier's ckpt.bandwidth.
+        self.persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
+        if persist_every is not None:
+            self.persistent = DiskCheckpointer(
+                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=self.persist_bps,
+                dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None)
+        # Set in setup (workers).
+        self.store: JobStore | None = None
+        self.auth: JobKeys | None = None
+        self.sender: ReplicaSender | None = None
+        self.plan: PlacementPlan | None = None
+        self.machine = 0  # this rank's machine (placement id)
+        self.machine_of: list[int] = []
+        self.device = torch.device("cpu")  # the strategy's root device: recovery's collective runs on it
+        self.incarnation = 0
+        self.previous: Transfer | None = None
+        self.transfers: list[Transfer] = []
+        self.stalls: list[float] = []  # training-thread seconds per checkpoint: capture + deadline wait
+        self.committed: list[int] = []
+        if run_dir is not None:
+            self.progress_path = Path(run_dir) / PROGRESS_FILE
+        self.wire = TrainingWire(None, self.profile_steps, self.mu)  # the sync backend is known in setup
+        self._iteration_start: float | None = None
+
+    # -- the launching process: before and around the workers --------------------------------------
+    def validate_launch(self, launch: Launch) -> None:
+        check_launch(self, launch)
+
+    def services(self, launch: Launch) -> AbstractContextManager[Services]:
+        return launch_services(self, launch)
+
+    # -- where things are ---------------------------------------------------------------------------
+    def _store_address(self) -> str:
+        # ckpt.store=etcd: the launcher started the members and exported their address.
+        given = self.store_address if self.store_address != ETCD else None
+        address = given or os.environ.get(STORE_ENV)
+        if not address:
+            raise ValueError(
+                "ckpt=gemini needs the job's key-value store: set ckpt.store=HOST:PORT, etcd://HOST:PORT,... or "
+                "$DDLSCALE_STORE (cluster=local and cluster=emulated start one for you, ckpt.store=etcd an etcd cluster)"
+            )
+        return address
+
+    def _connect(self) -> JobStore:
+        """A new store connection (one per process: a connection inherited through fork is shared)."""
+        job = job_name(self.run_dir)
+        self.auth = JobKeys.from_env(job)
+        return JobStore(connect(self._store_address()), job, self.auth)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning's spawn launcher pickles callbacks into the workers: connections stay behind.
+        state = dict(self.__dict__)
+        state.update(store=None, sender=None, auth=None)  # each worker derives its keys from the secret again
+        return state
+
+    def _agent(self, machine: int, timeout_s: float = 30.0, local: bool = False) -> AgentClient:
+        key = self.store.keys.agent(machine)
+        deadline = clock.now() + timeout_s
+        while (address := self.store.get(key)) is None:
+            if clock.now() > deadline:
+                raise ReplicaError(f"no replica agent registered (signed with this job's secret) for machine "
+                                   f"{machine} after {timeout_s:g} s")
+            clock.sleep(0.05)
+        return (LocalAgentClient if local else AgentClient)(address, self.auth, self.incarnation)
+
+    def committed_manifest(self, store: JobStore | None = None) -> Manifest | None:
+        manifest = (store if store is not None else self.store).manifest()
+        return manifest if isinstance(manifest, Manifest) else None
+
+    # -- set-up in the workers ----------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.persistent is not None:
+            self.persistent.setup(trainer, pl_module, stage)
+        self.store = self._connect()
+        self.device = trainer.strategy.root_device
+        world, rank = trainer.world_size, trainer.global_rank
+        machine, machines = machine_layout(rank, world, trainer.node_rank, trainer.num_nodes)
+        self.machine = machine
+        self.plan = PlacementPlan(machines, self.replicas, self.placement)
+        self.machine_of = [machine]
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, machine)
+            self.machine_of = [int(m) for m in gathered]
+        if rank == 0:  # a new incarnation: the agents refuse whatever the previous one's trainers still send
+            manifest = self.committed_manifest()
+            last = max(int(self.store.get(self.store.keys.incarnation, 0)),
+                       int(manifest.placement.get("incarnation", 0)) if manifest is not None else 0)
+            self.incarnation = last + 1
+            self.store.set(self.store.keys.incarnation, self.incarnation)
+        self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
+        self.wire.sync = getattr(trainer.strategy, "sync", None)
+        holders = list(self.plan.holders_of(machine))
+        destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
+        self._check_shared_memory(destinations[0], pl_module, world, machines)
+        self.sender = ReplicaSender(rank, destinations, holders, self.chunk_bytes, self.subbuffers, self.mode,
+                                    self.checksum, self.auth.replica, before_begin=self._before_begin,
+                                    on_done=self._on_sent, wire=self.wire.now, device=trainer.strategy.root_device)
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
+        start = clock.now()
+        payload = {"format": PAYLOAD_FORMAT, "local": capture_local(trainer, batch_idx),
+                   "shared": capture_shared(trainer)}
+        position = DataPosition.after_batch(trainer.current_epoch, batch_idx, trainer.num_training_batches)
+        transfer = Transfer(trainer.global_step, capture(payload, unchanged_until_step(trainer)), position=position)
+        self.transfers.append(transfer)
+        self.sender.submit(transfer)  # blocking mode: sent and checked before this returns
+        self.stalls.append(clock.now() - start)
+        if self.persistent is not None and self.persistent.due(trainer.global_step):
+            self.persistent.save(trainer, batch_idx)
+
+    def _before_begin(self, transfer: Transfer) -> None:
+        """Wait for the previous version's outcome, so the agents see it when they choose a buffer."""
+        previous, self.previous = self.previous, transfer
+        if previous is not None:
+            # The client's default timeout (connect's) would give up before a long commit_timeout_s.
+            self.store.wait(self.store.keys.outcome(self.incarnation, previous.version),
+                            self.commit_timeout_s + OUTCOME_SLACK_S)
+
+    def _on_sent(self, transfer: Transfer) -> None:
+        """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
+        rank = self.sender.owner
+        if transfer.error is not None:
+            warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
+                          stacklevel=2)
+        self.store.set(self.store.keys.shard(self.incarnation, transfer.version, rank),
+                       {"bytes": transfer.nbytes, "checksum": transfer.checksum, "verified": transfer.verified})
+        if rank == 0:
+            self._commit(transfer)
+
+    def _commit(self, transfer: Transfer) -> None:
+        """Publish the manifest of ``transfer.version`` if every replica of every rank was verified."""
+        version, world = transfer.version, len(self.machine_of)
+        expected = world * self.replicas
+        keys = [self.store.keys.shard(self.incarnation, version, r) for r in range(world)]
+        outcome = "failed"
+        try:
+            records = [self.store.get(k) for k in keys] if self.store.wait_all(keys, self.commit_timeout_s) else []
+            verified = self.plan.verified([r and r.get("verified") for r in records], self.machine_of)
+            if verified >= expected:
+                shards = tuple(ShardRecord(r, f"memory:rank{r}", int(rec["bytes"]), str(rec["checksum"]))
+                               for r, rec in enumerate(records))
+                position = transfer.position
+                holders = {str(r): list(self.plan.holders_of(m)) for r, m in enumerate(self.machine_of)}
+                manifest = Manifest(step=version, world_size=world, shards=shards, epoch=position.epoch,
+                                    batch=position.batch, tier="memory",
+                                    placement={"kind": self.placement, "machines": self.plan.machines,
+                                               "replicas": self.replicas, "machine_of": self.machine_of,
+                                               "holders": holders, "incarnation": self.incarnation})
+                self.store.publish(manifest)  # one signed key: the version now exists
+                self.committed.append(version)
+                outcome = "committed"
+            else:
+                warnings.warn(f"gemini: version {version} not committed ({verified} of {expected} replicas verified)",
+                              stacklevel=2)
+        finally:  # every rank's next version waits for this key: a commit that raised says "failed"
+            self.store.set(self.store.keys.outcome(self.incarnation, version), outcome)
+
+    def _check_shared_memory(self, own: AgentClient, pl_module: pl.LightningModule, world: int, machines: int) -> None:
+        """At start-up: refuse clearly when this machine's shared memory cannot hold even the parameters'
+        share of the buffers it will keep (the first version's BEGIN checks the full size)."""
+        need = 2 * self.replicas * math.ceil(world / machines) * sum(
+            p.numel() * p.element_size() for p in pl_module.parameters())
+        free = int(own.stat()["shm"]["free"])
+        if need > free:
+            raise RuntimeError(self._space_message(f"{mib(free)} free in {shm_dir()} on machine {self.machine}",
+                                                   need // (2 * self.replicas * math.ceil(world / machines)),
+                                                   world, machines))
+
+    def _space_message(self, refusal: str, version_bytes: int, world: int, machines: int) -> str:
+        per_machine = math.ceil(world / machines)
+        return (f"ckpt=gemini: {refusal}. Each machine keeps 2 buffers for each rank of the ckpt.replicas="
+                f"{self.replicas} machines whose replicas it holds ({per_machine} rank(s) each): versions of "
+                f"{mib(version_bytes)} need about {mib(2 * self.replicas * per_machine * version_bytes)} of "
+                f"{shm_dir()} per machine. Enlarge it (docker run --shm-size=...) or lower ckpt.replicas")
+
+    # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._iteration_start is None:
+            self._iteration_start = clock.now()
+            self.wire.iteration_started()
+            if self.sender is not None:
+                self.sender.iteration_started()
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        persist_wait = self.persistent.before_optimizer_step() if self.persistent is not None else 0.0
+        if persist_wait and self.stalls:
+            self.stalls[-1] += persist_wait
+        start, self._iteration_start = self._iteration_start, None
+        if self.sender is None:
+            return
+        if start is not None and self.mode != "blocking" and self.sender.plan is None:
+            plan = self.wire.record(start, self.sender.chunk_seconds())
+            if plan is not None:
+                self.sender.plan = plan
+        waited = self.sender.deadline()
+        if waited and self.stalls:
+            self.stalls[-1] += waited
+        sent = self.transfers[-1] if self.transfers else None
+        if sent is not None and sent.space_error is not None:
+            message = self._space_message(sent.space_error, sent.nbytes, trainer.world_size, self.plan.machines)
+            if len(self.transfers) == 1:  # the first version: stop at start-up rather than train unprotected
+                raise RuntimeError(message)
+            warnings.warn(message, stacklevel=2)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.sender is not None:
+            self.sender.settle()  # the last version goes out, and is committed, before the summary
+        if self.persistent is not None:
+            self.persistent.finish()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.sender is not None:  # before teardown, which would wait for the version in flight
+            self.sender.abandon()
+            self.sender = None
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.persistent is not None:
+            self.persistent.teardown(trainer, pl_module, stage)
+
+    # -- figures -----------------------------------------------------------------------------------
+    def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
+        sources: list[Any] = [self.recovery.get("source")]
+        if dist.is_initialized() and trainer.world_size > 1:
+            sources = [None] * trainer.world_size
+            dist.all_gather_object(sources, self.recovery.get("source"))
+        figures = {
+            "ckpt_mode": self.mode,
+            "ckpt_replicas": self.replicas,
+            "ckpt_bytes": self.transfers[-1].nbytes if self.transfers else None,
+            "ckpt_stall_s": statistics.median(self.stalls[1:] or self.stalls) if self.stalls else None,
+            "ckpt_complete_s": statistics.median(complete) if complete else None,
+            "ckpt_committed": len(self.committed) if trainer.is_global_zero else None,
+            "ckpt_last_committed": self.committed[-1] if self.committed else None,
+            "ckpt_recovery": self.recovery or None,  # rank 0's
+            "ckpt_recovery_sources": sources if any(sources) else None,  # per rank: local, peer:<m>, persistent
+        }
+        figures.update({f"ckpt_interleave_{k}": v for k, v in self.wire.summary.items()})
+        if self.persistent is not None:
+            figures["ckpt_persistent_count"] = len(self.persistent.bytes_written)
+        if trainer.is_global_zero and self.store is not None:
+            figures["ckpt_store_refused"] = self.store.refused  # values that failed their signature, read here
+            figures["ckpt_agent_refused"] = self._agent_refusals()
+        return figures
+
+    def _agent_refusals(self) -> dict[str, int] | None:
+        """Requests every agent refused, by reason, summed (None when some agent could not be asked)."""
+        total: dict[str, int] = {}
+        try:
+            for machine in range(self.plan.machines):
+                with self._agent(machine, timeout_s=1.0) as client:
+                    for reason, n in client.stat()["refused"].items():
+                        total[reason] = total.get(reason, 0) + int(n)
+        except (ReplicaError, OSError):
+            return None
+        return total
+

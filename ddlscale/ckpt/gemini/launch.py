@@ -1,0 +1,245 @@
+"""Launching a Gemini job: checks before the workers start, and the secret, store and agents around them.
+
+:func:`check_launch` and :func:`launch_services` are ``GeminiCheckpointer``'s launch hooks
+(:class:`~ddlscale.ckpt.base.Checkpointer`): the app and the launch modes of
+:mod:`ddlscale.cluster.launch` call them without knowing the tier.
+
+The store is a TCPStore by default, or with ``ckpt.store=etcd`` an etcd cluster
+(:mod:`ddlscale.cluster.control_plane`): one member on loopback for ``cluster=local``, one on each of
+the first three machines of an emulated cluster, data under ``<run dir>/etcd``.
+
+* :func:`job_secret` draws the job's secret into a private temporary directory for the launch (the
+  trainers and agents read it through ``$DDLSCALE_SECRET_FILE``) and removes it when the launch ends.
+* ``cluster=local``: :func:`local_gemini` hosts a TCPStore in the launching process and starts one
+  agent per rank on loopback (each rank is its own "machine"), or starts one etcd member instead of
+  the TCPStore (``etcd_dir``); the workers inherit the environment that
+  points at them. When the launch ends the committed version is written to the persistent directory
+  (:mod:`ddlscale.ckpt.gemini.drain`), then the agents stop.
+* ``cluster=emulated``: the rendezvous store on machine 0 serves Gemini's keys too (or, with etcd,
+  :func:`start_emulated_etcd`'s members serve both), and :func:`start_emulated_agent` starts machine
+  i's agent inside its namespace — also what a test or experiment calls to bring up a replacement
+  machine after killing one.
+* elsewhere (torchrun or SLURM on a real cluster): run ``python -m ddlscale.ckpt.gemini.agent`` on every
+  machine and export ``DDLSCALE_STORE``, ``DDLSCALE_MACHINE``, ``DDLSCALE_MACHINES``, ``DDLSCALE_JOB``
+  and ``DDLSCALE_SECRET_FILE``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ddlscale.ckpt.gemini.agent.slots import remove_replicas
+from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
+from ddlscale.ckpt.gemini.drain import announce, persist_committed
+from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
+from ddlscale.ckpt.gemini.placement import PlacementPlan
+from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
+from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
+from ddlscale.cluster.control_plane import EtcdMembers, Member, missing
+
+if TYPE_CHECKING:
+    from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+
+AGENT_PORT = 29500  # replica agents' port on emulated machines
+ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains
+
+
+def check_launch(gemini: GeminiCheckpointer, launch: Launch) -> None:
+    """Refuse, naming the key, what cannot work in this launch: m replicas need m machines — emulated
+    machines, nodes, or (one machine) one per worker, as the workers count them
+    (:func:`~ddlscale.ckpt.gemini.env.machine_layout`); and ``ckpt.store=etcd`` needs etcd where the
+    launcher starts the members (cluster=local, emulated), elsewhere their address."""
+    machines = machine_count(launch.world_size if launch.kind == "local" else launch.machines)
+    try:
+        PlacementPlan(int(machines), gemini.replicas, gemini.placement)
+    except ValueError as exc:
+        raise ValueError(f"ckpt.replicas / ckpt.placement: {exc}") from None
+    if gemini.store_address != ETCD:
+        return
+    if launch.is_worker or launch.kind not in ("local", "emulated"):
+        if not os.environ.get(STORE_ENV, "").startswith("etcd"):
+            raise ValueError(f"ckpt.store=etcd with cluster={launch.kind}: nothing starts etcd members here; give "
+                             "their address as ckpt.store=etcd://HOST:PORT,... (or $DDLSCALE_STORE)")
+        return
+    reason = missing(server=True)
+    if reason:
+        raise ValueError(f"ckpt.store=etcd cannot run here: {reason}")
+
+
+def launch_services(gemini: GeminiCheckpointer, launch: Launch) -> contextlib.AbstractContextManager[Services]:
+    """The secret, store and agents a launch needs, unless someone else provides them: the workers
+    (the launcher above them does), and a launch in this process given a store (``ckpt.store=HOST:PORT``
+    or ``$DDLSCALE_STORE``: its agents are the user's). An elastic launch starts its own whatever the
+    store: its agents must outlive the restarted workers."""
+    if launch.is_worker:
+        return contextlib.nullcontext(Services())
+    if launch.mode == EMULATED:
+        return _on_emulated_cluster(gemini, launch)
+    if launch.mode != ELASTIC and (gemini.store_address not in (None, ETCD) or os.environ.get(STORE_ENV)):
+        return contextlib.nullcontext(Services())
+    return _on_this_machine(gemini, launch)
+
+
+@contextlib.contextmanager
+def _on_this_machine(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
+    """One agent per rank on loopback; the workers inherit the environment that finds them."""
+    etcd_dir = launch.run_dir / "etcd" if gemini.store_address == ETCD else None
+    with local_gemini(launch.world_size, launch.job, gemini.persist_dir, etcd_dir=etcd_dir):
+        yield Services()
+
+
+@contextlib.contextmanager
+def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
+    """Store (the launcher's rendezvous store on machine 0, or etcd members on the first three machines,
+    which then hold torchrun's rendezvous too) and one agent per machine. When the launch ends the
+    committed version is written to ``persist_dir`` from inside machine 0, then the machines go down and
+    with them the agents, whose shared memory is removed last."""
+    cluster, job = launch.cluster, launch.job
+    with job_secret() as secret:
+        rendezvous = None
+        if gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
+            etcd = start_emulated_etcd(cluster, launch.run_dir / "etcd", job)
+            store, rendezvous = str(etcd.address), etcd.address
+            print(f"control plane: etcd members at {etcd.address.rendezvous_endpoint}", flush=True)
+        else:
+            store = launch.rendezvous_store()
+        env = {}
+        for machine in range(cluster.nodes):
+            start_emulated_agent(cluster, machine, store, job, secret)
+            env[machine] = emulated_env(cluster, machine, store, job, secret)
+        try:
+            yield Services(env=env, rendezvous=rendezvous)
+        finally:  # the same command in this run directory then continues from it
+            persist_emulated(cluster, store, job, secret, gemini.persist_dir)
+            cluster.down()
+            remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
+
+
+@contextlib.contextmanager
+def job_secret() -> Iterator[Path]:
+    """A new job secret in a private directory, removed when the block ends."""
+    directory = tempfile.mkdtemp(prefix="ddlscale-job-")  # mode 0700
+    try:
+        yield create_secret_file(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def agent_argv(machine: int, machines: int, bind: str, store: str, job: str) -> list[str]:
+    return [sys.executable, "-m", "ddlscale.ckpt.gemini.agent", "--machine", str(machine), "--machines", str(machines),
+            "--bind", bind, "--store", store, "--job", job]
+
+
+def _await_ready(process: subprocess.Popen, what: str) -> str:
+    line = process.stdout.readline().strip()
+    if not line.startswith("ready "):
+        process.kill()
+        raise RuntimeError(f"{what} did not start (said {line!r})")
+    return line.split()[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
+                 etcd_dir: Path | None = None) -> Iterator[dict[str, str]]:
+    """Secret, store and ``machines`` agents on loopback for one launch; yields (and exports) their
+    environment. On the way out the committed version goes to ``persist_dir`` when given. With
+    ``etcd_dir`` the store is one etcd member with its data there (no replication on one machine)."""
+    if etcd_dir is not None:
+        member = Member("m0", "127.0.0.1", _free_port(), _free_port())
+        store = EtcdMembers([member], etcd_dir, lambda _, argv, **kw: subprocess.Popen(argv, **kw), job).start()
+        address = str(store.address)
+    else:
+        address = f"127.0.0.1:{_free_port()}"
+        store = serve(address)
+    agents: list[subprocess.Popen] = []
+    saved = {k: os.environ.get(k) for k in (STORE_ENV, MACHINES_ENV, JOB_ENV, SECRET_ENV)}
+    with job_secret() as secret:
+        env = {STORE_ENV: address, MACHINES_ENV: str(machines), JOB_ENV: job, SECRET_ENV: str(secret)}
+        try:
+            for m in range(machines):
+                agents.append(subprocess.Popen(agent_argv(m, machines, "127.0.0.1:0", address, job),
+                                               stdout=subprocess.PIPE, text=True, env={**os.environ, **env}))
+            for m, agent in enumerate(agents):
+                _await_ready(agent, f"replica agent {m}")
+            os.environ.update(env)
+            yield env
+        finally:
+            if persist_dir is not None and agents:
+                _persist(address, job, JobKeys(read_secret(secret), job), persist_dir)
+            for agent in agents:
+                agent.terminate()
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=10)
+            remove_replicas(job)
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            if isinstance(store, EtcdMembers):
+                store.stop()
+            del store
+
+
+def _persist(address: str, job: str, auth: JobKeys, directory: Path) -> None:
+    try:
+        written = persist_committed(JobStore(connect(address), job, auth), Path(directory))
+    except Exception as exc:  # the launch is ending anyway: say why the version stayed in memory
+        warnings.warn(f"gemini: could not write the committed version to {directory}: {exc}", stacklevel=2)
+        return
+    announce(written)
+
+
+def start_emulated_etcd(cluster: Any, directory: Path, job: str) -> EtcdMembers:
+    """An etcd member on each of the first (up to) three emulated machines, data under ``directory``;
+    returns once a quorum is healthy. Its ``address`` is the job's store and rendezvous."""
+    members = [Member(f"m{i}", cluster.address(i)) for i in range(min(ETCD_MEMBERS, cluster.nodes))]
+    return EtcdMembers(members, directory, cluster.popen, job).start()
+
+
+def emulated_env(cluster: Any, machine: int, store: str, job: str, secret: Path) -> dict[str, str]:
+    """What machine ``machine``'s trainers need to find the store (its address) and their agent."""
+    return {STORE_ENV: store, MACHINE_ENV: str(machine),
+            MACHINES_ENV: str(cluster.nodes), JOB_ENV: job, SECRET_ENV: str(secret)}
+
+
+def start_emulated_agent(cluster: Any, machine: int, store: str, job: str, secret: Path,
+                         **popen_kwargs: Any) -> subprocess.Popen:
+    """Machine ``machine``'s replica agent, inside its namespace; returns once it serves."""
+    argv = agent_argv(machine, cluster.nodes, f"{cluster.address(machine)}:{AGENT_PORT}", store, job)
+    env = {SECRET_ENV: str(secret), **popen_kwargs.pop("env", {})}
+    process = cluster.popen(machine, argv, stdout=subprocess.PIPE, text=True, env=env, **popen_kwargs)
+    _await_ready(process, f"replica agent on emulated machine {machine}")
+    return process
+
+
+def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path) -> None:
+    """Write the committed version to ``directory`` from inside machine 0 (the store is reachable only
+    from the emulated machines); a failure is reported, not raised: the launch is ending anyway."""
+    argv = [sys.executable, "-m", "ddlscale.ckpt.gemini.drain", "--store", store, "--job", job, "--dir", str(directory)]
+    done = cluster.popen(0, argv, env={SECRET_ENV: str(secret)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    try:
+        output, _ = done.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        done.kill()
+        output = f"gemini: writing the committed version to {directory} took over 300 s: given up"
+    if output.strip():
+        print(output.strip(), flush=True)

@@ -1,0 +1,128 @@
+"""The captured training state, in one process: RNG streams, data position, schedulers, atomic files."""
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ddlscale.ckpt import DataPosition, DiskCheckpointer, Manifest, ManifestError, ShardRecord, read_manifest
+from ddlscale.ckpt.state.data import ResumingBatchSampler, position_loader
+from ddlscale.ckpt.state.shard import Shard, decode
+from ddlscale.ckpt.version.manifest import list_manifests
+from ddlscale.ckpt.version.storage import write_atomic
+from ddlscale.strategy import SYNC_STATE_KEY as STRATEGY_KEY
+
+# Lightning's own use of a deprecated torch API, silenced by the app in its workers.
+pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance.treespec, LeafSpec.*")
+
+
+class NoisyRegression(pl.LightningModule):
+    """Dropout (torch RNG), numpy and python random draws, Adam and a step LR schedule: every stream
+    and counter a restore could miss shows in the losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 1))
+        self.trace = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        jitter = float(np.random.rand()) + random.random()
+        loss = ((self.net(x) - y) ** 2).mean() * (1 + 1e-3 * jitter)
+        self.trace.append((self.global_step, float(loss)))
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)}
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randn(24, 1, generator=generator))
+        return DataLoader(data, batch_size=8)  # 3 batches per epoch
+
+
+def _fit(max_steps, checkpointer=None, ckpt_path=None):
+    pl.seed_everything(5, verbose=False)
+    model = NoisyRegression()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         callbacks=[checkpointer] if checkpointer else [], enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.mark.parametrize("stop", [2, 3, 4, 6])  # mid-epoch and epoch boundaries
+def test_resume_restores_rng_optimizer_scheduler_and_data_position(stop, tmp_path):
+    straight = _fit(9)
+    _fit(stop, DiskCheckpointer(every=stop, dir=str(tmp_path / "a")))
+    (manifest,) = list_manifests(tmp_path / "a")
+    resumed = _fit(9, DiskCheckpointer(every=100, dir=str(tmp_path / "b"), resume=str(manifest)), str(manifest))
+    assert resumed.trace == straight.trace[stop:]
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters(), strict=True))
+
+
+def test_highfreq_sets_the_interval_from_the_probe_checkpoint(tmp_path):
+    # At 400 kbit/s a checkpoint (tens of kB) lasts far longer than a step: K = ceil(t_ckpt / T_iter) > 1.
+    checkpointer = DiskCheckpointer(every="highfreq", dir=str(tmp_path), keep=10, bandwidth="400kbit")
+    _fit(3, checkpointer)
+    assert [read_manifest(p).step for p in list_manifests(tmp_path)] == [3]
+    assert checkpointer.interval > 1 and checkpointer.anchor == 3
+    assert checkpointer.due(3 + checkpointer.interval) and not checkpointer.due(4)
+
+
+def test_keep_prunes_old_versions_and_their_files(tmp_path):
+    (tmp_path / ".step_000000001.manifest.json.tmp-99").write_text("partial")  # a crashed write
+    _fit(5, DiskCheckpointer(every=1, dir=str(tmp_path), keep=2))
+    assert [read_manifest(p).step for p in list_manifests(tmp_path)] == [5, 4]
+    assert sorted(p.name.split(".")[0] for p in tmp_path.iterdir()) == ["step_000000004"] * 2 + ["step_000000005"] * 2
+
+
+def test_position_loader_skips_batches_once_and_sets_the_epoch():
+    loader = DataLoader(list(range(10)), batch_size=2)
+    position_loader(loader, DataPosition.after_batch(epoch=0, batch_idx=2, num_batches=5))
+    assert isinstance(loader.batch_sampler, ResumingBatchSampler) and len(loader) == 5
+    assert [b.tolist() for b in loader] == [[6, 7], [8, 9]]
+    assert len(list(loader)) == 5  # the next epoch is whole
+    assert DataPosition.after_batch(3, 4, 5) == DataPosition(4, 0, 5, samples=0)
+
+
+def test_write_atomic_is_all_or_nothing_and_paced(tmp_path, monkeypatch):
+    target = tmp_path / "f.bin"
+    start = time.perf_counter()
+    write_atomic(target, b"x" * 25_000, bandwidth_bps=2e6)  # 200 kbit at 2 Mbit/s: >= 0.1 s
+    assert time.perf_counter() - start >= 0.09 and target.read_bytes() == b"x" * 25_000
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        write_atomic(target, b"new")
+    assert target.read_bytes() == b"x" * 25_000 and [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
+def test_shards_and_manifests_refuse_corruption(tmp_path):
+    shard = Shard.encode(0, {"format": "ddlscale-training-state/1", "local": {}, "shared": None})
+    assert shard.decode()["local"] == {}
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        decode(shard.data[:-1] + bytes([shard.data[-1] ^ 1]), shard.checksum)
+    manifest = Manifest(step=1, world_size=2, shards=(ShardRecord(0, "a", 1, "0" * 64),))
+    with pytest.raises(ManifestError, match="ranks 0..1"):
+        Manifest.from_json(manifest.to_json())
+    bad = tmp_path / "step_000000001.manifest.json"
+    bad.write_text("{not json")
+    with pytest.raises(ManifestError, match=str(bad)):
+        read_manifest(bad)
+
+
+def test_strategy_reads_the_sync_state_under_the_same_key():
+    from ddlscale.ckpt import SYNC_STATE_KEY
+
+    assert STRATEGY_KEY == SYNC_STATE_KEY
