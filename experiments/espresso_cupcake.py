@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddlscale.comm.cost import parse_time
+from ddlscale.units import parse_time
 from experiments.harness import Results, alternating, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
@@ -109,7 +109,7 @@ def probe_rate(nodes: int, bandwidth: str) -> list[float]:
 def planner_network(bandwidth: str) -> tuple[str, str]:
     """(sync.network_bandwidth, sync.network_latency): the NIC's TCP payload rate; latency measured by the planner."""
     from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
-    from ddlscale.comm.cost import parse_bandwidth
+    from ddlscale.units import parse_bandwidth
 
     return str(int(parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)), "measured"
 

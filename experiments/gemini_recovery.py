@@ -52,8 +52,8 @@ from pathlib import Path
 
 from ddlscale.ckpt.base import PROGRESS_FILE
 from ddlscale.ckpt.drill import GeminiDrill
-from ddlscale.comm.cost import parse_bandwidth
 from ddlscale.trainer.loggers import metrics_rows
+from ddlscale.units import parse_bandwidth
 from experiments.harness import Results, alternating
 
 STRATEGIES = ("none", "gemini", "highfreq", "strawman")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse.hashing import HashPartitioner
 from ddlscale.tools.sparsity import SPARSE_DENSITY, compose_model, gradient_index_sets, worker_loaders
 from experiments.harness import Results

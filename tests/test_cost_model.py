@@ -6,17 +6,16 @@ import numpy as np
 import pytest
 
 from ddlscale.comm import volume
-from ddlscale.comm.cost import (
+from ddlscale.comm.network import (
     PROJECTION_WORKERS,
     NetworkModel,
     SharedHost,
-    parse_bandwidth,
-    parse_time,
     project,
     zen_balanced_parallelism_time,
     zen_hierarchical_centralization_time,
 )
 from ddlscale.comm.timeline import Swaps, TensorTask, iteration_time, simulate
+from ddlscale.units import parse_bandwidth, parse_time
 
 GBIT = 1e9
 ALPHA = 50e-6

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
 from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
 from ddlscale.compress.memory import Memory, ResidualMemory
@@ -43,6 +43,7 @@ from ddlscale.plan.result import CompressionPlan
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.espresso import EspressoSync
 from ddlscale.tools import plan as plan_tool
+from ddlscale.units import parse_bandwidth, parse_time
 
 ROOT = Path(__file__).resolve().parents[1]
 

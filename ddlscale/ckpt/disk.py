@@ -48,7 +48,7 @@ from ddlscale.ckpt.state import (
     data_position,
     unchanged_until_step,
 )
-from ddlscale.comm.cost import parse_bandwidth
+from ddlscale.units import parse_bandwidth
 
 DEFAULT_SUBDIR = "checkpoints"
 # A DCP collective waiting longer than this for a peer fails the save instead of holding the process

@@ -2,7 +2,7 @@
 
 An option is {compressor (``none`` or the configured one), aggregation scheme, flat or hierarchical,
 compression device}. Its times come from three sources and nowhere else: the compressor's
-``payload_bytes`` for what travels, the :class:`~ddlscale.comm.cost.NetworkModel` for how long the
+``payload_bytes`` for what travels, the :class:`~ddlscale.comm.network.NetworkModel` for how long the
 collectives take, and the profiled encode/decode fits. :meth:`CostModel.task` turns (unit, option)
 into the :class:`~ddlscale.comm.timeline.TensorTask` the iteration simulator schedules, so Espresso
 and Cupcake score plans with one model.
@@ -45,13 +45,14 @@ import numpy as np
 import torch
 
 from ddlscale.comm import volume
-from ddlscale.comm.cost import NetworkModel, parse_time
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
 from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.plan.choices import TensorPlan
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
+from ddlscale.units import parse_time
 
 DEVICES = ("compute", "side")
 SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ddlscale import clock
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
 from ddlscale.plan.cost import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of

@@ -51,7 +51,6 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
@@ -71,6 +70,7 @@ from ddlscale.sync.compress.backend import CompressSync
 from ddlscale.sync.compress.regroup import GroupLayout, regroup
 from ddlscale.sync.compress.schemes import GroupWork
 from ddlscale.sync.dense import DenseAllreduce
+from ddlscale.units import parse_bandwidth, parse_time
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense"}

@@ -43,7 +43,7 @@ from ddlscale.ckpt.launch import (
 from ddlscale.cluster import dilation, stop
 from ddlscale.cluster.control_plane import missing as etcd_missing
 from ddlscale.cluster.emulated import MAX_NODES, TRAIN_SCRIPT, EmulatedCluster, unavailable_reason
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
@@ -51,6 +51,7 @@ from ddlscale.trainer.report import print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
 from ddlscale.trainer.runlog import run_log
 from ddlscale.trainer.signals import StopOnSignals
+from ddlscale.units import parse_bandwidth, parse_time
 
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
 FALLBACKS = ("loopback", "error")

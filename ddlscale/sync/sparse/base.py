@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm import Communicator
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.lane import shared_lane
