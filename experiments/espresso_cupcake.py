@@ -173,8 +173,8 @@ def _after_drift(planned: list[dict[str, Any]], dense_ms: list[float]) -> float:
 def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
     """Predicted iteration time of each method from a saved profile (optionally at another size)."""
     from ddlscale.cluster.emulated import ALPHA
-    from ddlscale.plan.cost import units_of
     from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, dense_plan, espresso_plan
+    from ddlscale.plan.pricing import units_of
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import uniform_time
 

@@ -485,7 +485,7 @@ def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
     """A scheme is a Scheme subclass (executed) and a PRICES entry (planned) of the same name; the
     planners offer a compressor under a scheme exactly where the scheme would carry it."""
     from ddlscale.compress import COMPRESSORS
-    from ddlscale.plan.cost import PRICES
+    from ddlscale.plan.pricing import PRICES
     from ddlscale.sync.compress.schemes import SCHEMES, scheme
 
     assert list(SCHEMES) == list(PRICES)

@@ -445,8 +445,8 @@ def test_zen_is_offered_to_sparsifiers_alone_and_priced_by_the_union():
     the union's bytes: at top-k 1% on 8 ranks it moves less than allgather's n selections, and with
     fewer ranks' selections to merge (2 ranks) the advantage shrinks."""
     from ddlscale.compress import FP16, NoCompression, TopK
-    from ddlscale.plan.cost import Option
     from ddlscale.plan.planner import cost_model
+    from ddlscale.plan.pricing import Option
     from ddlscale.plan.synthetic import random_profile
 
     profile = random_profile(random.Random(3), 4, world_size=8)

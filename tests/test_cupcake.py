@@ -15,7 +15,6 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
 from ddlscale.compress import TopK
-from ddlscale.plan.cost import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.cupcake import optimal_partition, plan_fusion
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import (
@@ -25,6 +24,7 @@ from ddlscale.plan.planner import (
     dense_plan,
     group_overhead,
 )
+from ddlscale.plan.pricing import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.profile import CompressorProfile, Profile
 from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile

@@ -24,11 +24,11 @@ from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_t
 from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
 from ddlscale.compress.memory import Memory, ResidualMemory
 from ddlscale.plan import profile as profile_module
-from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
+from ddlscale.plan.pricing import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.profile import (
     MEMBER_COSTS,
     CompressorProfile,

@@ -19,7 +19,7 @@ class TensorPlan:
 
     ``compressor``: a key of the backend's compressors (``"none"`` always exists, ``"default"`` is
     the configured one); ``scheme``: an aggregation scheme's name (allreduce, allgather, alltoall, zen,
-    gather: executed by :mod:`ddlscale.sync.compress.schemes`, priced by :mod:`ddlscale.plan.cost`); ``hierarchical``:
+    gather: executed by :mod:`ddlscale.sync.compress.schemes`, priced by :mod:`ddlscale.plan.pricing`); ``hierarchical``:
     dense reduction inside each machine first, the scheme only across machines.
     """
 

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddlscale.comm.timeline import TensorTask, iteration_time
-from ddlscale.plan.cost import CostModel, Option, Unit, fuse
+from ddlscale.plan.pricing import CostModel, Option, Unit, fuse
 
 GroupCost = Callable[[int, int], "tuple[float, ...] | None"]
 

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 from ddlscale import clock
 from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, merged_busy, simulate
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
 from ddlscale.plan.cupcake import FusionPlan, plan_fusion
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 
 _TOL = 1e-12  # seconds: an "improvement" below this is float noise
 

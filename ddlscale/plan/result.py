@@ -12,7 +12,7 @@ from typing import Any
 
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.plan.choices import Plan, TensorPlan
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 
 
 @dataclass

@@ -9,8 +9,8 @@ With ``compressor=none`` it plans the fusion of dense allreduce alone (optimal b
 
 from __future__ import annotations
 
-from ddlscale.plan.cost import CostModel
 from ddlscale.plan.planner import configured_option, cupcake_plan
+from ddlscale.plan.pricing import CostModel
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.planned import PlannedSync

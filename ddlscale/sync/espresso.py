@@ -17,8 +17,8 @@ would give, not what runs: off by default, and the plan says so when on.
 
 from __future__ import annotations
 
-from ddlscale.plan.cost import CostModel
 from ddlscale.plan.planner import configured_option, cupcake_plan, dense_plan, espresso_plan, option_label
+from ddlscale.plan.pricing import CostModel
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.planned import PlannedSync

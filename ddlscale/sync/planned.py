@@ -54,8 +54,8 @@ from ddlscale import clock
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
-from ddlscale.plan.cost import CostModel
 from ddlscale.plan.planner import allreduce_efficiency, check_plannable, configured_option, group_overhead
+from ddlscale.plan.pricing import CostModel
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,

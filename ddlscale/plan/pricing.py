@@ -1,4 +1,5 @@
-"""The cost of one way to synchronize one tensor (or fused group): an :class:`Option` made a TensorTask.
+"""Pricing a plan's options: the cost of one way to synchronize one tensor (or fused group), an
+:class:`Option` made a TensorTask.
 
 An option is {compressor (``none`` or the configured one), aggregation scheme, flat or hierarchical,
 compression device}. Its times come from three sources and nowhere else: the compressor's
