@@ -200,7 +200,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
     """The kept plan's groups as they ran beside the model's prices for the same groups, each summed
     over the groups (empty without ``plan_work.json``: runs kept before it was written).
 
-    ``work_*``: rank 0's medians over the last steps (:data:`ddlscale.sync.planned.WORK_FILE`):
+    ``work_*``: rank 0's medians over the last steps (:data:`ddlscale.sync.compressed.planned.WORK_FILE`):
     compressor encode (error feedback included), decode, and finish (the training thread's time
     completing a group after backward: waiting for its collectives, plus the decode where the scheme
     decodes there). ``model_*``: encode without the per-group overhead the model is fitted with (a
@@ -209,7 +209,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
     from ddlscale.plan.planner import cost_model
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import CompressionPlan
-    from ddlscale.sync.planned import PLAN_FILE, PROFILE_FILE, WORK_FILE
+    from ddlscale.sync.compressed.planned import PLAN_FILE, PROFILE_FILE, WORK_FILE
 
     if not (run_dir / WORK_FILE).exists():
         return {}
@@ -232,7 +232,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
 def work_table(runs: dict[tuple, list[dict[str, Any]]], cases: list[tuple[str, str, str]]) -> list[str]:
     """Markdown lines: per case and planned method, the groups' measured work against the model's
     (none when no run wrote ``plan_work.json``)."""
-    from ddlscale.sync.planned import WORK_STEPS
+    from ddlscale.sync.compressed.planned import WORK_STEPS
 
     lines = []
     for case, method in itertools.product(cases, PLANNED):

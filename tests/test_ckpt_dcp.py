@@ -22,7 +22,7 @@ from ddlscale.ckpt.rng import capture_rng
 from ddlscale.ckpt.snapshot import to_bytes
 from ddlscale.ckpt.state import PAYLOAD_FORMAT, RANK_STATE_KEY, SYNC_STATE_KEY
 from ddlscale.compress.memory import ResidualMemory
-from ddlscale.sync.compress.regroup import load_summed_share
+from ddlscale.sync.compressed.regroup import load_summed_share
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance.treespec, LeafSpec.*")
 

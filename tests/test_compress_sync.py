@@ -13,8 +13,8 @@ from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.compress.topk import TopK
-from ddlscale.sync.compress import CompressSync, Plan, TensorPlan
-from ddlscale.sync.compress.regroup import _unchunk
+from ddlscale.sync.compressed import CompressSync, Plan, TensorPlan
+from ddlscale.sync.compressed.regroup import _unchunk
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8)}
 
@@ -486,7 +486,7 @@ def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
     planners offer a compressor under a scheme exactly where the scheme would carry it."""
     from ddlscale.compress import COMPRESSORS
     from ddlscale.plan.pricing import PRICES
-    from ddlscale.sync.compress.schemes import SCHEMES, scheme
+    from ddlscale.sync.compressed.schemes import SCHEMES, scheme
 
     assert list(SCHEMES) == list(PRICES)
     for name in COMPRESSORS:

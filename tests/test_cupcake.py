@@ -28,9 +28,9 @@ from ddlscale.plan.pricing import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.profile import CompressorProfile, Profile
 from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile
-from ddlscale.sync.compress.schemes import GroupWork
-from ddlscale.sync.cupcake import CupcakeSync
-from ddlscale.sync.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
+from ddlscale.sync.compressed import CupcakeSync
+from ddlscale.sync.compressed.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
+from ddlscale.sync.compressed.schemes import GroupWork
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -41,7 +41,7 @@ from ddlscale.plan.profile import (
 )
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.plan.synthetic import random_profile
-from ddlscale.sync.espresso import EspressoSync
+from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import plan as plan_tool
 from ddlscale.units import parse_bandwidth, parse_time
 

@@ -7,9 +7,8 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
-from ddlscale.sync.compress import CompressSync
-from ddlscale.sync.compress.regroup import _unchunk
-from ddlscale.sync.cupcake import CupcakeSync
+from ddlscale.sync.compressed import CompressSync, CupcakeSync
+from ddlscale.sync.compressed.regroup import _unchunk
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 PLAN_STEPS = 3  # steps run on the kept plan, so that its residuals are not the first step's

@@ -5,7 +5,7 @@ and which tensors are fused into one buffer compressed once (Cupcake's groups).
 non-uniform ones. Tensors are named by parameter name; a group's members share one choice.
 
 These are the plan's data types, so they live in the planning layer: the planners produce them and
-the executing backend (:mod:`ddlscale.sync.compress`) imports them from here, never the reverse.
+the executing backend (:mod:`ddlscale.sync.compressed`) imports them from here, never the reverse.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ class TensorPlan:
 
     ``compressor``: a key of the backend's compressors (``"none"`` always exists, ``"default"`` is
     the configured one); ``scheme``: an aggregation scheme's name (allreduce, allgather, alltoall, zen,
-    gather: executed by :mod:`ddlscale.sync.compress.schemes`, priced by :mod:`ddlscale.plan.pricing`); ``hierarchical``:
+    gather: executed by :mod:`ddlscale.sync.compressed.schemes`, priced by :mod:`ddlscale.plan.pricing`); ``hierarchical``:
     dense reduction inside each machine first, the scheme only across machines.
     """
 

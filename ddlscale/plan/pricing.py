@@ -8,7 +8,7 @@ collectives take, and the profiled encode/decode fits. :meth:`CostModel.task` tu
 into the :class:`~ddlscale.comm.timeline.TensorTask` the iteration simulator schedules, so Espresso
 and Cupcake score plans with one model.
 
-The collectives are those :class:`~ddlscale.sync.compress.CompressSync` issues (SYSTEMS.md §2):
+The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues (SYSTEMS.md §2):
 
 - ``allreduce`` (summable payloads): encode, allreduce the payload, decode once;
 - ``allgather``: encode (plus the local decode error feedback needs), exchange sizes, allgather the
@@ -203,7 +203,7 @@ class SchemePrice:
 
 
 # One entry per aggregation scheme a plan may name (the executing classes are in
-# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its entry here.
+# ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
 PRICES: dict[str, SchemePrice] = {
     "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
     "allgather": SchemePrice(_price_allgather),

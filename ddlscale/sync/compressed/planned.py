@@ -1,4 +1,4 @@
-"""What ``sync=espresso`` and ``sync=cupcake`` share: profile with dense sync, plan once, execute.
+"""The planned syncs, ``sync=espresso`` and ``sync=cupcake``: profile with dense sync, plan once, execute.
 
 1. For ``profile_steps`` steps after ``warmup_steps`` warm-up steps the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
@@ -24,7 +24,7 @@
    (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
-3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
+3. From the next step on, :class:`~ddlscale.sync.compressed.backend.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
@@ -54,7 +54,17 @@ from ddlscale import clock
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
-from ddlscale.plan.planner import allreduce_efficiency, check_plannable, configured_option, group_overhead
+from ddlscale.plan.choices import Plan, TensorPlan
+from ddlscale.plan.planner import (
+    allreduce_efficiency,
+    check_plannable,
+    configured_option,
+    cupcake_plan,
+    dense_plan,
+    espresso_plan,
+    group_overhead,
+    option_label,
+)
 from ddlscale.plan.pricing import CostModel
 from ddlscale.plan.profile import (
     CompressorProfile,
@@ -65,10 +75,9 @@ from ddlscale.plan.profile import (
     slowest_lag,
 )
 from ddlscale.plan.result import CompressionPlan
-from ddlscale.sync.compress import Plan, TensorPlan
-from ddlscale.sync.compress.backend import CompressSync
-from ddlscale.sync.compress.regroup import GroupLayout, regroup
-from ddlscale.sync.compress.schemes import GroupWork
+from ddlscale.sync.compressed.backend import CompressSync
+from ddlscale.sync.compressed.regroup import GroupLayout, regroup
+from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.units import parse_bandwidth, parse_time
 
@@ -581,6 +590,69 @@ class PlannedSync(CompressSync):
             for name, choice in executable.tensors.items():
                 self._check_choice(choice, f"plan[{name}]")
             self.computed, self.plan = plan, executable
+
+
+class EspressoSync(PlannedSync):
+    """``sync=espresso``: per tensor, whether and how to compress, chosen on the simulated iteration.
+
+    After profiling, Espresso (:mod:`ddlscale.plan.espresso`) picks for every tensor one option — dense
+    allreduce, or the configured compressor under allreduce (summable payloads), allgather, alltoall,
+    gather or zen (sparsifiers), flat or hierarchical — and may fuse tensors (runs of equal options, or
+    Cupcake's groups of the configured option) where the model says it is faster. The plan, with each
+    tensor's predicted saving, is printed and saved as ``plan.txt``.
+
+    With ``trial_steps`` > 0 (the config's default: 3) the plan is checked on the cluster before it is
+    kept: Espresso's plan, Cupcake's and dense allreduce take turns for a few steps each and the fastest
+    measured stays, so a cost-model error costs those steps only.
+
+    Args (besides :class:`PlannedSync`'s):
+
+    offload: run Algorithm 2 (move some compressions to the CPU side device). CompressSync compresses
+        on the training thread only, so offloaded choices are predictions of what a side stream would
+        give, not what runs: off by default, and the plan says so when on.
+    fuse: consider fused plans (equal-option runs, Cupcake groups of ``comm``); off: one tensor each.
+    """
+
+    system = "espresso"
+
+    def __init__(self, *args, offload: bool = False, fuse: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key, value in (("sync.offload", offload), ("sync.fuse", fuse)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+        self.offload, self.fuse = offload, fuse
+
+    def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        return espresso_plan(profile, model, cupcake_option=option, offload=self.offload, fuse=self.fuse)
+
+    def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
+        """Espresso's plan, then the others it must never lose to: Cupcake's groups of the configured
+        option and dense allreduce in DDP's buckets."""
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        plans = {"espresso search": self.compute_plan(profile, model),
+                 f"cupcake groups of {option_label(model, option)}":
+                     cupcake_plan(profile, model, option),
+                 "dense, DDP buckets": dense_plan(profile, model, self.first_bucket_bytes, self.bucket_bytes)}
+        for label, plan in plans.items():
+            plan.context["candidate"] = label
+        return list(plans.values())
+
+
+class CupcakeSync(PlannedSync):
+    """``sync=cupcake``: the configured compressor on fusion groups chosen by Cupcake's exact DP.
+
+    Tensors are partitioned, in backward order, into contiguous groups; each group is one flat buffer
+    compressed once with the configured compressor and aggregated by ``sync.comm`` (flat, or
+    hierarchical with ``sync.hierarchical``). The partition minimizes the simulated iteration time
+    (:mod:`ddlscale.plan.cupcake`) on the profile of the first steps. With ``compressor=none`` it plans
+    the fusion of dense allreduce alone (optimal buckets). Every argument is :class:`PlannedSync`'s.
+    """
+
+    system = "cupcake"
+
+    def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
+        return cupcake_plan(profile, model, configured_option(model, self.comm_scheme, self.hierarchical))
 
 
 def _calibration_note(profile: Profile) -> str:

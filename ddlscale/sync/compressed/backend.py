@@ -32,8 +32,8 @@ from ddlscale.compress.base import Compressor, Segment, pieces
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
 from ddlscale.plan.choices import Plan, TensorPlan
-from ddlscale.sync.compress.regroup import GroupLayout, load_summed_share, regroup
-from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
+from ddlscale.sync.compressed.regroup import GroupLayout, load_summed_share, regroup
+from ddlscale.sync.compressed.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
 FUSIONS = ("tensor", "bucket")
