@@ -320,7 +320,7 @@ def test_plan_round_trips_and_becomes_a_compress_plan():
     plan = espresso_plan(profile, cost_model(profile), cupcake_option=Option("default", "allgather"))
     again = CompressionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.to_dict() == plan.to_dict()
-    executable = plan.to_plan()
+    executable = plan.to_choices()
     assert set(executable.tensors) == {t.name for t in profile.tensors}
     text = plan.describe()
     assert "predicted iteration" in text and "saved (ms)" in text

@@ -50,7 +50,7 @@ from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
 from ddlscale.compress.sparse import SparseCompressor
-from ddlscale.plan.choices import TensorPlan
+from ddlscale.plan.choices import TensorChoice
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
 from ddlscale.units import parse_time
@@ -79,8 +79,8 @@ class Option:
         text = f"{comp}/{self.scheme}" + ("/hier" if self.hierarchical else "")
         return text + ("@side" if self.device == "side" and self.compressed else "")
 
-    def tensor_plan(self) -> TensorPlan:
-        return TensorPlan(self.compressor, self.scheme, self.hierarchical)
+    def tensor_choice(self) -> TensorChoice:
+        return TensorChoice(self.compressor, self.scheme, self.hierarchical)
 
     def on(self, device: str) -> Option:
         return replace(self, device=device)

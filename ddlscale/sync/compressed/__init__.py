@@ -6,9 +6,9 @@ GradSync seam (:mod:`.backend`), carries their state across regroupings (:mod:`.
 profiles, plans and executes (:mod:`.planned`, with the plans of :mod:`ddlscale.plan`).
 """
 
-from ddlscale.plan.choices import Plan, TensorPlan
+from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.sync.compressed.backend import CompressSync
 from ddlscale.sync.compressed.planned import CupcakeSync, EspressoSync, PlannedSync
 from ddlscale.sync.compressed.schemes import SCHEMES
 
-__all__ = ["SCHEMES", "CompressSync", "CupcakeSync", "EspressoSync", "Plan", "PlannedSync", "TensorPlan"]
+__all__ = ["SCHEMES", "CompressSync", "CupcakeSync", "EspressoSync", "Choices", "PlannedSync", "TensorChoice"]

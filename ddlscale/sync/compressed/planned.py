@@ -54,7 +54,7 @@ from ddlscale import clock
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
-from ddlscale.plan.choices import Plan, TensorPlan
+from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
     allreduce_efficiency,
     check_plannable,
@@ -297,9 +297,9 @@ class PlannedSync(CompressSync):
     def _start_calibration(self) -> None:
         """Every tensor compressed alone with the configured option, its work timed (self.work)."""
         self.calibrating, self.work, self._calibration_seen, self._calibration_ends = True, [], 0, []
-        self.plan = Plan(default=TensorPlan("default", self.comm_scheme,
+        self.choices = Choices(default=TensorChoice("default", self.comm_scheme,
                                             self.hierarchical and self._hierarchical_possible()))
-        self._check_choice(self.plan.default, "sync.comm")
+        self._check_choice(self.choices.default, "sync.comm")
         self.on_setup()
 
     def _calibration_step(self) -> None:
@@ -465,10 +465,10 @@ class PlannedSync(CompressSync):
 
     def adopt(self, plan: CompressionPlan) -> None:
         """Execute ``plan`` from the next step on (rebuilds the groups)."""
-        executable = plan.to_plan()
+        executable = plan.to_choices()
         for name, choice in executable.tensors.items():
             self._check_choice(choice, f"plan[{name}]")
-        self.computed, self.plan = plan, executable
+        self.computed, self.choices = plan, executable
         self.recorder = StepRecorder()
         self.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
         if hasattr(self, "params"):
@@ -586,10 +586,10 @@ class PlannedSync(CompressSync):
         saved = state.get("planned")
         if saved is not None:  # before the base rebuilds the groups for the restored order
             plan = CompressionPlan.from_dict(saved)
-            executable = plan.to_plan()
+            executable = plan.to_choices()
             for name, choice in executable.tensors.items():
                 self._check_choice(choice, f"plan[{name}]")
-            self.computed, self.plan = plan, executable
+            self.computed, self.choices = plan, executable
 
 
 class EspressoSync(PlannedSync):
@@ -688,6 +688,6 @@ def _distinct(plans: list[CompressionPlan]) -> list[CompressionPlan]:
     """``plans`` without those that execute like an earlier one (same groups, same choices)."""
     out: list[CompressionPlan] = []
     for plan in plans:
-        if all(plan.to_plan() != kept.to_plan() for kept in out):
+        if all(plan.to_choices() != kept.to_choices() for kept in out):
             out.append(plan)
     return out
