@@ -228,7 +228,7 @@ def _calibrated(rank, world, run_dir, warmup=1):
             p.grad = torch.randn(SHAPES[name], generator=g)
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
-    return ops, sync.computed is not None and sync.computed.notes[-1], sync.work
+    return ops, sync.computed is not None and sync.computed.notes[-1], sync.compressed.work
 
 
 def _executed(rank, world, run_dir, steps):
@@ -317,12 +317,12 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
         return GroupWork({"encode": encode_s, "decode": decode_s}, {"encode": [(numel, 1)], "decode": [(numel, 2)]})
 
     # Encode takes twice the fit, decode what the fit says; one small group hit a 100 ms stall.
-    sync.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
+    sync.compressed.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
     prof = sync.calibrate(costs)["default"]
     assert prof.calibration == {"encode": pytest.approx(2.0), "decode": pytest.approx(1.0), "groups": 3, "steps": 3}
     assert prof.encode(2500) == pytest.approx(2 * fit(2500)) and prof.decode(2500) == pytest.approx(fit(2500))
     assert prof.side_encode == prof.encode  # a CPU host: the side device is the same CPU
-    assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
+    assert sync.compressed.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
     with pytest.raises(ValueError, match="sync.calibrate_steps"):
         CupcakeSync(TopK(), calibrate_steps=-1)
     with pytest.raises(ValueError, match="sync.settle_steps must be an integer >= 1, got 0"):

@@ -422,7 +422,7 @@ def _trial_steps(rank, world, steps, state=None):
         layouts.append(None if sync.computed is None else sync.computed.context.get("candidate"))
         if step == 4:
             saved = sync.state_dict()
-    return sync.computed.to_dict(), exact, layouts, sync.trial, saved
+    return sync.computed.to_dict(), exact, layouts, sync.session.trial, saved
 
 
 def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_rank():

@@ -114,6 +114,9 @@ class CompressSync(DenseAllreduce):
         # When a list: every launched group's compressor work, as the planners' profile benchmarks
         # it, measured in training instead (one GroupWork per group and step).
         self.work: list[GroupWork] | None = None
+        # The groups the error feedback and compressor state are laid out in now (each on_setup
+        # re-lays it out from these into the new groups).
+        self.state_layouts: dict[str, GroupLayout] = {}
         for name, choice in [("default", self.choices.default), *self.choices.tensors.items()]:
             self._check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
 
@@ -130,11 +133,11 @@ class CompressSync(DenseAllreduce):
             self.intra = self.inter = None
             if self.world_size > 1 and any(c.hierarchical for c in [self.choices.default, *self.choices.tensors.values()]):
                 self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
-        before = self._layouts() if hasattr(self, "_group_choices") else {}
         super().on_setup()
         self._flights: list[_Flight | None] = [None] * len(self.buckets)
         self._group_choices = [self.choices.for_group([self.names[i] for i in b.members]) for b in self.buckets]
-        regroup(self._group_states(), before, self._layouts(), lambda flat: self.intra.allreduce(flat).wait())
+        before, self.state_layouts = self.state_layouts, self._layouts()
+        regroup(self._group_states(), before, self.state_layouts, lambda flat: self.intra.allreduce(flat).wait())
 
     def _group_states(self) -> list[dict[str, torch.Tensor]]:
         """The per-group state of the memory and the compressors, each owner once."""
@@ -163,6 +166,10 @@ class CompressSync(DenseAllreduce):
         return {self._key(b): GroupLayout(tuple((self.names[i], self.params[i].numel()) for i in bucket.members),
                                           None if self._layout(b) == FLAT else machine, self._layout(b) == LEADER)
                 for b, bucket in enumerate(self.buckets)}
+
+    def per_tensor_layouts(self) -> dict[str, GroupLayout]:
+        """Every tensor a flat group of its own: how state waits while no groups of this sync run."""
+        return {name: GroupLayout(((name, p.numel()),)) for name, p in zip(self.names, self.params, strict=True)}
 
     def _segments(self, b: int) -> list[Segment]:
         """Group ``b``'s members with their matrix rows, in buffer order."""
@@ -304,20 +311,28 @@ class CompressSync(DenseAllreduce):
     # -- checkpointed state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # Residuals and factors are keyed by group and laid out in its buffer: save the layout too.
-        return {**super().state_dict(), "memory": self.memory.state_dict(),
-                "compressors": {k: c.state_dict() for k, c in self.compressors.items()},
-                "groups": [list(b.members) for b in self.buckets]}
+        return {**super().state_dict(), **self.carried_state(), "groups": [list(b.members) for b in self.buckets]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def carried_state(self) -> dict[str, Any]:
+        """The error feedback and compressor state, as a checkpoint keeps it (with the groups)."""
+        return {"memory": self.memory.state_dict(),
+                "compressors": {k: c.state_dict() for k, c in self.compressors.items()}}
+
+    def load_carried(self, state: dict[str, Any]) -> None:
+        """:meth:`carried_state` back, laid out in the groups ``state["groups"]`` lists: they are this
+        sync's groups for the choices in force now; choices adopted later bring their own groups."""
         self.memory.load_state_dict(state["memory"])
         for k, c in self.compressors.items():
             c.load_state_dict(state["compressors"][k])
-        # Valid for the plan in force now; a plan adopted later brings its own groups.
         self._restored_groups = (self.choices, [list(g) for g in state["groups"]])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_carried(state)
         super().load_state_dict(state)
 
-    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
-        # Error feedback and compressor memories: summed over the saved ranks and shared out, total kept.
+    def merge_carried(self, states: list[dict[str, Any]], world_size: int) -> None:
+        """This rank's share of the carried state of a run of ``len(states)`` ranks: error feedback
+        and compressor memories summed over the saved ranks and shared out, total kept."""
         load_summed_share(self.memory, [s["memory"] for s in states], world_size)
         for k, c in self.compressors.items():
             load_summed_share(c, [s["compressors"][k] for s in states], world_size)
@@ -327,6 +342,20 @@ class CompressSync(DenseAllreduce):
                              f"resharded; resume at {len(states)} workers, or save from a run with "
                              "sync.hierarchical=false")
         self._restored_groups = (self.choices, [list(g) for g in states[0]["groups"]])
+
+    def carry_per_tensor(self, states: list[dict[str, Any]], world_size: int) -> None:
+        """:meth:`merge_carried`, then that state laid out per tensor (from the saved groups), to wait
+        there until this sync builds groups: a planned sync resumed at another size profiles first."""
+        self.merge_carried(states, world_size)
+        self._restored_groups = None  # the saved groups are the old plan's
+        saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
+                                                                           for i in group))
+                 for group in states[0]["groups"]}
+        self.state_layouts = self.per_tensor_layouts()
+        regroup(self._group_states(), saved, self.state_layouts)
+
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        self.merge_carried(states, world_size)
         super().load_resharded(states, rank, world_size)
 
 
