@@ -48,31 +48,13 @@ from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.lane import shared_lane
-from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE, rows_bytes
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE
 from ddlscale.sync.sparse.recursive import union_counts
 from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
 
 ROUTES = ("auto", "sparse")
 FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)
-
-
-@dataclass(frozen=True)
-class Sparsity:
-    """What routing reads about one tensor among ``n`` participants: its units, their density d,
-    gamma_n, gamma_{2^i} for i = 0..log2 n where profiled, values per unit and bytes per unit."""
-
-    units: int
-    density: float
-    gamma: float
-    gammas: list[float] | None
-    n: int
-    width: int
-    unit_bytes: int
-
-    @property
-    def pair_bytes(self) -> int:
-        """An (int32 index, row) pair on the wire."""
-        return INDEX_BYTES + self.unit_bytes
 
 
 @dataclass
@@ -87,9 +69,8 @@ class GroupJob:
 
 class SparseSync(DenseAllreduce):
     """Base of agsparse, gloo_sparse, sparse_ps, omnireduce, sparcml and zen: subclasses implement
-    :meth:`sync_sparse` (collectives through :attr:`sparse_comm`) and :meth:`sparse_volume` with
-    :meth:`sparse_messages` (the routing decision), or :meth:`sparse_seconds` for schemes whose time
-    is not bytes over one bandwidth.
+    :meth:`sync_sparse` (collectives through :attr:`sparse_comm`) and :meth:`scheme_cost`, their
+    scheme's cost object (:mod:`.traffic`: what it moves for one tensor), which routing prices.
 
     Args:
         profile_steps: steps of dense sync spent measuring densities before routing tensors.
@@ -324,32 +305,26 @@ class SparseSync(DenseAllreduce):
         lane when overlapping: collectives go through :attr:`sparse_comm`."""
         raise NotImplementedError
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        """Bytes per worker this scheme moves for one tensor (override); compared with dense's."""
+    # -- the cost model ---------------------------------------------------------------------------
+    def scheme_cost(self) -> Any:
+        """This scheme's cost object (override): ``traffic(sparsity, exchanges)``, the bytes and
+        message steps of one tensor (:mod:`.traffic`)."""
         raise NotImplementedError
 
-    def sparse_messages(self, s: Sparsity) -> int:
-        """Message steps per worker in sequence (override): by default a push and a pull, each one
-        exchange with every peer."""
-        per_peer = s.density * s.units / s.n * s.pair_bytes
-        return 2 * self.exchange_steps(s.n, per_peer)
+    @property
+    def exchanges(self) -> Exchanges:
+        """How many message steps an exchange takes on :attr:`sparse_comm` (before set-up: as where
+        sizes go first)."""
+        return Exchanges(self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None)
 
-    def exchange_steps(self, n: int, message_bytes: float) -> int:
-        """Message steps of one :meth:`Communicator.exchange` with n-1 peers: one message each, and a
-        second where a message outgrows the first segment (or where sizes must go first, on NCCL)."""
-        first = self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None
-        longer = first is None or rows_bytes(0, 0) + message_bytes > first
-        return (n - 1) * (2 if longer else 1)
-
-    # -- the cost model ---------------------------------------------------------------------------
-    def wire_seconds(self, nbytes: float, messages: int) -> float:
-        """alpha per message step plus the bytes at the bandwidth: one price list for every method."""
-        return nbytes * 8 / self.network.bandwidth_bps + messages * self.network.latency_s
+    def sparse_traffic(self, index: int) -> Traffic:
+        """What one profiled tensor moves on the sparse path, per worker (override to refine)."""
+        return self.scheme_cost().traffic(self.sparsity(index), self.exchanges)
 
     def sparse_seconds(self, index: int) -> float:
-        """The cost model's time for one profiled tensor on the sparse path (override to refine)."""
-        s = self.sparsity(index)
-        return self.wire_seconds(self.sparse_volume(s), self.sparse_messages(s))
+        """The cost model's time for one profiled tensor on the sparse path: its traffic on
+        :attr:`network`, one price list for every method."""
+        return self.sparse_traffic(index).seconds(self.network)
 
     def dense_seconds(self, index: int) -> float:
         """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`:

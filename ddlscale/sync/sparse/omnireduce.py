@@ -38,15 +38,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync, Sparsity
+from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.rows import units_of
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, partitioned_seconds, push_pull_steps
 
 
 def num_blocks(units: int, rows_per_block: int) -> int:
@@ -69,6 +72,43 @@ def scattered_block_density(density: float, block_rows: int) -> float:
     """Fraction of non-zero blocks when non-zero units fall independently at random: a block is empty
     with probability (1 - d)^B. Clustered non-zeros (embedding rows) fill far fewer blocks."""
     return 1.0 - (1.0 - min(1.0, density)) ** block_rows
+
+
+class OmniReduceCost:
+    """What OmniReduce moves: non-zero blocks of ``block_size`` values, each with its int32 block id,
+    pushed to an even contiguous split of aggregators and pulled back summed (module doc).
+
+    From figures it is priced on the profiled block density and block gamma (``blocks``) where they
+    exist, else from the unit figures as if the non-zero units were scattered at random."""
+
+    def __init__(self, block_size: int = 256):
+        self.block_size = block_size
+
+    def traffic(self, s: Sparsity, exchanges: Exchanges, blocks: tuple[float, float] | None = None) -> Traffic:
+        block_rows = rows_per_block(self.block_size, s.width)
+        if blocks is None:
+            local = scattered_block_density(s.density, block_rows)
+            summed = scattered_block_density(s.gamma * s.density, block_rows)
+            nbytes = omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows,
+                                      s.unit_bytes)
+            return Traffic(nbytes, push_pull_steps(s, exchanges))
+        density, gamma = blocks
+        nbytes = omnireduce_bytes(s.units, density, gamma, s.n, block_rows, s.unit_bytes)
+        per_peer = nbytes / max(1, 2 * (s.n - 1))
+        return Traffic(nbytes, 2 * exchanges.steps(s.n, per_peer))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        """From element index sets: every block that holds one, pushed to its aggregator."""
+        n, block = len(sets), rows_per_block(self.block_size, 1)
+        blocks = num_blocks(numel, block)
+        block_sets = [torch.unique(s // block) for s in sets]
+
+        def by_block(items):
+            return items * n // blocks
+        block_bytes = INDEX_BYTES + block * unit_bytes  # a block id and the values
+        return partitioned_seconds(model, block_sets, by_block, n, block_bytes,
+                                   lambda s, mine: mine.numel() * block_bytes)
 
 
 class BlockLayout:
@@ -130,9 +170,6 @@ class OmniReduceSync(SparseSync):
         super().on_setup()
         self._local_blocks: dict[int, int] = {}
 
-    def block_rows(self, index: int) -> int:
-        return rows_per_block(self.block_size, self.unit_width(index))
-
     # -- the scheme ------------------------------------------------------------------------------
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         comm = self.sparse_comm
@@ -148,13 +185,8 @@ class OmniReduceSync(SparseSync):
         with self.timed("decode"):
             return layout.to_units(torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]), width)
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        """Bytes per worker from unit figures alone, were the non-zero units scattered at random.
-        Routing uses the profiled block figures instead (:meth:`sparse_seconds`)."""
-        block_rows = rows_per_block(self.block_size, s.width)
-        local = scattered_block_density(s.density, block_rows)
-        summed = scattered_block_density(s.gamma * s.density, block_rows)
-        return omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows, s.unit_bytes)
+    def scheme_cost(self) -> OmniReduceCost:
+        return OmniReduceCost(self.block_size)
 
     # -- profiling and routing by block density -----------------------------------------------------
     def _row_blocks(self, index: int) -> int:
@@ -190,14 +222,13 @@ class OmniReduceSync(SparseSync):
         self._local_blocks.clear()
         super()._profile()
 
-    def sparse_seconds(self, index: int) -> float:
-        if index not in self.block_density or self.unit_width(index) != self.row_width(index):
-            return super().sparse_seconds(index)  # no block profile in these units: unit figures
-        s = self.sparsity(index)
-        nbytes = omnireduce_bytes(s.units, self.block_density[index], self.block_gamma[index], s.n,
-                                  self.block_rows(index), s.unit_bytes)
-        per_peer = nbytes / max(1, 2 * (s.n - 1))
-        return self.wire_seconds(nbytes, 2 * self.exchange_steps(s.n, per_peer))
+    def sparse_traffic(self, index: int):
+        """Priced on the profiled block figures, where they are in the units routed (else the unit
+        figures, as if scattered)."""
+        blocks = None
+        if index in self.block_density and self.unit_width(index) == self.row_width(index):
+            blocks = (self.block_density[index], self.block_gamma[index])
+        return self.scheme_cost().traffic(self.sparsity(index), self.exchanges, blocks)
 
     def routing(self) -> dict[str, dict[str, Any]]:
         table = super().routing()
