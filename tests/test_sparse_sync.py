@@ -344,7 +344,7 @@ def _bf16_routing(rank, world):
     sync.finish_step()
     zen = ZenSync(profile_steps=1)
     zen.setup([("bf16", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)))])
-    zen.density[0], zen.gamma[0] = 0.01, 2.0
+    zen.routes[0].density, zen.routes[0].gamma = 0.01, 2.0
     return ({name: route["path"] for name, route in sync.routing().items()}, zen.plan_times(0), zen.network,
             zen.exchanges.steps(world, 0))
 

@@ -162,8 +162,6 @@ class OmniReduceSync(SparseSync):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"sync.block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
-        self.block_density: dict[int, float] = {}  # mean per-worker fraction of non-zero blocks
-        self.block_gamma: dict[int, float] = {}  # non-zero blocks of the sum / per worker
 
     def on_setup(self) -> None:
         self.partitioner = ContiguousPartitioner(self.world_size)  # over block ids, not elements
@@ -217,30 +215,31 @@ class OmniReduceSync(SparseSync):
             blocks = num_blocks(self.params[i].numel() // self.row_width(i), self._row_blocks(i))
             p = float(local[i]) / blocks if blocks else 0.0
             gamma = summed[i] / float(local[i]) if local[i] > 0 else 1.0
-            self.block_density[i] = p if fresh else weight * self.block_density[i] + (1 - weight) * p
-            self.block_gamma[i] = gamma if fresh else weight * self.block_gamma[i] + (1 - weight) * gamma
+            route = self.routes[i]
+            route.block_density = p if fresh else weight * route.block_density + (1 - weight) * p
+            route.block_gamma = gamma if fresh else weight * route.block_gamma + (1 - weight) * gamma
         self._local_blocks.clear()
         super()._profile()
 
     def sparse_traffic(self, index: int):
         """Priced on the profiled block figures, where they are in the units routed (else the unit
         figures, as if scattered)."""
-        blocks = None
-        if index in self.block_density and self.unit_width(index) == self.row_width(index):
-            blocks = (self.block_density[index], self.block_gamma[index])
+        route, blocks = self.routes[index], None
+        if route.block_density is not None and self.unit_width(index) == self.row_width(index):
+            blocks = (route.block_density, route.block_gamma)
         return self.scheme_cost().traffic(self.sparsity(index), self.exchanges, blocks)
 
     def routing(self) -> dict[str, dict[str, Any]]:
         table = super().routing()
-        for i, name in enumerate(self.names):
-            table[name].update(block_density=self.block_density.get(i), block_gamma=self.block_gamma.get(i))
+        for name, route in zip(self.names, self.routes, strict=True):
+            table[name].update(block_density=route.block_density, block_gamma=route.block_gamma)
         return table
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "block_density": dict(self.block_density),
-                "block_gamma": dict(self.block_gamma)}
+        return {**super().state_dict(), **self._figures(("block_density", "block_gamma"))}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.block_density = {int(k): v for k, v in state.get("block_density", {}).items()}
-        self.block_gamma = {int(k): v for k, v in state.get("block_gamma", {}).items()}
-        super().load_state_dict(state)
+    def load_routes(self, state: dict[str, Any]) -> None:
+        super().load_routes(state)
+        for name in ("block_density", "block_gamma"):
+            for i, value in state.get(name, {}).items():
+                setattr(self.routes[int(i)], name, value)

@@ -168,7 +168,6 @@ class ZenSync(SparseSync):
             raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
         self.scheme, self.pull, self.seed = scheme, pull, seed
         self.hierarchical, self.local_size = bool(hierarchical), local_size
-        self.plans: dict[int, str] = {}  # sparse tensor -> hc, bp-coo or bp-bitmap
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
 
     def on_setup(self) -> None:
@@ -213,12 +212,18 @@ class ZenSync(SparseSync):
     def plan(self, index: int) -> str:
         """This tensor's scheme: the fastest of :meth:`plan_times` (kept until the next profile).
         A tensor forced sparse before its first profile pulls COO, or as ``scheme``/``pull`` say."""
-        if index not in self.density:
+        route = self.routes[index]
+        if route.density is None:
             return "hc" if self.scheme == "hc" else "bp-bitmap" if self.pull == "bitmap" else "bp-coo"
-        if index not in self.plans:
+        if route.plan is None:
             times = self.plan_times(index)
-            self.plans[index] = min(times, key=times.get)
-        return self.plans[index]
+            route.plan = min(times, key=times.get)
+        return route.plan
+
+    def forget_plans(self) -> None:
+        """Choose every tensor's scheme again, from the profile, when next asked."""
+        for route in self.routes:
+            route.plan = None
 
     def sparse_traffic(self, index: int) -> Traffic:
         """The traffic of the fastest of :meth:`plan_times`."""
@@ -233,7 +238,7 @@ class ZenSync(SparseSync):
                                  self.params[index].element_size(), s.n)
 
     def _route(self) -> None:
-        self.plans.clear()  # a new profile: choose again
+        self.forget_plans()  # a new profile: choose again
         # New routes fuse new groups: drop the owned sets of the old groups' sizes.
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
@@ -303,10 +308,14 @@ class ZenSync(SparseSync):
     def state_dict(self):
         # The plans too: mid re-profile they come from the last complete profile, not the partial one saved.
         return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_byte": self.merge_s_per_byte,
-                "plans": dict(self.plans)}
+                "plans": self._figures(("plan",))["plan"]}
+
+    def load_routes(self, state) -> None:
+        super().load_routes(state)
+        # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
+        for i, plan in state.get("plans", {}).items():
+            self.routes[int(i)].plan = plan
 
     def load_state_dict(self, state) -> None:
-        # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
-        self.plans = {int(k): v for k, v in state.get("plans", {}).items()}
         self.merge_s_per_byte = float(state.get("merge_s_per_byte", 0.0))
         super().load_state_dict(state)
