@@ -118,9 +118,9 @@ class CompressSync(DenseAllreduce):
         # re-lays it out from these into the new groups).
         self.state_layouts: dict[str, GroupLayout] = {}
         for name, choice in [("default", self.choices.default), *self.choices.tensors.items()]:
-            self._check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
+            self.check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
 
-    def _check_choice(self, choice: TensorChoice, key: str) -> None:
+    def check_choice(self, choice: TensorChoice, key: str) -> None:
         if choice.compressor not in self.compressors:
             raise ValueError(f"{key}: unknown compressor {choice.compressor!r} ({', '.join(self.compressors)})")
         if choice.scheme not in SCHEMES:

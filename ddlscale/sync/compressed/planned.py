@@ -288,7 +288,7 @@ class PlannedSync(GradSync):
         compressed.work = []
         compressed.choices = Choices(default=TensorChoice("default", self.comm_scheme,
                                                           self.hierarchical and self._hierarchical_possible()))
-        compressed._check_choice(compressed.choices.default, "sync.comm")
+        compressed.check_choice(compressed.choices.default, "sync.comm")
         self.on_setup()
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
@@ -448,7 +448,7 @@ class PlannedSync(GradSync):
         """``plan`` made CompressSync's choices (checked against its compressors and schemes)."""
         choices = plan.to_choices()
         for name, choice in choices.tensors.items():
-            self.compressed._check_choice(choice, f"plan[{name}]")
+            self.compressed.check_choice(choice, f"plan[{name}]")
         self.computed, self.compressed.choices = plan, choices
 
     def _measure_latency(self) -> None:
