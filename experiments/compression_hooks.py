@@ -52,7 +52,7 @@ def _train(rank: int, world: int, workload: str, variant: str, steps: int, power
 
     from ddlscale.compress.cast import FP16
     from ddlscale.compress.powersgd import PowerSGD
-    from ddlscale.sync.compress import CompressSync
+    from ddlscale.sync.compressed import CompressSync
     from ddlscale.tools.sparsity import compose_model, worker_loaders
 
     model = compose_model(workload, 0)

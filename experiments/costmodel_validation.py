@@ -32,7 +32,8 @@ import sys
 
 from ddlscale.cluster import dilation
 from ddlscale.cluster.emulated import ALPHA, TCP_PAYLOAD_FRACTION, EmulatedCluster
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth
+from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
+from ddlscale.units import parse_bandwidth
 
 COLLECTIVES = ("allreduce", "allgather", "all_to_all")
 PORT = 29511
@@ -66,8 +67,8 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: s
 
     from ddlscale import clock
     from ddlscale.comm import Communicator
-    from ddlscale.comm.cost import parse_bandwidth
     from ddlscale.comm.probe import probe_latency
+    from ddlscale.units import parse_bandwidth
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://10.213.0.1:{PORT}", rank=rank, world_size=world)

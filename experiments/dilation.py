@@ -32,7 +32,7 @@ from typing import Any
 
 from ddlscale import clock
 from ddlscale.cluster import dilation
-from ddlscale.comm.cost import parse_bandwidth
+from ddlscale.units import parse_bandwidth
 from experiments.harness import Results, alternating, spread, train
 
 SYNCS = {

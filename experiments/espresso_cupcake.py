@@ -39,7 +39,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddlscale.comm.cost import parse_time
+from ddlscale.units import parse_time
 from experiments.harness import Results, alternating, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
@@ -109,7 +109,7 @@ def probe_rate(nodes: int, bandwidth: str) -> list[float]:
 def planner_network(bandwidth: str) -> tuple[str, str]:
     """(sync.network_bandwidth, sync.network_latency): the NIC's TCP payload rate; latency measured by the planner."""
     from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
-    from ddlscale.comm.cost import parse_bandwidth
+    from ddlscale.units import parse_bandwidth
 
     return str(int(parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)), "measured"
 
@@ -173,8 +173,8 @@ def _after_drift(planned: list[dict[str, Any]], dense_ms: list[float]) -> float:
 def modeled(profile_path: Path, comm: str, workers: int | None = None) -> dict[str, float]:
     """Predicted iteration time of each method from a saved profile (optionally at another size)."""
     from ddlscale.cluster.emulated import ALPHA
-    from ddlscale.plan.cost import units_of
     from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, dense_plan, espresso_plan
+    from ddlscale.plan.pricing import units_of
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import uniform_time
 
@@ -200,7 +200,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
     """The kept plan's groups as they ran beside the model's prices for the same groups, each summed
     over the groups (empty without ``plan_work.json``: runs kept before it was written).
 
-    ``work_*``: rank 0's medians over the last steps (:data:`ddlscale.sync.planned.WORK_FILE`):
+    ``work_*``: rank 0's medians over the last steps (:data:`ddlscale.sync.compressed.planned.WORK_FILE`):
     compressor encode (error feedback included), decode, and finish (the training thread's time
     completing a group after backward: waiting for its collectives, plus the decode where the scheme
     decodes there). ``model_*``: encode without the per-group overhead the model is fitted with (a
@@ -209,7 +209,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
     from ddlscale.plan.planner import cost_model
     from ddlscale.plan.profile import Profile
     from ddlscale.plan.result import CompressionPlan
-    from ddlscale.sync.planned import PLAN_FILE, PROFILE_FILE, WORK_FILE
+    from ddlscale.sync.compressed.planned import PLAN_FILE, PROFILE_FILE, WORK_FILE
 
     if not (run_dir / WORK_FILE).exists():
         return {}
@@ -232,7 +232,7 @@ def work_against_model(run_dir: Path) -> dict[str, float]:
 def work_table(runs: dict[tuple, list[dict[str, Any]]], cases: list[tuple[str, str, str]]) -> list[str]:
     """Markdown lines: per case and planned method, the groups' measured work against the model's
     (none when no run wrote ``plan_work.json``)."""
-    from ddlscale.sync.planned import WORK_STEPS
+    from ddlscale.sync.compressed.planned import WORK_STEPS
 
     lines = []
     for case, method in itertools.product(cases, PLANNED):

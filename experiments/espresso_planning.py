@@ -25,11 +25,11 @@ import statistics
 import time
 
 from ddlscale.compress import NoCompression, ResidualMemory, TopK
-from ddlscale.plan.cost import Option, units_of
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso, search
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import configured_option, cost_model
+from ddlscale.plan.pricing import Option, units_of
 from ddlscale.plan.profile import CompressorProfile, Profile, TensorProfile, profile_compressor
 from ddlscale.plan.synthetic import random_profile
 from experiments.harness import RESULTS, Results, alternating, spread

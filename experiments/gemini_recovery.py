@@ -51,9 +51,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from ddlscale.ckpt.base import PROGRESS_FILE
-from ddlscale.comm.cost import parse_bandwidth
 from ddlscale.testing.drill import GeminiDrill
 from ddlscale.trainer.loggers import metrics_rows
+from ddlscale.units import parse_bandwidth
 from experiments.harness import Results, alternating
 
 STRATEGIES = ("none", "gemini", "highfreq", "strawman")

@@ -57,7 +57,7 @@ def _dense_on_cuda(rank: int, world: int) -> dict:
 def _compress_on(rank: int, world: int, device: str = "cuda") -> dict:
     from ddlscale.compress.none import NoCompression
     from ddlscale.compress.topk import TopK
-    from ddlscale.sync.compress import CompressSync
+    from ddlscale.sync.compressed import CompressSync
 
     out = {}
     for compressor, schemes in ((NoCompression(), ("allreduce", "allgather", "alltoall", "gather")),

@@ -78,8 +78,8 @@ def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> Non
     from hydra.utils import instantiate
 
     from ddlscale import clock
-    from ddlscale.comm.cost import parse_bandwidth
     from ddlscale.comm.probe import probe_latency
+    from ddlscale.units import parse_bandwidth
     from ddlscale.workloads.zipf import zipf_probabilities
 
     torch.set_num_threads(1)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(args.worker, args.world, json.loads(args.cells), args.reps)
         return
     from ddlscale.cluster import dilation
-    from ddlscale.comm.cost import parse_bandwidth
+    from ddlscale.units import parse_bandwidth
 
     setting = dilation.parse(args.dilation, "--dilation")
     methods = args.methods.split(",")
@@ -263,7 +263,7 @@ def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespac
     import matplotlib.pyplot as plt
 
     from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
-    from ddlscale.comm.cost import parse_bandwidth
+    from ddlscale.units import parse_bandwidth
 
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:

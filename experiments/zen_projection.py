@@ -15,81 +15,35 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from ddlscale.comm.cost import NetworkModel
-from ddlscale.sync.sparse.hashing import HashPartitioner
+from ddlscale.comm.network import NetworkModel
+from ddlscale.sync.sparse.agsparse import AGSparseCost
+from ddlscale.sync.sparse.gloo_sparse import GlooSparseCost
+from ddlscale.sync.sparse.omnireduce import OmniReduceCost
+from ddlscale.sync.sparse.sparcml import SparCMLCost
+from ddlscale.sync.sparse.sparse_ps import SparsePSCost
+from ddlscale.sync.sparse.zen import ZenCost
 from ddlscale.tools.sparsity import SPARSE_DENSITY, compose_model, gradient_index_sets, worker_loaders
 from experiments.harness import Results
 
-SCHEMES = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
-PAIR, VALUE, BLOCK = 8, 4, 256  # bytes of an (int32 index, fp32 value) pair, of a value; values per block
+VALUE, BLOCK = 4, 256  # bytes of an fp32 value (the index sets are of elements); values per block
+# Each scheme's own cost object prices the index sets (the same wire formats routing prices).
+COSTS = {"agsparse": AGSparseCost(), "gloo_sparse": GlooSparseCost(), "sparse_ps": SparsePSCost(),
+         "omnireduce": OmniReduceCost(BLOCK), "sparcml": SparCMLCost(), "zen": ZenCost()}
+SCHEMES = ("dense", *COSTS)
 PAPER_ORDER = "zen < sparcml < omnireduce < dense (LSTM, 16 x 8 V100 at 25 Gbps: 1.67x, 2.48x, 3.1x)"
-
-
-# -- push/pull through a partition -----------------------------------------------------------------
-def partitioned_seconds(model: NetworkModel, sets: Sequence[torch.Tensor], owner: Callable, n: int,
-                        item_bytes: float, pull_bytes: Callable[[int, torch.Tensor], float]) -> float:
-    """All-to-all push of each worker's items to their owners, then a direct allgather of the sums.
-
-    ``owner`` maps items to servers; ``pull_bytes(server, its union)`` is what that server sends.
-    """
-    push = [(torch.bincount(owner(items), minlength=n).double() * item_bytes).tolist() for items in sets]
-    union = torch.unique(torch.cat(list(sets)))
-    servers = owner(union)
-    pieces = [pull_bytes(s, union[servers == s]) for s in range(n)]
-    return model.all_to_all(push) + model.allgather(pieces, n, algorithm="direct")
-
-
-def doubling_seconds(model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
-                     dense_threshold: float | None) -> float:
-    """Recursive doubling with merging: stage s sends each aligned group-of-2^s union (busiest decides)."""
-    n = len(sets)
-    seconds, groups = 0.0, list(sets)
-    while len(groups) > 1:
-        sizes = [g.numel() for g in groups]
-        nbytes = [numel * VALUE if dense_threshold is not None and s > dense_threshold * numel else s * PAIR
-                  for s in sizes]
-        seconds += model.send(max(nbytes))
-        groups = [torch.unique(torch.cat(groups[i:i + 2])) for i in range(0, len(groups), 2)]
-    return seconds if n > 1 else 0.0
 
 
 def scheme_seconds(scheme: str, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int) -> float:
     """Communication seconds of one sparse tensor under ``scheme`` on ``len(sets)`` machines."""
-    n = len(sets)
     if scheme == "dense":
-        return model.allreduce(numel * VALUE, n)
-    if scheme == "agsparse":
-        return model.allgather([s.numel() * PAIR for s in sets], n, algorithm="direct")
-    if scheme == "gloo_sparse":  # int64 indices, ring allgatherv
-        return model.allgather([s.numel() * (8 + VALUE) for s in sets], n)
-    if scheme == "sparse_ps":
-        def contiguous(items):
-            return items * n // numel
-        return partitioned_seconds(model, sets, contiguous, n, PAIR, lambda s, mine: mine.numel() * PAIR)
-    if scheme == "omnireduce":
-        blocks = -(-numel // BLOCK)
-        block_sets = [torch.unique(s // BLOCK) for s in sets]
-
-        def by_block(items):
-            return items * n // blocks
-        block_bytes = BLOCK * VALUE + 4  # the values and a block id
-        return partitioned_seconds(model, block_sets, by_block, n, block_bytes,
-                                   lambda s, mine: mine.numel() * block_bytes)
-    if scheme == "sparcml":
-        return doubling_seconds(model, sets, numel, dense_threshold=VALUE / PAIR)
-    if scheme == "zen":
-        hashing = HashPartitioner(n)
-        owned = torch.bincount(hashing.server_of(torch.arange(numel)), minlength=n).tolist()
-
-        def pull(s: int, mine: torch.Tensor) -> float:  # COO or hash bitmap, whichever is smaller
-            return min(mine.numel() * PAIR, owned[s] / 8 + mine.numel() * VALUE)
-        bp = partitioned_seconds(model, sets, hashing.server_of, n, PAIR, pull)
-        return min(bp, doubling_seconds(model, sets, numel, dense_threshold=None))
-    raise ValueError(f"unknown scheme {scheme!r}")
+        return model.allreduce(numel * VALUE, len(sets))
+    if scheme not in COSTS:
+        raise ValueError(f"unknown scheme {scheme!r}")
+    return COSTS[scheme].projected_seconds(model, sets, numel, VALUE)
 
 
 def collect(name: str, workers: int, overrides: Sequence[str]) -> tuple[dict[str, list[torch.Tensor]], dict[str, int]]:

@@ -13,8 +13,8 @@ from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
 from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.compress.topk import TopK
-from ddlscale.sync.compress import CompressSync, Plan, TensorPlan
-from ddlscale.sync.compress.regroup import _unchunk
+from ddlscale.sync.compressed import Choices, CompressSync, TensorChoice
+from ddlscale.sync.compressed.regroup import _unchunk
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8)}
 
@@ -76,8 +76,8 @@ def test_hierarchical_and_bucketed_identity_equal_dense(comm):
 
 def _dense_path(rank, world):
     params = _params()
-    plan = Plan(default=TensorPlan("none", "allreduce"), tensors={"b": TensorPlan("default", "allgather")})
-    sync = CompressSync(TopK(ratio=0.5), plan=plan, memory="residual")
+    plan = Choices(default=TensorChoice("none", "allreduce"), tensors={"b": TensorChoice("default", "allgather")})
+    sync = CompressSync(TopK(ratio=0.5), choices=plan, memory="residual")
     sync.setup(params)
     grads = _grads(rank)
     got, stats = _sync_once(sync, params, grads)
@@ -179,10 +179,10 @@ def test_powersgd_allreduce_path_is_exact_on_low_rank():
 
 def _plan(rank, world):
     params = _params()
-    plan = Plan(default=TensorPlan("none", "allreduce"),
-                tensors={"a": TensorPlan("default", "allgather"), "c": TensorPlan("default", "allgather")},
+    plan = Choices(default=TensorChoice("none", "allreduce"),
+                tensors={"a": TensorChoice("default", "allgather"), "c": TensorChoice("default", "allgather")},
                 groups=[["a", "c"], ["b"]])
-    sync = CompressSync(TopK(ratio=1.0), plan=plan, memory="none")
+    sync = CompressSync(TopK(ratio=1.0), choices=plan, memory="none")
     sync.setup(params)
     grads = _grads(rank)
     got, stats = _sync_once(sync, params, grads)
@@ -203,8 +203,8 @@ def test_plan_fuses_groups_and_picks_per_tensor_choices():
 
 def _fused_per_member(rank, world, comm, compressor, memory):
     params = _params()
-    plan = Plan(default=TensorPlan("default", comm), groups=[["a", "b", "c"]])
-    fused = CompressSync(compressor(), plan=plan, memory=memory)
+    plan = Choices(default=TensorChoice("default", comm), groups=[["a", "b", "c"]])
+    fused = CompressSync(compressor(), choices=plan, memory=memory)
     alone = CompressSync(compressor(), comm=comm, memory=memory)
     alone_params = _params()
     fused.setup(params)
@@ -264,7 +264,7 @@ def test_bad_input_names_the_key():
     with pytest.raises(ValueError, match="sync.fusion"):
         CompressSync(fusion="layers")
     with pytest.raises(ValueError, match="plan"):
-        CompressSync(TopK(ratio=0.1), plan=Plan(tensors={"a": TensorPlan("default", "allreduce")}))
+        CompressSync(TopK(ratio=0.1), choices=Choices(tensors={"a": TensorChoice("default", "allreduce")}))
     with pytest.raises(ValueError, match="sync.comm: scheme alltoall cuts each group into flat partitions"):
         CompressSync(PowerSGD(), comm="alltoall")
 
@@ -295,18 +295,18 @@ def _regrouped(rank, world, compressor, memory):
     """Three plans in turn, each regrouping the tensors: hierarchical c; a+b fused and hierarchical,
     c flat; every tensor alone and flat, b sent uncompressed."""
     params = _params()
-    plans = [Plan(default=TensorPlan("default", "allgather"), tensors={"c": TensorPlan("default", "allgather", True)}),
-             Plan(default=TensorPlan("default", "allgather"), tensors={"a": TensorPlan("default", "allgather", True),
-                                                                         "b": TensorPlan("default", "allgather", True)},
+    plans = [Choices(default=TensorChoice("default", "allgather"), tensors={"c": TensorChoice("default", "allgather", True)}),
+             Choices(default=TensorChoice("default", "allgather"), tensors={"a": TensorChoice("default", "allgather", True),
+                                                                         "b": TensorChoice("default", "allgather", True)},
                   groups=[["a", "b"], ["c"]]),
-             Plan(default=TensorPlan("default", "allgather"), tensors={"b": TensorPlan("none", "allreduce")})]
-    sync = CompressSync(compressor, memory=memory, local_size=2, plan=plans[0])
+             Choices(default=TensorChoice("default", "allgather"), tensors={"b": TensorChoice("none", "allreduce")})]
+    sync = CompressSync(compressor, memory=memory, local_size=2, choices=plans[0])
     sync.setup(params)
     total_sync = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
     total_grad = {name: torch.zeros(shape) for name, shape in SHAPES.items()}
     for step in range(9):
         if step in (3, 6):
-            sync.plan = plans[step // 3]
+            sync.choices = plans[step // 3]
             sync.on_setup()
         grads = _grads(rank, step)
         got, _ = _sync_once(sync, params, grads)
@@ -485,8 +485,8 @@ def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
     """A scheme is a Scheme subclass (executed) and a PRICES entry (planned) of the same name; the
     planners offer a compressor under a scheme exactly where the scheme would carry it."""
     from ddlscale.compress import COMPRESSORS
-    from ddlscale.plan.cost import PRICES
-    from ddlscale.sync.compress.schemes import SCHEMES, scheme
+    from ddlscale.plan.pricing import PRICES
+    from ddlscale.sync.compressed.schemes import SCHEMES, scheme
 
     assert list(SCHEMES) == list(PRICES)
     for name in COMPRESSORS:

@@ -6,17 +6,11 @@ import numpy as np
 import pytest
 
 from ddlscale.comm import volume
-from ddlscale.comm.cost import (
-    PROJECTION_WORKERS,
-    NetworkModel,
-    SharedHost,
-    parse_bandwidth,
-    parse_time,
-    project,
-    zen_balanced_parallelism_time,
-    zen_hierarchical_centralization_time,
-)
+from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel, SharedHost, project
 from ddlscale.comm.timeline import Swaps, TensorTask, iteration_time, simulate
+from ddlscale.sync.sparse.traffic import ONE_SEGMENT, Sparsity
+from ddlscale.sync.sparse.zen import ZenCost
+from ddlscale.units import parse_bandwidth, parse_time
 
 GBIT = 1e9
 ALPHA = 50e-6
@@ -259,25 +253,38 @@ def test_project_over_cluster_sizes():
     assert a2a[0][1] == pytest.approx(model.all_to_all(100, 16))
 
 
-# -- Zen's schemes ---------------------------------------------------------------------------------
+# -- Zen's schemes: ZenCost, the one cost routing uses -------------------------------------------------
+def t_bp(M, d, gamma_n, n, model, value_bytes=4):
+    """T_bp = (n-1)/n * (gamma_n + 1) * 2 M d words / b + 2(n-1) alpha: ZenCost's COO pull on elements
+    (width 1), every message in one segment (one message per peer and exchange)."""
+    s = Sparsity(M, d, gamma_n, None, n, 1, value_bytes)
+    return ZenCost(scheme="bp", pull="coo").traffics(s, ONE_SEGMENT)["bp-coo"].seconds(model)
+
+
+def t_hc(M, d, gammas, n, model, value_bytes=4):
+    """T_hc = sum_{i=1..log2 n} gamma_{2^(i-1)} * 2 M d words / b + log2(n) alpha: ZenCost's HC, merges free."""
+    s = Sparsity(M, d, gammas[-1], list(gammas), n, 1, value_bytes)
+    return ZenCost(scheme="hc").traffics(s, ONE_SEGMENT)["hc"].seconds(model)
+
+
 def test_zen_formulas_by_hand():
     model = gigabit()
     M, d = 1_000_000, 0.01  # 2 M d = 20,000 words per worker
     # BP, n = 4, gamma_4 = 3: 3/4 * 4 * 20,000 words = 60,000 words = 240,000 bytes.
-    bp = zen_balanced_parallelism_time(M, d, 3.0, 4, model)
+    bp = t_bp(M, d, 3.0, 4, model)
     assert bp == pytest.approx(6 * ALPHA + 240_000 * 8 / GBIT)
     # bf16 values: 30,000 non-zeros of (4-byte index + 2-byte value) = 180,000 bytes.
-    assert zen_balanced_parallelism_time(M, d, 3.0, 4, model, value_bytes=2) == pytest.approx(
+    assert t_bp(M, d, 3.0, 4, model, value_bytes=2) == pytest.approx(
         6 * ALPHA + 180_000 * 8 / GBIT)
     # HC, n = 4: (gamma_1 + gamma_2) * 20,000 words = 2.8 * 20,000 = 56,000 words.
-    hc = zen_hierarchical_centralization_time(M, d, [1.0, 1.8], 4, model)
+    hc = t_hc(M, d, [1.0, 1.8], 4, model)
     assert hc == pytest.approx(2 * ALPHA + 224_000 * 8 / GBIT)
     # bf16 values: 28,000 non-zeros of (4-byte index + 2-byte value) = 168,000 bytes.
-    assert zen_hierarchical_centralization_time(M, d, [1.0, 1.8], 4, model, value_bytes=2) == pytest.approx(
+    assert t_hc(M, d, [1.0, 1.8], 4, model, value_bytes=2) == pytest.approx(
         2 * ALPHA + 168_000 * 8 / GBIT)
     # A trailing gamma_n is accepted and ignored.
-    assert zen_hierarchical_centralization_time(M, d, [1.0, 1.8, 3.0], 4, model) == pytest.approx(hc)
-    assert zen_balanced_parallelism_time(M, d, 1.0, 1, model) == 0.0
+    assert t_hc(M, d, [1.0, 1.8, 3.0], 4, model) == pytest.approx(hc)
+    assert t_bp(M, d, 1.0, 1, model) == 0.0
 
 
 def test_zen_scheme_ordering():
@@ -285,24 +292,24 @@ def test_zen_scheme_ordering():
     M, d = 10_000_000, 0.01
     # Full overlap (gamma_k = 1): BP's 2 (n-1)/n beats HC's log2 n.
     n = 16
-    assert zen_balanced_parallelism_time(M, d, 1.0, n, model) < zen_hierarchical_centralization_time(
+    assert t_bp(M, d, 1.0, n, model) < t_hc(
         M, d, [1.0] * 4, n, model)
     # No overlap (gamma_k = k) on few workers: HC's n-1 beats BP's (n^2-1)/n.
     n = 4
-    assert zen_hierarchical_centralization_time(M, d, [1.0, 2.0], n, model) < zen_balanced_parallelism_time(
+    assert t_hc(M, d, [1.0, 2.0], n, model) < t_bp(
         M, d, 4.0, n, model)
 
 
 def test_zen_rejects_bad_gammas():
     model = gigabit()
     with pytest.raises(ValueError, match="gamma_4"):
-        zen_balanced_parallelism_time(100, 0.1, 5.0, 4, model)
+        t_bp(100, 0.1, 5.0, 4, model)
     with pytest.raises(ValueError, match="gammas"):
-        zen_hierarchical_centralization_time(100, 0.1, [1.0], 8, model)
+        t_hc(100, 0.1, [1.0], 8, model)
     with pytest.raises(ValueError, match="power-of-two"):
-        zen_hierarchical_centralization_time(100, 0.1, [1.0, 2.0], 6, model)
+        t_hc(100, 0.1, [1.0, 2.0], 6, model)
     with pytest.raises(ValueError, match="gamma_2"):
-        zen_hierarchical_centralization_time(100, 0.1, [1.0, 2.5], 4, model)
+        t_hc(100, 0.1, [1.0, 2.5], 4, model)
 
 
 # -- timeline ------------------------------------------------------------------------------------
@@ -446,8 +453,8 @@ def test_zen_is_offered_to_sparsifiers_alone_and_priced_by_the_union():
     the union's bytes: at top-k 1% on 8 ranks it moves less than allgather's n selections, and with
     fewer ranks' selections to merge (2 ranks) the advantage shrinks."""
     from ddlscale.compress import FP16, NoCompression, TopK
-    from ddlscale.plan.cost import Option
     from ddlscale.plan.planner import cost_model
+    from ddlscale.plan.pricing import Option
     from ddlscale.plan.synthetic import random_profile
 
     profile = random_profile(random.Random(3), 4, world_size=8)

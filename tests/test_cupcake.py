@@ -15,7 +15,6 @@ import torch.distributed as dist
 from ddlscale.cluster import run_workers
 from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
 from ddlscale.compress import TopK
-from ddlscale.plan.cost import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.cupcake import optimal_partition, plan_fusion
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import (
@@ -25,12 +24,13 @@ from ddlscale.plan.planner import (
     dense_plan,
     group_overhead,
 )
+from ddlscale.plan.pricing import DENSE, Option, Unit, fuse, units_of
 from ddlscale.plan.profile import CompressorProfile, Profile
 from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile
-from ddlscale.sync.compress.schemes import GroupWork
-from ddlscale.sync.cupcake import CupcakeSync
-from ddlscale.sync.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
+from ddlscale.sync.compressed import CupcakeSync
+from ddlscale.sync.compressed.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
+from ddlscale.sync.compressed.schemes import GroupWork
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,7 +228,7 @@ def _calibrated(rank, world, run_dir, warmup=1):
             p.grad = torch.randn(SHAPES[name], generator=g)
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
-    return ops, sync.computed is not None and sync.computed.notes[-1], sync.work
+    return ops, sync.computed is not None and sync.computed.notes[-1], sync.compressed.work
 
 
 def _executed(rank, world, run_dir, steps):
@@ -317,12 +317,12 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
         return GroupWork({"encode": encode_s, "decode": decode_s}, {"encode": [(numel, 1)], "decode": [(numel, 2)]})
 
     # Encode takes twice the fit, decode what the fit says; one small group hit a 100 ms stall.
-    sync.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
+    sync.compressed.work = [group(1000, 2e-3, 2e-3), group(4000, 8e-3, 8e-3), group(1000, 0.1, 2e-3)]
     prof = sync.calibrate(costs)["default"]
     assert prof.calibration == {"encode": pytest.approx(2.0), "decode": pytest.approx(1.0), "groups": 3, "steps": 3}
     assert prof.encode(2500) == pytest.approx(2 * fit(2500)) and prof.decode(2500) == pytest.approx(fit(2500))
     assert prof.side_encode == prof.encode  # a CPU host: the side device is the same CPU
-    assert sync.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
+    assert sync.compressed.work is None and sync.calibrate(costs) is costs  # used once; nothing measured: unchanged
     with pytest.raises(ValueError, match="sync.calibrate_steps"):
         CupcakeSync(TopK(), calibrate_steps=-1)
     with pytest.raises(ValueError, match="sync.settle_steps must be an integer >= 1, got 0"):

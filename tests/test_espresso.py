@@ -19,16 +19,16 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.comm.cost import NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
 from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
 from ddlscale.compress.memory import Memory, ResidualMemory
 from ddlscale.plan import profile as profile_module
-from ddlscale.plan.cost import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.cupcake import Prefix
 from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
+from ddlscale.plan.pricing import DENSE, CostModel, Option, fuse, units_of
 from ddlscale.plan.profile import (
     MEMBER_COSTS,
     CompressorProfile,
@@ -41,8 +41,9 @@ from ddlscale.plan.profile import (
 )
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.plan.synthetic import random_profile
-from ddlscale.sync.espresso import EspressoSync
+from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import plan as plan_tool
+from ddlscale.units import parse_bandwidth, parse_time
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -319,7 +320,7 @@ def test_plan_round_trips_and_becomes_a_compress_plan():
     plan = espresso_plan(profile, cost_model(profile), cupcake_option=Option("default", "allgather"))
     again = CompressionPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again.to_dict() == plan.to_dict()
-    executable = plan.to_plan()
+    executable = plan.to_choices()
     assert set(executable.tensors) == {t.name for t in profile.tensors}
     text = plan.describe()
     assert "predicted iteration" in text and "saved (ms)" in text
@@ -421,7 +422,7 @@ def _trial_steps(rank, world, steps, state=None):
         layouts.append(None if sync.computed is None else sync.computed.context.get("candidate"))
         if step == 4:
             saved = sync.state_dict()
-    return sync.computed.to_dict(), exact, layouts, sync.trial, saved
+    return sync.computed.to_dict(), exact, layouts, sync.session.trial, saved
 
 
 def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_rank():

@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.sync.sparse import OmniReduceSync, ZenSync
-from ddlscale.sync.sparse.omnireduce import BlockLayout, omnireduce_bytes, rows_per_block
+from ddlscale.sync.sparse.omnireduce import BlockLayout, OmniReduceCost, rows_per_block
+from ddlscale.sync.sparse.traffic import ONE_SEGMENT, Sparsity
 
 B = 256
 
@@ -87,7 +88,8 @@ def _uniform(rank, world):
 def test_mean_formula_on_a_symmetric_case():
     n = 3
     # Plus each message's length and count: 16 bytes, a push and a pull to each of n-1 peers.
-    formula = omnireduce_bytes(12 * B, 1.0, 1.0, n, B, 4) + 2 * 16 * (n - 1)
+    cost = OmniReduceCost(B).traffic(Sparsity(12 * B, 1.0, 1.0, None, n, 1, 4), ONE_SEGMENT, blocks=(1.0, 1.0))
+    formula = cost.nbytes + 2 * 16 * (n - 1)
     for sent, recv in run_workers(_uniform, n):
         assert sent == recv == pytest.approx(formula)
 

@@ -7,9 +7,8 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
-from ddlscale.sync.compress import CompressSync
-from ddlscale.sync.compress.regroup import _unchunk
-from ddlscale.sync.cupcake import CupcakeSync
+from ddlscale.sync.compressed import CompressSync, CupcakeSync
+from ddlscale.sync.compressed.regroup import _unchunk
 
 SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 PLAN_STEPS = 3  # steps run on the kept plan, so that its residuals are not the first step's
@@ -43,16 +42,16 @@ def _residuals(sync):
     """The residuals summed over ranks, per tensor (fused groups split by member), and the memory's
     keys that no current group names (state the plan would never send)."""
     per_tensor = {name: torch.zeros(torch.Size(shape).numel(), dtype=torch.float64) for name, shape in SHAPES.items()}
-    layouts = sync._layouts()
+    layouts = sync.compressed._layouts()
     for key, layout in layouts.items():
-        kept = sync.memory.residual(key)
+        kept = sync.compressed.memory.residual(key)
         if kept is not None:
             flat = _unchunk(kept.reshape(-1), layout)
             for (name, _), piece in zip(layout.members, flat.split([n for _, n in layout.members]), strict=True):
                 per_tensor[name] += piece
     for tensor in per_tensor.values():
         dist.all_reduce(tensor)
-    orphans = sorted(set(sync.memory.state_dict()["residuals"]) - set(layouts))
+    orphans = sorted(set(sync.compressed.memory.state_dict()["residuals"]) - set(layouts))
     return {name: t.reshape(SHAPES[name]) for name, t in per_tensor.items()}, orphans
 
 
@@ -68,7 +67,7 @@ def _saved_run(rank, world):
     # Same size: the plan is kept (no profiling again), with its residuals: the next step is the same.
     resumed, resumed_params = _sync()
     resumed.load_state_dict(state)
-    kept = (resumed.phase, resumed.computed.to_dict() == sync.computed.to_dict())
+    kept = (resumed.session.label, resumed.computed.to_dict() == sync.computed.to_dict())
     scratch = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
     _step(sync, params, rank, 99, scratch, dict(scratch))
     _step(resumed, resumed_params, rank, 99, scratch, dict(scratch))
@@ -81,7 +80,7 @@ def _resharded_run(rank, world, states, calibrate_steps):
     true sum of the averaged gradients and the residuals left."""
     sync, params = _sync(calibrate_steps)
     sync.load_resharded(states, rank, world)
-    loaded = (sync.phase, sync.computed)
+    loaded = (sync.session.label, sync.computed)
     sent = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
     true = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
     steps = 2 + (1 + calibrate_steps if calibrate_steps else 0) + PLAN_STEPS

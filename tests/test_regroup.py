@@ -1,9 +1,9 @@
-"""Per-group state re-laid out when fusion groups change (ddlscale.sync.compress.regroup)."""
+"""Per-group state re-laid out when fusion groups change (ddlscale.sync.compressed.regroup)."""
 
 import pytest
 import torch
 
-from ddlscale.sync.compress.regroup import GroupLayout, regroup
+from ddlscale.sync.compressed.regroup import GroupLayout, regroup
 
 A, B, C = ("a", 3), ("b", 2), ("c", 4)
 

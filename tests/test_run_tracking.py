@@ -17,7 +17,7 @@ from hydra.utils import instantiate
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
-from ddlscale.sync.espresso import EspressoSync
+from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import compare
 from ddlscale.trainer import ConfigError, app, check_config, runinfo
 from ddlscale.trainer.loggers import record_config, record_summary

@@ -20,9 +20,13 @@ from ddlscale.sync.sparse import (
     SparsePSSync,
     ZenSync,
 )
+from ddlscale.sync.sparse.agsparse import AGSparseCost
+from ddlscale.sync.sparse.gloo_sparse import GlooSparseCost
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.rows import grad_of, units_of
-from ddlscale.sync.sparse.zen import merge_seconds_per_byte, zen_bitmap_bytes, zen_coo_bytes
+from ddlscale.sync.sparse.sparse_ps import SparsePSCost
+from ddlscale.sync.sparse.traffic import ONE_SEGMENT, Sparsity
+from ddlscale.sync.sparse.zen import ZenCost, merge_seconds_per_byte
 
 BACKENDS = {
     "zen-coo": lambda: ZenSync(scheme="bp", pull="coo", sparse_params=["w"], profile_steps=1),
@@ -213,14 +217,15 @@ def test_bytes_per_step_match_the_schemes_closed_form_in_rows(backend):
     results = run_workers(_closed_form, n, backend)
     total = sum(sent for sent, _ in results)
     summed = results[0][1]
-    d, gamma, pair = nonzero / rows, summed / nonzero, INDEX_BYTES + width * 4
+    # Each scheme's own cost object, from the figures routing would profile.
+    s = Sparsity(rows, nonzero / rows, summed / nonzero, None, n, width, width * 4)
     expected = n * {
-        "zen-coo": zen_coo_bytes(rows, d, gamma, n, width * 4),
-        "zen-bitmap": zen_bitmap_bytes(rows, d, gamma, n, width * 4),
-        "agsparse": pair * d * rows * (n - 1),
-        "gloo_sparse": (8 + width * 4) * d * rows * (n - 1),  # int64 row indices
-        "sparse_ps": zen_coo_bytes(rows, d, gamma, n, width * 4),
-    }[backend]
+        "zen-coo": lambda: ZenCost(pull="coo").traffics(s, ONE_SEGMENT)["bp-coo"].nbytes,
+        "zen-bitmap": lambda: ZenCost(pull="bitmap").traffics(s, ONE_SEGMENT)["bp-bitmap"].nbytes,
+        "agsparse": lambda: AGSparseCost().traffic(s, ONE_SEGMENT).nbytes,
+        "gloo_sparse": lambda: GlooSparseCost().traffic(s, ONE_SEGMENT).nbytes,  # int64 row indices
+        "sparse_ps": lambda: SparsePSCost().traffic(s, ONE_SEGMENT).nbytes,
+    }[backend]()
     assert total == pytest.approx(expected, rel=0.05), (backend, total, expected)
 
 
@@ -339,9 +344,9 @@ def _bf16_routing(rank, world):
     sync.finish_step()
     zen = ZenSync(profile_steps=1)
     zen.setup([("bf16", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16)))])
-    zen.density[0], zen.gamma[0] = 0.01, 2.0
+    zen.routes[0].density, zen.routes[0].gamma = 0.01, 2.0
     return ({name: route["path"] for name, route in sync.routing().items()}, zen.plan_times(0), zen.network,
-            zen.exchange_steps(world, 0))
+            zen.exchanges.steps(world, 0))
 
 
 def test_routing_prices_values_at_their_element_size():

@@ -29,7 +29,7 @@ from ddlscale.cluster.emulated import (
     remove_namespaces,
 )
 from ddlscale.cluster.stop import start_time
-from ddlscale.comm.cost import parse_bandwidth, parse_time
+from ddlscale.units import parse_bandwidth, parse_time
 
 PROBE = f"{PREFIX}probe"  # unavailable_reason()'s short-lived namespace, named after its pid
 

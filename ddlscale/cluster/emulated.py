@@ -37,7 +37,8 @@ from ddlscale.clock import parse_factor
 from ddlscale.cluster.cpucap import CpuCaps, find_controller
 from ddlscale.cluster.stop import start_time
 from ddlscale.comm.collectives import SEGMENT_BYTES
-from ddlscale.comm.cost import NetworkModel, SharedHost, parse_bandwidth, parse_time
+from ddlscale.comm.network import NetworkModel, SharedHost
+from ddlscale.units import parse_bandwidth, parse_time
 
 # TCP over IPv4 over Ethernet carries 1448 payload bytes per 1514-byte frame (timestamps on): the
 # shaped rate counts frames, so payload moves at this fraction of the NIC's bandwidth.

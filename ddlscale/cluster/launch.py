@@ -22,7 +22,8 @@ from typing import Any
 from ddlscale.cluster import dilation, stop
 from ddlscale.cluster.context import Launch, Services, no_services
 from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster
-from ddlscale.comm.cost import PROJECTION_WORKERS, NetworkModel, parse_bandwidth, parse_time
+from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
+from ddlscale.units import parse_bandwidth, parse_time
 
 ServicesOf = Callable[[Launch], AbstractContextManager[Services]]
 

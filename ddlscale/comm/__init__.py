@@ -1,4 +1,4 @@
-"""Accounted collectives and the volumes they charge."""
+"""Accounted collectives, the volumes they charge, and the network model that prices them (:mod:`.network`)."""
 
 from ddlscale.comm.collectives import CollectiveRecord, CommLedger, Communicator, Pending
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 
 MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
 PROBE_CALLS = 20

@@ -47,7 +47,7 @@ class Memory:
 
     def group_states(self) -> list[dict[str, torch.Tensor]]:
         """The per-name tensors laid out like their name's gradient, which a backend that regroups
-        tensors into new fused buffers must re-lay out (:func:`ddlscale.sync.compress.regroup`)."""
+        tensors into new fused buffers must re-lay out (:func:`ddlscale.sync.compressed.regroup`)."""
         return []
 
     def state_dict(self) -> dict[str, Any]:

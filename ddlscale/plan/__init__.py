@@ -1,8 +1,8 @@
-"""Planning how gradients are compressed and fused: profile, cost of an option, Espresso, Cupcake.
+"""Planning how gradients are compressed and fused: profile, pricing of an option, Espresso, Cupcake.
 
 - :mod:`.profile`  what a plan is computed from (measured on the first steps, saved as JSON);
 - :mod:`.fit`      constant-then-linear compression cost curves;
-- :mod:`.cost`     an option (compressor x scheme x layout x device) as a simulator task;
+- :mod:`.pricing`  an option (compressor x scheme x layout x device) as a simulator task;
 - :mod:`.cupcake`  the exact dynamic program over fusion split points;
 - :mod:`.espresso` the per-tensor option search (Properties 1-2, Algorithms 1-2);
 - :mod:`.planner`  profile -> :class:`~.result.CompressionPlan`, used by the backends and the tool.
@@ -10,8 +10,8 @@
 Every plan is scored by :mod:`ddlscale.comm.timeline` — one iteration model for both systems.
 """
 
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
 from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan
 

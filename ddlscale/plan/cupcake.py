@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddlscale.comm.timeline import TensorTask, iteration_time
-from ddlscale.plan.cost import CostModel, Option, Unit, fuse
+from ddlscale.plan.pricing import CostModel, Option, Unit, fuse
 
 GroupCost = Callable[[int, int], "tuple[float, ...] | None"]
 
@@ -221,7 +221,7 @@ class Prefix:
 
 
 @dataclass
-class FusionPlan:
+class Fusion:
     """Groups as (start, end) ranges over the units, each one fused unit with its option."""
 
     groups: list[tuple[int, int]]
@@ -232,7 +232,7 @@ class FusionPlan:
 
 
 def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[int], Option] | Option,
-                backward_end_s: float, optimizer_s: float = 0.0) -> FusionPlan:
+                backward_end_s: float, optimizer_s: float = 0.0) -> Fusion:
     """The optimal contiguous fusion of ``units`` where every group takes its members' common option.
 
     ``option_of``: one option for all (Cupcake) or a per-unit option (fusing an Espresso plan:
@@ -263,4 +263,4 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
     chosen = [options[i] for i, _ in groups]
     tasks = [model.task(u, o) for u, o in zip(fused, chosen, strict=True)]
     # The simulator has the last word: it is the model, the DP only searches it.
-    return FusionPlan(groups, fused, chosen, tasks, iteration_time(tasks, backward_end_s, optimizer_s))
+    return Fusion(groups, fused, chosen, tasks, iteration_time(tasks, backward_end_s, optimizer_s))

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 
 from ddlscale import clock
 from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, merged_busy, simulate
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
-from ddlscale.plan.cupcake import FusionPlan, plan_fusion
+from ddlscale.plan.cupcake import Fusion, plan_fusion
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 
 _TOL = 1e-12  # seconds: an "improvement" below this is float noise
 
@@ -325,7 +325,7 @@ def search(units: Sequence[Unit], model: CostModel, backward_end_s: float, optim
     return Search(list(units), current, best_time, "per tensor", steps, ev.evaluations)
 
 
-def fused_runs(result: Search, model: CostModel, backward_end_s: float, optimizer_s: float) -> FusionPlan | None:
+def fused_runs(result: Search, model: CostModel, backward_end_s: float, optimizer_s: float) -> Fusion | None:
     """The best fusion of runs of equal options in a per-tensor plan (None if it offloads)."""
     if any(o.compressed and o.device != "compute" for o in result.options):
         return None

@@ -11,12 +11,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ddlscale import clock
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan, per_unit_savings, uniform_time
 

@@ -4,7 +4,7 @@ A :class:`Profile` holds, in backward order, every gradient tensor's size and th
 fired; when backward ended; the rest of a step (forward, optimizer, data); the encode and decode
 cost of each compressor a plan may use, fitted over a grid of sizes on this device
 (:class:`~ddlscale.plan.fit.CostFit`); and the network the plan assumes (the cluster config's
-bandwidth and latency, as :class:`~ddlscale.comm.cost.NetworkModel` takes them). Saved with the
+bandwidth and latency, as :class:`~ddlscale.comm.network.NetworkModel` takes them). Saved with the
 run, it lets ``python -m ddlscale.tools.plan`` recompute a plan offline, for other cluster sizes too.
 
 Timing conventions (seconds): backward starts when the first gradient hook fires — the backward of

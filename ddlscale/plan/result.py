@@ -1,5 +1,5 @@
 """A computed plan: what each tensor (or fused group) does, what it is predicted to save, and the
-CompressSync :class:`~ddlscale.plan.choices.Plan` that executes it.
+CompressSync :class:`~ddlscale.plan.choices.Choices` that executes it.
 
 It travels as a plain dict (rank 0 broadcasts it, checkpoints keep it, ``plan.json`` holds it) and
 prints as a table (``plan.txt``, the log, ``python -m ddlscale.tools.plan``).
@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddlscale.comm.timeline import iteration_time
-from ddlscale.plan.choices import Plan, TensorPlan
-from ddlscale.plan.cost import DENSE, CostModel, Option, Unit
+from ddlscale.plan.choices import Choices, TensorChoice
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 
 
 @dataclass
@@ -35,11 +35,11 @@ class CompressionPlan:
     context: dict[str, Any] = field(default_factory=dict)  # cluster, compressor, measured step
 
     # -- execution ------------------------------------------------------------------------------
-    def to_plan(self) -> Plan:
+    def to_choices(self) -> Choices:
         """The CompressSync plan: a choice per parameter, and fusion groups when any unit fuses."""
-        tensors = {name: o.tensor_plan() for u, o in zip(self.units, self.options, strict=True) for name in u.names}
+        tensors = {name: o.tensor_choice() for u, o in zip(self.units, self.options, strict=True) for name in u.names}
         groups = [list(u.names) for u in self.units] if any(len(u.names) > 1 for u in self.units) else None
-        return Plan(default=TensorPlan("none", "allreduce"), tensors=tensors, groups=groups)
+        return Choices(default=TensorChoice("none", "allreduce"), tensors=tensors, groups=groups)
 
     @property
     def offloaded(self) -> int:

@@ -51,7 +51,9 @@ class GradSync:
 
     Subclasses override :meth:`on_grad_ready` and :meth:`finish` (and :meth:`on_setup` /
     :meth:`on_backward_order` to build their buffers). Time spent inside ``with self.timed("encode")``
-    (or ``"comm"``, ``"decode"``) and bytes moved through :attr:`comm` are reported per step.
+    (or ``"comm"``, ``"decode"``) and bytes moved through :attr:`comm` are reported per step. A
+    backend may run others as its executors (:meth:`serve`): the planned syncs run dense allreduce
+    while they profile and CompressSync after.
     """
 
     def __init__(self) -> None:
@@ -96,6 +98,16 @@ class GradSync:
         self.backward_order = list(reversed(range(len(self.params))))
         self.on_setup()
 
+    def serve(self, owner: GradSync) -> None:
+        """Run as ``owner``'s executor: its parameters and process group, its ledger and step timers
+        (so what this one moves and spends is the owner's step), its backward order. The owner calls
+        this before each :meth:`on_setup` of this one, so what it learns (the order) reaches here."""
+        self.names, self.sparse_grads, self.params, self.index_of = (owner.names, owner.sparse_grads, owner.params,
+                                                                     owner.index_of)
+        self.device, self.comm, self.world_size, self.rank = owner.device, owner.comm, owner.world_size, owner.rank
+        self.ledger, self._timers = owner.ledger, owner._timers
+        self.backward_order, self._order_known = owner.backward_order, owner._order_known
+
     def on_setup(self) -> None:
         """Build buffers for :attr:`backward_order` (override)."""
 
@@ -133,7 +145,8 @@ class GradSync:
             decode_s=self._timers["decode"],
             collectives=records,
         )
-        self._timers = dict.fromkeys(self._timers, 0.0)
+        for phase in self._timers:  # in place: executors serving this backend share the dict
+            self._timers[phase] = 0.0
         return self.last_stats
 
     @contextmanager

@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.compress import MEMORIES, Compressor, NoCompression
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
+from ddlscale.units import parse_bandwidth, parse_time
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"

@@ -32,7 +32,6 @@ from ddlscale.cluster import dilation, stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Launch, no_services
 from ddlscale.cluster.emulated import MAX_NODES, unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
-from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
@@ -40,6 +39,7 @@ from ddlscale.trainer.report import print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
 from ddlscale.trainer.runlog import run_log
 from ddlscale.trainer.signals import StopOnSignals
+from ddlscale.units import parse_bandwidth, parse_time
 
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
 FALLBACKS = ("loopback", "error")

@@ -48,7 +48,7 @@ from ddlscale.ckpt.version.manifest import (
     step_of,
     verify,
 )
-from ddlscale.comm.cost import parse_bandwidth
+from ddlscale.units import parse_bandwidth
 
 DEFAULT_SUBDIR = "checkpoints"
 # A DCP collective waiting longer than this for a peer fails the save instead of holding the process

@@ -9,20 +9,34 @@ exchange where gloo takes three ring allgathers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync, Sparsity
+from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
+
+
+class AGSparseCost:
+    """What AGsparse moves: every worker's (index, unit) pairs to every other worker, one exchange."""
+
+    def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+        return Traffic(s.pair_bytes * s.density * s.units * (s.n - 1),
+                       exchanges.steps(s.n, s.pair_bytes * s.density * s.units))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        return model.allgather([s.numel() * (INDEX_BYTES + unit_bytes) for s in sets], len(sets), algorithm="direct")
 
 
 class AGSparseSync(SparseSync):
     """``sync=agsparse``: allgather of (int32 row index, row) sets, summed on every worker."""
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        return s.pair_bytes * s.density * s.units * (s.n - 1)
-
-    def sparse_messages(self, s: Sparsity) -> int:
-        return self.exchange_steps(s.n, s.pair_bytes * s.density * s.units)
+    def scheme_cost(self) -> AGSparseCost:
+        return AGSparseCost()
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         comm = self.sparse_comm

@@ -44,35 +44,34 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm import Communicator
-from ddlscale.comm.cost import NetworkModel
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.sync.sparse.lane import shared_lane
-from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE, rows_bytes
+from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE
 from ddlscale.sync.sparse.recursive import union_counts
 from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
 
 ROUTES = ("auto", "sparse")
 FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)
 
 
-@dataclass(frozen=True)
-class Sparsity:
-    """What routing reads about one tensor among ``n`` participants: its units, their density d,
-    gamma_n, gamma_{2^i} for i = 0..log2 n where profiled, values per unit and bytes per unit."""
+@dataclass
+class TensorRoute:
+    """What a sparse sync knows of one tensor and the path it takes (one per parameter:
+    :attr:`SparseSync.routes`). Figures are None until profiled."""
 
-    units: int
-    density: float
-    gamma: float
-    gammas: list[float] | None
-    n: int
-    width: int
-    unit_bytes: int
-
-    @property
-    def pair_bytes(self) -> int:
-        """An (int32 index, row) pair on the wire."""
-        return INDEX_BYTES + self.unit_bytes
+    sparse: bool = False  # on the sparse path (routing's decision, in force from the set-up that follows)
+    seen: bool = False  # its gradient was observed while profiling ...
+    sparse_dim: int | None = None  # ... arriving as sparse COO over this many dims (None: dense)
+    width: int | None = None  # values per unit as profiled (a row, or 1: elements); None: rows
+    density: float | None = None  # mean per-worker density of units, d
+    gamma: float | None = None  # density of the sum / d
+    gammas: list[float] | None = None  # [gamma_1, gamma_2, gamma_4, ..., gamma_n] (power-of-two n)
+    plan: str | None = None  # Zen: hc, bp-coo or bp-bitmap (until the next profile)
+    block_density: float | None = None  # OmniReduce: mean per-worker fraction of non-zero blocks
+    block_gamma: float | None = None  # OmniReduce: non-zero blocks of the sum / per worker
 
 
 @dataclass
@@ -87,9 +86,8 @@ class GroupJob:
 
 class SparseSync(DenseAllreduce):
     """Base of agsparse, gloo_sparse, sparse_ps, omnireduce, sparcml and zen: subclasses implement
-    :meth:`sync_sparse` (collectives through :attr:`sparse_comm`) and :meth:`sparse_volume` with
-    :meth:`sparse_messages` (the routing decision), or :meth:`sparse_seconds` for schemes whose time
-    is not bytes over one bandwidth.
+    :meth:`sync_sparse` (collectives through :attr:`sparse_comm`) and :meth:`scheme_cost`, their
+    scheme's cost object (:mod:`.traffic`: what it moves for one tensor), which routing prices.
 
     Args:
         profile_steps: steps of dense sync spent measuring densities before routing tensors.
@@ -140,33 +138,29 @@ class SparseSync(DenseAllreduce):
         self.route = route
         self.reprofile_drift = reprofile_drift
         self.overlap = overlap
-        self.sparse: list[int] = []  # parameter indices on the sparse path, decided after profiling
-        self.width: dict[int, int] = {}  # values per unit (row width, or 1: elements), from the profile
-        self.layout: dict[int, int | None] = {}  # sparse_dim of the gradient as it arrives, None: dense
-        self.density: dict[int, float] = {}  # mean per-worker density of units d
-        self.gamma: dict[int, float] = {}  # density of the sum / d
-        self.gammas: dict[int, list[float]] = {}  # [gamma_1, gamma_2, gamma_4, ..., gamma_n] (power-of-two n)
+        self.routes: list[TensorRoute] = []  # per parameter: its figures and its path (from set-up)
         self.profiles = 0  # profiling rounds run (1 + re-profiles)
         self._profile_left = profile_steps  # profiling steps still to run in this round
         self._samples = 0  # steps averaged into the current round's profile
 
     def on_setup(self) -> None:
+        if len(self.routes) != len(self.params):
+            self.routes = [TensorRoute() for _ in self.params]
         if getattr(self, "names", None) and self.sparse_params != "auto":
             unknown = set(self.sparse_params) - set(self.names)
             if unknown:
                 raise ValueError(f"sync.sparse_params names unknown parameters: {sorted(unknown)}")
             # Named tensors go sparse from the first step: they never pay a dense table's allreduce.
-            self.sparse = [self.names.index(name) for name in self.sparse_params]
+            self._choose_sparse(self.names.index(name) for name in self.sparse_params)
         elif self.route == "sparse" and not self.profiles and self.world_size > 1:
             # route=sparse sends every sparse gradient sparse; known from the module, it does so from
             # the first step rather than densifying a whole table into a bucket while profiling.
-            self.sparse = [i for i, name in enumerate(self.names) if name in self.sparse_grads]
+            self._choose_sparse(i for i, name in enumerate(self.names) if name in self.sparse_grads)
         if not hasattr(self, "sparse_comm"):
             # The lane needs every world rank at this point, so only for the world group.
             self.lane = shared_lane() if self.overlap and self.comm.group is None and dist.is_initialized() else None
             self.sparse_comm = Communicator(self.lane.group, self.ledger) if self.lane else self.comm
         super().on_setup()
-        self._sparse_set = set(self.sparse)
         self.groups = self._sparse_groups()
         self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
         self._local: dict[int, tuple[int, torch.Tensor]] = {}  # profiling: (non-zero elements, non-zero rows)
@@ -174,36 +168,48 @@ class SparseSync(DenseAllreduce):
         self._next_group = 0
 
     def _assign(self, order: list[int]) -> list[list[int]]:
-        sparse = set(self.sparse)
-        return super()._assign([i for i in order if i not in sparse])
+        return super()._assign([i for i in order if not self.routes[i].sparse])
+
+    def _choose_sparse(self, indices) -> None:
+        """Route exactly these parameters sparse (the rest dense), from the next set-up on."""
+        chosen = set(indices)
+        for i, route in enumerate(self.routes):
+            route.sparse = i in chosen
+
+    @property
+    def sparse(self) -> list[int]:
+        """The parameters on the sparse path, in index order."""
+        return [i for i, route in enumerate(self.routes) if route.sparse]
 
     # -- units -----------------------------------------------------------------------------------
     def row_width(self, index: int) -> int:
         """Values per row: a stored slice for a sparse gradient, else a slice over dim 0."""
         shape = self.params[index].shape
-        sparse_dim = self.layout.get(index)
+        sparse_dim = self.routes[index].sparse_dim
         return slice_width(shape, sparse_dim) if sparse_dim is not None else row_width(shape)
 
     def unit_width(self, index: int) -> int:
         """Values per unit as routed (rows until a profile says elements)."""
-        return self.width.get(index, self.row_width(index))
+        width = self.routes[index].width
+        return width if width is not None else self.row_width(index)
 
     def units(self, index: int) -> int:
         return self.params[index].numel() // self.unit_width(index)
 
     def sparsity(self, index: int) -> Sparsity:
         """The profile as the sparse scheme sees it (Zen's hierarchical mode overrides)."""
-        p = self.params[index]
+        p, route = self.params[index], self.routes[index]
         width = self.unit_width(index)
-        return Sparsity(self.units(index), self.density.get(index, 1.0), self.gamma.get(index, 1.0),
-                        self.gammas.get(index), self.world_size, width, width * p.element_size())
+        return Sparsity(self.units(index), 1.0 if route.density is None else route.density,
+                        1.0 if route.gamma is None else route.gamma, route.gammas, self.world_size, width,
+                        width * p.element_size())
 
     # -- per step ------------------------------------------------------------------------------
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
         if self._profile_left:
             self._observe(index, grad)
-        if index not in self._sparse_set:
+        if not self.routes[index].sparse:
             super().on_grad_ready(index, param)
             return
         job = self._jobs[self.group_of[index]]
@@ -252,7 +258,7 @@ class SparseSync(DenseAllreduce):
             out = []
             for k, i in enumerate(members):
                 mine = slice(cuts[k], cuts[k + 1])
-                sparse_dim = job.grads[i][1] if i in job.grads else self.layout.get(i)
+                sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
                 grad = grad_of(total_ids[mine] - offsets[k], total_values[mine], self.params[i], sparse_dim,
                                ids_sorted=True)
                 out.append((i, grad, cuts[k + 1] - cuts[k]))
@@ -285,7 +291,7 @@ class SparseSync(DenseAllreduce):
         groups: dict[Any, list[list[int]]] = {}
         filled: dict[Any, int] = {}  # units in each key's last group
         for i in self.backward_order:
-            if i in self._sparse_set:
+            if self.routes[i].sparse:
                 units, key = self.units(i), self.group_key(i)
                 if units > self.max_group_units:
                     raise ValueError(f"{self.names[i]} has {units} units, more than the {self.max_group_units} "
@@ -306,7 +312,7 @@ class SparseSync(DenseAllreduce):
 
     def _drifted(self, index: int, summed_units: int) -> bool:
         """Has the summed density (identical on every rank) left its profile by reprofile_drift?"""
-        if self.reprofile_drift is None or index not in self.density:
+        if self.reprofile_drift is None or self.routes[index].density is None:
             return False
         summed, profiled = self.summed_size(index, summed_units)
         ratio = max(1.0, summed) / max(1.0, profiled)
@@ -315,7 +321,8 @@ class SparseSync(DenseAllreduce):
     def summed_size(self, index: int, summed_units: int) -> tuple[float, float]:
         """The sum's size this step and as profiled, in one unit (override where routing counts
         another unit)."""
-        return summed_units, self.density[index] * self.gamma.get(index, 1.0) * self.units(index)
+        route = self.routes[index]
+        return summed_units, route.density * (1.0 if route.gamma is None else route.gamma) * self.units(index)
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor,
                     values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,32 +331,26 @@ class SparseSync(DenseAllreduce):
         lane when overlapping: collectives go through :attr:`sparse_comm`."""
         raise NotImplementedError
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        """Bytes per worker this scheme moves for one tensor (override); compared with dense's."""
+    # -- the cost model ---------------------------------------------------------------------------
+    def scheme_cost(self) -> Any:
+        """This scheme's cost object (override): ``traffic(sparsity, exchanges)``, the bytes and
+        message steps of one tensor (:mod:`.traffic`)."""
         raise NotImplementedError
 
-    def sparse_messages(self, s: Sparsity) -> int:
-        """Message steps per worker in sequence (override): by default a push and a pull, each one
-        exchange with every peer."""
-        per_peer = s.density * s.units / s.n * s.pair_bytes
-        return 2 * self.exchange_steps(s.n, per_peer)
+    @property
+    def exchanges(self) -> Exchanges:
+        """How many message steps an exchange takes on :attr:`sparse_comm` (before set-up: as where
+        sizes go first)."""
+        return Exchanges(self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None)
 
-    def exchange_steps(self, n: int, message_bytes: float) -> int:
-        """Message steps of one :meth:`Communicator.exchange` with n-1 peers: one message each, and a
-        second where a message outgrows the first segment (or where sizes must go first, on NCCL)."""
-        first = self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None
-        longer = first is None or rows_bytes(0, 0) + message_bytes > first
-        return (n - 1) * (2 if longer else 1)
-
-    # -- the cost model ---------------------------------------------------------------------------
-    def wire_seconds(self, nbytes: float, messages: int) -> float:
-        """alpha per message step plus the bytes at the bandwidth: one price list for every method."""
-        return nbytes * 8 / self.network.bandwidth_bps + messages * self.network.latency_s
+    def sparse_traffic(self, index: int) -> Traffic:
+        """What one profiled tensor moves on the sparse path, per worker (override to refine)."""
+        return self.scheme_cost().traffic(self.sparsity(index), self.exchanges)
 
     def sparse_seconds(self, index: int) -> float:
-        """The cost model's time for one profiled tensor on the sparse path (override to refine)."""
-        s = self.sparsity(index)
-        return self.wire_seconds(self.sparse_volume(s), self.sparse_messages(s))
+        """The cost model's time for one profiled tensor on the sparse path: its traffic on
+        :attr:`network`, one price list for every method."""
+        return self.sparse_traffic(index).seconds(self.network)
 
     def dense_seconds(self, index: int) -> float:
         """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`:
@@ -369,7 +370,8 @@ class SparseSync(DenseAllreduce):
     # -- profiling and routing -------------------------------------------------------------------
     def _observe(self, index: int, grad: torch.Tensor) -> None:
         """Record one local gradient's non-zero elements and rows for the profile."""
-        self.layout[index] = grad.sparse_dim() if grad.is_sparse else None
+        route = self.routes[index]
+        route.seen, route.sparse_dim = True, grad.sparse_dim() if grad.is_sparse else None
         width = self.row_width(index)
         rows, _ = units_of(grad, width)
         elements = rows.numel() * width if grad.is_sparse else int(torch.count_nonzero(grad.reshape(-1) != 0))
@@ -396,23 +398,26 @@ class SparseSync(DenseAllreduce):
         weight = self._samples / (self._samples + 1)  # running mean over this round's steps
         mean_units = {}
         for i in everyone:
+            route = self.routes[i]
             elements, rows = float(local[i, 0]), float(local[i, 1])
             width = self._decide_width(i, elements, rows)
             if fresh:
-                self.width[i] = width
-            units = rows if self.width[i] == self.row_width(i) else elements
-            summed_units = summed[i][1] if self.width[i] == self.row_width(i) else summed[i][0]
+                route.width = width
+            units = rows if route.width == self.row_width(i) else elements
+            summed_units = summed[i][1] if route.width == self.row_width(i) else summed[i][0]
             mean_units[i] = units
             d = units / self.units(i)
             gamma = summed_units / units if units > 0 else 1.0
-            self.density[i] = d if fresh else weight * self.density[i] + (1 - weight) * d
-            self.gamma[i] = gamma if fresh else weight * self.gamma[i] + (1 - weight) * gamma
+            route.density = d if fresh else weight * route.density + (1 - weight) * d
+            route.gamma = gamma if fresh else weight * route.gamma + (1 - weight) * gamma
         unions = self._profile_unions(mean_units)
         if fresh:  # a tensor no longer a candidate must not keep, nor later blend in, the last round's gammas
-            self.gammas.clear()
+            for route in self.routes:
+                route.gammas = None
         for i, new in unions.items():
-            old = self.gammas.get(i) if not fresh else None
-            self.gammas[i] = new if old is None else [weight * a + (1 - weight) * b for a, b in zip(old, new, strict=True)]
+            old = self.routes[i].gammas if not fresh else None
+            self.routes[i].gammas = new if old is None else [weight * a + (1 - weight) * b
+                                                             for a, b in zip(old, new, strict=True)]
         self._local.clear()
         self._samples += 1
         self._profile_left -= 1
@@ -424,7 +429,7 @@ class SparseSync(DenseAllreduce):
     def _decide_width(self, index: int, elements: float, rows: float) -> int:
         """Rows for sparse gradients; for dense ones rows when sending them beats sending elements."""
         width = self.row_width(index)
-        if self.layout.get(index) is not None or width == 1:
+        if self.routes[index].sparse_dim is not None or width == 1:
             return width
         value = self.params[index].element_size()
         return width if elements * (INDEX_BYTES + value) >= rows * (INDEX_BYTES + width * value) else 1
@@ -460,14 +465,14 @@ class SparseSync(DenseAllreduce):
         if self.world_size > 1 and (self.measure_latency or self.measure_bandwidth):
             self._measure_network()  # every rank: _route runs after a collective profile
         if self.sparse_params != "auto":
-            self.sparse = [self.names.index(name) for name in self.sparse_params]
+            self._choose_sparse(self.names.index(name) for name in self.sparse_params)
         elif self.world_size == 1:
-            self.sparse = []
+            self._choose_sparse(())
         elif self.route == "sparse":
-            self.sparse = [i for i in range(len(self.params))
-                           if self.layout.get(i) is not None or self.density.get(i, 1.0) <= FORCED_DENSITY]
+            self._choose_sparse(i for i, route in enumerate(self.routes) if route.sparse_dim is not None
+                                or (1.0 if route.density is None else route.density) <= FORCED_DENSITY)
         else:
-            self.sparse = [i for i in range(len(self.params)) if self.prefers_sparse(i)]
+            self._choose_sparse([i for i in range(len(self.params)) if self.prefers_sparse(i)])
         self.on_setup()  # rebuild the dense buckets without the sparse tensors, and the sparse groups
 
     def _measure_network(self) -> None:
@@ -497,32 +502,44 @@ class SparseSync(DenseAllreduce):
     def routing(self) -> dict[str, dict[str, Any]]:
         """Per parameter: path, whether its gradient arrives sparse, unit width, profiled density and
         gammas (for logs, reports and summary.json)."""
-        return {self.names[i]: {"path": "sparse" if i in self._sparse_set else "dense",
-                                "sparse_grad": self.layout.get(i) is not None,
-                                "width": self.unit_width(i), "density": self.density.get(i),
-                                "gamma": self.gamma.get(i), "gammas": self.gammas.get(i)}
-                for i in range(len(self.params))}
+        return {self.names[i]: {"path": "sparse" if route.sparse else "dense",
+                                "sparse_grad": route.sparse_dim is not None,
+                                "width": self.unit_width(i), "density": route.density,
+                                "gamma": route.gamma, "gammas": route.gammas}
+                for i, route in enumerate(self.routes)}
 
     def state_dict(self) -> dict[str, Any]:
         measured = self.measure_latency or self.measure_bandwidth
-        return {**super().state_dict(), "sparse": list(self.sparse), "density": dict(self.density),
-                "width": dict(self.width), "layout": dict(self.layout),
+        return {**super().state_dict(), "sparse": self.sparse, **self._figures(("density", "width")),
+                "layout": {i: route.sparse_dim for i, route in enumerate(self.routes) if route.seen},
                 "latency_s": None if measured else self.network.latency_s,
                 "bandwidth_bps": None if measured else self.network.bandwidth_bps,
-                "gamma": dict(self.gamma), "gammas": dict(self.gammas), "profiles": self.profiles,
+                **self._figures(("gamma", "gammas")), "profiles": self.profiles,
                 "profile_left": self._profile_left, "samples": self._samples}
 
+    def _figures(self, names: Sequence[str]) -> dict[str, dict[int, Any]]:
+        """Per figure name, {parameter index: value} where it was profiled (the checkpoint's form)."""
+        return {name: {i: getattr(route, name) for i, route in enumerate(self.routes)
+                       if getattr(route, name) is not None} for name in names}
+
+    def load_routes(self, state: dict[str, Any]) -> None:
+        """The per-tensor figures and paths a checkpoint holds (subclasses add theirs)."""
+        self.routes = [TensorRoute() for _ in self.params]
+        self._choose_sparse(state["sparse"])
+        for name, figures in (("density", state["density"]), ("gamma", state["gamma"]),
+                              ("width", state.get("width", {})), ("gammas", state.get("gammas", {}))):
+            for i, value in figures.items():
+                setattr(self.routes[int(i)], name, int(value) if name == "width" else list(value) if name == "gammas"
+                        else value)
+        for i, sparse_dim in state.get("layout", {}).items():
+            self.routes[int(i)].seen, self.routes[int(i)].sparse_dim = True, sparse_dim
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sparse = list(state["sparse"])
+        self.load_routes(state)
         if state.get("latency_s") is not None:  # the routing's network, measured or configured
             self.network = dataclasses.replace(self.network, latency_s=state["latency_s"],
                                                bandwidth_bps=state.get("bandwidth_bps") or self.network.bandwidth_bps)
             self.measure_latency = self.measure_bandwidth = False
-        self.density = {int(k): v for k, v in state["density"].items()}
-        self.width = {int(k): int(v) for k, v in state.get("width", {}).items()}
-        self.layout = {int(k): v for k, v in state.get("layout", {}).items()}
-        self.gamma = {int(k): v for k, v in state["gamma"].items()}
-        self.gammas = {int(k): list(v) for k, v in state.get("gammas", {}).items()}
         self.profiles = int(state.get("profiles", 1 if self.sparse else 0))
         self._profile_left = int(state.get("profile_left", max(0, self.profile_steps - int(state["steps"]))))
         self._samples = int(state.get("samples", 0))

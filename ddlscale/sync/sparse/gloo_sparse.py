@@ -9,9 +9,27 @@ embedding table is exactly its gradient. NCCL has no sparse allreduce: CPU (gloo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ddlscale.sync.sparse.base import SparseSync, Sparsity
+from ddlscale.comm.network import NetworkModel
+from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
+
+INDEX_BYTES = torch.int64.itemsize  # gloo sends int64 indices
+
+
+class GlooSparseCost:
+    """What gloo's sparse allreduce moves: every rank's int64 indices and values to every other, as
+    three ring allgathers (counts, indices, values)."""
+
+    def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+        return Traffic((INDEX_BYTES + s.unit_bytes) * s.density * s.units * (s.n - 1), 3 * (s.n - 1))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        return model.allgather([s.numel() * (INDEX_BYTES + unit_bytes) for s in sets], len(sets))
 
 
 class GlooSparseSync(SparseSync):
@@ -24,11 +42,8 @@ class GlooSparseSync(SparseSync):
             raise ValueError(f"sync=gloo_sparse runs on CPU tensors over gloo, got device {self.device}")
         super().on_setup()
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        return (torch.int64.itemsize + s.unit_bytes) * s.density * s.units * (s.n - 1)
-
-    def sparse_messages(self, s: Sparsity) -> int:
-        return 3 * (s.n - 1)  # gloo: counts, indices and values, each a ring allgather
+    def scheme_cost(self) -> GlooSparseCost:
+        return GlooSparseCost()
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         with self.timed("encode"):

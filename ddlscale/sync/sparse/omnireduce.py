@@ -38,15 +38,18 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync, Sparsity
+from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.rows import units_of
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, partitioned_seconds, push_pull_steps
 
 
 def num_blocks(units: int, rows_per_block: int) -> int:
@@ -69,6 +72,43 @@ def scattered_block_density(density: float, block_rows: int) -> float:
     """Fraction of non-zero blocks when non-zero units fall independently at random: a block is empty
     with probability (1 - d)^B. Clustered non-zeros (embedding rows) fill far fewer blocks."""
     return 1.0 - (1.0 - min(1.0, density)) ** block_rows
+
+
+class OmniReduceCost:
+    """What OmniReduce moves: non-zero blocks of ``block_size`` values, each with its int32 block id,
+    pushed to an even contiguous split of aggregators and pulled back summed (module doc).
+
+    From figures it is priced on the profiled block density and block gamma (``blocks``) where they
+    exist, else from the unit figures as if the non-zero units were scattered at random."""
+
+    def __init__(self, block_size: int = 256):
+        self.block_size = block_size
+
+    def traffic(self, s: Sparsity, exchanges: Exchanges, blocks: tuple[float, float] | None = None) -> Traffic:
+        block_rows = rows_per_block(self.block_size, s.width)
+        if blocks is None:
+            local = scattered_block_density(s.density, block_rows)
+            summed = scattered_block_density(s.gamma * s.density, block_rows)
+            nbytes = omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows,
+                                      s.unit_bytes)
+            return Traffic(nbytes, push_pull_steps(s, exchanges))
+        density, gamma = blocks
+        nbytes = omnireduce_bytes(s.units, density, gamma, s.n, block_rows, s.unit_bytes)
+        per_peer = nbytes / max(1, 2 * (s.n - 1))
+        return Traffic(nbytes, 2 * exchanges.steps(s.n, per_peer))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        """From element index sets: every block that holds one, pushed to its aggregator."""
+        n, block = len(sets), rows_per_block(self.block_size, 1)
+        blocks = num_blocks(numel, block)
+        block_sets = [torch.unique(s // block) for s in sets]
+
+        def by_block(items):
+            return items * n // blocks
+        block_bytes = INDEX_BYTES + block * unit_bytes  # a block id and the values
+        return partitioned_seconds(model, block_sets, by_block, n, block_bytes,
+                                   lambda s, mine: mine.numel() * block_bytes)
 
 
 class BlockLayout:
@@ -122,16 +162,11 @@ class OmniReduceSync(SparseSync):
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"sync.block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
-        self.block_density: dict[int, float] = {}  # mean per-worker fraction of non-zero blocks
-        self.block_gamma: dict[int, float] = {}  # non-zero blocks of the sum / per worker
 
     def on_setup(self) -> None:
         self.partitioner = ContiguousPartitioner(self.world_size)  # over block ids, not elements
         super().on_setup()
         self._local_blocks: dict[int, int] = {}
-
-    def block_rows(self, index: int) -> int:
-        return rows_per_block(self.block_size, self.unit_width(index))
 
     # -- the scheme ------------------------------------------------------------------------------
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
@@ -148,13 +183,8 @@ class OmniReduceSync(SparseSync):
         with self.timed("decode"):
             return layout.to_units(torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]), width)
 
-    def sparse_volume(self, s: Sparsity) -> float:
-        """Bytes per worker from unit figures alone, were the non-zero units scattered at random.
-        Routing uses the profiled block figures instead (:meth:`sparse_seconds`)."""
-        block_rows = rows_per_block(self.block_size, s.width)
-        local = scattered_block_density(s.density, block_rows)
-        summed = scattered_block_density(s.gamma * s.density, block_rows)
-        return omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows, s.unit_bytes)
+    def scheme_cost(self) -> OmniReduceCost:
+        return OmniReduceCost(self.block_size)
 
     # -- profiling and routing by block density -----------------------------------------------------
     def _row_blocks(self, index: int) -> int:
@@ -185,31 +215,31 @@ class OmniReduceSync(SparseSync):
             blocks = num_blocks(self.params[i].numel() // self.row_width(i), self._row_blocks(i))
             p = float(local[i]) / blocks if blocks else 0.0
             gamma = summed[i] / float(local[i]) if local[i] > 0 else 1.0
-            self.block_density[i] = p if fresh else weight * self.block_density[i] + (1 - weight) * p
-            self.block_gamma[i] = gamma if fresh else weight * self.block_gamma[i] + (1 - weight) * gamma
+            route = self.routes[i]
+            route.block_density = p if fresh else weight * route.block_density + (1 - weight) * p
+            route.block_gamma = gamma if fresh else weight * route.block_gamma + (1 - weight) * gamma
         self._local_blocks.clear()
         super()._profile()
 
-    def sparse_seconds(self, index: int) -> float:
-        if index not in self.block_density or self.unit_width(index) != self.row_width(index):
-            return super().sparse_seconds(index)  # no block profile in these units: unit figures
-        s = self.sparsity(index)
-        nbytes = omnireduce_bytes(s.units, self.block_density[index], self.block_gamma[index], s.n,
-                                  self.block_rows(index), s.unit_bytes)
-        per_peer = nbytes / max(1, 2 * (s.n - 1))
-        return self.wire_seconds(nbytes, 2 * self.exchange_steps(s.n, per_peer))
+    def sparse_traffic(self, index: int):
+        """Priced on the profiled block figures, where they are in the units routed (else the unit
+        figures, as if scattered)."""
+        route, blocks = self.routes[index], None
+        if route.block_density is not None and self.unit_width(index) == self.row_width(index):
+            blocks = (route.block_density, route.block_gamma)
+        return self.scheme_cost().traffic(self.sparsity(index), self.exchanges, blocks)
 
     def routing(self) -> dict[str, dict[str, Any]]:
         table = super().routing()
-        for i, name in enumerate(self.names):
-            table[name].update(block_density=self.block_density.get(i), block_gamma=self.block_gamma.get(i))
+        for name, route in zip(self.names, self.routes, strict=True):
+            table[name].update(block_density=route.block_density, block_gamma=route.block_gamma)
         return table
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "block_density": dict(self.block_density),
-                "block_gamma": dict(self.block_gamma)}
+        return {**super().state_dict(), **self._figures(("block_density", "block_gamma"))}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.block_density = {int(k): v for k, v in state.get("block_density", {}).items()}
-        self.block_gamma = {int(k): v for k, v in state.get("block_gamma", {}).items()}
-        super().load_state_dict(state)
+    def load_routes(self, state: dict[str, Any]) -> None:
+        super().load_routes(state)
+        for name in ("block_density", "block_gamma"):
+            for i, value in state.get(name, {}).items():
+                setattr(self.routes[int(i)], name, value)

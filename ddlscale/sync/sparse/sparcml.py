@@ -11,10 +11,44 @@ extra ranks in first and out at the end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, doubling_seconds
+
+
+class SparCMLCost:
+    """What SparCML moves: stage by stage of recursive doubling, the partial's pairs or its dense
+    vector, whichever it travels as, one message per stage each way; extra ranks fold in and out."""
+
+    def __init__(self, dense_threshold: str | float = "auto"):
+        self.dense_threshold = dense_threshold
+
+    def threshold(self, unit_bytes: int) -> float:
+        return break_even_density(unit_bytes) if self.dense_threshold == "auto" else float(self.dense_threshold)
+
+    def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+        core = 1 << (s.n.bit_length() - 1)
+        stages = core.bit_length() - 1
+        # Measured gamma_{2^i} where profiled, else the bound min(2^i, gamma_n).
+        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
+        switch = self.threshold(s.unit_bytes)
+
+        def message(density: float) -> float:
+            return s.units * s.unit_bytes if density > switch else density * s.units * s.pair_bytes
+
+        sizes = [message(min(1.0, gammas[i] * s.density)) for i in range(stages)]
+        if core < s.n:  # fold in (one worker's set) and out (the sum)
+            sizes += [message(s.density), message(min(1.0, s.gamma * s.density))]
+        return Traffic(sum(sizes), sum(exchanges.steps(2, b) for b in sizes))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        return doubling_seconds(model, sets, numel, unit_bytes, dense_threshold=self.threshold(unit_bytes))
 
 
 class SparCMLSync(SparseSync):
@@ -33,28 +67,13 @@ class SparCMLSync(SparseSync):
             raise ValueError(f"sync.dense_threshold must be 'auto' or a density in (0, 1], got {dense_threshold!r}")
         self.dense_threshold = dense_threshold
 
+    def scheme_cost(self) -> SparCMLCost:
+        return SparCMLCost(self.dense_threshold)
+
     def threshold(self, unit_bytes: int) -> float:
-        return break_even_density(unit_bytes) if self.dense_threshold == "auto" else float(self.dense_threshold)
+        return self.scheme_cost().threshold(unit_bytes)
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         doubling = SparseDoubling(self.sparse_comm, units, width, values.dtype,
                                   self.threshold(width * values.element_size()), self.timed)
         return doubling.run(ids, values)
-
-    def sparse_seconds(self, index: int) -> float:
-        """Stage by stage: the partial's pairs or its dense vector, whichever it travels as, one
-        message per stage each way."""
-        s = self.sparsity(index)
-        core = 1 << (s.n.bit_length() - 1)
-        stages = core.bit_length() - 1
-        # Measured gamma_{2^i} where profiled, else the bound min(2^i, gamma_n).
-        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
-        switch = self.threshold(s.unit_bytes)
-
-        def message(density: float) -> float:
-            return s.units * s.unit_bytes if density > switch else density * s.units * s.pair_bytes
-
-        sizes = [message(min(1.0, gammas[i] * s.density)) for i in range(stages)]
-        if core < s.n:  # fold in (one worker's set) and out (the sum)
-            sizes += [message(s.density), message(min(1.0, s.gamma * s.density))]
-        return self.wire_seconds(sum(sizes), sum(self.exchange_steps(2, b) for b in sizes))

@@ -33,31 +33,95 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm import Communicator
+from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import kernels, pushpull
-from ddlscale.sync.sparse.base import SparseSync, Sparsity
+from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import SparseDoubling
 from ddlscale.sync.sparse.rows import units_of
+from ddlscale.sync.sparse.traffic import (
+    Exchanges,
+    Sparsity,
+    Traffic,
+    coo_bytes,
+    doubling_seconds,
+    partitioned_seconds,
+)
 
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
 
 
-def zen_coo_bytes(units: int, density: float, gamma: float, n: int, unit_bytes: int) -> float:
-    """Push and pull as (index, row) pairs."""
-    return (INDEX_BYTES + unit_bytes) * density * units * (1 + gamma) * (n - 1) / n
+def bitmap_bytes(s: Sparsity) -> float:
+    """Push as pairs; pull as a hash bitmap (M/8 bytes in all) and the summed rows:
+    (n-1)/n M ((4 + u) d + u gamma_n d + 1/8) bytes per worker."""
+    return (s.n - 1) / s.n * s.units * ((INDEX_BYTES + s.unit_bytes) * s.density + s.unit_bytes * s.gamma * s.density
+                                        + 1 / 8)
 
 
-def zen_bitmap_bytes(units: int, density: float, gamma: float, n: int, unit_bytes: int) -> float:
-    """Push as pairs; pull as a hash bitmap (M/8 bytes in all) and the summed rows."""
-    return (n - 1) / n * units * ((INDEX_BYTES + unit_bytes) * density + unit_bytes * gamma * density + 1 / 8)
+class ZenCost:
+    """What Zen moves for one tensor under each of its schemes: Balanced Parallelism with a COO pull
+    (``bp-coo``, SYSTEMS.md's T_bp) or a hash-bitmap pull (``bp-bitmap``), and Hierarchical
+    Centralization (``hc``, T_hc), each with the messages it sends; ``scheme`` and ``pull`` limit
+    them as ``sync.scheme`` and ``sync.pull`` do. HC also pays its merges at ``merge_s_per_byte``."""
+
+    def __init__(self, scheme: str = "auto", pull: str = "auto", merge_s_per_byte: float = 0.0):
+        self.scheme, self.pull, self.merge_s_per_byte = scheme, pull, merge_s_per_byte
+
+    def traffics(self, s: Sparsity, exchanges: Exchanges) -> dict[str, Traffic]:
+        """Per scheme this tensor may take: its traffic (HC only where gamma_{2^i} were profiled,
+        unless forced)."""
+        out = {}
+        push = exchanges.steps(s.n, s.density * s.units / s.n * s.pair_bytes)
+        if self.scheme != "hc":
+            if self.pull != "bitmap":
+                pull = exchanges.steps(s.n, s.gamma * s.density * s.units / s.n * s.pair_bytes)
+                out["bp-coo"] = Traffic(coo_bytes(s), push + pull)
+            if self.pull != "coo":
+                pull = exchanges.steps(s.n, (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n)
+                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull)
+        if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
+            out["hc"] = self.hc(s, exchanges)
+        return out
+
+    def hc(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+        """T_hc over the largest power of two of participants, plus folding the others in and out:
+        stage i sends the merged units of 2^i workers (gamma_{2^i} d M pairs) in one message."""
+        core = 1 << (s.n.bit_length() - 1)
+        stages = core.bit_length() - 1
+        # Measured gamma_{2^i} where profiled (power-of-two n), else the bound min(2^i, gamma_n).
+        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
+        stage_bytes = [g * s.density * s.units * s.pair_bytes for g in gammas[:stages]]
+        nbytes, messages = sum(stage_bytes), sum(exchanges.steps(2, b) for b in stage_bytes)
+        if core < s.n:  # fold one worker's set in, and the sum out
+            fold = [s.density * s.units * s.pair_bytes, s.gamma * s.density * s.units * s.pair_bytes]
+            nbytes += sum(fold)
+            messages += sum(exchanges.steps(2, b) for b in fold)
+        # Each stage merges two partial sums on the CPU (measured cost).
+        return Traffic(nbytes, messages, self.merge_s_per_byte * 2 * sum(stage_bytes))
+
+    def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
+                          unit_bytes: int) -> float:
+        """From every worker's index set: BP through the hash partition, each server pulling COO or
+        hash bitmap, whichever is smaller, or HC's doubling, whichever is faster."""
+        n, pair = len(sets), INDEX_BYTES + unit_bytes
+        hashing = HashPartitioner(n)
+        owned = torch.bincount(hashing.server_of(torch.arange(numel)), minlength=n).tolist()
+
+        def pull(server: int, mine: torch.Tensor) -> float:
+            coo, bitmap = mine.numel() * pair, owned[server] / 8 + mine.numel() * unit_bytes
+            return {"coo": coo, "bitmap": bitmap}.get(self.pull, min(coo, bitmap))
+        bp = partitioned_seconds(model, sets, hashing.server_of, n, pair, pull)
+        hc = doubling_seconds(model, sets, numel, unit_bytes, dense_threshold=None)
+        return {"bp": bp, "hc": hc}.get(self.scheme, min(bp, hc))
 
 
 def merge_seconds_per_byte(rows: int = 1 << 12, width: int = 16, calls: int = 5, budget_s: float = 0.05,
@@ -104,7 +168,6 @@ class ZenSync(SparseSync):
             raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
         self.scheme, self.pull, self.seed = scheme, pull, seed
         self.hierarchical, self.local_size = bool(hierarchical), local_size
-        self.plans: dict[int, str] = {}  # sparse tensor -> hc, bp-coo or bp-bitmap
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
 
     def on_setup(self) -> None:
@@ -137,53 +200,35 @@ class ZenSync(SparseSync):
         return Sparsity(math.ceil(flat.units / k), min(1.0, gamma_k * d), max(1.0, min(machines, gamma / gamma_k)),
                         across, machines, flat.width, flat.unit_bytes)
 
+    def scheme_cost(self) -> ZenCost:
+        return ZenCost(self.scheme, self.pull, self.merge_s_per_byte)
+
     def plan_times(self, index: int) -> dict[str, float]:
         """The cost model's seconds for each scheme this tensor may take (SYSTEMS.md's T_bp, T_hc),
         each with the messages it sends."""
-        s = self.sparsity(index)
-        times = {}
-        push = self.exchange_steps(s.n, s.density * s.units / s.n * s.pair_bytes)
-        if self.scheme != "hc":
-            if self.pull != "bitmap":
-                pull = self.exchange_steps(s.n, s.gamma * s.density * s.units / s.n * s.pair_bytes)
-                times["bp-coo"] = self.wire_seconds(zen_coo_bytes(s.units, s.density, s.gamma, s.n, s.unit_bytes),
-                                                    push + pull)
-            if self.pull != "coo":
-                pull = self.exchange_steps(s.n, (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n)
-                times["bp-bitmap"] = self.wire_seconds(
-                    zen_bitmap_bytes(s.units, s.density, s.gamma, s.n, s.unit_bytes), push + pull)
-        if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
-            times["hc"] = self._hc_seconds(s)
-        return times
-
-    def _hc_seconds(self, s: Sparsity) -> float:
-        """T_hc over the largest power of two of participants, plus folding the others in and out:
-        stage i sends the merged units of 2^i workers (gamma_{2^i} d M pairs) in one message."""
-        core = 1 << (s.n.bit_length() - 1)
-        stages = core.bit_length() - 1
-        # Measured gamma_{2^i} where profiled (power-of-two n), else the bound min(2^i, gamma_n).
-        gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
-        stage_bytes = [g * s.density * s.units * s.pair_bytes for g in gammas[:stages]]
-        nbytes, messages = sum(stage_bytes), sum(self.exchange_steps(2, b) for b in stage_bytes)
-        if core < s.n:  # fold one worker's set in, and the sum out
-            fold = [s.density * s.units * s.pair_bytes, s.gamma * s.density * s.units * s.pair_bytes]
-            nbytes += sum(fold)
-            messages += sum(self.exchange_steps(2, b) for b in fold)
-        # Each stage merges two partial sums on the CPU (measured cost).
-        return self.wire_seconds(nbytes, messages) + self.merge_s_per_byte * 2 * sum(stage_bytes)
+        traffics = self.scheme_cost().traffics(self.sparsity(index), self.exchanges)
+        return {plan: traffic.seconds(self.network) for plan, traffic in traffics.items()}
 
     def plan(self, index: int) -> str:
         """This tensor's scheme: the fastest of :meth:`plan_times` (kept until the next profile).
         A tensor forced sparse before its first profile pulls COO, or as ``scheme``/``pull`` say."""
-        if index not in self.density:
+        route = self.routes[index]
+        if route.density is None:
             return "hc" if self.scheme == "hc" else "bp-bitmap" if self.pull == "bitmap" else "bp-coo"
-        if index not in self.plans:
+        if route.plan is None:
             times = self.plan_times(index)
-            self.plans[index] = min(times, key=times.get)
-        return self.plans[index]
+            route.plan = min(times, key=times.get)
+        return route.plan
 
-    def sparse_seconds(self, index: int) -> float:
-        return min(self.plan_times(index).values())
+    def forget_plans(self) -> None:
+        """Choose every tensor's scheme again, from the profile, when next asked."""
+        for route in self.routes:
+            route.plan = None
+
+    def sparse_traffic(self, index: int) -> Traffic:
+        """The traffic of the fastest of :meth:`plan_times`."""
+        traffics = self.scheme_cost().traffics(self.sparsity(index), self.exchanges)
+        return min(traffics.values(), key=lambda traffic: traffic.seconds(self.network))
 
     def dense_seconds(self, index: int) -> float:
         """Dense over the split the plans are priced on: all ranks, or the machines on one chunk
@@ -193,7 +238,7 @@ class ZenSync(SparseSync):
                                  self.params[index].element_size(), s.n)
 
     def _route(self) -> None:
-        self.plans.clear()  # a new profile: choose again
+        self.forget_plans()  # a new profile: choose again
         # New routes fuse new groups: drop the owned sets of the old groups' sizes.
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
@@ -263,10 +308,14 @@ class ZenSync(SparseSync):
     def state_dict(self):
         # The plans too: mid re-profile they come from the last complete profile, not the partial one saved.
         return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_byte": self.merge_s_per_byte,
-                "plans": dict(self.plans)}
+                "plans": self._figures(("plan",))["plan"]}
+
+    def load_routes(self, state) -> None:
+        super().load_routes(state)
+        # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
+        for i, plan in state.get("plans", {}).items():
+            self.routes[int(i)].plan = plan
 
     def load_state_dict(self, state) -> None:
-        # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
-        self.plans = {int(k): v for k, v in state.get("plans", {}).items()}
         self.merge_s_per_byte = float(state.get("merge_s_per_byte", 0.0))
         super().load_state_dict(state)

@@ -23,7 +23,7 @@ from ddlscale.ckpt.state.snapshot import to_bytes
 from ddlscale.ckpt.version.checksum import checksum
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, list_manifests, write_manifest
 from ddlscale.compress.memory import ResidualMemory
-from ddlscale.sync.compress.regroup import load_summed_share
+from ddlscale.sync.compressed.regroup import load_summed_share
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*isinstance.treespec, LeafSpec.*")
 

@@ -1,4 +1,4 @@
-"""What ``sync=espresso`` and ``sync=cupcake`` share: profile with dense sync, plan once, execute.
+"""The planned syncs, ``sync=espresso`` and ``sync=cupcake``: profile with dense sync, plan once, execute.
 
 1. For ``profile_steps`` steps after ``warmup_steps`` warm-up steps the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
@@ -24,12 +24,14 @@
    (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
-3. From the next step on, :class:`~ddlscale.sync.compress.CompressSync` runs the plan: per-tensor
+3. From the next step on, :class:`~ddlscale.sync.compressed.backend.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
    in ``plan_work.json``, to set beside what the model predicted for each group.
 
-The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again. A run
+The phases are types (:mod:`.session`: :class:`~.session.Phase`, the trial's :class:`~.session.Trial`),
+and the sync holds its two executors, running dense allreduce while it profiles and CompressSync from
+calibration on. The plan is part of :meth:`state_dict`, so a resumed run keeps it instead of profiling again. A run
 resumed at another world size (:meth:`PlannedSync.load_resharded`) profiles and plans again: the plan
 was made for the cluster it profiled. The error-feedback residuals and compressor state it merged
 from the saved ranks wait, laid out per tensor, through the dense steps and go into the groups that
@@ -51,12 +53,21 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.comm.cost import parse_bandwidth, parse_time
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
-from ddlscale.plan.cost import CostModel
-from ddlscale.plan.planner import allreduce_efficiency, check_plannable, configured_option, group_overhead
+from ddlscale.plan.choices import Choices, TensorChoice
+from ddlscale.plan.planner import (
+    allreduce_efficiency,
+    check_plannable,
+    configured_option,
+    cupcake_plan,
+    dense_plan,
+    espresso_plan,
+    group_overhead,
+    option_label,
+)
+from ddlscale.plan.pricing import CostModel
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -66,15 +77,18 @@ from ddlscale.plan.profile import (
     slowest_lag,
 )
 from ddlscale.plan.result import CompressionPlan
-from ddlscale.sync.compress import Plan, TensorPlan
-from ddlscale.sync.compress.backend import CompressSync
-from ddlscale.sync.compress.regroup import GroupLayout, regroup
-from ddlscale.sync.compress.schemes import GroupWork
+from ddlscale.sync.base import GradSync
+from ddlscale.sync.compressed.backend import CompressSync
+from ddlscale.sync.compressed.schemes import GroupWork
+from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
 from ddlscale.sync.dense import DenseAllreduce
+from ddlscale.units import parse_bandwidth, parse_time
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense"}
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
+
+
 def _hydra_run_dir() -> str | None:
     """The Hydra run directory when built inside a Hydra app (train.py), else None."""
     try:
@@ -85,8 +99,13 @@ def _hydra_run_dir() -> str | None:
         return None
 
 
-class PlannedSync(CompressSync):
-    """Base of the planned backends. Args:
+class PlannedSync(GradSync):
+    """Base of the planned backends. It holds its executors and runs one per phase
+    (:class:`~ddlscale.sync.compressed.session.Phase`): dense allreduce in DDP's buckets while it
+    warms up and profiles (:attr:`dense`), then CompressSync (:attr:`compressed`) on the calibration
+    groups, the candidates on trial and the kept plan. Where the session is lives in :attr:`session`.
+
+    Args:
 
     compressor, memory: as CompressSync takes them (``compressor=`` and ``memory=`` groups; a null
         memory is the compressor's default: residual for a biased one, none for an unbiased one).
@@ -110,6 +129,7 @@ class PlannedSync(CompressSync):
     run_dir: where ``plan_profile.json``, ``plan.json`` and ``plan.txt`` go (default: the Hydra run
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
+    bucket_mb, first_bucket_mb: DDP's buckets while profiling, and the dense candidate's.
     trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
         the model's choice first) take ``trial_steps`` turns each on the cluster, round robin, a turn
         being one settling step on the candidate's groups and one measured step; the plan with the
@@ -129,9 +149,11 @@ class PlannedSync(CompressSync):
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
-        super().__init__(compressor=compressor, comm=comm, memory=memory,
-                         memory_beta=memory_beta, hierarchical=False, local_size=gpus_per_machine,
-                         fusion="tensor", bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        super().__init__()
+        self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
+                                       hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
+                                       bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         check_plannable(compressor, f"sync={self.system}")
         if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
@@ -151,24 +173,17 @@ class PlannedSync(CompressSync):
                                   ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
-        self.warmup_steps = warmup_steps
-        self.calibrate_steps, self.settle_steps = calibrate_steps, settle_steps
-        self.calibrating = False
-        self._calibration_ends: list[float] = []  # perf_counter at each calibration step's end
-        self.trial_steps = trial_steps
-        self.trial: dict[str, Any] | None = None  # candidates on trial, while they run
-        self._dense_buckets = False  # whether the buckets are profiling's (set as they are assigned)
+        self.session = PlanningSession(warmup_steps, profile_steps, settle_steps, calibrate_steps, trial_steps)
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
-        self.profile_steps = profile_steps
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
         self.latency_requested = network_latency
         self.run_dir = run_dir if run_dir is not None else _hydra_run_dir()
         self.bench_budget_s = float(bench_budget_s)
-        self.recorder = StepRecorder()
-        self.computed: CompressionPlan | None = None  # None while profiling
+        self.computed: CompressionPlan | None = None  # the plan in force (None until planning)
         self._executed: list[list[GroupWork]] = []  # the kept plan's work per group, per step (rank 0, the last WORK_STEPS)
         self._work_steps = 0
+        self._machines_built = False
 
     # -- what a subclass decides -------------------------------------------------------------------
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
@@ -178,102 +193,83 @@ class PlannedSync(CompressSync):
         """The plans worth trying on the cluster when ``trial_steps`` > 0, the model's choice first."""
         return [self.compute_plan(profile, model)]
 
-    # -- phases ------------------------------------------------------------------------------------
+    # -- the executors -----------------------------------------------------------------------------
     @property
-    def profiling(self) -> bool:
-        return self.computed is None and not self.calibrating
+    def executor(self) -> DenseAllreduce:
+        """The executor of this phase's steps: dense allreduce while profiling, else CompressSync."""
+        return self.dense if self.session.phase.dense else self.compressed
 
     def _hierarchical_possible(self) -> bool:
-        k = self.local_size or 1
+        k = self.compressed.local_size or 1
         return 1 < k < self.world_size and self.world_size % k == 0
 
     def on_setup(self) -> None:
-        if not hasattr(self, "intra"):
-            self.intra = self.inter = None
-            if self._hierarchical_possible():  # every rank, once: plans may use them later
-                self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
+        self.dense.serve(self)
+        self.compressed.serve(self)
+        if not self._machines_built:  # every rank, once: plans may use the machine groups later
+            self._machines_built = True
+            compressed = self.compressed
+            compressed.intra = compressed.inter = None
+            if self._hierarchical_possible():
+                compressed.local_size, compressed.intra, compressed.inter = compressed.machine_communicators(
+                    compressed.local_size)
             elif self.hierarchical and self.rank == 0:
                 warnings.warn(f"sync.hierarchical=true needs machines of 1 < sync.gpus_per_machine < {self.world_size} "
-                              f"ranks dividing them (got {self.local_size}): planning flat groups only",
+                              f"ranks dividing them (got {compressed.local_size}): planning flat groups only",
                               UserWarning, stacklevel=2)
-        super().on_setup()
-
-    def _assign(self, order: list[int]) -> list[list[int]]:
-        self._dense_buckets = self.profiling
-        if self.profiling:
-            return DenseAllreduce._assign(self, order)  # DDP's buckets while measuring
-        return super()._assign(order)
-
-    def _layouts(self) -> dict[str, GroupLayout]:
-        # Dense buckets neither use nor name error feedback or compressor state: what state there is
-        # while they run (carried in by a resharded resume) is kept per tensor, and regrouped from
-        # there into the groups that follow (calibration's, a plan's) when they are built.
-        if self._dense_buckets:
-            return self._per_tensor_layouts()
-        return super()._layouts()
-
-    def _per_tensor_layouts(self) -> dict[str, GroupLayout]:
-        return {name: GroupLayout(((name, p.numel()),)) for name, p in zip(self.names, self.params, strict=True)}
-
-    def _launch_full_buckets(self) -> None:
-        if self.profiling:
-            DenseAllreduce._launch_full_buckets(self)
+        if self.session.phase.dense:
+            # Dense buckets neither use nor name error feedback or compressor state: what state there
+            # is while they run (carried in by a resharded resume) waits per tensor, and is regrouped
+            # from there into the groups that follow (calibration's, a plan's) when they are built.
+            self.dense.on_setup()
+            self.compressed.state_layouts = self.compressed.per_tensor_layouts()
         else:
-            super()._launch_full_buckets()
+            self.compressed.on_setup()
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if self.profiling:
-            self.recorder.ready(index)
-        super().on_grad_ready(index, param)
+        if self.session.phase.dense:
+            self.session.recorder.ready(index)
+        self.executor.on_grad_ready(index, param)
 
     def finish(self) -> None:
-        self.step_phase = self.phase  # what this step did, for the trainer's metrics (it may move on below)
-        if self.calibrating:
-            super().finish()
-            self._calibration_step()
+        session = self.session
+        self.step_phase = session.label  # what this step did, for the trainer's metrics (it may move on below)
+        if session.phase.dense:
+            session.recorder.backward_end()
+            self.dense.finish()
+            session.recorder.step_end()
+            if session.profiled():
+                if session.calibrate_steps and self.world_size > 1 and self.compressed.compressors["default"].name != "none":
+                    self._start_calibration()
+                else:
+                    self._plan_and_switch()
             return
-        if not self.profiling:
-            super().finish()
-            if self.trial is not None:
-                self._trial_step()
-            else:
-                self._record_work()
-            return
-        self.recorder.backward_end()
-        DenseAllreduce.finish(self)
-        self.recorder.step_end()
-        if len(self.recorder.steps) >= self.warmup_steps + self.profile_steps:
-            if self.calibrate_steps and self.world_size > 1 and self.compressors["default"].name != "none":
-                self._start_calibration()
-            else:
+        self.compressed.finish()
+        if session.phase in (Phase.SETTLE, Phase.CALIBRATE):
+            if session.calibration_step(clock.now()):
                 self._plan_and_switch()
+            elif session.settling():  # residuals and buffers allocated, warming up: its work is not kept
+                self.compressed.work.clear()
+        elif session.trial is not None:
+            self._trial_step()
+        else:
+            self._record_work()
+
+    def summary_fields(self) -> dict[str, Any]:
+        return self.compressed.summary_fields()
 
     # -- what the trainer reports: the phase of each step (metrics.csv), the kept plan (summary.json) --
-    @property
-    def phase(self) -> str:
-        """What the current step does: warmup, profile, settle, calibrate, trial settle / trial (with
-        the candidate's label), or plan (the kept plan runs)."""
-        if self.calibrating:
-            return "settle" if self._calibration_seen < self.settle_steps else "calibrate"
-        if self.computed is None:
-            return "warmup" if len(self.recorder.steps) < self.warmup_steps else "profile"
-        if self.trial is not None:
-            plan = self.trial["plans"][self.trial["index"]]
-            label = plan["context"].get("candidate", plan["system"])
-            return f"trial settle: {label}" if self.trial["seen"] == 0 else f"trial: {label}"
-        return "plan"
-
     def plan_report(self) -> dict[str, Any]:
         """The plan the run kept, for its summary: where it came from, its predicted step, and in what
         state the run left it (a short run can end before planning or during the trial)."""
-        plan = self.computed
+        plan, trial = self.computed, self.session.trial
         if plan is None:
-            return {"plan_source": None, "plan_state": f"none: the run ended in the {self.phase} phase, "
+            return {"plan_source": None, "plan_state": f"none: the run ended in the {self.session.label} phase, "
                                                       "before planning"}
-        if self.trial is not None:
-            turns = len(self.trial["plans"]) * self.trial_steps
-            return {"plan_source": None, "plan_state": f"none kept: the run ended in turn {self.trial['turn'] + 1} "
-                                                       f"of {turns} of the trial ({self.phase})"}
+        if trial is not None:
+            return {"plan_source": None, "plan_state": f"none kept: the run ended in turn {trial.turn + 1} "
+                                                       f"of {trial.turns(self.session.trial_steps)} of the trial "
+                                                       f"({self.session.label})"}
         report = {"plan_source": PLAN_SOURCES.get(plan.system, plan.system),
                   "plan_candidate": plan.context.get("candidate"),
                   "plan_predicted_step_s": plan.iteration_s, "plan_units": len(plan.units)}
@@ -286,29 +282,21 @@ class PlannedSync(CompressSync):
 
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:
-        """Every tensor compressed alone with the configured option, its work timed (self.work)."""
-        self.calibrating, self.work, self._calibration_seen, self._calibration_ends = True, [], 0, []
-        self.plan = Plan(default=TensorPlan("default", self.comm_scheme,
-                                            self.hierarchical and self._hierarchical_possible()))
-        self._check_choice(self.plan.default, "sync.comm")
+        """Every tensor compressed alone with the configured option, its work timed (CompressSync.work)."""
+        self.session.start_calibration()
+        compressed = self.compressed
+        compressed.work = []
+        compressed.choices = Choices(default=TensorChoice("default", self.comm_scheme,
+                                                          self.hierarchical and self._hierarchical_possible()))
+        compressed.check_choice(compressed.choices.default, "sync.comm")
         self.on_setup()
-
-    def _calibration_step(self) -> None:
-        self._calibration_seen += 1
-        self._calibration_ends.append(clock.now())  # a step's end: the next one's start
-        if self._calibration_seen <= self.settle_steps:  # settling: residuals and buffers allocated, warming up
-            self.work.clear()
-            self._calibration_ends = self._calibration_ends[-1:]
-        elif self._calibration_seen >= self.settle_steps + self.calibrate_steps:
-            self.calibrating = False
-            self._plan_and_switch()
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
         """The configured compressor's fits scaled by what its work cost in the calibration steps, encode
         and decode each: the median over groups and steps of (seconds in training) / (seconds the fit
         says), weighted by the latter — the large groups that dominate a step dominate it, and one
         group caught by a scheduling stall (tens of ms on an oversubscribed host) does not."""
-        work, self.work = self.work or [], None
+        work, self.compressed.work = self.compressed.work or [], None
         if not work or "default" not in costs:
             return costs
         prof = costs["default"]
@@ -316,23 +304,22 @@ class PlannedSync(CompressSync):
                                          if (fitted := sum(c * fit(n) for n, c in g.calls[kind])) > 0]) or 1.0
                  for kind, fit in (("encode", prof.encode), ("decode", prof.decode))}
         return {**costs, "default": prof.calibrated(ratio["encode"], ratio["decode"], groups=len(work),
-                                                    steps=self.calibrate_steps)}
+                                                    steps=self.session.calibrate_steps)}
 
     def calibrate_network(self, profile: Profile) -> Profile:
         """``profile`` with the allreduce efficiency that makes the model's dense step in this
         backend's buckets what the profiled dense steps took (with calibration steps on)."""
-        if not self.calibrate_steps:
+        if not self.session.calibrate_steps:
             return profile
-        factor = allreduce_efficiency(profile, self._planning_compressors(), self.first_bucket_bytes,
-                                      self.bucket_bytes)
+        factor = allreduce_efficiency(profile, self._planning_compressors(), self.dense.first_bucket_bytes,
+                                      self.dense.bucket_bytes)
         efficiency = {**profile.network.get("efficiency", {}), "allreduce": factor}
         return replace(profile, network={**profile.network, "efficiency": efficiency})
 
     def calibrate_groups(self, profile: Profile) -> Profile:
         """``profile`` with the configured compressor's per-group overhead that makes the model's
         layer-wise step take what the calibration steps took (their median period on this rank)."""
-        ends, self._calibration_ends = self._calibration_ends, []
-        periods = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+        periods = self.session.calibration_periods()
         if not periods or "default" not in profile.compressors:
             return profile
         return self._with_group_overhead(profile, statistics.median(periods))
@@ -366,7 +353,8 @@ class PlannedSync(CompressSync):
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
             profile = self.calibrate_groups(before)
             model = CostModel(profile, self._planning_compressors())
-            plans = self.candidate_plans(profile, model) if self.trial_steps else [self.compute_plan(profile, model)]
+            plans = (self.candidate_plans(profile, model) if self.session.trial_steps
+                     else [self.compute_plan(profile, model)])
             note = _calibration_note(profile)
             for candidate in plans if note else ():
                 candidate.notes.append(note)
@@ -374,12 +362,10 @@ class PlannedSync(CompressSync):
             return [candidate.to_dict() for candidate in _distinct(plans)]
 
         plans = self._decided_on_rank0(plan, "planning")
-        if len(plans) > 1:
-            self.trial = {"plans": plans, "index": 0, "turn": 0, "periods": [[] for _ in plans],
-                          "seen": 0, "last_end": None}
+        self.session.trial = Trial.of(plans) if len(plans) > 1 else None
         self.adopt(CompressionPlan.from_dict(plans[0]))
-        if self.trial is not None:
-            self.trial["last_end"] = clock.now()
+        if self.session.trial is not None:
+            self.session.trial.last_end = clock.now()
 
     def _decided_on_rank0(self, decide: Callable[[], Any], what: str) -> Any:
         """``decide()`` run on rank 0 and broadcast to every rank. An error there is raised on every
@@ -403,33 +389,26 @@ class PlannedSync(CompressSync):
     def _trial_step(self) -> None:
         """After each step on trial: time it; after a turn, hand over to the next candidate, and after
         the last turn keep the fastest."""
-        trial, now = self.trial, clock.now()
-        trial["seen"] += 1
-        if trial["seen"] > 1 and trial["last_end"] is not None:  # a turn's first step settles on new groups
-            trial["periods"][trial["index"]].append(now - trial["last_end"])
-        trial["last_end"] = now
-        if trial["seen"] < 2:
+        trial = self.session.trial
+        if not self.session.trial_step(clock.now()):
             return
-        trial["turn"] += 1
-        trial["seen"] = 0
-        if trial["turn"] < len(trial["plans"]) * self.trial_steps:
-            trial["index"] = trial["turn"] % len(trial["plans"])
-            self.adopt(CompressionPlan.from_dict(trial["plans"][trial["index"]]))
+        if not trial.over(self.session.trial_steps):
+            self.adopt(CompressionPlan.from_dict(trial.plans[trial.index]))
             return
-        measured = [[statistics.median(p) for p in trial["periods"]]]
+        measured = [trial.medians()]
         self._broadcast(measured)  # rank 0's clock decides for everyone
         medians = measured[0]
-        plans = [CompressionPlan.from_dict(d) for d in trial["plans"]]
+        plans = [CompressionPlan.from_dict(d) for d in trial.plans]
         labels = [p.context.get("candidate", p.system) for p in plans]
         checked = ", ".join(f"{label} {m * 1e3:.1f} ms (predicted {p.iteration_s * 1e3:.1f})"
                             for label, p, m in zip(labels, plans, medians, strict=True))
         best = min(range(len(medians)), key=medians.__getitem__)
         kept = plans[best]
-        kept.notes.append(f"checked on the cluster, median of {self.trial_steps} steps each (taken in turns) on "
-                          f"rank 0: {checked}; "
+        kept.notes.append(f"checked on the cluster, median of {self.session.trial_steps} steps each (taken in turns) "
+                          f"on rank 0: {checked}; "
                           f"kept {labels[best]}")
         kept.context["trial_step_s"] = dict(zip(labels, medians, strict=True))
-        self.trial = None
+        self.session.trial = None
         self.adopt(kept)
         self._save(kept)
 
@@ -440,8 +419,9 @@ class PlannedSync(CompressSync):
         prediction. The first step after adopting a plan is not timed (it rebuilds the groups)."""
         if self.rank != 0 or self.run_dir is None:
             return
-        step, self.work = self.work, []
-        if step is None or len(step) != len(self.buckets):
+        compressed = self.compressed
+        step, compressed.work = compressed.work, []
+        if step is None or len(step) != len(compressed.buckets):
             return
         self._executed = [*self._executed[1 - WORK_STEPS:], step]
         self._work_steps += 1
@@ -450,20 +430,26 @@ class PlannedSync(CompressSync):
         groups = [{"names": [self.names[i] for i in bucket.members], "numel": bucket.numel,
                    **{f"{kind}_s": statistics.median(done[b].seconds[kind] for done in self._executed)
                       for kind in ("encode", "decode", "finish")}}
-                  for b, bucket in enumerate(self.buckets)]
+                  for b, bucket in enumerate(compressed.buckets)]
         report = {"steps": len(self._executed), "groups": groups}
         (Path(self.run_dir) / WORK_FILE).write_text(json.dumps(report, indent=1))
 
     def adopt(self, plan: CompressionPlan) -> None:
-        """Execute ``plan`` from the next step on (rebuilds the groups)."""
-        executable = plan.to_plan()
-        for name, choice in executable.tensors.items():
-            self._check_choice(choice, f"plan[{name}]")
-        self.computed, self.plan = plan, executable
-        self.recorder = StepRecorder()
-        self.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
+        """Execute ``plan`` from the next step on (rebuilds the groups): a trial's candidate while the
+        session has a trial, else the kept plan."""
+        self._put_in_force(plan)
+        self.session.recorder = StepRecorder()
+        self.compressed.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
+        self.session.adopted()
         if hasattr(self, "params"):
             self.on_setup()
+
+    def _put_in_force(self, plan: CompressionPlan) -> None:
+        """``plan`` made CompressSync's choices (checked against its compressors and schemes)."""
+        choices = plan.to_choices()
+        for name, choice in choices.tensors.items():
+            self.compressed.check_choice(choice, f"plan[{name}]")
+        self.computed, self.compressed.choices = plan, choices
 
     def _measure_latency(self) -> None:
         """Every rank: time small collectives; rank 0's figures go into the profile's network."""
@@ -480,7 +466,7 @@ class PlannedSync(CompressSync):
             if failure is not None:
                 raise failure
             return 0.0
-        mine = {"spans": self.recorder.spans(self.warmup_steps),
+        mine = {"spans": self.session.recorder.spans(self.session.warmup_steps),
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
@@ -491,21 +477,22 @@ class PlannedSync(CompressSync):
         return slowest_lag([g["spans"] for g in gathered], self.rank)
 
     def _planning_compressors(self) -> dict[str, Compressor]:
-        default = self.compressors["default"]
-        return {"none": self.compressors["none"]} if default.name == "none" else {
-            "none": self.compressors["none"], "default": default}
+        compressors = self.compressed.compressors
+        default = compressors["default"]
+        return {"none": compressors["none"]} if default.name == "none" else {
+            "none": compressors["none"], "default": default}
 
     def profile_compressors(self) -> dict[str, CompressorProfile]:
         """The planning compressors' per-group costs on this rank's device, up to everything fused."""
         total = sum(p.numel() for p in self.params)  # Cupcake may fuse everything into one buffer
-        return {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.memory)
+        return {key: profile_compressor(comp, total, self.device, self.bench_budget_s, self.compressed.memory)
                 for key, comp in self._planning_compressors().items()}
 
     def build_profile(self, compressors: dict[str, CompressorProfile]) -> Profile:
         """This rank's measurements as a Profile, with ``compressors`` from :meth:`profile_compressors`."""
         order = list(self.backward_order)
-        summary = self.recorder.summary(order, self.warmup_steps)
-        default = self.compressors["default"]
+        summary = self.session.recorder.summary(order, self.session.warmup_steps)
+        default = self.compressed.compressors["default"]
         variable = default.name != "none" and not getattr(default, "fixed_size", True)
         probe = copy.deepcopy(default) if variable else None
         tensors = []
@@ -525,7 +512,7 @@ class PlannedSync(CompressSync):
                                          summary["ready_s"][position], kept))
         return Profile(tensors, summary["backward_end_s"], summary["rest_s"], self.world_size,
                        dict(self.network_config), compressors, str(self.device), summary["step_s"],
-                       summary["steps"], widens=self.memory.widens)
+                       summary["steps"], widens=self.compressed.memory.widens)
 
     def _save(self, plan: CompressionPlan, profile: Profile | None = None) -> None:
         """Print ``plan`` and write it (with ``profile``, when given) into the run directory (rank 0)."""
@@ -544,12 +531,17 @@ class PlannedSync(CompressSync):
 
     # -- checkpointed state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        trial = None if self.trial is None else {**copy.deepcopy(self.trial), "last_end": None}
-        return {**super().state_dict(), "planned": None if self.computed is None else self.computed.to_dict(),
-                "trial": trial}
+        # CompressSync's state as it saves it, with the groups of the executor in force (DDP's
+        # buckets while profiling), then the plan and the trial.
+        trial = self.session.trial
+        return {**super().state_dict(), **self.compressed.carried_state(),
+                "groups": [list(b.members) for b in self.executor.buckets],
+                "planned": None if self.computed is None else self.computed.to_dict(),
+                "trial": None if trial is None else trial.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_plan(state)
+        self.compressed.load_carried(state)
         super().load_state_dict(state)
 
     def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
@@ -560,27 +552,83 @@ class PlannedSync(CompressSync):
         The merged residuals and compressor state (total kept) are carried, not flushed into the first
         dense step: compressor state such as momenta cannot be sent and must be carried into the new
         plan's groups anyway, and residuals ride along the same way — error feedback stays exact however
-        many steps they wait. Their saved groups' layout is split per tensor here; :meth:`_layouts`
-        keeps it so through the dense steps. (A saved hierarchical group's state is refused by the base.)"""
+        many steps they wait. They wait laid out per tensor (:meth:`CompressSync.carry_per_tensor`)
+        through the dense steps. (A saved hierarchical group's state is refused.)"""
+        self.compressed.carry_per_tensor(states, world_size)
         super().load_resharded(states, rank, world_size)
-        self._restored_groups = None  # the saved groups are the old plan's; the state is re-laid out below
-        saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
-                                                                           for i in group))
-                 for group in states[0]["groups"]}
-        regroup(self._group_states(), saved, self._per_tensor_layouts())
 
     def _load_plan(self, state: dict[str, Any]) -> None:
         trial = state.get("trial")
-        # A resumed trial re-settles on its candidate's groups before it measures again.
-        self.trial = None if trial is None else {"turn": trial["index"], **copy.deepcopy(trial), "seen": 0,
-                                                 "last_end": None}
+        self.session.trial = None if trial is None else Trial.resumed(trial)
         saved = state.get("planned")
-        if saved is not None:  # before the base rebuilds the groups for the restored order
-            plan = CompressionPlan.from_dict(saved)
-            executable = plan.to_plan()
-            for name, choice in executable.tensors.items():
-                self._check_choice(choice, f"plan[{name}]")
-            self.computed, self.plan = plan, executable
+        if saved is not None:  # before the groups are rebuilt for the restored order
+            self._put_in_force(CompressionPlan.from_dict(saved))
+        if self.computed is not None:
+            self.session.adopted()
+
+
+class EspressoSync(PlannedSync):
+    """``sync=espresso``: per tensor, whether and how to compress, chosen on the simulated iteration.
+
+    After profiling, Espresso (:mod:`ddlscale.plan.espresso`) picks for every tensor one option — dense
+    allreduce, or the configured compressor under allreduce (summable payloads), allgather, alltoall,
+    gather or zen (sparsifiers), flat or hierarchical — and may fuse tensors (runs of equal options, or
+    Cupcake's groups of the configured option) where the model says it is faster. The plan, with each
+    tensor's predicted saving, is printed and saved as ``plan.txt``.
+
+    With ``trial_steps`` > 0 (the config's default: 3) the plan is checked on the cluster before it is
+    kept: Espresso's plan, Cupcake's and dense allreduce take turns for a few steps each and the fastest
+    measured stays, so a cost-model error costs those steps only.
+
+    Args (besides :class:`PlannedSync`'s):
+
+    offload: run Algorithm 2 (move some compressions to the CPU side device). CompressSync compresses
+        on the training thread only, so offloaded choices are predictions of what a side stream would
+        give, not what runs: off by default, and the plan says so when on.
+    fuse: consider fused plans (equal-option runs, Cupcake groups of ``comm``); off: one tensor each.
+    """
+
+    system = "espresso"
+
+    def __init__(self, *args, offload: bool = False, fuse: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        for key, value in (("sync.offload", offload), ("sync.fuse", fuse)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{key} must be true or false, got {value!r}")
+        self.offload, self.fuse = offload, fuse
+
+    def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        return espresso_plan(profile, model, cupcake_option=option, offload=self.offload, fuse=self.fuse)
+
+    def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
+        """Espresso's plan, then the others it must never lose to: Cupcake's groups of the configured
+        option and dense allreduce in DDP's buckets."""
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        plans = {"espresso search": self.compute_plan(profile, model),
+                 f"cupcake groups of {option_label(model, option)}":
+                     cupcake_plan(profile, model, option),
+                 "dense, DDP buckets": dense_plan(profile, model, self.dense.first_bucket_bytes,
+                                                          self.dense.bucket_bytes)}
+        for label, plan in plans.items():
+            plan.context["candidate"] = label
+        return list(plans.values())
+
+
+class CupcakeSync(PlannedSync):
+    """``sync=cupcake``: the configured compressor on fusion groups chosen by Cupcake's exact DP.
+
+    Tensors are partitioned, in backward order, into contiguous groups; each group is one flat buffer
+    compressed once with the configured compressor and aggregated by ``sync.comm`` (flat, or
+    hierarchical with ``sync.hierarchical``). The partition minimizes the simulated iteration time
+    (:mod:`ddlscale.plan.cupcake`) on the profile of the first steps. With ``compressor=none`` it plans
+    the fusion of dense allreduce alone (optimal buckets). Every argument is :class:`PlannedSync`'s.
+    """
+
+    system = "cupcake"
+
+    def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
+        return cupcake_plan(profile, model, configured_option(model, self.comm_scheme, self.hierarchical))
 
 
 def _calibration_note(profile: Profile) -> str:
@@ -616,6 +664,6 @@ def _distinct(plans: list[CompressionPlan]) -> list[CompressionPlan]:
     """``plans`` without those that execute like an earlier one (same groups, same choices)."""
     out: list[CompressionPlan] = []
     for plan in plans:
-        if all(plan.to_plan() != kept.to_plan() for kept in out):
+        if all(plan.to_choices() != kept.to_choices() for kept in out):
             out.append(plan)
     return out

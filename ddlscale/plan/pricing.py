@@ -1,13 +1,14 @@
-"""The cost of one way to synchronize one tensor (or fused group): an :class:`Option` made a TensorTask.
+"""Pricing a plan's options: the cost of one way to synchronize one tensor (or fused group), an
+:class:`Option` made a TensorTask.
 
 An option is {compressor (``none`` or the configured one), aggregation scheme, flat or hierarchical,
 compression device}. Its times come from three sources and nowhere else: the compressor's
-``payload_bytes`` for what travels, the :class:`~ddlscale.comm.cost.NetworkModel` for how long the
+``payload_bytes`` for what travels, the :class:`~ddlscale.comm.network.NetworkModel` for how long the
 collectives take, and the profiled encode/decode fits. :meth:`CostModel.task` turns (unit, option)
 into the :class:`~ddlscale.comm.timeline.TensorTask` the iteration simulator schedules, so Espresso
 and Cupcake score plans with one model.
 
-The collectives are those :class:`~ddlscale.sync.compress.CompressSync` issues (SYSTEMS.md §2):
+The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues (SYSTEMS.md §2):
 
 - ``allreduce`` (summable payloads): encode, allreduce the payload, decode once;
 - ``allgather``: encode (plus the local decode error feedback needs), exchange sizes, allgather the
@@ -45,13 +46,14 @@ import numpy as np
 import torch
 
 from ddlscale.comm import volume
-from ddlscale.comm.cost import NetworkModel, parse_time
+from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
 from ddlscale.compress.sparse import SparseCompressor
-from ddlscale.plan.choices import TensorPlan
+from ddlscale.plan.choices import TensorChoice
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile
+from ddlscale.units import parse_time
 
 DEVICES = ("compute", "side")
 SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
@@ -77,8 +79,8 @@ class Option:
         text = f"{comp}/{self.scheme}" + ("/hier" if self.hierarchical else "")
         return text + ("@side" if self.device == "side" and self.compressed else "")
 
-    def tensor_plan(self) -> TensorPlan:
-        return TensorPlan(self.compressor, self.scheme, self.hierarchical)
+    def tensor_choice(self) -> TensorChoice:
+        return TensorChoice(self.compressor, self.scheme, self.hierarchical)
 
     def on(self, device: str) -> Option:
         return replace(self, device=device)
@@ -201,7 +203,7 @@ class SchemePrice:
 
 
 # One entry per aggregation scheme a plan may name (the executing classes are in
-# ddlscale.sync.compress.schemes, under the same names): a new scheme adds its entry here.
+# ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
 PRICES: dict[str, SchemePrice] = {
     "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
     "allgather": SchemePrice(_price_allgather),

@@ -1,4 +1,4 @@
-"""The alpha-beta cost model: how long each collective takes on a cluster of machines.
+"""The network model (alpha-beta): how long each collective takes on a cluster of machines.
 
 One model serves every system that reasons about time: Zen's choice between its two sparse schemes,
 Espresso's per-tensor compression plan, Cupcake's fusion of tensors, Gemini's checkpoint chunks and
@@ -45,67 +45,18 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal
 
 import numpy as np
 
+from ddlscale.units import parse_bandwidth, parse_time
+
 BITS_PER_BYTE = 8
-WORD_BYTES = 4  # Zen counts volume in 4-byte words: an fp32 value or an int32 index
 PROJECTION_WORKERS: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024)
 COLLECTIVES: tuple[str, ...] = (
     "allreduce", "allgather", "all_to_all", "reduce_scatter", "broadcast", "gather", "send",
 )
-
-# tc's rate units. tc itself reads "bps" as *bytes* per second; here every "*bps" means bits per
-# second, the way papers write link speeds ("25 Gbps"). Scales are exact decimals, so "50us" parses
-# to the float nearest 5e-5 rather than to 50 * 1e-6.
-_BANDWIDTH_UNITS = {
-    "": "1", "bit": "1", "bps": "1",
-    "kbit": "1e3", "mbit": "1e6", "gbit": "1e9", "tbit": "1e12",
-    "kbps": "1e3", "mbps": "1e6", "gbps": "1e9", "tbps": "1e12",
-    "kibit": "1024", "mibit": "1048576", "gibit": "1073741824", "tibit": "1099511627776",
-}
-_TIME_UNITS = {
-    "": "1", "s": "1", "sec": "1", "secs": "1",
-    "ms": "1e-3", "msec": "1e-3", "msecs": "1e-3",
-    "us": "1e-6", "usec": "1e-6", "usecs": "1e-6",
-    "ns": "1e-9", "nsec": "1e-9", "nsecs": "1e-9",
-}
-_QUANTITY = re.compile(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*")
-
-
-def _parse_quantity(text: str | float, units: dict[str, str], what: str) -> float:
-    """A non-negative finite number, scaled by its (case-insensitive) unit suffix."""
-    if isinstance(text, bool):
-        raise ValueError(f"bad {what} {text!r}: expected a number with an optional unit")
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        match = _QUANTITY.fullmatch(str(text))
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in units:
-            known = ", ".join(u for u in units if u)
-            raise ValueError(f"bad {what} {text!r}: expected a number with an optional unit ({known})")
-        value = float(Decimal(match.group(1)) * Decimal(units[unit]))
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"bad {what} {text!r}: must be a finite number >= 0")
-    return value
-
-
-def parse_bandwidth(text: str | float) -> float:
-    """Bits per second from a tc-style rate: "1gbit", "100mbit", "500kbit", "25gbps", or a number.
-
-    A plain number is bit/s. "kibit"/"mibit"/"gibit" are the binary (1024-based) units.
-    """
-    return _parse_quantity(text, _BANDWIDTH_UNITS, "bandwidth")
-
-
-def parse_time(text: str | float) -> float:
-    """Seconds from a tc-style duration: "50us", "2ms", "0.1s", or a number of seconds."""
-    return _parse_quantity(text, _TIME_UNITS, "time")
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -597,63 +548,3 @@ def project(
     Trust a projection only where the model was checked against the emulated cluster (2-8 machines).
     """
     return [(n, model.time(collective, nbytes, n, algorithm)) for n in workers]
-
-
-# -- Zen's two candidate schemes -----------------------------------------------------------------
-def _check_gamma(gamma: float, workers: int) -> None:
-    if not (1.0 <= gamma <= workers):
-        raise ValueError(f"gamma_{workers} must lie in [1, {workers}], got {gamma!r}")
-
-
-def _sparse_tensor_words(M: int, d: float) -> float:
-    """Words of one worker's COO tensor: an index and a value per non-zero, 2 M d."""
-    if M < 0 or not 0.0 <= d <= 1.0:
-        raise ValueError(f"need M >= 0 and 0 <= d <= 1, got M={M!r}, d={d!r}")
-    return 2.0 * M * d
-
-
-def zen_balanced_parallelism_time(M: int, d: float, gamma_n: float, n: int, model: NetworkModel,
-                                  value_bytes: int = WORD_BYTES) -> float:
-    """Zen's Balanced Parallelism: T_bp = (n-1)/n * (gamma_n + 1) * 2 M d words / b + 2(n-1) alpha.
-
-    M: elements of the tensor; d: density of one worker's gradient; gamma_k: density after summing
-    k workers' gradients divided by d (1 <= gamma_k <= k; 1 = identical index sets, k = disjoint).
-    Each worker pushes (n-1)/n of its 2 M d words and pulls (n-1)/n of the 2 M d gamma_n words of
-    the sum. Push (all-to-all) and pull (allgather) take n-1 rounds each.
-    ``n`` counts the participants that each own a NIC: with several GPUs per machine Zen reduces
-    inside the machine first, so pass the number of machines.
-    ``value_bytes``: as in :func:`zen_hierarchical_centralization_time`; indices stay int32.
-    """
-    model.machines(n)
-    _check_gamma(gamma_n, n)
-    nonzeros = (n - 1) / n * (gamma_n + 1) * _sparse_tensor_words(M, d) / 2  # a word is an index or a value
-    return 2 * (n - 1) * model.latency_s + nonzeros * (WORD_BYTES + value_bytes) * BITS_PER_BYTE / model.bandwidth_bps
-
-
-def zen_hierarchical_centralization_time(
-    M: int, d: float, gammas: Sequence[float], n: int, model: NetworkModel, value_bytes: int = WORD_BYTES
-) -> float:
-    """Zen's Hierarchical Centralization (SparCML-like recursive doubling with merging):
-
-        T_hc = sum_{i=1..log2 n} gamma_{2^(i-1)} * 2 M d words / b + log2(n) alpha
-
-    In stage i each worker receives the merged sum of 2^(i-1) workers, of density gamma_{2^(i-1)} d.
-    ``gammas[i]`` is gamma_{2^i} for i = 0 .. log2(n)-1 (gamma_1, gamma_2, ..., gamma_{n/2}); one
-    more trailing entry (gamma_n, which HC never needs) is accepted so one profile serves both
-    schemes. ``n`` must be a power of two; see :func:`zen_balanced_parallelism_time` for M, d, n.
-    ``value_bytes``: bytes per value (a word, fp32, by default; 2 for fp16/bf16), indices stay int32.
-    """
-    model.machines(n)
-    if not _is_power_of_two(n):
-        raise ValueError(f"hierarchical centralization needs a power-of-two n, got {n}")
-    stages = n.bit_length() - 1
-    if len(gammas) not in (stages, stages + 1):
-        raise ValueError(
-            f"gammas must hold gamma_1, gamma_2, ..., gamma_{n // 2} ({stages} values, optionally "
-            f"gamma_{n} after them), got {len(gammas)}"
-        )
-    for i, gamma in enumerate(gammas):
-        _check_gamma(gamma, 1 << i)
-    nonzeros = sum(gammas[:stages]) * _sparse_tensor_words(M, d) / 2  # each of 2 words: an index and a value
-    nbytes = nonzeros * (WORD_BYTES + value_bytes)
-    return stages * model.latency_s + nbytes * BITS_PER_BYTE / model.bandwidth_bps

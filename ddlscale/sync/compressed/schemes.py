@@ -28,7 +28,7 @@ compression drops is lost: where an owner compresses a partition's sum a second 
 that second compression is in its share (and so in its residual) too.
 
 A new scheme is one :class:`Scheme` subclass registered in :data:`SCHEMES` (and priced under the
-same name in :data:`ddlscale.plan.cost.PRICES`, so the planners may choose it).
+same name in :data:`ddlscale.plan.pricing.PRICES`, so the planners may choose it).
 """
 
 from __future__ import annotations
@@ -310,7 +310,7 @@ class ZenPushPull(Scheme):
     Blocking exchanges, so they run after backward: in :meth:`finish_together`, one push and one
     pull for all of a communicator's zen groups (a group alone, or past int32 indices, in its own
     :meth:`finish`); compression runs in :meth:`start`, as the other schemes do. The cost model
-    (:mod:`ddlscale.plan.cost`) still prices zen's two rounds per group, so it overprices layer-wise
+    (:mod:`ddlscale.plan.pricing`) still prices zen's two rounds per group, so it overprices layer-wise
     zen against what runs."""
 
     name = "zen"

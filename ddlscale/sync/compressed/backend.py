@@ -31,9 +31,9 @@ from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor, Segment, pieces
 from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
 from ddlscale.compress.none import NoCompression
-from ddlscale.plan.choices import Plan, TensorPlan
-from ddlscale.sync.compress.regroup import GroupLayout, load_summed_share, regroup
-from ddlscale.sync.compress.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
+from ddlscale.plan.choices import Choices, TensorChoice
+from ddlscale.sync.compressed.regroup import GroupLayout, load_summed_share, regroup
+from ddlscale.sync.compressed.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
 FUSIONS = ("tensor", "bucket")
@@ -84,12 +84,12 @@ class CompressSync(DenseAllreduce):
     hierarchical: dense inside a machine, compressed across machines; ``local_size`` ranks per
         machine (``None``: ``LOCAL_WORLD_SIZE``).
     fusion: ``tensor`` (compress each tensor alone) or ``bucket`` (DDP's buckets, ``bucket_mb``).
-    plan: a :class:`Plan` overriding the uniform choice per tensor and the fusion groups.
+    choices: :class:`Choices` overriding the uniform choice per tensor, and the fusion groups.
     """
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str | None = None,
                  memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,
-                 fusion: str = "tensor", plan: Plan | None = None, bucket_mb: float = 25.0,
+                 fusion: str = "tensor", choices: Choices | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         scheme(comm, "sync.comm")  # validates the name
@@ -110,14 +110,17 @@ class CompressSync(DenseAllreduce):
             warnings.warn(warning, UserWarning, stacklevel=2)
         self.memory = memory
         self.fusion, self.local_size = fusion, local_size
-        self.plan = plan or Plan(default=TensorPlan("default", comm, bool(hierarchical)))
+        self.choices = choices or Choices(default=TensorChoice("default", comm, bool(hierarchical)))
         # When a list: every launched group's compressor work, as the planners' profile benchmarks
         # it, measured in training instead (one GroupWork per group and step).
         self.work: list[GroupWork] | None = None
-        for name, choice in [("default", self.plan.default), *self.plan.tensors.items()]:
-            self._check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
+        # The groups the error feedback and compressor state are laid out in now (each on_setup
+        # re-lays it out from these into the new groups).
+        self.state_layouts: dict[str, GroupLayout] = {}
+        for name, choice in [("default", self.choices.default), *self.choices.tensors.items()]:
+            self.check_choice(choice, "sync.comm" if name == "default" else f"plan[{name}]")
 
-    def _check_choice(self, choice: TensorPlan, key: str) -> None:
+    def check_choice(self, choice: TensorChoice, key: str) -> None:
         if choice.compressor not in self.compressors:
             raise ValueError(f"{key}: unknown compressor {choice.compressor!r} ({', '.join(self.compressors)})")
         if choice.scheme not in SCHEMES:
@@ -128,13 +131,13 @@ class CompressSync(DenseAllreduce):
     def on_setup(self) -> None:
         if not hasattr(self, "intra"):
             self.intra = self.inter = None
-            if self.world_size > 1 and any(c.hierarchical for c in [self.plan.default, *self.plan.tensors.values()]):
+            if self.world_size > 1 and any(c.hierarchical for c in [self.choices.default, *self.choices.tensors.values()]):
                 self.local_size, self.intra, self.inter = self.machine_communicators(self.local_size)
-        before = self._layouts() if hasattr(self, "_choices") else {}
         super().on_setup()
         self._flights: list[_Flight | None] = [None] * len(self.buckets)
-        self._choices = [self.plan.for_group([self.names[i] for i in b.members]) for b in self.buckets]
-        regroup(self._group_states(), before, self._layouts(), lambda flat: self.intra.allreduce(flat).wait())
+        self._group_choices = [self.choices.for_group([self.names[i] for i in b.members]) for b in self.buckets]
+        before, self.state_layouts = self.state_layouts, self._layouts()
+        regroup(self._group_states(), before, self.state_layouts, lambda flat: self.intra.allreduce(flat).wait())
 
     def _group_states(self) -> list[dict[str, torch.Tensor]]:
         """The per-group state of the memory and the compressors, each owner once."""
@@ -142,14 +145,14 @@ class CompressSync(DenseAllreduce):
         return [state for owner in owners for state in owner.group_states()]
 
     def _hierarchical(self, b: int) -> bool:
-        return self._choices[b].hierarchical and self.intra is not None
+        return self._group_choices[b].hierarchical and self.intra is not None
 
     def _layout(self, b: int) -> str:
         """How group ``b`` runs: flat (the whole buffer across every rank), as this rank's chunk of
         its machine's sum, or — for a compressor of matrices — whole at its machine's leader."""
         if not self._hierarchical(b):
             return FLAT
-        return LEADER if self.compressors[self._choices[b].compressor].needs_matrices else CHUNK
+        return LEADER if self.compressors[self._group_choices[b].compressor].needs_matrices else CHUNK
 
     def _key(self, b: int) -> str:
         """Group ``b``'s name in the memory and the compressors; a hierarchical group's state is
@@ -164,15 +167,19 @@ class CompressSync(DenseAllreduce):
                                           None if self._layout(b) == FLAT else machine, self._layout(b) == LEADER)
                 for b, bucket in enumerate(self.buckets)}
 
+    def per_tensor_layouts(self) -> dict[str, GroupLayout]:
+        """Every tensor a flat group of its own: how state waits while no groups of this sync run."""
+        return {name: GroupLayout(((name, p.numel()),)) for name, p in zip(self.names, self.params, strict=True)}
+
     def _segments(self, b: int) -> list[Segment]:
         """Group ``b``'s members with their matrix rows, in buffer order."""
         return [Segment.of(self.params[i].shape) for i in self.buckets[b].members]
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         restored = getattr(self, "_restored_groups", None)
-        if restored is not None and restored[0] is self.plan:  # the layout the state was saved in
+        if restored is not None and restored[0] is self.choices:  # the layout the state was saved in
             return [list(g) for g in restored[1]]
-        if self.plan.groups is not None:
+        if self.choices.groups is not None:
             return self._plan_groups(order)
         if self.fusion == "tensor":
             return [[i] for i in order]
@@ -181,7 +188,7 @@ class CompressSync(DenseAllreduce):
     def _plan_groups(self, order: list[int]) -> list[list[int]]:
         """The plan's fusion groups as indices, launched in the order their first member is ready."""
         position = {i: k for k, i in enumerate(order)}
-        groups = [[self.names.index(name) for name in names] for names in self.plan.groups]
+        groups = [[self.names.index(name) for name in names] for names in self.choices.groups]
         covered = sorted(i for g in groups for i in g)
         if covered != list(range(len(self.params))):
             raise ValueError("plan.groups must name every parameter exactly once")
@@ -207,13 +214,13 @@ class CompressSync(DenseAllreduce):
         feedback would not widen, no residual left to add. It then runs exactly as DenseAllreduce
         does — in place in the bucket — instead of paying for a copy, a residual of zeros and a copy
         back (measured: +15% step time on the cnn for a plan that compresses nothing)."""
-        choice, buffer = self._choices[b], self.buckets[b].buffer
+        choice, buffer = self._group_choices[b], self.buckets[b].buffer
         return (isinstance(self.compressors[choice.compressor], NoCompression) and choice.scheme == "allreduce"
                 and not self._hierarchical(b)
                 and buffer.dtype in (torch.float32, torch.float64) and self.memory.residual(key) is None)
 
     def _start(self, b: int) -> _Flight:
-        bucket, choice = self.buckets[b], self._choices[b]
+        bucket, choice = self.buckets[b], self._group_choices[b]
         key, layout = self._key(b), self._layout(b)
         work = None if self.work is None else GroupWork()
         if work is not None:
@@ -304,20 +311,28 @@ class CompressSync(DenseAllreduce):
     # -- checkpointed state --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # Residuals and factors are keyed by group and laid out in its buffer: save the layout too.
-        return {**super().state_dict(), "memory": self.memory.state_dict(),
-                "compressors": {k: c.state_dict() for k, c in self.compressors.items()},
-                "groups": [list(b.members) for b in self.buckets]}
+        return {**super().state_dict(), **self.carried_state(), "groups": [list(b.members) for b in self.buckets]}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def carried_state(self) -> dict[str, Any]:
+        """The error feedback and compressor state, as a checkpoint keeps it (with the groups)."""
+        return {"memory": self.memory.state_dict(),
+                "compressors": {k: c.state_dict() for k, c in self.compressors.items()}}
+
+    def load_carried(self, state: dict[str, Any]) -> None:
+        """:meth:`carried_state` back, laid out in the groups ``state["groups"]`` lists: they are this
+        sync's groups for the choices in force now; choices adopted later bring their own groups."""
         self.memory.load_state_dict(state["memory"])
         for k, c in self.compressors.items():
             c.load_state_dict(state["compressors"][k])
-        # Valid for the plan in force now; a plan adopted later brings its own groups.
-        self._restored_groups = (self.plan, [list(g) for g in state["groups"]])
+        self._restored_groups = (self.choices, [list(g) for g in state["groups"]])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.load_carried(state)
         super().load_state_dict(state)
 
-    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
-        # Error feedback and compressor memories: summed over the saved ranks and shared out, total kept.
+    def merge_carried(self, states: list[dict[str, Any]], world_size: int) -> None:
+        """This rank's share of the carried state of a run of ``len(states)`` ranks: error feedback
+        and compressor memories summed over the saved ranks and shared out, total kept."""
         load_summed_share(self.memory, [s["memory"] for s in states], world_size)
         for k, c in self.compressors.items():
             load_summed_share(c, [s["compressors"][k] for s in states], world_size)
@@ -326,7 +341,21 @@ class CompressSync(DenseAllreduce):
             raise ValueError(f"the saved error feedback of hierarchical groups ({', '.join(chunked)}) cannot be "
                              f"resharded; resume at {len(states)} workers, or save from a run with "
                              "sync.hierarchical=false")
-        self._restored_groups = (self.plan, [list(g) for g in states[0]["groups"]])
+        self._restored_groups = (self.choices, [list(g) for g in states[0]["groups"]])
+
+    def carry_per_tensor(self, states: list[dict[str, Any]], world_size: int) -> None:
+        """:meth:`merge_carried`, then that state laid out per tensor (from the saved groups), to wait
+        there until this sync builds groups: a planned sync resumed at another size profiles first."""
+        self.merge_carried(states, world_size)
+        self._restored_groups = None  # the saved groups are the old plan's
+        saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
+                                                                           for i in group))
+                 for group in states[0]["groups"]}
+        self.state_layouts = self.per_tensor_layouts()
+        regroup(self._group_states(), saved, self.state_layouts)
+
+    def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:
+        self.merge_carried(states, world_size)
         super().load_resharded(states, rank, world_size)
 
 
