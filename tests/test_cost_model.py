@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ddlscale.comm import volume
-from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel, SharedHost, project
+from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel, project
 from ddlscale.comm.timeline import Swaps, TensorTask, iteration_time, simulate
 from ddlscale.sync.sparse.traffic import ONE_SEGMENT, Sparsity
 from ddlscale.sync.sparse.zen import ZenCost
@@ -159,24 +159,6 @@ def test_direct_allgather_is_an_all_to_all_of_each_rank_piece():
     assert model.allgather(pieces, 4, algorithm="direct") == pytest.approx(3 * ALPHA + 900 * 8 / GBIT)
 
 
-def test_shared_host_adds_message_cpu_over_its_cores():
-    host = SharedHost(cores=2, message_cpu_s=1e-4, segment_bytes=1000)
-    emulated, real = gigabit(shared_host=host), gigabit()
-    # 4 ranks, 2500-byte blocks: 12 messages of 3 segments, each posted by sender and receiver.
-    assert host.operations([2500] * 12) == 72
-    extra = 72 * 1e-4 / 2
-    assert emulated.all_to_all(2500, 4) == pytest.approx(real.all_to_all(2500, 4) + extra)
-    uniform = [[0 if i == j else 2500 for j in range(4)] for i in range(4)]
-    assert emulated.all_to_all(uniform) == pytest.approx(real.all_to_all(uniform) + extra)
-    assert emulated.allgather(2500, 4, algorithm="direct") == pytest.approx(
-        real.allgather(2500, 4, algorithm="direct") + extra)
-    # Empty messages cost nothing; rings and allreduce have no host term.
-    assert host.operations([0, 0, 1]) == 2
-    assert emulated.allreduce(10**6, 4) == real.allreduce(10**6, 4)
-    with pytest.raises(ValueError, match="shared_host.cores"):
-        SharedHost(cores=0, message_cpu_s=1e-4, segment_bytes=1000)
-
-
 def test_rings_and_exchanges_across_multi_gpu_machines():
     k, intra_bps = 4, 100 * GBIT
     model = gigabit(gpus_per_machine=k)
@@ -228,8 +210,7 @@ def test_an_array_of_sizes_prices_one_collective_per_element():
     rng = random.Random(0)
     for _ in range(100):
         net = NetworkModel(rng.choice([1e8, 1e9, 1e10]), rng.choice([5e-6, 5e-5]), rng.choice([1, 2, 4]),
-                           efficiency={"allgather": 1.7, "gather": 1.1},
-                           shared_host=rng.choice([None, SharedHost(2, 3e-5, 65536)]))
+                           efficiency={"allgather": 1.7, "gather": 1.1})
         n = rng.choice([1, 2, 4, 8, 16])
         sizes = np.array([rng.choice([0.0, rng.uniform(0, 1e7), 65536.0, 65537.0]) for _ in range(20)])
         for collective in (net.allreduce, net.allgather, net.all_to_all, net.reduce_scatter, net.gather, net.broadcast):

@@ -36,8 +36,7 @@ from ddlscale.clock import ENV as DILATION_ENV
 from ddlscale.clock import parse_factor
 from ddlscale.cluster.cpucap import CpuCaps, find_controller
 from ddlscale.cluster.stop import start_time
-from ddlscale.comm.collectives import SEGMENT_BYTES
-from ddlscale.comm.network import NetworkModel, SharedHost
+from ddlscale.comm.network import NetworkModel
 from ddlscale.units import parse_bandwidth, parse_time
 
 # TCP over IPv4 over Ethernet carries 1448 payload bytes per 1514-byte frame (timestamps on): the
@@ -195,19 +194,13 @@ class EmulatedCluster:
     def namespaces(self) -> list[str]:
         return [self.namespace(i) for i in range(self.nodes)] + [self.switch]
 
-    def network_model(self, gpus_per_machine: int = 1, message_cpu_s: float | None = None) -> NetworkModel:
-        """The cost model of this cluster: payload bandwidth of its NICs, its message latency.
-
-        ``message_cpu_s`` (host CPU per message segment, calibrated by a measurement) adds the
-        emulation's own cost: all machines share this host's cores. Leave it out to model the real
-        cluster being emulated, as projections to larger clusters do.
-        """
-        host = None if message_cpu_s is None else SharedHost(os.cpu_count() or 1, message_cpu_s, SEGMENT_BYTES)
+    def network_model(self, gpus_per_machine: int = 1) -> NetworkModel:
+        """The cost model of this cluster: payload bandwidth of its NICs, its message latency. The
+        host's own share of the emulation is removed by time dilation, not modelled."""
         return NetworkModel(
             bandwidth_bps=self.bandwidth_bps * TCP_PAYLOAD_FRACTION,
             latency_s=parse_time(ALPHA) + self.latency_s,
             gpus_per_machine=gpus_per_machine,
-            shared_host=host,
         )
 
     # -- life cycle --------------------------------------------------------------------------

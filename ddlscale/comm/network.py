@@ -26,11 +26,6 @@ times ``b / 8`` is the per-rank bytes the accounted collectives charge. The mode
 respect: it splits ``nbytes`` into ``n`` equal real-valued chunks, which equals the *mean* over
 ranks of ``volume.ring_allreduce`` for any size and every rank's bytes when ``n`` divides the tensor.
 
-**One host, many machines.** An emulated cluster's machines share one host's CPU cores, which
-post, copy and bridge every message of every machine; a real cluster has no such term. The optional
-``shared_host`` adds it to the pairwise exchanges (all-to-all, direct allgather): every message
-segment costs ``message_cpu_s`` of host CPU, spread over the host's cores (see :class:`SharedHost`).
-
 **Sizes.** A size is a number or a 1-D numpy array of them; with an array, a collective's time is
 computed for every element at once (one collective per element, equal pieces): the fusion DP prices a
 whole row of candidate groups this way. Per-rank piece lists and send matrices are Python sequences.
@@ -78,43 +73,6 @@ def _larger(a: float | np.ndarray, b: float | np.ndarray) -> float | np.ndarray:
 
 
 @dataclass(frozen=True)
-class SharedHost:
-    """Machines emulated on one host: the CPU work of their messages queues on its cores.
-
-    Each point-to-point message is posted by its sender and its receiver (two operations) and cut
-    into ``segment_bytes`` pieces; an operation costs ``message_cpu_s`` of host CPU (Python posting,
-    socket copies, shaping and bridging). With ``cores`` cores the exchange lasts that work / cores
-    longer than its wire time: the host is busy alongside the wire, not instead of it.
-    """
-
-    cores: int
-    message_cpu_s: float
-    segment_bytes: int
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.cores, int) and self.cores >= 1):
-            raise ValueError(f"shared_host.cores must be an integer >= 1, got {self.cores!r}")
-        if not (math.isfinite(self.message_cpu_s) and self.message_cpu_s >= 0):
-            raise ValueError(f"shared_host.message_cpu_s must be >= 0 s, got {self.message_cpu_s!r}")
-        if not (isinstance(self.segment_bytes, int) and self.segment_bytes >= 1):
-            raise ValueError(f"shared_host.segment_bytes must be an integer >= 1, got {self.segment_bytes!r}")
-
-    def operations(self, message_bytes: Sequence[float]) -> int:
-        """Host operations for these messages: each is sent and received in ceil(bytes/segment) pieces."""
-        return sum(2 * max(1, math.ceil(b / self.segment_bytes)) for b in message_bytes if b > 0)
-
-    def seconds(self, message_bytes: Sequence[float]) -> float:
-        return self.operations(message_bytes) * self.message_cpu_s / self.cores
-
-    def message_seconds(self, nbytes: float | np.ndarray) -> float | np.ndarray:
-        """``seconds([nbytes])`` of one message, elementwise over an array of sizes."""
-        if not isinstance(nbytes, np.ndarray):
-            return self.seconds([nbytes])
-        operations = np.where(nbytes > 0, 2 * np.maximum(1, np.ceil(nbytes / self.segment_bytes)), 0)
-        return operations * self.message_cpu_s / self.cores
-
-
-@dataclass(frozen=True)
 class NetworkModel:
     """A cluster of identical machines, as the alpha-beta model sees it.
 
@@ -123,7 +81,7 @@ class NetworkModel:
     ``gpus_per_machine``: ranks per machine (k). ``intra_bandwidth_bps`` / ``intra_latency_s``: the
     per-rank link inside a machine (default 100x the NIC and 5 us, NVLink-like).
     ``efficiency``: measured/ideal time ratio per collective name (see :data:`COLLECTIVES`); a
-    missing name means 1.0. ``shared_host``: set for emulated clusters only (see :class:`SharedHost`).
+    missing name means 1.0.
     """
 
     bandwidth_bps: float
@@ -132,7 +90,6 @@ class NetworkModel:
     intra_bandwidth_bps: float | None = None
     intra_latency_s: float = 5e-6
     efficiency: dict[str, float] = field(default_factory=dict, hash=False)
-    shared_host: SharedHost | None = None
 
     def __post_init__(self) -> None:
         def require(ok: bool, key: str, value: object, rule: str) -> None:
@@ -405,8 +362,7 @@ class NetworkModel:
                 else:
                     link_out[src] += nbytes
                     link_in[dst] += nbytes
-        host = self.shared_host.seconds(messages) if self.shared_host else 0.0
-        return host + self._all_to_all_time(
+        return self._all_to_all_time(
             size, max(max(nic_out), max(nic_in)), max(max(link_out), max(link_in))
         )
 
@@ -416,8 +372,7 @@ class NetworkModel:
         local = self._ranks_per_machine(n)
         if n == 1:
             return 0.0
-        host = n * (n - 1) * self.shared_host.message_seconds(block_bytes) if self.shared_host else 0.0
-        seconds = host + self._all_to_all_time(n, local * (n - local) * block_bytes, (local - 1) * block_bytes)
+        seconds = self._all_to_all_time(n, local * (n - local) * block_bytes, (local - 1) * block_bytes)
         return self._calibrated("all_to_all", seconds)
 
     def _all_to_all_time(self, n: int, busiest_nic_bytes: float, busiest_link_bytes: float) -> float:
