@@ -25,7 +25,7 @@ SOURCE, HEADER = "zen_cuda.cu", "zen_hash.h"
 # them against the source and, where NVRTC is at hand, against the compiled PTX).
 KERNELS = ("zen_server_of", "zen_count", "zen_scatter_1", "zen_scatter_2", "zen_scatter_4", "zen_scatter_8",
            "zen_scatter_bytes", "zen_pack_bits", "zen_unpack_bits")
-OPTIONS = ("-std=c++14",)  # cupy adds the device's architecture
+OPTIONS = ("-std=c++17",)  # cupy adds the device's architecture
 WARP, THREADS = 32, 256
 MAX_SERVERS = 4096  # per-warp counters live in shared memory
 SHARED_CURSORS = 6144  # int64 cursors per block: 48 KiB, the default shared-memory limit
