@@ -72,7 +72,7 @@ class NativeKernelWarning(RuntimeWarning):
 
 
 class NativeUnavailable(RuntimeError):
-    """Why a native extension could not be loaded; ``missing_tool`` when a compiler or ninja is absent."""
+    """Why native kernels could not be loaded; ``missing_tool`` when a compiler, ninja or cupy is absent."""
 
     def __init__(self, reason: str, missing_tool: bool = False):
         super().__init__(reason)
