@@ -1,22 +1,27 @@
 """The CUDA paths, checked in one short run on a machine with a GPU (prints a comparison).
 
-    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C] [D] [E]     (default: all five)
+    PYTHONPATH=. python -m experiments.gpu_check [A] [B] [C] [D] [E] [--out=DIR]   (default: all five)
+
+--out=DIR also writes the printed lines to DIR/results.md (experiments/results/gpu_check is where a
+GPU run's comparison is committed). Without a GPU it says so and exits 0, having checked nothing.
 
 A. DDLStrategy + dense sync on one GPU over NCCL vs stock Lightning DDP (deterministic kernels):
    the final parameters must be bit-identical.
 B. DenseAllreduce on CUDA tensors across 2 processes sharing the GPU over gloo: the averages must
    equal an allreduce oracle exactly, with bytes accounted and completion timestamps set.
-C. Zen's CUDA kernels (csrc/zen_cuda.cu), built here with torch.utils.cpp_extension (about a
-   minute of nvcc), against the pure-PyTorch references bit for bit — server_of, partition,
-   group_by_server, pack_bits, unpack_bits over server counts 1-8 and 1000, all float dtypes, NaN
-   values, empty inputs — then the speedup of each over the reference run on the GPU (median of 5).
+C. Zen's CUDA kernels (csrc/zen_cuda.cu), compiled here by NVRTC through cupy (the gpu extra; no
+   nvcc), against the pure-PyTorch references bit for bit — server_of, partition, group_by_server,
+   pack_bits, unpack_bits over server counts 1-8, 1000 and 5000, all float dtypes, NaN values, empty
+   inputs, rows of 64 values — and the dispatch the syncs use (on a side stream too, and with cupy
+   hidden: the references); then a table of the cases that matched and each kernel's speedup over
+   the reference run on the GPU (median of 5).
 E. Every sparse sync on CUDA gradients (an embedding table's sparse COO rows and a sparse dense
    vector) across 2 processes over gloo (messages staged through host memory): exact against an
    allreduce oracle, each gradient back in its own layout and on its own device.
 D. CompressSync on CUDA tensors across 2 processes over gloo, every scheme: with no compression
    the averages must equal an allreduce oracle exactly; with top-k (allgather, alltoall, gather)
    they must be finite and the run must not mix devices.
-Needs torch with CUDA and pytorch-lightning (A); no Hydra.
+Needs torch with CUDA, cupy (C) and pytorch-lightning (A); no Hydra.
 """
 
 from __future__ import annotations
@@ -198,12 +203,10 @@ def _cuda_speedups(ops, size: int) -> dict[str, float]:
     return {name: round(_cuda_timing(ref) / _cuda_timing(fast), 2) for name, (ref, fast) in pairs.items()}
 
 
-def _native_cuda() -> bool:
-    """C: csrc/zen_cuda.cu against the pure-PyTorch references (CPU), then timed against them on the GPU."""
-    from ddlscale.sync.sparse import kernels, native
+def _c_cases(ops, g: torch.Generator, record) -> None:
+    """Every CUDA kernel against its reference on the CPU: sizes 0 to 3e5, every float dtype with NaNs,
+    1-8 servers, 1000 and 5000 (past the shared-memory counters), rows of 64 values, bitmaps 0-100003."""
     from ddlscale.sync.sparse.kernels import (
-        merge_rows_reference,
-        owned_sets_reference,
         pack_bits_reference,
         partition_reference,
         server_of_reference,
@@ -211,13 +214,6 @@ def _native_cuda() -> bool:
         unpack_bits_reference,
     )
 
-    try:
-        ops = native.build("cuda", verbose=False)
-    except native.NativeUnavailable as error:
-        print("C CUDA kernels: BUILD FAILED:", error)
-        return False
-    g = torch.Generator().manual_seed(0)
-    failures, cases = [], 0
     for size in (0, 1, 1000, 300_000):
         idx = torch.randint(0, 10**7, (size,), generator=g, dtype=torch.int64)
         if size:
@@ -225,92 +221,168 @@ def _native_cuda() -> bool:
         for k, dtype in enumerate((torch.float32, torch.float64, torch.bfloat16, torch.float16)):
             val = torch.randn(size, generator=g).to(dtype)
             val[: min(2, size)] = float("nan")
-            for n in (*range(1, 9), 1000):
-                seed = 0x5EED + k
-                cases += 3
+            for n in (*range(1, 9), 1000, 5000):
+                seed, case = 0x5EED + k, f"size={size} {dtype} n={n}"
                 server = server_of_reference(idx, seed, n)
-                checks = {
-                    "server_of": _same(ops.server_of(idx.cuda(), seed, n), server),
-                    "partition": _same(ops.partition(idx.cuda(), val.cuda(), seed, n),
-                                       partition_reference(idx, val, seed, n)),
-                    "group_by_server": _same(ops.group_by_server(server.cuda(), idx.cuda(), val.cuda(), n),
-                                             split_by_server_reference(server, idx, val, n)),
-                }
-                failures += [f"{name} size={size} {dtype} n={n}" for name, ok in checks.items() if not ok]
+                record("server_of", _same(ops.server_of(idx.cuda(), seed, n), server), case)
+                record("partition", _same(ops.partition(idx.cuda(), val.cuda(), seed, n),
+                                          partition_reference(idx, val, seed, n)), case)
+                record("group_by_server", _same(ops.group_by_server(server.cuda(), idx.cuda(), val.cuda(), n),
+                                                split_by_server_reference(server, idx, val, n)), case)
+    rows, row_ids = torch.randn(3000, 64, generator=g), torch.randperm(10**6, generator=g)[:3000]
+    record("partition", _same(ops.partition(row_ids.cuda(), rows.cuda(), 7, 8),
+                              partition_reference(row_ids, rows, 7, 8)), "rows of 64 floats")
     for length in (*range(0, 70), 100_003):
         mask = torch.rand(length, generator=g) < 0.4
         bitmap = pack_bits_reference(mask)
-        cases += 2
-        if not _same(ops.pack_bits(mask.cuda()), bitmap):
-            failures.append(f"pack_bits length={length}")
-        if not _same(ops.unpack_bits(bitmap.cuda(), length + 3), unpack_bits_reference(bitmap, length + 3)):
-            failures.append(f"unpack_bits length={length}")
-    # The dispatch the sparse syncs use, on CUDA tensors: an embedding's rows (64 values each),
-    # the owned sets, and the row merge (its reference runs on the GPU).
-    rows = torch.randn(3000, 64, generator=g)
-    row_ids = torch.randperm(10**6, generator=g)[:3000].sort().values
-    other_ids = torch.randperm(10**6, generator=g)[:2000].sort().values
-    other_rows = torch.randn(2000, 64, generator=g)
-    cases += 3
-    if not _same(kernels.partition(row_ids.cuda(), rows.cuda(), 7, 8), partition_reference(row_ids, rows, 7, 8)):
-        failures.append("kernels.partition of rows on CUDA")
-    merged, reference = kernels.merge_rows(row_ids.cuda(), rows.cuda(), other_ids.cuda(), other_rows.cuda()), \
-        merge_rows_reference(row_ids, rows, other_ids, other_rows)
-    if not (_same_bits(merged[0], reference[0]) and _same_bits(merged[1], reference[1])):
-        failures.append("kernels.merge_rows on CUDA")
-    owned, counts = owned_sets_reference(100_003, 7, 8)
-    if counts != torch.bincount(server_of_reference(torch.arange(100_003).cuda(), 7, 8), minlength=8).tolist():
-        failures.append("owned set sizes from the CUDA hash")
-    print(f"C CUDA kernels vs references: {cases - len(failures)}/{cases} identical", failures[:10])
+        record("pack_bits", _same(ops.pack_bits(mask.cuda()), bitmap), f"length={length}")
+        record("unpack_bits", _same(ops.unpack_bits(bitmap.cuda(), length + 3),
+                                    unpack_bits_reference(bitmap, length + 3)), f"length={length}")
 
-    for size in (10**5, 10**6, 10**7):
-        print(f"C speedup over the reference on the GPU at {size:.0e} non-zeros, 8 servers:", _cuda_speedups(ops, size))
+
+def _c_dispatch(ops, g: torch.Generator, record) -> None:
+    """What the sparse syncs call, on CUDA tensors: with cupy, on a side stream, and with cupy hidden."""
+    from ddlscale.sync.sparse import kernels, native
+    from ddlscale.sync.sparse.kernels import merge_rows_reference, partition_reference
+
+    rows, row_ids = torch.randn(3000, 64, generator=g), torch.randperm(10**6, generator=g)[:3000].sort().values
+    other_rows, other_ids = torch.randn(2000, 64, generator=g), torch.randperm(10**6, generator=g)[:2000].sort().values
+    expected = partition_reference(row_ids, rows, 7, 8)
+    record("dispatch", isinstance(native.cuda_ops(), type(ops)), "native.cuda_ops() gives the cupy kernels")
+    record("dispatch", _same(kernels.partition(row_ids.cuda(), rows.cuda(), 7, 8), expected), "partition")
+    merged = kernels.merge_rows(row_ids.cuda(), rows.cuda(), other_ids.cuda(), other_rows.cuda())
+    reference = merge_rows_reference(row_ids, rows, other_ids, other_rows)
+    record("dispatch", _same_bits(merged[0], reference[0]) and _same_bits(merged[1], reference[1]), "merge_rows")
+    side, ids_gpu, rows_gpu = torch.cuda.Stream(), row_ids.cuda(), rows.cuda()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # inputs written late on a busy side stream: the kernels must queue behind
+        torch.cuda._sleep(100_000_000)
+        got = kernels.partition(ids_gpu * 1, rows_gpu * 1, 7, 8)
+    torch.cuda.current_stream().wait_stream(side)
+    record("dispatch", _same(got, expected), "on a side stream")
+    saved_loaded, saved_module = native._loaded, sys.modules.get("cupy")
+    try:  # the gpu extra absent: the references, silently
+        native._loaded, sys.modules["cupy"] = {}, None
+        hidden = kernels.partition(row_ids.cuda(), rows.cuda(), 7, 8)
+        record("dispatch", native.cuda_ops() is None and _same(hidden, expected), "cupy hidden: references")
+    finally:
+        native._loaded = saved_loaded
+        if saved_module is not None:
+            sys.modules["cupy"] = saved_module
+
+
+def _native_cuda() -> bool:
+    """C: Zen's CUDA kernels (csrc/zen_cuda.cu, compiled by NVRTC through cupy) against the pure-PyTorch
+    references bit for bit, the dispatch around them, then their speed against the references on the GPU."""
+    from ddlscale.sync.sparse import native
+
+    try:
+        ops = native.build("cuda")
+    except native.NativeUnavailable as error:
+        _say(f"C CUDA kernels unavailable: {error}")
+        return False
+    table: dict[str, list[int]] = {}
+    failures: list[str] = []
+
+    def record(op: str, ok: bool, case: str) -> None:
+        table.setdefault(op, [0, 0])[0] += bool(ok)
+        table[op][1] += 1
+        if not ok:
+            failures.append(f"{op} {case}")
+
+    g = torch.Generator().manual_seed(0)
+    _c_cases(ops, g, record)
+    _c_dispatch(ops, g, record)
+    speedups = {size: _cuda_speedups(ops, size) for size in (10**5, 10**6, 10**7)}
+    _say("C CUDA kernels through cupy vs the pure-PyTorch references (8 servers for the speedups):")
+    _say("| op | identical | speedup at 1e5 | 1e6 | 1e7 |")
+    _say("|---|---|---|---|---|")
+    for op, (same, total) in table.items():
+        ups = [f"{speedups[size].get(op, '-')}" for size in sorted(speedups)]
+        _say(f"| {op} | {same}/{total} | " + " | ".join(ups) + " |")
+    if failures:
+        _say(f"C differences ({len(failures)}): " + "; ".join(failures[:10]))
     return not failures
 
 
+_LINES: list[str] = []
+
+
+def _say(line: str) -> None:
+    """Print a result line and keep it for results.md."""
+    print(line, flush=True)
+    _LINES.append(line)
+
+
+def _write(out: str, ok: bool) -> None:
+    import datetime
+    import pathlib
+
+    try:
+        import cupy
+
+        cupy_version = cupy.__version__
+    except ImportError:
+        cupy_version = "not installed"
+    path = pathlib.Path(out) / "results.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = [f"# GPU check: {'PASSED' if ok else 'FAILED'}", "",
+            f"Regenerate: `python -m experiments.gpu_check {' '.join(sys.argv[1:])}`", "",
+            f"{torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+            f"cupy {cupy_version}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", ""]
+    path.write_text("\n".join(head + _LINES) + "\n")
+    print("wrote", path)
+
+
+def _check_a() -> bool:
+    from pytorch_lightning.strategies import DDPStrategy
+
+    from ddlscale.strategy import DDLStrategy
+    from ddlscale.workloads import LSTMLanguageModel, ResNetCNN
+
+    ok = True
+    for name, make in {"cnn": ResNetCNN, "lstm": LSTMLanguageModel}.items():
+        ours = _fit(DDLStrategy(start_method="popen"), make)
+        ddp = _fit(DDPStrategy(), make)
+        ok &= ours == ddp
+        _say(f"A {name} on 1 GPU, NCCL: ddlscale {ours[:12]} ddp {ddp[:12]} identical={ours == ddp}")
+    return ok
+
+
+def _across_two_ranks(section: str, worker, what: str, passed) -> bool:
+    from ddlscale.cluster import run_workers
+
+    results = run_workers(worker, 2, start_method="spawn")
+    _say(f"{section} {what}, 2 ranks over gloo: {results}")
+    return all(passed(r) for r in results)
+
+
 def main(argv: list[str] | None = None) -> int:
-    sections = set(argv if argv is not None else sys.argv[1:]) or {"A", "B", "C", "D", "E"}
+    args = list(sys.argv[1:] if argv is None else argv)
+    outs = [a.split("=", 1)[1] for a in args if a.startswith("--out=")]
+    sections = {a for a in args if not a.startswith("--out=")} or {"A", "B", "C", "D", "E"}
     if not torch.cuda.is_available():
-        print("no CUDA device: nothing to check")
+        print("gpu_check: no CUDA device here (torch.cuda.is_available() is False), so nothing was checked. "
+              "Run it on a machine with an NVIDIA GPU after pip install -e '.[gpu]'.")
         return 0
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     ok = True
     if "C" in sections:
         ok &= _native_cuda()
     if "B" in sections:
-        from ddlscale.cluster import run_workers
-
-        results = run_workers(_dense_on_cuda, 2, start_method="spawn")
-        print("B dense sync on CUDA tensors, 2 ranks over gloo:", results)
-        ok &= all(r["exact"] and r["stamped"] for r in results)
+        ok &= _across_two_ranks("B", _dense_on_cuda, "dense sync on CUDA tensors",
+                                lambda r: r["exact"] and r["stamped"])
     if "D" in sections:
-        from ddlscale.cluster import run_workers
-
-        results = run_workers(_compress_on, 2, start_method="spawn")
-        print("D compressed sync on CUDA tensors, 2 ranks over gloo:", results)
-        ok &= all(v is True for r in results for v in r.values())
+        ok &= _across_two_ranks("D", _compress_on, "compressed sync on CUDA tensors",
+                                lambda r: all(v is True for v in r.values()))
     if "E" in sections:
-        from ddlscale.cluster import run_workers
-
-        results = run_workers(_sparse_on, 2, start_method="spawn")
-        print("E sparse syncs on CUDA gradients, 2 ranks over gloo:", results)
-        ok &= all(v is True for r in results for v in r.values())
-    if "A" not in sections:
-        print("GPU CHECK", "PASSED" if ok else "FAILED", torch.cuda.get_device_name(0))
-        return 0 if ok else 1
-
-    from pytorch_lightning.strategies import DDPStrategy
-
-    from ddlscale.strategy import DDLStrategy
-    from ddlscale.workloads import LSTMLanguageModel, ResNetCNN
-
-    for name, make in {"cnn": ResNetCNN, "lstm": LSTMLanguageModel}.items():
-        ours = _fit(DDLStrategy(start_method="popen"), make)
-        ddp = _fit(DDPStrategy(), make)
-        same = ours == ddp
-        ok &= same
-        print(f"A {name} on 1 GPU, NCCL: ddlscale {ours[:12]} ddp {ddp[:12]} identical={same}")
-    print("GPU CHECK", "PASSED" if ok else "FAILED", torch.cuda.get_device_name(0))
+        ok &= _across_two_ranks("E", _sparse_on, "sparse syncs on CUDA gradients",
+                                lambda r: all(v is True for v in r.values()))
+    if "A" in sections:
+        ok &= _check_a()
+    _say(f"GPU CHECK {'PASSED' if ok else 'FAILED'} {torch.cuda.get_device_name(0)}")
+    for out in outs:
+        _write(out, ok)
     return 0 if ok else 1
 
 

@@ -1,15 +1,23 @@
 """Loading the native kernels (``csrc/``): build once, cache, and say which op may run natively.
 
-This module only finds the compiled extension for a device; :mod:`ddlscale.sync.sparse.kernels`
-holds each op's pure-PyTorch definition beside its dispatch, and asks :func:`ops_for` whether the
-extension should run it on the given tensors (``NATIVE_FROM``).
+This module only finds the kernels for a device; :mod:`ddlscale.sync.sparse.kernels` holds each op's
+pure-PyTorch definition beside its dispatch, and asks :func:`ops_for` whether the kernels should run
+it on the given tensors (``NATIVE_FROM``).
 
-The C++ extension is compiled on first use with ``torch.utils.cpp_extension`` into
+CPU: the C++ extension is compiled on first use with ``torch.utils.cpp_extension`` into
 ``$DDLSCALE_EXT_DIR`` (default ``~/.cache/ddlscale/ext``), under a name that carries a hash of the
 sources, flags and torch version: edits rebuild, and every later process (spawned workers too)
 imports the cached library without calling the compiler. When it cannot be had (``DDLSCALE_NATIVE=0``,
 no compiler, no ninja, a failed build) one :class:`NativeKernelWarning` names the reason and the
-references run. The CUDA extension is only tried when ``torch.cuda.is_available()``.
+references run.
+
+CUDA: ``csrc/zen_cuda.cu`` runs through cupy (:mod:`.cuda_ops`: NVRTC at run time, tensors shared by
+DLPack), tried only when ``torch.cuda.is_available()``. Without cupy (the ``gpu`` extra not installed)
+the references run silently, the reason kept for :func:`unavailable_reason`; a cupy that cannot
+compile the kernels warns once. The CUDA kernels are no longer built with ``cpp_extension``: that
+needed nvcc and a CUDA toolkit matching torch's on the GPU machine, which pip-installed environments
+rarely have, and a second, C++ launcher for the same kernels; through cupy the same source needs
+neither, for a few microseconds of Python per launch.
 """
 
 from __future__ import annotations
@@ -24,21 +32,25 @@ import threading
 import warnings
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from ddlscale.sync.sparse.cuda_ops import CudaOps
+
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
-SOURCES = {"cpu": ["zen_cpu.cpp", "zen_hash.h"], "cuda": ["zen_cuda.cu", "zen_hash.h"]}
+SOURCES = {"cpu": ["zen_cpu.cpp", "zen_hash.h"]}  # CUDA: cuda_ops.SOURCE and HEADER, through cupy
 CFLAGS = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined into this library: without it, serial
 LDFLAGS = ["-fopenmp"]
-CUDA_FLAGS = ["-O3"]
 
 # Smallest input (elements) from which the native kernel measurably beat the reference on this
 # project's 2-core machine (experiments/results/native_kernels/results.md): every op won at every
 # size measured, 1 to 1e7 elements, by 2.5-20x, so all start at 0. An op missing here never runs
 # natively. CUDA: the kernels replace a chain of elementwise launches (fmix64 alone is ten) and a
 # general sort by one fused pass and a counting sort, so they run from the first element; no GPU
-# has timed them yet (experiments/gpu_check.py section C does, and checks them bit for bit).
+# has timed them yet (experiments/gpu_check.py section C does, and checks them bit for bit). The CUDA
+# ops not listed (owned_sets, merge_rows) have no CUDA kernel.
 NATIVE_FROM: dict[tuple[str, str], int] = {
     ("cpu", "server_of"): 0,
     ("cpu", "partition"): 0,
@@ -60,7 +72,7 @@ class NativeKernelWarning(RuntimeWarning):
 
 
 class NativeUnavailable(RuntimeError):
-    """Why a native extension could not be loaded; ``missing_tool`` when a compiler or ninja is absent."""
+    """Why native kernels could not be loaded; ``missing_tool`` when a compiler, ninja or cupy is absent."""
 
     def __init__(self, reason: str, missing_tool: bool = False):
         super().__init__(reason)
@@ -76,13 +88,15 @@ def module_name(kind: str) -> str:
     digest = hashlib.sha256()
     for source in SOURCES[kind]:
         digest.update((CSRC / source).read_bytes())
-    flags = CUDA_FLAGS if kind == "cuda" else CFLAGS + LDFLAGS
-    digest.update(f"{flags}{torch.__version__}{sys.version_info[:2]}{platform.machine()}".encode())
+    digest.update(f"{CFLAGS + LDFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}".encode())
     return f"ddlscale_zen_{kind}_{digest.hexdigest()[:16]}"
 
 
-def build(kind: str, verbose: bool = False) -> ModuleType:
-    """Import the cached extension, building it first if needed; raises :class:`NativeUnavailable`."""
+def build(kind: str, verbose: bool = False):
+    """``kind``'s kernels: the cached CPU extension (built first if needed) or the CUDA kernels compiled
+    through cupy; raises :class:`NativeUnavailable`."""
+    if kind == "cuda":
+        return _cuda_through_cupy()
     if any(not (CSRC / s).is_file() for s in SOURCES[kind]):
         raise NativeUnavailable(f"sources not found under {CSRC}")
     name = module_name(kind)
@@ -116,14 +130,11 @@ def _compile(kind: str, name: str, directory: Path, verbose: bool) -> ModuleType
         raise NativeUnavailable(f"no C++ compiler ({compiler!r} is not on PATH)", missing_tool=True)
     if not cpp_extension.is_ninja_available():
         raise NativeUnavailable("ninja is not installed (pip install ninja)", missing_tool=True)
-    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
-        raise NativeUnavailable("no CUDA toolkit (nvcc) found", missing_tool=True)
     directory.mkdir(parents=True, exist_ok=True)
     try:  # torch serializes concurrent builds of one directory with a lock file
         return cpp_extension.load(
             name, [str(CSRC / s) for s in SOURCES[kind] if not s.endswith(".h")], build_directory=str(directory),
-            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS if kind == "cpu" else [],
-            extra_cuda_cflags=CUDA_FLAGS, extra_include_paths=[str(CSRC)], verbose=verbose,
+            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=verbose,
         )
     except Exception as error:  # compiler errors arrive as RuntimeError / CalledProcessError
         text = str(error)
@@ -131,13 +142,31 @@ def _compile(kind: str, name: str, directory: Path, verbose: bool) -> ModuleType
         raise NativeUnavailable(f"build failed: {' | '.join(lines[:3]) or text[:300]}") from error
 
 
+def _cuda_through_cupy():
+    """The CUDA kernels compiled by NVRTC for the current device; raises :class:`NativeUnavailable`."""
+    try:
+        import cupy
+    except ImportError as error:
+        absent = isinstance(error, ModuleNotFoundError) and error.name == "cupy"  # the optional gpu extra
+        reason = "cupy is not installed (pip install -e '.[gpu]')" if absent else f"cupy does not import: {error}"
+        raise NativeUnavailable(reason, missing_tool=absent) from error
+    from ddlscale.sync.sparse.cuda_ops import CudaOps
+
+    try:
+        return CudaOps(cupy)
+    except Exception as error:  # NVRTC's compile log, a missing libnvrtc, a driver cupy cannot use
+        first = next((ln.strip() for ln in str(error).splitlines() if "error" in ln.lower()), str(error)[:300])
+        raise NativeUnavailable(f"cupy could not compile csrc/zen_cuda.cu: {type(error).__name__}: {first}") \
+            from error
+
+
 # kind -> loaded extension or None; tests swap in a fresh dict to load again.
-_loaded: dict[str, ModuleType | None] = {}
+_loaded: dict[str, Any] = {}
 _reasons: dict[str, str] = {}
 _lock = threading.Lock()  # one load attempt, hence one warning, per process
 
 
-def _ops(kind: str) -> ModuleType | None:
+def _ops(kind: str) -> Any:
     loaded = _loaded
     if kind in loaded:
         return loaded[kind]
@@ -147,7 +176,7 @@ def _ops(kind: str) -> ModuleType | None:
     return loaded[kind]
 
 
-def _load(kind: str) -> ModuleType | None:
+def _load(kind: str) -> Any:
     if os.environ.get("DDLSCALE_NATIVE", "1") == "0":
         reason = "disabled by DDLSCALE_NATIVE=0"
     elif kind == "cuda" and not torch.cuda.is_available():
@@ -158,6 +187,9 @@ def _load(kind: str) -> ModuleType | None:
             return build(kind)
         except NativeUnavailable as error:
             reason = str(error)
+            if kind == "cuda" and error.missing_tool:
+                _reasons[kind] = reason
+                return None  # the gpu extra was not asked for: the references are the documented default
     _reasons[kind] = reason
     warnings.warn(f"ddlscale native {kind} kernels unavailable ({reason}); using the pure-PyTorch references",
                   NativeKernelWarning, stacklevel=4)
@@ -168,7 +200,7 @@ def cpu_ops() -> ModuleType | None:
     return _ops("cpu")
 
 
-def cuda_ops() -> ModuleType | None:
+def cuda_ops() -> CudaOps | None:
     return _ops("cuda")
 
 
