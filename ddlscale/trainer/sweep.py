@@ -26,4 +26,4 @@ def check_jobs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], Dic
         try:
             check_config(compose(list(overrides)))
         except ConfigError as exc:
-            raise SweepRefused(f"sweep job {number} ({' '.join(overrides)}), before any job ran: {exc}") from None
+            raise SweepRefused(f"{exc} (in sweep job {number}: {' '.join(overrides)}; no job ran)") from None
