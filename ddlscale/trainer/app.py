@@ -273,25 +273,32 @@ def run(
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)
     started = time.time()
-    with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
-        try:
-            with stop.stop_on_signals() if launching else contextlib.nullcontext():
-                summary = _run(cfg, launch, info, overrides or [], config)
-        except ConfigError:
-            raise  # refused before anything started: train.py removes the run directory
-        except BaseException as exc:
-            signal_name = stop.received() if launching else None
-            if signal_name is not None:
-                print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
-                raise stop.StopRequested(signal.Signals[signal_name]) from exc
-            if not launching or not isinstance(exc, Exception):
-                raise
-            # Past validation: the traceback goes to train.log, the run directory keeps a failed summary.
-            traceback.print_exc()
-            print_summary(failed_summary(output_dir, info, exc, started), output_dir)
-            raise RunFailed(f"{type(exc).__name__}: {exc}"[:500]) from exc
-        if summary and reporting:
-            print_summary(summary, output_dir)
+    failure: list[str] = []  # the traceback of a failure past validation, for train.log alone
+    try:
+        with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
+            try:
+                with stop.stop_on_signals() if launching else contextlib.nullcontext():
+                    summary = _run(cfg, launch, info, overrides or [], config)
+            except ConfigError:
+                raise  # refused before anything started: train.py removes the run directory
+            except BaseException as exc:
+                signal_name = stop.received() if launching else None
+                if signal_name is not None:
+                    print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
+                    raise stop.StopRequested(signal.Signals[signal_name]) from exc
+                if not launching or not isinstance(exc, Exception):
+                    raise
+                # Past validation: the run directory keeps a failed summary, train.log the traceback.
+                failure.append(traceback.format_exc())
+                print_summary(failed_summary(output_dir, info, exc, started), output_dir)
+                raise RunFailed(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            if summary and reporting:
+                print_summary(summary, output_dir)
+    except RunFailed:
+        if rank0 and failure:
+            with open(output_dir / "train.log", "a") as log:
+                log.write(failure[0])
+        raise
     return summary
 
 
