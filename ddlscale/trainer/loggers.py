@@ -105,7 +105,8 @@ class RunWandbLogger(WandbLogger):
     @rank_zero_only
     def finalize(self, status: str) -> None:
         super().finalize(status)
-        if self._experiment is not None:
+        if self._experiment is not None and not getattr(self, "_run_finished", False):
+            self._run_finished = True  # Lightning may finalize twice (a failed fit, then its teardown)
             self._experiment.finish(exit_code=0 if status == "success" else 1)
 
 
