@@ -15,7 +15,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from ddlscale.cluster.stop import StopRequested
-from ddlscale.trainer import ConfigError, discard_refused_run, run, runinfo
+from ddlscale.trainer import ConfigError, RunFailed, discard_refused_run, run, runinfo
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
@@ -30,6 +30,8 @@ def main(cfg: DictConfig) -> float | None:
         sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
         discard_refused_run(output_dir, sweep_dir)
         sys.exit(f"ddlscale: invalid config: {exc}")
+    except RunFailed as failed:  # its summary, printed above, names the run directory and train.log
+        sys.exit(f"ddlscale: the run failed: {failed} (the traceback is in train.log)")
     except StopRequested as stop:
         sys.exit(128 + stop.signum)  # the shell's convention for "ended by signal N"
     return summary.get("final_loss")

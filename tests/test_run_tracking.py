@@ -175,19 +175,20 @@ def test_compare_gathers_a_sweep_into_a_table_and_a_plot(tmp_path, capsys):
     sweep = tmp_path / "sweep"
     result = _train("-m", "seed=1,2", *TINY, "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *QUIET)
     assert result.returncode == 0, result.stderr[-3000:]
-    names = [json.loads((sweep / job / "summary.json").read_text())["run_name"] for job in ("0", "1")]
+    jobs = ("0-dense-cnn,seed=1", "1-dense-cnn,seed=2")  # each job's folder: its number and run name
+    names = [json.loads((sweep / job / "summary.json").read_text())["run_name"] for job in jobs]
     assert names == ["dense-cnn,seed=1", "dense-cnn,seed=2"]  # what differs between the jobs
     out = tmp_path / "table"
     assert compare.main([str(sweep), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     header, *rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
     assert "| run | seed |" in header and "final loss" in header and len(rows) == 2
-    assert rows[0].startswith("| 0 | 1 |") and rows[1].startswith("| 1 | 2 |")
+    assert rows[0].startswith("| dense-cnn,seed=1 | 1 |") and rows[1].startswith("| dense-cnn,seed=2 | 2 |")
     with (out / "compare.csv").open() as handle:
         table = list(csv.DictReader(handle))
     assert [row["seed"] for row in table] == ["1", "2"] and all(row["status"] == "finished" for row in table)
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG" and (out / "compare.md").exists()
-    assert len(compare.curves(sweep / "0")["step_loss"][0]) == 3
+    assert len(compare.curves(sweep / jobs[0])["step_loss"][0]) == 3
 
 
 def test_help_documents_every_option_and_import_registers_the_strategy():

@@ -36,7 +36,7 @@ def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeou
     raise AssertionError(f"no {steps} steps in {timeout} s")
 
 
-@pytest.mark.parametrize("how", ["sigterm-to-launcher", "ctrl-c-to-group"])
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", "sigint-to-launcher", "ctrl-c-to-group"])
 def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
     out = tmp_path / "run"
     launcher = _train(*TINY, "trainer.max_steps=100000", f"hydra.run.dir={out}", *QUIET)
@@ -46,8 +46,10 @@ def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
         assert len(started) >= 2  # the spawned workers (and multiprocessing's resource tracker)
         signum = signal.SIGTERM if how == "sigterm-to-launcher" else signal.SIGINT
         sent = time.monotonic()
-        if signum == signal.SIGTERM:
-            os.kill(launcher.pid, signum)  # what `timeout`, schedulers and `kill` do: the launcher alone
+        if how.endswith("-to-launcher"):
+            # What `timeout`, schedulers and `kill` do: the launcher alone (it stops its workers with
+            # SIGTERM; the summary said SIGTERM even when the launcher got SIGINT).
+            os.kill(launcher.pid, signum)
         else:
             os.killpg(launcher.pid, signum)  # a terminal's Ctrl-C: the whole foreground group
         while time.monotonic() - sent < 10 and any(start_time(p) == t for p, t in started.items()):
@@ -62,6 +64,10 @@ def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["stopped_by"] == signum.name
     assert summary["steps"] >= 3 and summary["final_loss"] is not None and summary["sync"] == "dense"
+    steps = [line.split(",") for line in (out / "metrics.csv").read_text().splitlines()]
+    column = steps[0].index("step_loss")
+    logged = [row for row in steps[1:] if row[column]]
+    assert summary["steps"] == len(logged) and summary["final_loss"] == float(logged[-1][column])
     assert f"interrupted ({signum.name})" in output and f"run directory: {out}" in output
     assert "Traceback" not in output
 

@@ -96,8 +96,9 @@ def test_sweep_runs_each_job_once_and_seed_reproduces(tmp_path):
     sweep = tmp_path / "sweep"
     result = _train("-m", "sync=dense", "seed=1,1,2", "trainer.max_steps=3", f"hydra.sweep.dir={sweep}", *QUIET)
     assert result.returncode == 0, result.stderr[-3000:]
-    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
-    assert [p.name for p in jobs] == ["0", "1", "2"], "each job once, no re-sweeping children"
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name[0].isdigit())
+    assert [p.name for p in jobs] == ["0-dense-lstm,seed=1", "1-dense-lstm,seed=1", "2-dense-lstm,seed=2"], \
+        "each job once, named by its number and what it sweeps, no re-sweeping children"
     summaries = [json.loads((job / "summary.json").read_text()) for job in jobs]
     assert all(s["world_size"] == 2 for s in summaries)
     assert summaries[0]["param_sha256"] == summaries[1]["param_sha256"]  # same seed, same bits

@@ -10,31 +10,38 @@ moves to the next when one stops answering. ``--rdzv-conf`` takes torch's own et
 ``protocol=https``, ``ca_cert``, ``ssl_cert``, ``ssl_cert_key``, ``read_timeout``.
 
 Registered through torchrun's plug-in entry point (``torchrun.handlers`` in pyproject.toml), so
-``torchrun --rdzv-backend=ddlscale-etcd`` works wherever ddlscale is installed.
+``torchrun --rdzv-backend=ddlscale-etcd`` works wherever ddlscale is installed. torch loads every
+such entry point whenever anything imports its rendezvous package (Lightning does, on every run), so
+this module imports torch's etcd modules only when a handler is built: they need python-etcd and
+urllib3 (the ``etcd`` extra), and without them torch would print a traceback on every run.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
-from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
-from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
-
-from ddlscale.cluster.control_plane import EtcdAddress
-
 BACKEND = "ddlscale-etcd"
 
 
-class EveryMemberBackend(EtcdRendezvousBackend):
-    """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for)."""
+def _backend_class() -> type:
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 
-    @property
-    def name(self) -> str:
-        return BACKEND
+    class EveryMemberBackend(EtcdRendezvousBackend):
+        """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for)."""
+
+        @property
+        def name(self) -> str:
+            return BACKEND
+
+    return EveryMemberBackend
 
 
 def create_handler(params: Any) -> Any:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dynamic_handler
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+    from ddlscale.cluster.control_plane import EtcdAddress
+
     protocol = params.get("protocol", "http").strip().lower()
     tls = {name: params.get(key) for name, key in (("ca_cert", "ca_cert"), ("cert", "ssl_cert"), ("key", "ssl_cert_key"))
            if params.get(key)}
@@ -44,7 +51,7 @@ def create_handler(params: Any) -> Any:
     address = EtcdAddress.parse(f"{scheme}://{params.endpoint}")
     address = EtcdAddress(address.endpoints, address.protocol, tls)
     client = address.client(float(params.get_as_int("read_timeout", 60)))
-    backend = EveryMemberBackend(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
+    backend = _backend_class()(client, params.run_id, key_prefix="/torch/elastic/rendezvous")
     return dynamic_handler(EtcdStore(client, "/torch/elastic/store"), backend, params)
 
 

@@ -75,14 +75,17 @@ def _cell(value: Any, scale: float | None, digits: int | None) -> str:
 
 def table(runs: list[Path], summaries: list[dict[str, Any]], columns: list[str] | None = None
           ) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the comparison: run, what differs, then the figures."""
+    """Header and rows of the comparison: run (its name), what differs, then the figures."""
     keys = differing(summaries)
     figures = columns or list(FIGURES)
     header = ["run", *keys, *(FIGURES.get(k, (k,))[0] for k in figures)]
+    names = [s.get("run_name") for s in summaries]
+    if None in names or len(set(names)) < len(names):  # runs that share a name go by their folders
+        names = [str(run) for run in runs]
     rows = []
-    for run, summary in zip(runs, summaries, strict=True):
+    for name, summary in zip(names, summaries, strict=True):
         overrides = _overrides(summary)
-        rows.append([run.name if run.name.isdigit() and len(runs) > 1 else str(run),
+        rows.append([name,
                      *(overrides.get(k, str(summary.get(k, ""))) for k in keys),
                      *(_cell(summary.get(k), *FIGURES.get(k, (k, None, None))[1:]) for k in figures)])
     return header, rows

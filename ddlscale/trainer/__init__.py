@@ -10,7 +10,7 @@ warnings.filterwarnings("ignore", message=r".*torch.distributed.nn.functional.al
 from ddlscale.trainer import help, runinfo  # noqa: E402  (their config resolvers: --help, run_name)
 from ddlscale.trainer.app import ConfigError, build_trainer, check_config, run  # noqa: E402
 from ddlscale.trainer.metrics import StepMetrics, param_sha256  # noqa: E402
-from ddlscale.trainer.report import discard_refused_run  # noqa: E402
+from ddlscale.trainer.report import RunFailed, discard_refused_run  # noqa: E402
 
-__all__ = ["ConfigError", "StepMetrics", "build_trainer", "check_config", "discard_refused_run", "help",
+__all__ = ["ConfigError", "RunFailed", "StepMetrics", "build_trainer", "check_config", "discard_refused_run", "help",
            "param_sha256", "run", "runinfo"]

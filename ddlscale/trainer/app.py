@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import replace
@@ -33,9 +34,10 @@ from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Laun
 from ddlscale.cluster.emulated import MAX_NODES, unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
 from ddlscale.strategy import DDLStrategy
+from ddlscale.trainer import pairing, rundir
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
-from ddlscale.trainer.report import print_summary, stopped_summary
+from ddlscale.trainer.report import RunFailed, failed_summary, print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
 from ddlscale.trainer.runlog import run_log
 from ddlscale.trainer.signals import StopOnSignals
@@ -118,6 +120,10 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
     if kind == "emulated":
         _check_emulated(cfg)
     _check_sync_keys(cfg)
+    try:
+        pairing.check_strategy_runs_sync(cfg)
+    except pairing.MismatchedChoices as exc:
+        raise ConfigError(str(exc)) from None
     if not _sync_components(cfg):  # compressor= and memory= fit the sync, and the sync accepts them
         _build("sync", cfg.sync)  # any other sync checks its own keys here too
     if OmegaConf.select(cfg, "strategy._target_") is not None:
@@ -256,24 +262,43 @@ def run(
         keep_freed_memory()
     launch = launch_context(cfg, output_dir)
     check_config(cfg, launch)
+    if not launch.is_worker:
+        try:
+            rundir.check_continues_or_fresh(cfg, output_dir, sweep=_in_sweep())
+        except rundir.RunDirectoryTaken as exc:
+            raise ConfigError(str(exc)) from None
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
     launching = not launch.is_worker
     rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)
     started = time.time()
-    with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
-        try:
-            with stop.stop_on_signals() if launching else contextlib.nullcontext():
-                summary = _run(cfg, launch, info, overrides or [], config)
-        except BaseException as exc:
-            signal_name = stop.received() if launching else None
-            if signal_name is None:
-                raise
-            print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
-            raise stop.StopRequested(signal.Signals[signal_name]) from exc
-        if summary and reporting:
-            print_summary(summary, output_dir)
+    failure: list[str] = []  # the traceback of a failure past validation, for train.log alone
+    try:
+        with run_log(output_dir / "train.log") if rank0 else contextlib.nullcontext():
+            try:
+                with stop.stop_on_signals() if launching else contextlib.nullcontext():
+                    summary = _run(cfg, launch, info, overrides or [], config)
+            except ConfigError:
+                raise  # refused before anything started: train.py removes the run directory
+            except BaseException as exc:
+                signal_name = stop.received() if launching else None
+                if signal_name is not None:
+                    print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
+                    raise stop.StopRequested(signal.Signals[signal_name]) from exc
+                if not launching or not isinstance(exc, Exception):
+                    raise
+                # Past validation: the run directory keeps a failed summary, train.log the traceback.
+                failure.append(traceback.format_exc())
+                print_summary(failed_summary(output_dir, info, exc, started), output_dir)
+                raise RunFailed(f"{type(exc).__name__}: {exc}"[:500]) from exc
+            if summary and reporting:
+                print_summary(summary, output_dir)
+    except RunFailed:
+        if rank0 and failure:
+            with open(output_dir / "train.log", "a") as log:
+                log.write(failure[0])
+        raise
     return summary
 
 
@@ -314,6 +339,13 @@ def _run(cfg: DictConfig, launch: Launch, info: dict[str, Any], overrides: list[
     if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
         return {}
     return json.loads(summary_path.read_text())
+
+
+def _in_sweep() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _checkpointer(trainer: pl.Trainer) -> Checkpointer | None:

@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from lightning_fabric.utilities.logger import _add_prefix
+from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
@@ -31,6 +32,7 @@ class _ContinuedWriter(ExperimentWriter):
 
     def __init__(self, log_dir: str) -> None:
         self.text: dict[str, str] = {}  # columns for the next row
+        self._continued = False  # earlier rows checked against this run's first step
         super().__init__(log_dir)
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
@@ -43,9 +45,30 @@ class _ContinuedWriter(ExperimentWriter):
         """Nothing to warn about or delete: see the class doc."""
 
     def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        if not self._continued and step is not None:
+            self._continue_before(step)
         super().log_metrics(metrics_dict, step)
         self.metrics[-1].update(self.text)
         self.text = {}
+
+    def _continue_before(self, step: int) -> None:
+        """Keep the earlier rows of steps before this run's first: a run resumed from an older version
+        than the last step logged redoes the steps after it, whose rows it replaces (and says so)."""
+        self._continued = True
+        if not self._fs.isfile(self.metrics_file_path):
+            return
+        with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+            reader = csv.DictReader(file)
+            header, rows = reader.fieldnames or [], list(reader)
+        kept = [row for row in rows if not row.get("step", "").isdigit() or int(row["step"]) < step]
+        if len(kept) == len(rows):
+            return
+        with self._fs.open(self.metrics_file_path, "w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=header)
+            writer.writeheader()
+            writer.writerows(kept)
+        print(f"metrics.csv: {len(rows) - len(kept)} rows of steps >= {step} from an earlier run replaced by "
+              "this run's", flush=True)
 
 
 class RunCSVLogger(CSVLogger):
@@ -74,6 +97,19 @@ class RunCSVLogger(CSVLogger):
         self.experiment.text.update(_add_prefix(text, self._prefix, self.LOGGER_JOIN_CHAR))
 
 
+class RunWandbLogger(WandbLogger):
+    """Lightning's W&B logger, except that the run is finished when training ends: W&B writes a run's
+    ``config.yaml`` and ``wandb-summary.json`` (what ``wandb sync`` and the W&B page show) when it is
+    finished, and Lightning never finishes it, so an offline run left its config in the binary log only."""
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        super().finalize(status)
+        if self._experiment is not None and not getattr(self, "_run_finished", False):
+            self._run_finished = True  # Lightning may finalize twice (a failed fit, then its teardown)
+            self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+
 def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
     """A nested dict as one level of dotted keys; lists become JSON text, None stays None."""
     if isinstance(tree, dict):
@@ -92,6 +128,11 @@ def record_config(loggers: list[Logger], config: dict[str, Any]) -> None:
     """Give every logger the run's flattened config (its hyper-parameters)."""
     for logger in loggers:
         logger.log_hyperparams(config)
+        if isinstance(logger, TensorBoardLogger):
+            # Lightning writes hparams.yaml once, with the model's hyper-parameters it logs first: rewrite
+            # it with the whole config (the model's keys kept), as the logger's help promises.
+            os.makedirs(logger.log_dir, exist_ok=True)
+            save_hparams_to_yaml(os.path.join(logger.log_dir, logger.NAME_HPARAMS_FILE), logger.hparams)
 
 
 @rank_zero_only

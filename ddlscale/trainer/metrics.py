@@ -12,6 +12,10 @@ row. (No reduction over ranks per step: logging must not add collectives to what
 
 A run stopped by a signal or an error still writes its summary, from rank 0's figures alone
 (``status``: ``interrupted`` or ``failed``): the other ranks may be gone, so nothing is gathered.
+
+A planned sync (Espresso, Cupcake) spends its first steps profiling and trying candidates: its
+summary's medians are those of the kept plan's steps (``sync_phase`` plan), and each planning phase's
+medians are reported apart (``sync_phase_medians``, rank 0's), so that the figures describe the plan.
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ from ddlscale.trainer.loggers import record_config, record_summary
 def _median_after_warmup(values: list[float]) -> float:
     kept = values[1:] if len(values) > 1 else values
     return statistics.median(kept) if kept else float("nan")
+
+
+PLAN_PHASE = "plan"  # a planned sync's steps under the plan it kept
+
+
+def _phase_medians(history: dict[str, list[float]], phases: list[str]) -> dict[str, dict[str, float]]:
+    """Per phase (in the order the run went through them): its steps and rank 0's medians."""
+    out: dict[str, dict[str, float]] = {}
+    for phase in dict.fromkeys(phases):
+        rows = [i for i, p in enumerate(phases) if p == phase]
+        figures = {name: statistics.median(history[key][i] for i in rows)
+                   for name, key in (("step_time_s", "step_time_s"), ("sync_time_s", "sync_time_s"),
+                                     ("bytes_sent_per_step", "bytes_sent"))}
+        out[phase] = {"steps": len(rows), **{k: v if math.isfinite(v) else None for k, v in figures.items()}}
+    return out
 
 
 def _per_op(records: list[Any]) -> dict[str, tuple[int, float]]:
@@ -75,12 +94,17 @@ class StepMetrics(pl.Callback):
                             "encode_time_s", "comm_time_s", "decode_time_s", "collectives", "cpu_s")
         }
         self.phases: dict[str, int] = {}  # steps per sync phase, for backends that have phases
+        self.step_phases: list[str] = []  # each recorded step's phase (empty: a sync without phases)
         self.ops: list[dict[str, tuple[int, float]]] = []  # per step: collective op -> (count, seconds in flight)
         self._step_start: float | None = None
         self._step_cpu = 0.0  # the process's CPU seconds (all its threads) at the step's start
         self._last_step_end: float | None = None  # for the period: one optimizer step's end to the next
         self._step_loss: torch.Tensor | None = None
         self._last_global_step = 0
+        # The newest step whose metrics.csv row is written (Lightning logs a step's row after the
+        # callbacks' on_train_batch_end), with its loss: what a run that stops reports, so that its
+        # summary and its rows agree whichever line the signal or error interrupted.
+        self._logged = (0, 0)  # (that step, how many steps of history this process had recorded then)
         self._started = False  # training ran in this process (not so in a spawn launcher's own)
         self._written = False
 
@@ -90,10 +114,18 @@ class StepMetrics(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._started, self._last_global_step = True, trainer.global_step
+        self._logged = (trainer.global_step, len(self.history["loss"]))
         if trainer.is_global_zero and self.config:
             record_config(trainer.loggers, {**self.config, "world_size": trainer.world_size})
 
+    def _confirm_logged(self) -> None:
+        """The step recorded last is logged once the loop is past its end (the next batch, or the end)."""
+        recorded = min(len(values) for values in self.history.values())
+        if self._last_global_step > self._logged[0] and recorded > self._logged[1]:
+            self._logged = (self._last_global_step, recorded)
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._confirm_logged()
         if self._step_start is None:
             self._step_start, self._step_cpu = clock.now(), time.process_time()
 
@@ -138,6 +170,7 @@ class StepMetrics(pl.Callback):
         phase = getattr(sync, "step_phase", None)
         if phase is not None:
             self.phases[phase] = self.phases.get(phase, 0) + 1
+            self.step_phases.append(phase)
             for logger in trainer.loggers:
                 if callable(getattr(logger, "annotate", None)):
                     logger.annotate(sync_phase=phase)
@@ -167,7 +200,8 @@ class StepMetrics(pl.Callback):
         return int(batch_size) * trainer.world_size * trainer.accumulate_grad_batches
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        h = self.history
+        self._confirm_logged()
+        h = self._reported(self.history)
         local = torch.tensor(
             [
                 _median_after_warmup(h["step_time_s"]),
@@ -225,7 +259,9 @@ class StepMetrics(pl.Callback):
         signal_name = exception.name if isinstance(exception, stop.StopRequested) else stop.received()
         if signal_name is None and isinstance(exception, KeyboardInterrupt):
             signal_name = "SIGINT"
-        h = self.history
+        logged_step, kept = self._logged
+        # Figures of the logged steps only: a step the exception cut short has no row, so none here.
+        h = self._reported({key: values[:kept] for key, values in self.history.items()})
         step_time = _median_after_warmup(h["step_time_s"])
         summary = {
             **self.run_info,
@@ -234,7 +270,7 @@ class StepMetrics(pl.Callback):
             "figures_from": "rank 0 alone (the run did not finish)",
             "dilation": clock.dilation(),
             "world_size": trainer.world_size,
-            "steps": trainer.global_step,
+            "steps": logged_step,  # as many as metrics.csv has rows (trainer.global_step may count one more)
             "final_loss": h["loss"][-1] if h["loss"] else None,
             "samples_per_s": self._global_batch(trainer) / step_time if step_time > 0 else None,
             "step_time_s": step_time,
@@ -251,6 +287,14 @@ class StepMetrics(pl.Callback):
         }
         self._write(trainer, summary)
 
+    def _reported(self, history: dict[str, list[float]]) -> dict[str, list[float]]:
+        """The steps the summary's medians are of: a planned sync's kept-plan steps once it has some."""
+        phases = self.step_phases[:len(history["loss"])]
+        if PLAN_PHASE not in phases:
+            return history
+        rows = [i for i, phase in enumerate(phases) if phase == PLAN_PHASE]
+        return {key: [values[i] for i in rows] for key, values in history.items()}
+
     def _sync_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What the backend says of itself (a planned sync's kept plan) and the steps of each phase."""
         sync = self._sync(trainer)
@@ -263,6 +307,11 @@ class StepMetrics(pl.Callback):
             figures["routing"] = routing()
         if self.phases:
             figures["sync_phase_steps"] = dict(self.phases)
+            recorded = min(len(values) for values in self.history.values())
+            phases = self.step_phases[:recorded]
+            figures["medians_of"] = ("the kept plan's steps (sync_phase plan), the first skipped"
+                                     if PLAN_PHASE in phases else "every step: the run kept no plan")
+            figures["sync_phase_medians"] = _phase_medians(self.history, phases)
         if self.ops:
             figures["collective_ops"] = _ops_summary(self.ops)
         return figures

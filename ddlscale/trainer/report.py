@@ -14,18 +14,37 @@ from typing import Any
 from ddlscale.trainer.loggers import metrics_rows
 
 
+class RunFailed(RuntimeError):
+    """The run failed after its config was accepted; its ``failed`` summary and train.log are written."""
+
+
 def stopped_summary(output_dir: Path, info: dict[str, Any], signal_name: str, since: float) -> dict[str, Any]:
     """The summary rank 0 wrote when the run (started at ``since``, epoch seconds) stopped, or, where
     it could not (killed in a collective, or a strategy whose workers write none), what metrics.csv
-    says, marked as such."""
+    says, marked as such. ``stopped_by`` is the signal the launcher got: its workers were stopped by
+    the SIGTERM it sent them whatever the user sent it."""
+    return _ended_summary(output_dir, info, since, "interrupted", signal_name)
+
+
+def failed_summary(output_dir: Path, info: dict[str, Any], error: BaseException, since: float) -> dict[str, Any]:
+    """The summary of a run that failed (an error, not a signal): rank 0's ``failed`` summary where it
+    wrote one, else what metrics.csv says (it may hold no step: a worker that failed while starting)."""
+    return _ended_summary(output_dir, info, since, "failed", f"{type(error).__name__}: {error}"[:500])
+
+
+def _ended_summary(output_dir: Path, info: dict[str, Any], since: float, status: str, cause: str) -> dict[str, Any]:
     path = output_dir / "summary.json"
     if path.exists() and path.stat().st_mtime >= since:  # not an earlier run's in the same directory
-        return json.loads(path.read_text())
-    rows = [row for row in metrics_rows(output_dir) if row.get("step_loss")]
-    summary = {**info, "status": "interrupted", "stopped_by": signal_name,
-               "figures_from": "metrics.csv (no rank wrote a summary before it stopped)",
-               "steps": int(rows[-1]["step"]) + 1 if rows else 0,
-               "final_loss": float(rows[-1]["step_loss"]) if rows else None}
+        summary = json.loads(path.read_text())
+        if summary.get("status") == "finished" or (status == "failed" and summary.get("status") == "failed"):
+            return summary  # a worker's own error says more than what the launcher caught of it
+        summary.update(status=status, stopped_by=cause)
+    else:
+        rows = [row for row in metrics_rows(output_dir) if row.get("step_loss")]
+        summary = {**info, "status": status, "stopped_by": cause,
+                   "figures_from": "metrics.csv (no rank wrote a summary before it stopped)",
+                   "steps": int(rows[-1]["step"]) + 1 if rows else 0,
+                   "final_loss": float(rows[-1]["step_loss"]) if rows else None}
     output_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -7,6 +7,7 @@ to every logger, and used to name the run (``run_name``, wandb's run name).
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,7 +94,16 @@ def run_name() -> str:
     return (",".join([name, *parts]))[:MAX_NAME]
 
 
+def job_dir() -> str:
+    """A sweep job's folder: its number (the order it ran in), then its run name, a single path part."""
+    hydra = _hydra()
+    number = hydra.job.num if hydra is not None else 0
+    name = run_name().replace(os.sep, "_").lstrip(".")
+    return f"{number}-{name}"
+
+
 OmegaConf.register_new_resolver("ddlscale_run_name", run_name, replace=True)
+OmegaConf.register_new_resolver("ddlscale_job_dir", job_dir, replace=True)
 
 
 @functools.cache
