@@ -361,7 +361,7 @@ def _exact_step(sync, params, rank, world, step):
 
 def _espresso_steps(rank, world, bandwidth, latency="100us"):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
+    sync = EspressoSync(TopK(ratio=1.0), trial_steps=0, memory="none", profile_steps=1, network_bandwidth=bandwidth,
                         network_latency=latency, run_dir=None, settle_steps=1)
     sync.setup(params)
     exact = []
@@ -379,7 +379,7 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
 
 def _failing_profile_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
+    sync = EspressoSync(TopK(ratio=1.0), trial_steps=0, memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
                         settle_steps=1)
     sync.setup(params)
     if rank == 1:
@@ -473,7 +473,7 @@ def test_trial_candidates_without_a_compressor():
 
 def _hierarchical_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)
+    sync = EspressoSync(None, trial_steps=0, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)
     sync.setup(params)
     exact = []
     for step in range(4):
