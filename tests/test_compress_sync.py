@@ -239,7 +239,10 @@ def test_error_feedback_on_a_compressor_that_is_no_contraction_warns():
     with pytest.warns(UserWarning, match="compressor.unbiased=false or memory=none"):
         CompressSync(RandomK(ratio=0.1), memory="residual")
     with pytest.warns(UserWarning, match="unscaled signs"):
-        CompressSync(build_compressor("signum"), memory="residual")
+        CompressSync(build_compressor("signsgd", vote=False), memory="residual")
+    for name, kwargs in (("signum", {}), ("signsgd", {"scaled": True})):  # a vote: refused, not warned
+        with pytest.raises(ValueError, match="memory=residual with compressor=.* compressor.vote=true"):
+            CompressSync(build_compressor(name, **kwargs), memory="residual")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CompressSync(RandomK(ratio=0.1, unbiased=False), memory="residual")  # contractive: fine

@@ -61,6 +61,7 @@ class Job:
     share: torch.Tensor | None = None  # this rank's share of the result (None: ``local``)
     state: dict[str, Any] = field(default_factory=dict)
     work: GroupWork | None = None  # when given, timed_work adds to it
+    feedback: bool = False  # error feedback subtracts ``shared``: every rounding of the result must be in a share
 
     @property
     def shared(self) -> torch.Tensor:
@@ -156,11 +157,28 @@ def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.T
 
 
 class Allreduce(Scheme):
+    """Sum the payloads with an allreduce. A payload narrower than the tensor (fp16/bf16 casts) sums
+    in its own precision, and that rounding — several times each rank's cast error — would be in no
+    rank's share. Under error feedback such a group is therefore reduced as a ring allreduce is,
+    reduce-scatter then allgather, with the owner of each partition summing the n 16-bit pieces in
+    float32 and casting the sum once (:class:`AllToAll`: the same bytes on the wire); the cast's
+    error stays in the owner's share, so the shares sum to the result exactly."""
+
     name = "allreduce"
     needs_summable = True
 
+    @staticmethod
+    def rounds(job: Job) -> bool:
+        """Whether summing ``job``'s payloads would round below the tensor's precision unaccounted."""
+        wire_dtype = getattr(job.compressor, "wire_dtype", None)
+        return job.feedback and wire_dtype is not None and wire_dtype.itemsize < job.tensor.element_size()
+
     def start(self, job: Job) -> None:
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
+            return
+        if self.rounds(job):
+            job.state["owners"] = AllToAll()
+            job.state["owners"].start(job)
             return
         with timed_work(job.work, "encode", job.tensor.numel(), 1):
             compressed = job.compressor.compress(job.tensor, job.name, job.segments)
@@ -184,6 +202,8 @@ class Allreduce(Scheme):
             total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce, own)])
             job.local = torch.cat([t.reshape(-1) for t in own])
             return total
+        if "owners" in job.state:
+            return job.state["owners"].finish(job)
         for pending in job.state["pending"]:
             pending.wait()
         with timed_work(job.work, "decode", job.tensor.numel(), 1):
