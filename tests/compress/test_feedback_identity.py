@@ -43,6 +43,8 @@ def _cases(rank, world, scheme):
                 continue
             if scheme == "zen" and not isinstance(compressor, SparseCompressor):
                 continue
+            if scheme != "allreduce" and hasattr(compressor, "reduce"):  # PowerSGD: allreduce only (refused)
+                continue
             sync = CompressSync(compressor, comm=scheme, memory="residual", hierarchical=hierarchical, local_size=2)
             sync.intra, sync.inter = base.intra, base.inter
             params = [(n, torch.nn.Parameter(torch.zeros(shape))) for n, shape in SHAPES.items()]

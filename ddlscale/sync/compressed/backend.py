@@ -270,7 +270,8 @@ class CompressSync(DenseAllreduce):
             job = Job(comm, compressor, compensated.reshape(-1), key, segments, work=work,
                       feedback=self.memory.name != "none")
             chosen = scheme(choice.scheme)
-            chosen.start(job)
+            with compressor.agreed(job.tensor, comm):
+                chosen.start(job)
         return _Flight(job, chosen, compensated, key, layout, work=work)
 
     def finish(self) -> None:

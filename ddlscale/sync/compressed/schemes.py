@@ -98,6 +98,8 @@ class Scheme:
     name = "?"
     needs_summable = False
     divisible = False  # cuts a group into flat partitions (a compressor of matrices cannot follow)
+    reencodes = False  # an owner compresses the aggregate again (a vote's tie cannot be sent in 1 bit)
+    carries_powersgd = False  # PowerSGD's shared-Q power iteration needs summed factors
 
     def check(self, compressor: Compressor, key: str) -> None:
         """Refuse a compressor this scheme cannot carry (before training starts)."""
@@ -106,10 +108,22 @@ class Scheme:
                 f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
                 f"{compressor.name} is not summable; use allgather, alltoall or gather"
             )
+        if self.reencodes and getattr(compressor, "vote", False) is True:
+            raise ValueError(
+                f"{key}: scheme {self.name} re-encodes each aggregate with the compressor, and "
+                f"{compressor.name}'s majority vote (+1, -1, or 0 on a tie) does not fit its 1-bit code; "
+                f"use allgather"
+            )
         if self.divisible and compressor.needs_matrices:
             raise ValueError(
                 f"{key}: scheme {self.name} cuts each group into flat partitions, but compressor "
-                f"{compressor.name} compresses whole matrices; use allreduce, allgather or gather"
+                f"{compressor.name} compresses whole matrices; use allreduce"
+            )
+        if not self.carries_powersgd and hasattr(compressor, "reduce"):
+            raise ValueError(
+                f"{key}: compressor {compressor.name} is Vogels et al.'s algorithm under allreduce only (one "
+                f"shared Q on every rank, a rank-r sum); under {self.name} each rank would run its own power "
+                f"iteration. Use sync.comm=allreduce"
             )
 
     def start(self, job: Job) -> None:
@@ -166,6 +180,7 @@ class Allreduce(Scheme):
 
     name = "allreduce"
     needs_summable = True
+    carries_powersgd = True
 
     @staticmethod
     def rounds(job: Job) -> bool:
@@ -237,6 +252,7 @@ class AllToAll(Scheme):
 
     name = "alltoall"
     divisible = True
+    reencodes = True
 
     def start(self, job: Job) -> None:
         n = job.comm.size
@@ -290,6 +306,7 @@ class GatherBroadcast(Scheme):
     """Centralized: rank 0 decodes and sums every payload, re-compresses and broadcasts the sum."""
 
     name = "gather"
+    reencodes = True
 
     def start(self, job: Job) -> None:
         compressed, message = _compress_whole(job)
