@@ -10,7 +10,7 @@ alpha 150 us) with top-k 1%, its encode/decode fitted to experiments/compressor_
 (this CPU).
 
 Timed per instance, alternating the methods (BENCHMARKS.md): Cupcake's DP; Espresso's search
-(Algorithms 1 and 2 with the pair moves, per tensor: the paper's "search"); and the full Espresso
+(the exact per-tensor DP over every option, then Algorithm 2: the paper's "search"); and the full Espresso
 plan (the search, the fusion of its equal-option runs and the search over Cupcake's groups — two
 more exact DPs). Reported: medians with min-max over repetitions and seeds, simulations run, and
 the predicted iteration time against dense allreduce and layer-wise compression.

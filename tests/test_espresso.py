@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.comm.network import NetworkModel
-from ddlscale.comm.timeline import TensorSpan, TensorTask, Timeline, iteration_time, simulate
+from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
 from ddlscale.compress import FP16, NoCompression, PowerSGD, SignSGD, TopK
 from ddlscale.compress.memory import Memory, ResidualMemory
 from ddlscale.plan import profile as profile_module
 from ddlscale.plan.cupcake import Prefix
-from ddlscale.plan.espresso import Evaluator, before_bubble, espresso, search, uniform_starts
+from ddlscale.plan.espresso import Evaluator, espresso, search, uniform_starts
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import configured_option, cost_model, espresso_plan
 from ddlscale.plan.pricing import DENSE, CostModel, Option, fuse, units_of
@@ -58,7 +58,7 @@ def _brute_force(units, model, profile, options):
     return min(ev.time(ev.tasks(combo)) for combo in itertools.product(options, repeat=len(units)))
 
 
-def test_within_one_percent_of_brute_force_up_to_5_tensors():
+def test_brute_force_optimum_up_to_5_tensors_offloading_or_not():
     rng = random.Random(17)
     for trial in range(150):
         profile = random_profile(rng, rng.randint(1, 5))
@@ -66,7 +66,7 @@ def test_within_one_percent_of_brute_force_up_to_5_tensors():
         units, options = units_of(profile), _reduced(model)
         best = _brute_force(units, model, profile, options)
         found = search(units, model, profile.backward_end_s, profile.rest_s, options, offload=trial % 2 == 0)
-        assert found.iteration_s <= 1.01 * best, (trial, found.steps)
+        assert found.iteration_s <= best * (1 + 1e-9) and found.gap_s == 0, (trial, found.steps)
         # The reported time is the simulator's for the reported plan.
         tasks = [model.task(u, o) for u, o in zip(found.units, found.options, strict=True)]
         assert simulate(tasks, profile.backward_end_s, profile.rest_s).iteration_s == pytest.approx(found.iteration_s)
@@ -93,15 +93,6 @@ def test_300_tensors_plan_in_under_5_seconds():
     elapsed = time.perf_counter() - started
     assert sum(len(u.names) for u in plan.units) == 300
     assert elapsed < 5.0, f"planning 300 tensors took {elapsed:.2f} s"
-
-
-def test_property1_marks_the_messages_before_a_bubble():
-    # Busy [0, 1] (tensor a), idle, then busy [2, 4] (b, c; c decodes until 4.5). Backward ending at 5
-    # leaves the last span slack too; ending at 3.5, the last decode ends the iteration.
-    spans = (TensorSpan("a", 0, 0, 0, 0, 1, 1, 1), TensorSpan("b", 2, 2, 2, 2, 3, 3, 3),
-             TensorSpan("c", 2.5, 2.5, 2.5, 3, 4, 4, 4.5))
-    assert before_bubble(Timeline(spans, 5.0, 0.0, 5.0, ((0, 1), (2, 4)))) == [True, True, True]
-    assert before_bubble(Timeline(spans, 3.5, 0.0, 4.5, ((0, 1), (2, 4)))) == [True, False, False]
 
 
 def test_algorithm2_offloads_only_when_it_helps():
@@ -370,7 +361,7 @@ def _exact_step(sync, params, rank, world, step):
 
 def _espresso_steps(rank, world, bandwidth, latency="100us"):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth=bandwidth,
+    sync = EspressoSync(TopK(ratio=1.0), trial_steps=0, memory="none", profile_steps=1, network_bandwidth=bandwidth,
                         network_latency=latency, run_dir=None, settle_steps=1)
     sync.setup(params)
     exact = []
@@ -388,7 +379,7 @@ def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
 
 def _failing_profile_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(TopK(ratio=1.0), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
+    sync = EspressoSync(TopK(ratio=1.0), trial_steps=0, memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
                         settle_steps=1)
     sync.setup(params)
     if rank == 1:
@@ -482,7 +473,7 @@ def test_trial_candidates_without_a_compressor():
 
 def _hierarchical_steps(rank, world):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
-    sync = EspressoSync(None, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)
+    sync = EspressoSync(None, trial_steps=0, memory="none", profile_steps=1, gpus_per_machine=2, run_dir=None, calibrate_steps=0)
     sync.setup(params)
     exact = []
     for step in range(4):

@@ -16,7 +16,7 @@ PLAN_STEPS = 3  # steps run on the kept plan, so that its residuals are not the 
 
 def _sync(calibrate_steps=0):
     params = [(name, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))) for name, shape in SHAPES.items()]
-    sync = CupcakeSync(TopK(ratio=0.1), comm="allgather", memory="residual", profile_steps=1,
+    sync = CupcakeSync(TopK(ratio=0.1), trial_steps=0, comm="allgather", memory="residual", profile_steps=1,
                        calibrate_steps=calibrate_steps, settle_steps=1, network_bandwidth="10mbit", run_dir=None,
                        bench_budget_s=0.002)
     sync.setup(params)

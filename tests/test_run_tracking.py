@@ -167,6 +167,7 @@ def test_a_planned_sync_names_the_phase_of_every_step_and_the_plan_it_kept():
     assert phases[-1] == "plan" and phases.index("plan") == 4 + len(trial)
     final = reports[-1]
     assert final["plan_state"] == "kept after its trial on the cluster"
+    assert final["plan_chosen_by"] == ("model" if final["plan_candidate"] == "espresso search" else "trial")
     assert final["plan_source"] in ("espresso search", "cupcake", "dense")
     assert set(final["plan_trial_step_s"]) == {p.split(": ")[1] for p in trial}
 

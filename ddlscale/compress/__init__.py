@@ -102,7 +102,9 @@ COMPRESSORS: dict[str, type[Compressor]] = {
     "onebit": OneBit, "qsgd": QSGD, "terngrad": TernGrad, "powersgd": PowerSGD,
 }
 # Names that are a configuration of another name's class (conf/compressor/<name>.yaml says the same).
-PRESETS: dict[str, dict[str, Any]] = {"efsignsgd": {"scaled": True, "vote": False}, "signum": {"momentum": 0.9}}
+PRESETS: dict[str, dict[str, Any]] = {"efsignsgd": {"scaled": True, "vote": False}, "signum": {"momentum": 0.9},
+                                      # the paper's clipping and warm-up (momentum: the optimizer's, set by the config)
+                                      "dgc": {"clip_norm": 5.0, "warmup_steps": 100}}
 MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}
 
 

@@ -5,9 +5,10 @@ See the package docstring (``ddlscale/compress/__init__.py``) for the rules a ba
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,6 +159,13 @@ class Compressor:
     def sent(self, name: str, decoded: torch.Tensor) -> None:
         """The first stage of ``name`` sent ``decoded`` (this rank's own payload decompressed), for state
         that depends on what was sent (DGC's momentum factor masking); nothing here."""
+
+    @contextlib.contextmanager
+    def agreed(self, tensor: torch.Tensor, comm: Any) -> Iterator[None]:
+        """Around the first-stage compression of one group on ``comm`` (the ranks of its scheme):
+        a compressor whose ranks must share a value first (TernGrad's scalar) agrees on it here.
+        Nothing by default: no exchange."""
+        yield
 
     def combine(self, total: torch.Tensor, count: int) -> torch.Tensor:
         """What ``count`` ranks' decompressed tensors, summed into ``total``, aggregate to: their sum

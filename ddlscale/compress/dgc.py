@@ -54,6 +54,11 @@ class DGC(SparseCompressor):
       equal stages of ``warmup_steps`` steps in all (25%, 6.25%, 1.56%, 0.39%: the paper's epochs),
       never below ``ratio``, then stays at ``ratio``.
 
+    ``compressor=dgc`` (conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
+    correction with the optimizer's momentum (``model.momentum``; the trainer then runs the optimizer
+    without it, :func:`ddlscale.trainer.app.move_momentum`), masking, clipping at 5 / sqrt(ranks)
+    per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection.
+
     Payload: ``[values (kept), indices (kept, int32)]``; kept varies with the data.
     """
 

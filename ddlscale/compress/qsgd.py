@@ -21,8 +21,10 @@ class QSGD(Compressor):
     Unbiased; E||Q(v) - v||^2 <= min(n / s^2, sqrt(n) / s) ||v||^2 with n = bucket_size, so smaller
     buckets trade more norms on the wire for less variance.
 
-    Levels travel as fixed-width codes l_i sign(v_i) + s (not Elias-coded: decodable without a
-    sequential pass), at ``code_width(levels)`` bits each.
+    A simplification of the paper, by design: levels travel as fixed-width codes l_i sign(v_i) + s
+    at ``code_width(levels)`` bits each, not in the paper's Elias integer coding (which shrinks the
+    many small levels further but needs a sequential decoding pass); payloads are therefore of
+    fixed size.
 
     Payload: ``[codes (uint8 bit-packed, or int16 when s > 127), norms (float32, one per bucket)]``.
     """

@@ -38,8 +38,10 @@ class SignSGD(Compressor):
     scale per member of a fused buffer: mean |x| over the member, so ||D(C(x))||_1 = ||x||_1 member
     by member and a fused group decodes as its members compressed alone would.
 
-    ``vote``: the ranks' decoded tensors are combined by a majority vote — +1 where their sum is >= 0
-    (ties count as positive, as a zero does), else -1 — instead of summed. Each element of the
+    ``vote``: the ranks' decoded tensors are combined by a majority vote — the sign of their sum:
+    +1, -1, or 0 where the votes tie (Bernstein et al.'s sign, as the server applies it) — instead of
+    summed. A vote is final where every rank decodes every payload (allgather); the schemes whose
+    owners re-encode the result in 1 bit (alltoall, gather) could not send a tie, so they refuse it. Each element of the
     result is then +-1 whatever the gradient's scale, so the learning rate alone sets the step: sign
     methods need their own (much smaller) one. Error feedback does not apply to an unscaled sign (its
     error is of the order of 1, not of the gradient, so a residual would grow instead of shrinking):
@@ -85,7 +87,7 @@ class SignSGD(Compressor):
     def combine(self, total: torch.Tensor, count: int) -> torch.Tensor:
         if not self.vote:
             return total
-        return torch.where(total >= 0, 1.0, -1.0).to(total.dtype)
+        return torch.sign(total)
 
     def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
                ) -> tuple[list[torch.Tensor], None]:

@@ -3,8 +3,9 @@
 - :mod:`.profile`  what a plan is computed from (measured on the first steps, saved as JSON);
 - :mod:`.fit`      constant-then-linear compression cost curves;
 - :mod:`.pricing`  an option (compressor x scheme x layout x device) as a simulator task;
+- :mod:`.frontier` the suffix Pareto-front DP both planners run (exact, or a proven bound when capped);
 - :mod:`.cupcake`  the exact dynamic program over fusion split points;
-- :mod:`.espresso` the per-tensor option search (Properties 1-2, Algorithms 1-2);
+- :mod:`.espresso` the per-tensor option search (brute-force optimum by that DP; Algorithm 2);
 - :mod:`.planner`  profile -> :class:`~.result.CompressionPlan`, used by the backends and the tool.
 
 Every plan is scored by :mod:`ddlscale.comm.timeline` — one iteration model for both systems.

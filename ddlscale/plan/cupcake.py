@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ddlscale.comm.timeline import TensorTask, iteration_time
+from ddlscale.plan.frontier import THIN_FRONT, best_path, sweep
 from ddlscale.plan.pricing import CostModel, Option, Unit, fuse
 
 GroupCost = Callable[[int, int], "tuple[float, ...] | None"]
@@ -117,70 +118,14 @@ def partition_rows(count: int, row_cost: Callable[[int], tuple[list[int], np.nda
         stolen[span] = np.minimum(stolen[span], stolen[h] + costs[1] + costs[3])
     # A first sweep keeping only a few points per front finds a partition near the optimum; its time
     # bounds the exact sweep, which then prunes almost every point that cannot win.
-    rough, _ = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT))
-    rough_tasks = [task(str(i), rows[i][1][:, j - i - 1]) for i, j in rough]
+    # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= stolen[i].
+    table = [(np.asarray(js), costs) for js, costs in rows]
+    floor_c = [0.0] + [single[0] for single in singles[:-1]]
+    rough, _ = best_path(table, sweep(table, floor_c, stolen, backward_end_s, optimizer_s, bound, thin=THIN_FRONT)[0])
+    rough_tasks = [task(str(i), rows[i][1][:, column]) for i, column in rough]
     bound = min(bound, iteration_time(rough_tasks, backward_end_s, optimizer_s))
-    groups, seconds = _best(_sweep(rows, singles, stolen, backward_end_s, optimizer_s, bound))
-    return groups, seconds + optimizer_s
-
-
-THIN_FRONT = 16  # points per front in the first, bounding sweep
-
-
-def _sweep(rows: list[tuple[list[int], np.ndarray]], singles: list, stolen: np.ndarray, backward_end_s: float,
-           optimizer_s: float, bound: float, thin: int | None = None) -> list:
-    """The suffix fronts, from the last item to the first (see the module doc); ``thin`` keeps at
-    most that many points per front (a heuristic sweep), else every non-dominated point within ``bound``."""
-    count = len(rows)
-    bound = bound * (1 + 1e-9) + 1e-12  # float slack: the known partition itself must survive
-    # front[i]: (alpha, beta, next split j, index in front[j]) of non-dominated suffix partitions.
-    front: list = [None] * (count + 1)
-    front[count] = (np.array([-np.inf]), np.array([float(backward_end_s)]), np.array([-1]), np.array([-1]))
-    for i in range(count - 1, -1, -1):
-        js, costs = rows[i]
-        # Every first group [i, j) against every point of front[j], in one vectorized step.
-        sizes = np.array([front[j][0].size for j in js])
-        ready, encode, comm, decode, lag = np.repeat(costs, sizes, axis=1)
-        tail_alpha = np.concatenate([front[j][0] for j in js])
-        tail_beta = np.concatenate([front[j][1] for j in js])
-        alpha = comm + np.maximum(decode, tail_alpha)
-        beta = np.maximum(ready + lag + encode + alpha, encode + decode + tail_beta)
-        starts = np.repeat(np.cumsum(sizes) - sizes, sizes)
-        links = np.arange(alpha.size) - starts
-        # Entered from a prefix of items 0..i-1: C >= ready_{i-1} and S >= stolen[i], so the
-        # iteration takes at least max(C + alpha, S + beta) of those.
-        floor = singles[i - 1][0] if i > 0 else 0.0
-        least = np.maximum(floor + alpha, stolen[i] + beta)
-        keep = least + optimizer_s <= bound
-        if thin is not None and not keep.any():  # thinned fronts may miss every known path: keep the best
-            keep = least == least.min()
-        front[i] = _pareto(alpha[keep], beta[keep], np.repeat(js, sizes)[keep], links[keep])
-        if thin is not None and front[i][0].size > thin:
-            pick = np.unique(np.linspace(0, front[i][0].size - 1, thin).round().astype(int))
-            front[i] = tuple(a[pick] for a in front[i])
-    return front
-
-
-def _best(front: list) -> tuple[list[tuple[int, int]], float]:
-    """The partition behind the best point of front[0], and its time before the optimizer."""
-    alpha, beta = front[0][:2]
-    best = int(np.argmin(np.maximum(alpha, beta)))
-    seconds = float(max(alpha[best], beta[best]))
-    groups, i = [], 0
-    while i < len(front) - 1:
-        j, best = int(front[i][2][best]), int(front[i][3][best])
-        groups.append((i, j))
-        i = j
-    return groups, seconds
-
-
-def _pareto(alpha: np.ndarray, beta: np.ndarray, *payload: np.ndarray) -> tuple[np.ndarray, ...]:
-    """The points no other point beats in both alpha and beta (ties: the first in input order)."""
-    order = np.lexsort((beta, alpha))  # stable: equal points keep their input order
-    b = beta[order]
-    best_before = np.minimum.accumulate(np.concatenate(([np.inf], b[:-1])))
-    keep = order[b < best_before]
-    return (alpha[keep], beta[keep], *(p[keep] for p in payload))
+    path, seconds = best_path(table, sweep(table, floor_c, stolen, backward_end_s, optimizer_s, bound)[0])
+    return [(i, rows[i][0][column]) for i, column in path], seconds + optimizer_s
 
 
 class Prefix:

@@ -1,46 +1,37 @@
 """Espresso: choose, per tensor, how to use compression so that the simulated iteration is shortest.
 
-The option space per tensor is :meth:`CostModel.options` (compress or not, scheme, flat or
-hierarchical, compression device); brute force over N tensors is |options|^N, so Espresso searches:
+The option space per tensor is :meth:`CostModel.options` (compress or not, every scheme — zen
+included where the compressor sparsifies — flat or hierarchical); brute force over N tensors is
+|options|^N. The paper searches it greedily (Properties 1-2, Algorithm 1: tensors in descending
+size, each given its best option with the others fixed), which can stop short of the optimum: a
+greedy search with restarts and pair moves missed brute force by up to 1.25% on random instances
+of the full option set. Here the search is **exact** instead:
 
-1. **Start** from *uniform* plans: every tensor dense, every tensor under one compressed option, or
-   only the largest tensor compressed. (The paper starts from no compression.) The search below
-   runs from each of the 3 best of them and keeps the best result: every step only accepts
-   improvements, so the plan is never worse than any uniform plan, and greedy descents from
-   different starts end in different local optima — three starts cost three descents and closed
-   every gap to brute force we saw on small random instances (one start missed by up to 6% on
-   about 1 in 500). On large models a descent costs thousands of simulations; the extra starts
-   then run only within a budget of simulations (``max_simulations``).
-2. **Algorithm 1** — visit the tensors in descending size (*Property 2*: large tensors decide most)
-   and give each the option that minimizes the simulated iteration time with all others fixed.
-   *Property 1*: a tensor whose message lies in a busy span of the communication stream that an
-   idle gap follows (a later message waits for its gradient; for the last span: the iteration ends
-   with backward, not with the last decode) gains nothing from a shorter message — that only
-   widens the bubble. What can still help is taking less from the compute stream (compute-stream
-   encodes delay the rest of backward), so for such a tensor only options with a smaller
-   compute-stream cost than its current one are tried: no compression first of all (the paper's
-   reading, "do not compress it"), or a cheaper compressed option when the uncompressed message
-   would not fit the bubble. Bubbles move with every decision, so the check runs against the
-   timeline of the current plan. Passes repeat until one changes nothing (the paper makes one).
-   Options that another option matches or beats on encode, comm and decode at once are skipped
-   (exact: the simulator is monotone in each; see :meth:`Evaluator.useful`).
-   One-at-a-time moves stop at plans where only a *joint* change helps (compress tensor a instead
-   of a similar tensor b). So the search then tries every pair of options for every pair among the
-   6 largest tensors (:func:`pair_moves`, our addition) and, when that helps, runs Algorithm 1 again.
-   On random instances of <= 5 tensors this closes the last gaps to brute force (tests).
-3. **Fusion** (Cupcake, composed): runs of consecutive tensors with the same option may be fused
+1. **Search** — with compression on the compute stream the simulator is a max-plus recursion, and
+   the tensors i..N-1 under fixed options act on the state before them through two constants
+   (alpha, beta). :mod:`ddlscale.plan.frontier` keeps, per i, the Pareto front of (alpha, beta)
+   over every assignment of options to tensors i..N-1; an assignment off the front can never be
+   part of an optimum, so the best point of front 0 is the brute-force optimum (the tests check
+   this against brute force on >= 1000 random instances of the full option set). Options another
+   option matches or beats on encode, comm and decode at once are skipped (exact: the time is
+   monotone in each; :meth:`Evaluator.useful`), and points no prefix can bring under a known
+   plan's time (the best uniform plan, then a thinned first sweep) are dropped (exact too).
+   Properties 1 and 2 are heuristics for the greedy order and have nothing left to decide.
+2. **Fusion** (Cupcake, composed): runs of consecutive tensors with the same option may be fused
    into one buffer compressed once; :func:`~ddlscale.plan.cupcake.plan_fusion` finds the best such
    fusion exactly. Espresso also runs its search over the Cupcake groups of the configured
    compressor as units. The best of per-tensor, fused runs and Cupcake units is the plan; the plan
-   says which.
-4. **Algorithm 2** (``offload``) — compute-stream compression steals time from backward; a side
+   says which. (Each is exact over its own space; the joint space of options and arbitrary
+   fusions is not searched.)
+3. **Algorithm 2** (``offload``) — compute-stream compression steals time from backward; a side
    device (the CPU) does not, but is slower and shared. Compressed units are grouped by
    (size, option); for each group in descending size, every prefix length (in backward order) of
    the group is tried on the side device and the best kept. It runs last, on the chosen units:
-   the fusion DP is exact for compute-stream compression only.
+   a side stream queues decodes behind encodes, which the exact DP's two-number state cannot
+   express, so this step is the paper's heuristic and only ever improves the plan.
 
 All candidates are scored by :func:`ddlscale.comm.timeline.iteration_time` on
-:meth:`CostModel.task` — the one simulator.
+:meth:`CostModel.task` — the one simulator; the DP only searches it.
 """
 
 from __future__ import annotations
@@ -48,9 +39,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ddlscale import clock
-from ddlscale.comm.timeline import Swaps, TensorTask, Timeline, iteration_time, merged_busy, simulate
+from ddlscale.comm.timeline import TensorTask, iteration_time
 from ddlscale.plan.cupcake import Fusion, plan_fusion
+from ddlscale.plan.frontier import CAP, THIN_FRONT, best_path, sweep
 from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit
 
 _TOL = 1e-12  # seconds: an "improvement" below this is float noise
@@ -66,6 +60,7 @@ class Search:
     fusion: str = "per tensor"  # per tensor | fused runs | cupcake groups
     steps: list[str] = field(default_factory=list)  # what the search did, for the report
     simulations: int = 0
+    gap_s: float = 0.0  # proven: the per-unit search's plan is at most this much slower than the optimum
 
 
 class Evaluator:
@@ -90,9 +85,9 @@ class Evaluator:
     def useful(self, i: int, options: Sequence[Option]) -> list[Option]:
         """``options`` without those another one matches or beats on every cost of unit ``i``.
 
-        With compute-stream tasks only (Algorithm 1's plans) the simulator is a max-plus recursion,
+        With compute-stream tasks only (the exact search's plans) the simulator is a max-plus recursion,
         so the iteration time never decreases when an encode, comm or decode time grows: such an
-        option can never be strictly better and dropping it is exact. It spares many simulations
+        option can never be strictly better and dropping it is exact. It spares many front points
         on small tensors, where several schemes cost the same constants. (A side stream queues
         jobs, where a longer job can reorder the queue, so side options are never pruned.)
         """
@@ -114,62 +109,13 @@ class Evaluator:
                 self._useful[key] = [o for k, (o, _) in enumerate(costs) if not dominated(k)]
         return self._useful[key]
 
-    def stolen(self, i: int, option: Option) -> float:
-        """Compute-stream time unit ``i`` takes under ``option`` (what delays the rest of backward)."""
-        task = self.task(i, option)
-        return task.encode_s + task.decode_s if task.encode_on_compute else 0.0
-
     def time(self, tasks: Sequence[TensorTask]) -> float:
         self.evaluations += 1
         return iteration_time(tasks, self.backward_end_s, self.optimizer_s, check=False)
 
-    def scorer(self, tasks: Sequence[TensorTask], options: Sequence[Option]) -> Swaps | None:
-        """``tasks`` prepared for scoring changes of one or two of them in O(1) each, where every
-        option keeps to the compute stream (else None: every candidate is simulated in full)."""
-        if all(o.device == "compute" for o in options):
-            return Swaps.of(tasks, self.backward_end_s, self.optimizer_s)
-        return None
 
-    def time_changed(self, base: Swaps | None, tasks: Sequence[TensorTask], changes: dict[int, TensorTask]) -> float:
-        """Iteration time of ``tasks`` with ``changes`` made; ``base``: their scorer, if any."""
-        if base is None:
-            return self.time([changes.get(i, t) for i, t in enumerate(tasks)])
-        self.evaluations += 1
-        return base.time(changes)
-
-    def timeline(self, tasks: Sequence[TensorTask]) -> Timeline:
-        return simulate(tasks, self.backward_end_s, self.optimizer_s, check=False)
-
-
-def before_bubble(timeline: Timeline) -> list[bool]:
-    """Property 1, per task: is its message in a busy span of the communication stream that an idle
-    gap follows — a later message starts after a gap, or, for the last span, the iteration ends with
-    backward (every decode done before it: communication had slack)?"""
-    last_decode = max((span.decode_end for span in timeline.tensors), default=0.0)
-    return _before_bubble([(span.comm_start, span.comm_end) for span in timeline.tensors], timeline.comm_busy,
-                          last_decode, timeline.backward_end_s)
-
-
-def _before_bubble(comm: Sequence[tuple[float, float]], busy: Sequence[tuple[float, float]], last_decode: float,
-                   backward_end_s: float) -> list[bool]:
-    compute_bound = last_decode < backward_end_s - _TOL
-    followed = [k + 1 < len(busy) or compute_bound for k in range(len(busy))]
-    out, k = [], 0
-    for start, end in comm:
-        if end <= start:
-            out.append(False)  # sends nothing: no bubble to widen
-            continue
-        while busy[k][1] < end - _TOL:
-            k += 1
-        out.append(followed[k])
-    return out
-
-
-def bubbles(ev: Evaluator, tasks: Sequence[TensorTask], base: Swaps | None) -> list[bool]:
-    """:func:`before_bubble` of the plan ``tasks``, read off its scorer where there is one."""
-    if base is None:
-        return before_bubble(ev.timeline(tasks))
-    return _before_bubble(base.comm, merged_busy(base.comm), base.last_decode_s, base.backward_end_s)
+def uniform_starts_plan(ev: Evaluator, options: Sequence[Option], name: str) -> list[Option]:
+    return dict(uniform_starts(ev, options))[name]
 
 
 def uniform_starts(ev: Evaluator, options: Sequence[Option]) -> list[tuple[str, list[Option]]]:
@@ -185,70 +131,37 @@ def uniform_starts(ev: Evaluator, options: Sequence[Option]) -> list[tuple[str, 
     return starts
 
 
-def algorithm1(ev: Evaluator, start: list[Option], options: Sequence[Option], max_passes: int = 4,
-               use_property1: bool = True) -> tuple[list[Option], float, int]:
-    """Greedy per-tensor search in descending size; returns (options, iteration time, passes run)."""
-    current = list(start)
-    tasks = ev.tasks(current)
-    best_time = ev.time(tasks)
-    base = ev.scorer(tasks, options)
-    order = sorted(range(len(current)), key=lambda i: (-ev.units[i].numel, i))  # Property 2
-    passes = 0
-    while passes < max_passes:
-        passes += 1
-        changed = False
-        bubbles_now = bubbles(ev, tasks, base) if use_property1 else None
-        for i in order:
-            candidates = ev.useful(i, options)
-            if bubbles_now is not None and bubbles_now[i]:  # Property 1: only a lighter compute load can help
-                candidates = [o for o in candidates if ev.stolen(i, o) < ev.stolen(i, current[i])]
-            chosen = current[i]
-            for option in candidates:
-                if option == current[i]:
-                    continue
-                t = ev.time_changed(base, tasks, {i: ev.task(i, option)})
-                if t < best_time - _TOL:
-                    best_time, chosen = t, option
-            if chosen != current[i]:
-                current[i], tasks[i] = chosen, ev.task(i, chosen)
-                base = ev.scorer(tasks, options)
-                changed = True
-                if use_property1:  # compression moved the bubbles: re-check against the new timeline
-                    bubbles_now = bubbles(ev, tasks, base)
-        if not changed:
-            break
-    return current, ev.time(tasks), passes  # the simulator's own figure, not the scorer's rounding
-
-
-def pair_moves(ev: Evaluator, current: list[Option], best_time: float, options: Sequence[Option],
-               top: int = 6) -> tuple[list[Option], float, int]:
-    """Joint changes of two of the ``top`` largest tensors: what one-at-a-time moves cannot reach
-    (e.g. compressing a tensor instead of, not besides, a similar one). Returns plan, time, changes."""
-    current = list(current)
-    tasks = ev.tasks(current)
-    base = ev.scorer(tasks, options)
-    largest = sorted(range(len(current)), key=lambda i: (-ev.units[i].numel, i))[:top]
-    changes = 0
-    improved = True
-    while improved:
-        improved = False
-        for a, i in enumerate(largest):
-            for j in largest[a + 1:]:
-                best = None
-                for oi in ev.useful(i, options):
-                    for oj in ev.useful(j, options):
-                        if oi == current[i] or oj == current[j]:
-                            continue  # single moves are algorithm 1's
-                        t = ev.time_changed(base, tasks, {i: ev.task(i, oi), j: ev.task(j, oj)})
-                        if t < best_time - _TOL:
-                            best_time, best = t, (oi, oj)
-                if best is not None:
-                    current[i], current[j] = best
-                    tasks[i], tasks[j] = ev.task(i, current[i]), ev.task(j, current[j])
-                    base = ev.scorer(tasks, options)
-                    changes += 1
-                    improved = True
-    return current, best_time, changes
+def exact(ev: Evaluator, options: Sequence[Option], bound: float, cap: int | None = CAP,
+          ) -> tuple[list[Option], float, int]:
+    """The brute-force optimum over ``options`` (compute stream) per unit, by the suffix DP of
+    :mod:`ddlscale.plan.frontier`; ``bound``: a known plan's time. Returns the plan, its proven
+    distance from the optimum (0 unless a front outgrew ``cap``) and how many front points the
+    sweep kept."""
+    units = ev.units
+    useful = [ev.useful(i, options) for i in range(len(units))]
+    rows = []
+    for i, choices in enumerate(useful):
+        tasks = [ev.task(i, o) for o in choices]
+        costs = np.array([[t.ready_s, t.encode_s, t.comm_s, t.decode_s, t.lag_s] for t in tasks], dtype=float).T
+        rows.append((np.full(len(choices), i + 1), costs))
+    # The most favourable state any prefix 0..i-1 reaches: each cost at its least over the options
+    # (the recursion is monotone in each), comm end >= that of the least costs, stolen >= their sum.
+    floor_c, floor_s = [0.0], [0.0]
+    for _, costs in rows:
+        ready, encode, comm, decode, lag = costs
+        floor_c.append(max(ready[0] + lag[0] + encode.min(), floor_c[-1]) + comm.min())
+        floor_s.append(floor_s[-1] + float((encode + decode).min()))
+    b, o = ev.backward_end_s, ev.optimizer_s
+    path, _ = best_path(rows, sweep(rows, floor_c, floor_s, b, o, bound, thin=THIN_FRONT)[0])
+    rough = [useful[i][col] for i, col in path]
+    rough_time = ev.time(ev.tasks(rough))
+    front, gap = sweep(rows, floor_c, floor_s, b, o, min(bound, rough_time), cap=cap)
+    points = sum(f[0].size for f in front)
+    if front[0][0].size == 0:  # only after a thinning: every survivor was above the rough plan
+        return rough, gap, points
+    path, _ = best_path(rows, front)
+    plan = [useful[i][col] for i, col in path]
+    return (plan if ev.time(ev.tasks(plan)) <= rough_time else rough), gap, points
 
 
 def algorithm2(ev: Evaluator, current: list[Option], best_time: float) -> tuple[list[Option], float, int]:
@@ -279,50 +192,37 @@ def algorithm2(ev: Evaluator, current: list[Option], best_time: float) -> tuple[
     return current, best_time, moved
 
 
-def _descend(ev: Evaluator, start: list[Option], options: Sequence[Option], max_passes: int, use_property1: bool,
-             pair_top: int) -> tuple[list[Option], float, list[str]]:
-    """Algorithm 1 from ``start``, then pair moves and Algorithm 1 again while they help."""
-    current, best_time, passes = algorithm1(ev, start, options, max_passes, use_property1)
-    log = [f"algorithm 1: {sum(a != b for a, b in zip(current, start, strict=True))} tensors changed, "
-           f"{passes} pass(es) -> {best_time * 1e3:.3f} ms"]
-    for _ in range(max_passes):
-        moved, moved_time, changes = pair_moves(ev, current, best_time, options, pair_top)
-        if not changes:
-            break
-        current, best_time, passes = algorithm1(ev, moved, options, max_passes, use_property1)
-        log.append(f"pair moves among the {pair_top} largest: {changes} -> {moved_time * 1e3:.3f} ms; "
-                   f"algorithm 1 again -> {best_time * 1e3:.3f} ms")
-    return current, best_time, log
-
-
 def search(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float = 0.0,
-           options: Sequence[Option] | None = None, offload: bool = False, use_property1: bool = True,
-           max_passes: int = 4, pair_top: int = 6, starts_tried: int = 3, max_simulations: int = 1500) -> Search:
-    """Steps 1-3 over ``units`` (per tensor, no fusion). Descents after the first start only while
-    fewer than ``max_simulations`` simulations ran (small models get all three)."""
+           options: Sequence[Option] | None = None, offload: bool = False, cap: int | None = CAP) -> Search:
+    """The optimal per-unit options (no fusion) among ``options`` (default: every compute-stream
+    option of ``model``), then (``offload``) Algorithm 2. ``units`` in backward order. ``cap``: front
+    size above which the DP thins with a proven loss, recorded as :attr:`Search.gap_s`."""
     options = list(options if options is not None else model.options())
     if not options:
         raise ValueError("espresso: no option is allowed for this compressor and cluster")
+    if any(o.compressed and o.device != "compute" for o in options):
+        raise ValueError("espresso: the search takes compute-stream options; the side device is offload's "
+                         "(Algorithm 2, sync.offload=true)")
     ev = Evaluator(units, model, backward_end_s, optimizer_s)
     if not units:
         return Search([], [], backward_end_s + optimizer_s)
-    starts = sorted(((ev.time(ev.tasks(plan)), name, plan) for name, plan in uniform_starts(ev, options)),
-                    key=lambda s: s[0])
-    best_time, current, steps, descents = None, None, [], 0
-    for start_time, name, start in starts[:starts_tried]:
-        if descents and ev.evaluations > max_simulations:
-            break  # a large model: the first descent used the budget, stop there
-        plan, plan_time, log = _descend(ev, start, options, max_passes, use_property1, pair_top)
-        descents += 1
-        if best_time is None or plan_time < best_time - _TOL:
-            best_time, current = plan_time, plan
-            steps = [f"start: uniform plan '{name}' ({start_time * 1e3:.3f} ms)", *log]
-    steps.insert(0, f"descents: {descents} (from the best of {len(starts)} uniform plans); the best kept")
+    readies = [u.ready_s for u in units]
+    if any(later < earlier for earlier, later in zip(readies, readies[1:], strict=False)):
+        raise ValueError("espresso: units must come in backward order (ready times non-decreasing)")
+    uniform = min((ev.time(ev.tasks(plan)), name) for name, plan in uniform_starts(ev, options))
+    current, gap, points = exact(ev, options, uniform[0], cap)
+    best_time = ev.time(ev.tasks(current))  # the simulator's own figure
+    if uniform[0] < best_time:  # only where thinning lost more than the uniform plan's margin
+        current, best_time = uniform_starts_plan(ev, options, uniform[1]), uniform[0]
+    quality = "the optimum" if gap == 0 else f"within {gap * 1e3:.4f} ms of the optimum (proven; fronts thinned)"
+    steps = [f"best uniform plan: '{uniform[1]}' ({uniform[0] * 1e3:.3f} ms)",
+             f"search over {len(options)} options: {sum(o != DENSE for o in current)} of {len(units)} "
+             f"units compressed -> {best_time * 1e3:.3f} ms, {quality} ({points} front points)"]
     if offload:
         current, best_time, moved = algorithm2(ev, current, best_time)
         steps.append(f"algorithm 2: {moved} tensors offloaded to the side device -> {best_time * 1e3:.3f} ms")
     steps.append(f"{ev.evaluations} simulations")
-    return Search(list(units), current, best_time, "per tensor", steps, ev.evaluations)
+    return Search(list(units), current, best_time, "per tensor", steps, ev.evaluations, gap)
 
 
 def fused_runs(result: Search, model: CostModel, backward_end_s: float, optimizer_s: float) -> Fusion | None:
@@ -334,13 +234,13 @@ def fused_runs(result: Search, model: CostModel, backward_end_s: float, optimize
 
 def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float = 0.0,
              options: Sequence[Option] | None = None, offload: bool = False, fuse: bool = True,
-             cupcake_option: Option | None = None, max_passes: int = 4) -> Search:
+             cupcake_option: Option | None = None) -> Search:
     """Espresso's plan: the per-tensor search; then (``fuse``) the fused runs of its equal options
     and the search over the Cupcake groups of ``cupcake_option``; the best of these, and last
     (``offload``) Algorithm 2 on its units. Fusion comes before offloading because the fusion DP
     is exact for compute-stream compression only."""
     started = clock.now()
-    best = search(units, model, backward_end_s, optimizer_s, options, max_passes=max_passes)
+    best = search(units, model, backward_end_s, optimizer_s, options)
     if fuse and units:
         candidates = [best]
         fused = fused_runs(best, model, backward_end_s, optimizer_s)
@@ -350,7 +250,7 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
                                      best.simulations))
         if cupcake_option is not None and model.allows(cupcake_option):
             groups = plan_fusion(units, model, cupcake_option, backward_end_s, optimizer_s)
-            over = search(groups.units, model, backward_end_s, optimizer_s, options, max_passes=max_passes)
+            over = search(groups.units, model, backward_end_s, optimizer_s, options)
             names = {"default": model.compressors["default"].name} if "default" in model.compressors else {}
             over.fusion = "cupcake groups"
             over.steps.insert(0, f"units: the {len(groups.groups)} Cupcake groups of {cupcake_option.label(names)}")

@@ -177,6 +177,17 @@ def dense_plan(profile: Profile, model: CostModel, first_bytes: float = 1 << 20,
     return plan
 
 
+def layerwise_plan(profile: Profile, model: CostModel, option: Option) -> CompressionPlan:
+    """Every tensor alone under ``option``: what sync=compress runs, priced by the same model."""
+    units = units_of(profile)
+    options = [option] * len(units)
+    plan = CompressionPlan("layer-wise", units, options,
+                           uniform_time(units, option, model, profile.backward_end_s, profile.rest_s),
+                           "none (each tensor alone)", context=_context(profile, model))
+    plan.notes = _notes(profile, plan)
+    return plan
+
+
 def cupcake_plan(profile: Profile, model: CostModel, option: Option) -> CompressionPlan:
     """Cupcake: every group under ``option``, the partition optimal for the simulator."""
     started = clock.now()

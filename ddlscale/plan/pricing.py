@@ -206,9 +206,10 @@ class SchemePrice:
 # ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
 PRICES: dict[str, SchemePrice] = {
     "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
-    "allgather": SchemePrice(_price_allgather),
-    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices),  # it cuts rows
-    "gather": SchemePrice(_price_gather),
+    "allgather": SchemePrice(_price_allgather, lambda c: not hasattr(c, "reduce")),  # PowerSGD: allreduce only
+    # They cut rows; their owners re-encode the aggregate, which a vote's tie does not fit.
+    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices and not getattr(c, "vote", False)),
+    "gather": SchemePrice(_price_gather, lambda c: not getattr(c, "vote", False) and not hasattr(c, "reduce")),
     "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
 }
 SCHEMES = tuple(PRICES)

@@ -195,6 +195,19 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
     return parts
 
 
+def move_momentum(sync: Any, model: Any) -> bool:
+    """DGC's momentum correction applies the optimizer's momentum on each rank before compressing
+    (compressor.momentum, tied to model.momentum by conf/compressor/dgc.yaml): the optimizer then runs
+    plain SGD, or momentum would apply twice. Returns whether it moved it."""
+    executor = getattr(sync, "compressed", sync)  # a planned sync's compressing executor, or the sync
+    compressor = getattr(executor, "compressors", {}).get("default")
+    moves = (getattr(compressor, "name", None) == "dgc" and compressor.momentum > 0
+             and getattr(model, "optimizer_name", None) == "sgd" and getattr(model, "momentum", 0) == compressor.momentum)
+    if moves:
+        model.momentum = 0.0
+    return moves
+
+
 def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
     try:
         # Plain lists and dicts, not OmegaConf's: arguments end up in checkpoints (a model's
@@ -222,6 +235,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
     extra: dict[str, Any] = {}
     if issubclass(strategy_cls, DDLStrategy):
         extra["sync"] = _build("sync", cfg.sync, **_sync_components(cfg))
+        move_momentum(extra["sync"], model)
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
     callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info, config), StopOnSignals()]

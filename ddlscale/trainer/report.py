@@ -71,7 +71,8 @@ def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
     if summary.get("figures_from"):
         lines.append(f"  figures from {summary['figures_from']}")
     if "plan_state" in summary:
-        lines.append(f"  plan: {summary.get('plan_source') or 'none'}, {summary['plan_state']}")
+        chosen = f" (chosen by the {summary['plan_chosen_by']})" if summary.get("plan_chosen_by") else ""
+        lines.append(f"  plan: {summary.get('plan_source') or 'none'}, {summary['plan_state']}{chosen}")
     files = ", ".join(name for name in ("summary.json", "metrics.csv", "train.log") if (output_dir / name).exists())
     lines.append(f"  run directory: {output_dir.resolve()} ({files})")
     print("\n".join(lines), flush=True)

@@ -65,6 +65,7 @@ from ddlscale.plan.planner import (
     dense_plan,
     espresso_plan,
     group_overhead,
+    layerwise_plan,
     option_label,
 )
 from ddlscale.plan.pricing import CostModel
@@ -85,7 +86,8 @@ from ddlscale.sync.dense import DenseAllreduce
 from ddlscale.units import parse_bandwidth, parse_time
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
-PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense"}
+PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
+TRIAL_STEPS = 3  # sync.trial_steps' default here and in conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 
 
@@ -145,7 +147,7 @@ class PlannedSync(GradSync):
                  memory: Memory | str | None = None, memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
                  network_bandwidth: str = "1gbit", network_latency: str = MEASURED, gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0, trial_steps: int = 0,
+                 first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
@@ -278,6 +280,10 @@ class PlannedSync(GradSync):
             report["plan_trial_step_s"] = dict(plan.context["trial_step_s"])
         else:
             report["plan_state"] = "chosen by the cost model"
+        # Who decided: the model (its choice kept, with or without a trial) or the trial (it measured
+        # another candidate faster than the model's choice).
+        model_choice = plan.context.get("model_choice", plan.context.get("candidate"))
+        report["plan_chosen_by"] = "model" if plan.context.get("candidate") == model_choice else "trial"
         return report
 
     # -- calibration -----------------------------------------------------------------------------
@@ -408,6 +414,7 @@ class PlannedSync(GradSync):
                           f"on rank 0: {checked}; "
                           f"kept {labels[best]}")
         kept.context["trial_step_s"] = dict(zip(labels, medians, strict=True))
+        kept.context["model_choice"] = labels[0]
         self.session.trial = None
         self.adopt(kept)
         self._save(kept)
@@ -623,12 +630,27 @@ class CupcakeSync(PlannedSync):
     hierarchical with ``sync.hierarchical``). The partition minimizes the simulated iteration time
     (:mod:`ddlscale.plan.cupcake`) on the profile of the first steps. With ``compressor=none`` it plans
     the fusion of dense allreduce alone (optimal buckets). Every argument is :class:`PlannedSync`'s.
+
+    With ``trial_steps`` > 0 (the default) it offers Espresso's trial: Cupcake's groups, the same option
+    layer-wise and dense allreduce take turns on the cluster and the fastest measured stays.
     """
 
     system = "cupcake"
 
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         return cupcake_plan(profile, model, configured_option(model, self.comm_scheme, self.hierarchical))
+
+    def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
+        """Cupcake's plan, then what it must never lose to: the configured option on every tensor
+        alone (layer-wise) and dense allreduce in DDP's buckets."""
+        option = configured_option(model, self.comm_scheme, self.hierarchical)
+        plans = {"cupcake": self.compute_plan(profile, model),
+                 f"layer-wise {option_label(model, option)}": layerwise_plan(profile, model, option),
+                 "dense, DDP buckets": dense_plan(profile, model, self.dense.first_bucket_bytes,
+                                                  self.dense.bucket_bytes)}
+        for label, plan in plans.items():
+            plan.context["candidate"] = label
+        return list(plans.values())
 
 
 def _calibration_note(profile: Profile) -> str:

@@ -61,6 +61,7 @@ class Job:
     share: torch.Tensor | None = None  # this rank's share of the result (None: ``local``)
     state: dict[str, Any] = field(default_factory=dict)
     work: GroupWork | None = None  # when given, timed_work adds to it
+    feedback: bool = False  # error feedback subtracts ``shared``: every rounding of the result must be in a share
 
     @property
     def shared(self) -> torch.Tensor:
@@ -97,6 +98,8 @@ class Scheme:
     name = "?"
     needs_summable = False
     divisible = False  # cuts a group into flat partitions (a compressor of matrices cannot follow)
+    reencodes = False  # an owner compresses the aggregate again (a vote's tie cannot be sent in 1 bit)
+    carries_powersgd = False  # PowerSGD's shared-Q power iteration needs summed factors
 
     def check(self, compressor: Compressor, key: str) -> None:
         """Refuse a compressor this scheme cannot carry (before training starts)."""
@@ -105,10 +108,22 @@ class Scheme:
                 f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
                 f"{compressor.name} is not summable; use allgather, alltoall or gather"
             )
+        if self.reencodes and getattr(compressor, "vote", False) is True:
+            raise ValueError(
+                f"{key}: scheme {self.name} re-encodes each aggregate with the compressor, and "
+                f"{compressor.name}'s majority vote (+1, -1, or 0 on a tie) does not fit its 1-bit code; "
+                f"use allgather"
+            )
         if self.divisible and compressor.needs_matrices:
             raise ValueError(
                 f"{key}: scheme {self.name} cuts each group into flat partitions, but compressor "
-                f"{compressor.name} compresses whole matrices; use allreduce, allgather or gather"
+                f"{compressor.name} compresses whole matrices; use allreduce"
+            )
+        if not self.carries_powersgd and hasattr(compressor, "reduce"):
+            raise ValueError(
+                f"{key}: compressor {compressor.name} is Vogels et al.'s algorithm under allreduce only (one "
+                f"shared Q on every rank, a rank-r sum); under {self.name} each rank would run its own power "
+                f"iteration. Use sync.comm=allreduce"
             )
 
     def start(self, job: Job) -> None:
@@ -156,11 +171,29 @@ def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.T
 
 
 class Allreduce(Scheme):
+    """Sum the payloads with an allreduce. A payload narrower than the tensor (fp16/bf16 casts) sums
+    in its own precision, and that rounding — several times each rank's cast error — would be in no
+    rank's share. Under error feedback such a group is therefore reduced as a ring allreduce is,
+    reduce-scatter then allgather, with the owner of each partition summing the n 16-bit pieces in
+    float32 and casting the sum once (:class:`AllToAll`: the same bytes on the wire); the cast's
+    error stays in the owner's share, so the shares sum to the result exactly."""
+
     name = "allreduce"
     needs_summable = True
+    carries_powersgd = True
+
+    @staticmethod
+    def rounds(job: Job) -> bool:
+        """Whether summing ``job``'s payloads would round below the tensor's precision unaccounted."""
+        wire_dtype = getattr(job.compressor, "wire_dtype", None)
+        return job.feedback and wire_dtype is not None and wire_dtype.itemsize < job.tensor.element_size()
 
     def start(self, job: Job) -> None:
         if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
+            return
+        if self.rounds(job):
+            job.state["owners"] = AllToAll()
+            job.state["owners"].start(job)
             return
         with timed_work(job.work, "encode", job.tensor.numel(), 1):
             compressed = job.compressor.compress(job.tensor, job.name, job.segments)
@@ -184,6 +217,8 @@ class Allreduce(Scheme):
             total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce, own)])
             job.local = torch.cat([t.reshape(-1) for t in own])
             return total
+        if "owners" in job.state:
+            return job.state["owners"].finish(job)
         for pending in job.state["pending"]:
             pending.wait()
         with timed_work(job.work, "decode", job.tensor.numel(), 1):
@@ -217,6 +252,7 @@ class AllToAll(Scheme):
 
     name = "alltoall"
     divisible = True
+    reencodes = True
 
     def start(self, job: Job) -> None:
         n = job.comm.size
@@ -270,6 +306,7 @@ class GatherBroadcast(Scheme):
     """Centralized: rank 0 decodes and sums every payload, re-compresses and broadcasts the sum."""
 
     name = "gather"
+    reencodes = True
 
     def start(self, job: Job) -> None:
         compressed, message = _compress_whole(job)

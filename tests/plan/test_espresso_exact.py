@@ -1,0 +1,135 @@
+"""Espresso's search is brute force: zero gap to the optimum over the full option set (every
+scheme, zen included, flat and hierarchical) on 1000 random instances."""
+
+import random
+
+import numpy as np
+
+from ddlscale.comm.timeline import TensorTask, iteration_time
+from ddlscale.plan.espresso import espresso, search
+from ddlscale.plan.frontier import pareto
+from ddlscale.plan.planner import cost_model
+from ddlscale.plan.pricing import Option, units_of
+from ddlscale.plan.synthetic import random_profile
+
+
+def brute_force(tasks, backward_end, optimizer):
+    """Every assignment of options to units at once: ``tasks[i][k]`` is unit i under option k. The
+    simulator's forward recursion (state: comm end, stolen compute, last decode), vectorized over
+    all K^N assignments. Returns (best time, best assignment, every time, the assignments)."""
+    count, width = len(tasks), len(tasks[0])
+    picks = np.indices((width,) * count).reshape(count, -1).T  # row-major: assignment k's digits in base K
+    comm_end = np.zeros(len(picks))
+    stolen = np.zeros(len(picks))
+    last = np.full(len(picks), -np.inf)
+    for i in range(count):
+        cost = np.array([[t.encode_s, t.comm_s, t.decode_s] for t in tasks[i]])[picks[:, i]]
+        ready, lag = tasks[i][0].ready_s, tasks[i][0].lag_s
+        comm_end = np.maximum(ready + stolen + cost[:, 0] + lag, comm_end) + cost[:, 1]
+        stolen += cost[:, 0] + cost[:, 2]
+        last = np.maximum(last, comm_end + cost[:, 2])
+    times = np.maximum(last, backward_end + stolen) + optimizer
+    best = int(np.argmin(times))
+    return float(times[best]), picks[best], times, picks
+
+
+def test_zero_gap_to_brute_force_on_the_full_option_set():
+    rng = random.Random(43)
+    offered, schemes, hierarchical, instances = set(), set(), 0, 1000
+    for trial in range(instances):
+        profile = random_profile(rng, rng.randint(1, 5))
+        model = cost_model(profile)
+        units, options = units_of(profile), model.options()  # every scheme x layout, dense included
+        by_option = [model.tasks(units, o) for o in options]
+        tasks = [[row[i] for row in by_option] for i in range(len(units))]
+        best, pick, times, picks = brute_force(tasks, profile.backward_end_s, profile.rest_s)
+        # The vectorized recursion is the simulator: checked on the optimum and two random plans.
+        for row in (pick, picks[rng.randrange(len(picks))], picks[rng.randrange(len(picks))]):
+            plan = [tasks[i][k] for i, k in enumerate(row)]
+            expected = iteration_time(plan, profile.backward_end_s, profile.rest_s)
+            index = int(np.ravel_multi_index(tuple(row), (len(options),) * len(units)))
+            assert (picks[index] == row).all()
+            assert abs(expected - times[index]) <= 1e-12 * max(1.0, expected)
+        found = search(units, model, profile.backward_end_s, profile.rest_s)
+        assert found.iteration_s <= best * (1 + 1e-9), (trial, found.iteration_s, best, found.steps)
+        chosen = [options[k] for k in pick]
+        offered |= {o.scheme for o in options}
+        schemes |= {o.scheme for o in chosen if o.compressed}
+        hierarchical += any(o.hierarchical for o in chosen)
+    # The instances exercised the whole space: every scheme offered, optima under most of them
+    # (gather, whose root decodes n payloads, is seldom best) and the hierarchical layout.
+    assert offered == {"allreduce", "allgather", "alltoall", "gather", "zen"}, offered
+    assert {"allreduce", "allgather", "alltoall", "zen"} <= schemes, schemes
+    assert hierarchical > 0
+
+
+def test_the_full_plan_is_never_worse_than_the_per_tensor_optimum():
+    rng = random.Random(7)
+    for trial in range(100):
+        profile = random_profile(rng, rng.randint(1, 4))
+        model = cost_model(profile)
+        units = units_of(profile)
+        tasks = [[model.task(u, o) for o in model.options()] for u in units]
+        best = brute_force(tasks, profile.backward_end_s, profile.rest_s)[0]
+        plan = espresso(units, model, profile.backward_end_s, profile.rest_s,
+                        cupcake_option=Option("default", "allgather"), offload=trial % 2 == 0)
+        assert plan.iteration_s <= best * (1 + 1e-9), trial
+
+
+def test_pareto_keeps_exactly_the_points_nothing_beats():
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        alpha, beta = rng.integers(0, 6, 30).astype(float), rng.integers(0, 6, 30).astype(float)
+        kept_alpha, kept_beta, index = pareto(alpha, beta, np.arange(30))
+        for a, b in zip(alpha, beta, strict=True):  # every point is matched or beaten by a kept one
+            assert ((kept_alpha <= a) & (kept_beta <= b)).any()
+        for k, (a, b) in enumerate(zip(kept_alpha, kept_beta, strict=True)):  # no kept point is beaten
+            others = np.delete(np.arange(kept_alpha.size), k)
+            assert not ((kept_alpha[others] <= a) & (kept_beta[others] <= b)).any()
+            assert (alpha[index[k]], beta[index[k]]) == (a, b)
+
+
+def test_search_refuses_what_the_dp_cannot_model():
+    profile = random_profile(random.Random(1), 3)
+    model = cost_model(profile)
+    units = units_of(profile)
+    side = [o.on("side") for o in model.options() if o.compressed]
+    try:
+        search(units, model, profile.backward_end_s, profile.rest_s, [*model.options(), *side])
+    except ValueError as err:
+        assert "offload" in str(err)
+    else:
+        raise AssertionError("side-device options were accepted")
+    shuffled = [units[2], units[0], units[1]] if units[2].ready_s > units[0].ready_s else units[::-1]
+    try:
+        search(shuffled, model, profile.backward_end_s, profile.rest_s)
+    except ValueError as err:
+        assert "backward order" in str(err)
+    else:
+        raise AssertionError("units out of backward order were accepted")
+
+
+def test_the_search_is_what_the_simulator_says_of_its_plan():
+    profile = random_profile(random.Random(11), 60)
+    model = cost_model(profile)
+    found = search(units_of(profile), model, profile.backward_end_s, profile.rest_s)
+    plan = [model.task(u, o) for u, o in zip(found.units, found.options, strict=True)]
+    assert iteration_time(plan, profile.backward_end_s, profile.rest_s) == found.iteration_s
+    assert all(isinstance(t, TensorTask) for t in plan)
+
+
+def test_thinned_fronts_stay_within_their_proven_gap():
+    """Fronts capped at 2 points: the plan may miss the optimum, never by more than the gap it reports."""
+    rng = random.Random(99)
+    thinned = 0
+    for trial in range(300):
+        profile = random_profile(rng, rng.randint(3, 5))
+        model = cost_model(profile)
+        units, options = units_of(profile), model.options()
+        by_option = [model.tasks(units, o) for o in options]
+        tasks = [[row[i] for row in by_option] for i in range(len(units))]
+        best = brute_force(tasks, profile.backward_end_s, profile.rest_s)[0]
+        found = search(units, model, profile.backward_end_s, profile.rest_s, cap=2)
+        assert best * (1 - 1e-9) <= found.iteration_s <= (best + found.gap_s) * (1 + 1e-9), (trial, found.steps)
+        thinned += found.gap_s > 0
+    assert thinned > 10  # the cap bit: the bound was exercised, not only zero gaps
