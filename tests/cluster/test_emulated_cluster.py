@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
 from ddlscale.trainer import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REASON = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 

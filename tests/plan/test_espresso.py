@@ -45,7 +45,7 @@ from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import plan as plan_tool
 from ddlscale.units import parse_bandwidth, parse_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _reduced(model):

@@ -14,7 +14,7 @@ import pytest
 
 from ddlscale.cluster.stop import descendants, start_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false"]
 TINY = ["model=cnn", "model.width=4", "model.num_blocks=1", "model.image_size=8", "model.num_samples=256"]
 

@@ -17,7 +17,7 @@ from ddlscale.compress import build_compressor
 from ddlscale.sync import GradSync
 from ddlscale.trainer import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {
     "sync", "compressor", "ckpt", "model", "world_size", "steps", "final_loss", "samples_per_s",
     "step_time_s", "sync_time_s", "bytes_sent_per_step", "bytes_recv_per_step", "imbalance",

@@ -32,7 +32,7 @@ from ddlscale.sync.compressed import CupcakeSync
 from ddlscale.sync.compressed.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
 from ddlscale.sync.compressed.schemes import GroupWork
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def partitions(count):
