@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ddlscale.compress import MEMORIES, Compressor, NoCompression
+from ddlscale.compress import MEMORIES, Compressor, NoCompression, build_compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
@@ -65,13 +65,6 @@ def _load_config(group: str, name: str):
         known = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
         raise ValueError(f"--{group} {name!r}: no {path.relative_to(ROOT)} (one of {known})")
     return OmegaConf.load(path)
-
-
-def build_compressor(name: str) -> Compressor:
-    from hydra.utils import instantiate
-
-    cfg = _load_config("compressor", name)
-    return NoCompression() if cfg.get("_target_") is None else instantiate(cfg)
 
 
 def build_memory(name: str, compressor: Compressor) -> Memory:
