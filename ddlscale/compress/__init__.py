@@ -85,7 +85,7 @@ from ddlscale.compress.base import Compressed, Compressor, Context, Segment
 from ddlscale.compress.cast import BF16, FP16
 from ddlscale.compress.dgc import DGC
 from ddlscale.compress.int8 import Int8
-from ddlscale.compress.memory import DecayedMemory, Memory, NoMemory, ResidualMemory
+from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory, NoMemory, ResidualMemory
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.onebit import OneBit
 from ddlscale.compress.powersgd import PowerSGD
@@ -96,8 +96,6 @@ from ddlscale.compress.signsgd import SignSGD
 from ddlscale.compress.terngrad import TernGrad
 from ddlscale.compress.threshold import Threshold
 from ddlscale.compress.topk import TopK
-
-MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}
 
 
 def build_memory(name: str, **params: Any) -> Memory:
