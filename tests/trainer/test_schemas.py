@@ -47,7 +47,7 @@ def test_every_option_of_every_group_has_a_registered_schema():
 @pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "sync").glob("*.yaml")))
 def test_a_sync_schema_declares_every_key_its_file_sets(option):
     cfg = _cfg(f"sync={option}")
-    schema = getattr(schemas._target_class(cfg.sync), "schema")
+    schema = schemas._target_class(cfg.sync).schema
     assert issubclass(schema, Schema)
     from_groups = {"_target_", "compressor"}  # the class, and the object built from compressor=
     assert set(cfg.sync) - from_groups <= {f.name for f in dataclasses.fields(schema)}, option
