@@ -57,7 +57,8 @@ def choice(key: str, value: Any, options: Iterable[Any]) -> Any:
     """``value`` if one of ``options``, else the refusal listing them."""
     options = tuple(options)
     if value not in options or isinstance(value, bool) != any(isinstance(o, bool) and o == value for o in options):
-        raise ValueError(f"{key} must be one of {', '.join(str(o) for o in options)}; got {value!r}")
+        listed = ", ".join("null" if o is None else str(o) for o in options)
+        raise ValueError(f"{key} must be one of {listed}; got {value!r}")
     return value
 
 

@@ -44,13 +44,16 @@ def test_every_option_of_every_group_has_a_registered_schema():
     assert _stored("trainer") == {"default"} and "run.yaml" in ConfigStore.instance().list("schema")
 
 
-@pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "sync").glob("*.yaml")))
-def test_a_sync_schema_declares_every_key_its_file_sets(option):
-    cfg = _cfg(f"sync={option}")
-    schema = schemas._target_class(cfg.sync).schema
+DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini")]
+
+
+@pytest.mark.parametrize("group,option", DECLARED, ids=[f"{g}={o}" for g, o in DECLARED])
+def test_a_declared_schema_has_every_key_its_file_sets(group, option):
+    cfg = _cfg(f"{group}={option}")
+    schema = schemas._target_class(cfg[group]).schema
     assert issubclass(schema, Schema)
-    from_groups = {"_target_", "compressor"}  # the class, and the object built from compressor=
-    assert set(cfg.sync) - from_groups <= {f.name for f in dataclasses.fields(schema)}, option
+    from_elsewhere = {"_target_", "compressor"}  # the class, and the object built from compressor=
+    assert set(cfg[group]) - from_elsewhere <= {f.name for f in dataclasses.fields(schema)}, option
 
 
 REFUSED = [  # overrides, the key named, the cause
@@ -64,6 +67,8 @@ REFUSED = [  # overrides, the key named, the cause
     (["sync=dense", "sync.first_bucket_mb=0"], "sync.first_bucket_mb", "> 0"),
     (["cluster=emulated", "cluster.port=70000"], "cluster.port", "[1, 65535]"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", ">= 1"),
+    (["ckpt=gemini", "ckpt.subbuffers=0"], "ckpt.subbuffers", ">= 1"),
+    (["ckpt=gemini", "ckpt.resume=latest"], "ckpt.resume", "null, auto"),
 ]
 
 
