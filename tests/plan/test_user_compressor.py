@@ -2,6 +2,7 @@
 
 import random
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -82,6 +83,7 @@ def _planned_steps(rank, world, system):
     return sync.computed is not None, exact, type(sync.compressed.compressors["default"]).__name__
 
 
+@pytest.mark.multiprocess
 def test_espresso_and_cupcake_plan_and_run_it_exactly():
     for system in ("espresso", "cupcake"):
         for planned, exact, used in run_workers(_planned_steps, 2, system):
