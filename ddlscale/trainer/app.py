@@ -76,7 +76,6 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
     """Reject values no component would catch before workers start (``launch``: the launch they are
     checked for, by default :func:`launch_context`'s)."""
     launch = launch if launch is not None else launch_context(cfg)
-    schemas.register()
     try:
         schemas.check(cfg)  # every value against its group's schema: types, ranges, choices
     except ValueError as exc:

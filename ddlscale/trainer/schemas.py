@@ -2,14 +2,16 @@
 against them.
 
 A component's schema is the :class:`~ddlscale.schema.Schema` its class declares (``schema = ...``:
-the syncs); a class without one (a compressor, a memory, a model, a checkpointer, a user's own
+the syncs, Gemini); a class without one (a compressor, a memory, a model, a checkpointer, a user's own
 class) gets one derived from its constructor's signature, whose checks are the constructor's own.
 The run's own keys (``seed``, ``trainer.*``, ``cluster.*``) have their schemas here.
 
-Each is stored as ``schema/<group>/<option>`` (``schema/sync/zen``; ``schema/run`` for the top
-level), so a config of one's own can extend it: ``defaults: [/schema/sync/zen@_here_, _self_]``
-gives a typed node. The files in ``conf/`` stay untyped: ``sync._target_=my.Sync`` with keys of its
-own, or ``~sync.bucket_mb``, must keep working on any option.
+:func:`register` stores each as ``schema/<group>/<option>`` (``schema/sync/zen``; ``schema/run`` for
+the top level), so a config of one's own can extend it (``defaults: [/schema/sync/zen@_here_,
+_self_]`` gives a typed node) once its script has called it before composing. train.py does not: it
+would import every option's class (seconds, in every worker of an emulated run), and its check needs
+only the selected classes' schemas. The files in ``conf/`` stay untyped, so ``sync._target_=my.Sync``
+with keys of its own, or ``~sync.bucket_mb``, keep working on any option.
 
 :func:`check` reads a composed config through the schemas of what it selects: a value of the wrong
 type or out of range is refused naming the full key and the values it takes, before anything is
@@ -134,6 +136,13 @@ def _target_class(node: Any) -> type | None:
         return None
 
 
+def _with_target(schema: type[Schema], cls: type) -> type:
+    """The schema as a node that builds ``cls``: its keys and ``_target_`` (Hydra's, not an argument)."""
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    return dataclasses.make_dataclass(schema.__name__, [("_target_", str, dataclasses.field(default=target))],
+                                      bases=(schema,))
+
+
 @cache
 def register() -> ConfigStore:
     """Store every option's schema as ``schema/<group>/<option>`` (once per process)."""
@@ -147,7 +156,7 @@ def register() -> ConfigStore:
         for path in sorted((CONF_DIR / group).glob("*.yaml")):
             cls = _target_class(OmegaConf.load(path))
             if cls is not None:
-                store.store(group=f"schema/{group}", name=path.stem, node=derived(cls))
+                store.store(group=f"schema/{group}", name=path.stem, node=_with_target(derived(cls), cls))
     return store
 
 

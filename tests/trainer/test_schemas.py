@@ -99,13 +99,16 @@ def test_a_sync_without_a_schema_of_its_own_checks_its_keys_when_built():
     check_config(cfg)
 
 
-def test_a_config_of_ones_own_can_extend_a_stored_schema():
+def test_a_config_of_ones_own_can_extend_a_stored_schema(tmp_path):
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "typed_zen.yaml").write_text("defaults:\n  - /schema/sync/zen@_here_\n  - _self_\n\nscheme: bp\n")
     schemas.register()
-    typed = OmegaConf.merge(OmegaConf.structured(ConfigStore.instance().load("schema/sync/zen.yaml").node),
-                            {"scheme": "bp"})
-    assert typed.scheme == "bp" and typed.profile_steps == 2
-    with pytest.raises(Exception, match="profile_steps"):
-        typed.profile_steps = "many"  # typed: an integer
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    cfg = _cfg(search, "sync=typed_zen")
+    assert cfg.sync.scheme == "bp" and cfg.sync.profile_steps == 2 and cfg.sync._target_.endswith("ZenSync")
+    check_config(cfg)  # and it builds
+    with pytest.raises(Exception, match="sync.profile_steps"):
+        _cfg(search, "sync=typed_zen", "sync.profile_steps=many")  # typed: refused as it is composed
 
 
 def test_derived_schemas_take_a_constructors_keywords():
