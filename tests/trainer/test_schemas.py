@@ -44,7 +44,7 @@ def test_every_option_of_every_group_has_a_registered_schema():
     assert _stored("trainer") == {"default"} and "run.yaml" in ConfigStore.instance().list("schema")
 
 
-DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini")]
+DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini"), ("strategy", "ddlscale")]
 
 
 @pytest.mark.parametrize("group,option", DECLARED, ids=[f"{g}={o}" for g, o in DECLARED])
