@@ -44,7 +44,7 @@ def test_every_option_of_every_group_has_a_registered_schema():
     assert _stored("trainer") == {"default"} and "run.yaml" in ConfigStore.instance().list("schema")
 
 
-DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini"), ("strategy", "ddlscale")]
+DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini"), ("ckpt", "disk"), ("strategy", "ddlscale")]
 
 
 @pytest.mark.parametrize("group,option", DECLARED, ids=[f"{g}={o}" for g, o in DECLARED])
@@ -69,6 +69,9 @@ REFUSED = [  # overrides, the key named, the cause
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches", ">= 1"),
     (["ckpt=gemini", "ckpt.subbuffers=0"], "ckpt.subbuffers", ">= 1"),
     (["ckpt=gemini", "ckpt.resume=latest"], "ckpt.resume", "null, auto"),
+    (["ckpt=disk", "ckpt.keep=0"], "ckpt.keep", ">= 1"),
+    (["ckpt=disk", "ckpt.bandwidth=fast"], "ckpt.bandwidth", "bad bandwidth 'fast'"),
+    (["strategy.start_method=thread"], "strategy.start_method", "spawn, popen, fork, forkserver"),
 ]
 
 

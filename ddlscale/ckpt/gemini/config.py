@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddlscale.ckpt.base import HIGHFREQ, parse_every
-from ddlscale.ckpt.disk.checkpointer import write_rate
+from ddlscale.ckpt.disk.config import write_rate
 from ddlscale.ckpt.gemini.interleave import MODES
 from ddlscale.ckpt.gemini.placement import KINDS
 from ddlscale.ckpt.gemini.store import check_address
