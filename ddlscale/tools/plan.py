@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", type=Path, help="a saved plan_profile.json")
     source.add_argument("--model", help="profile this workload (conf/model/<name>.yaml) here")
-    parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml")
+    parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml, or a compressor class's module.Class path")
     parser.add_argument("--memory", default="default",
                         help="with --model: the error feedback the compressor is timed with, conf/memory/<name>.yaml "
                              "(default: the compressor's own default, as train.py's)")
@@ -153,7 +153,10 @@ def report(argv: Sequence[str]) -> str:
         cfg.data_seed = 0
         module = instantiate(cfg)
         network = _network(args, {"bandwidth": "1gbit", "latency": "100us", "gpus_per_machine": 1})
-        compressor = build_compressor(args.compressor)
+        try:
+            compressor = build_compressor(args.compressor)
+        except ValueError as exc:
+            raise ValueError(f"--compressor {args.compressor!r}: {exc}") from None
         check_plannable(compressor, "--compressor")
         memory = build_memory(args.memory, compressor)
         profile = profile_model(module, compressor, memory, args.steps, args.workers or 2, network)
