@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 
-.PHONY: help setup train test test-slow lint experiments experiments-quick clean
+.PHONY: help setup train test test-quick test-slow lint experiments experiments-quick clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -24,6 +24,9 @@ train: setup  ## run the default job (ARGS="model=deepfm trainer.devices=3" to o
 
 test: setup  ## the test suite (slow tests excluded)
 	$(BIN)/python -m pytest -q
+
+test-quick: setup  ## the in-process tests only (no worker processes, no train.py runs): a first check in minutes
+	$(BIN)/python -m pytest -q -m 'not slow and not multiprocess and not e2e'
 
 test-slow: setup  ## only the slow tests
 	$(BIN)/python -m pytest -q -m slow

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -39,7 +40,34 @@ from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _Su
 from ddlscale import clock
 from ddlscale.ckpt.state.shard import SYNC_STATE_KEY
 from ddlscale.cluster.elastic import store_per_round
+from ddlscale.schema import Schema, boolean, choice, number
 from ddlscale.sync import DenseAllreduce, GradSync
+
+START_METHODS = ("spawn", "popen", "fork", "forkserver")
+
+
+@dataclass
+class StrategyConfig(Schema):
+    """``strategy.*`` of :class:`DDLStrategy` (the keys it takes from a config), checked in one place."""
+
+    group = "strategy"
+    start_method: str = "spawn"
+    device_time_s: float = 0.0
+    timeout: Any = None  # a datetime.timedelta (from Python; a config sets timeout_s)
+    timeout_s: Any = None  # seconds, or None: ``timeout``
+    debug_collectives: bool = False
+    broadcast_buffers: bool = True
+    process_group_backend: Any = None
+
+    def check(self) -> None:
+        choice(self.key("start_method"), self.start_method, START_METHODS)
+        number(self.key("device_time_s"), self.device_time_s, least=0)
+        if self.timeout is not None and not isinstance(self.timeout, timedelta):
+            raise ValueError(f"{self.key('timeout')} must be a datetime.timedelta, got {self.timeout!r}; "
+                             "from a config, set strategy.timeout_s (seconds)")
+        if self.timeout_s is not None:
+            number(self.key("timeout_s"), self.timeout_s, above=0, what="a number of seconds")
+        boolean(self.key("debug_collectives"), self.debug_collectives)
 
 
 class DDLStrategy(DDPStrategy):
@@ -65,6 +93,7 @@ class DDLStrategy(DDPStrategy):
     """
 
     strategy_name = "ddlscale"
+    schema = StrategyConfig  # its keys and their checks
 
     def __init__(
         self,
@@ -82,23 +111,12 @@ class DDLStrategy(DDPStrategy):
         timeout_s: float | None = None,
         debug_collectives: bool = False,
     ) -> None:
-        if start_method not in ("spawn", "popen", "fork", "forkserver"):
-            raise ValueError(
-                f"strategy.start_method must be one of spawn, popen, fork, forkserver; got {start_method!r}"
-            )
-        if isinstance(device_time_s, bool) or not isinstance(device_time_s, (int, float)) or device_time_s < 0:
-            raise ValueError(f"strategy.device_time_s must be a number >= 0, got {device_time_s!r}")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise ValueError(f"strategy.timeout must be a datetime.timedelta, got {timeout!r}; "
-                             "from a config, set strategy.timeout_s (seconds)")
+        StrategyConfig(start_method=start_method, device_time_s=device_time_s, timeout=timeout, timeout_s=timeout_s,
+                       debug_collectives=debug_collectives)  # refuses what no run can use
         if timeout_s is not None:  # the config's spelling; it wins over ``timeout``
-            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-                raise ValueError(f"strategy.timeout_s must be a number of seconds > 0, got {timeout_s!r}")
             timeout = timedelta(seconds=timeout_s)
         if timeout is not None:  # in emulated seconds: a dilated cluster's collectives take k times longer
             timeout = clock.wall_timeout(timeout.total_seconds())
-        if not isinstance(debug_collectives, bool):
-            raise ValueError(f"strategy.debug_collectives must be true or false, got {debug_collectives!r}")
         if sync is not None and not isinstance(sync, GradSync):
             raise TypeError(f"sync must be a ddlscale.sync.GradSync, got {type(sync).__name__}")
         super().__init__(

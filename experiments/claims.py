@@ -1,7 +1,7 @@
 """experiments/README.md's claims table: every figure recomputed from its CSV, every verdict judged.
 
 The table has the columns ``id, claim, target, measured, verdict, folder, run, command, check``.
-``tests/test_results_claims.py`` runs the checks below on every row; ``harness.Results`` runs the same
+``tests/experiments/test_results_claims.py`` runs the checks below on every row; ``harness.Results`` runs the same
 judging at the end of each experiment and appends the outcome to the folder's ``runs.csv``.
 
 **check**: how a row's figure follows from a CSV of its folder::

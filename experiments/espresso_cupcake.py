@@ -116,7 +116,7 @@ def planner_network(bandwidth: str) -> tuple[str, str]:
 
 def scheme_of(compressor: str) -> str:
     """allreduce where payloads sum, else allgather (CompressSync's default)."""
-    from ddlscale.tools.plan import build_compressor
+    from ddlscale.compress import build_compressor
 
     comp = build_compressor(compressor)
     return "allreduce" if comp.summable or hasattr(comp, "reduce") else "allgather"

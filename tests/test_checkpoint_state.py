@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
@@ -31,6 +32,7 @@ def _fit(max_steps, ckpt_dir=None, resume=None):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.multiprocess
 def test_resume_from_lightning_checkpoint_is_bit_exact(tmp_path):
     straight = _fit(10)
     _fit(5, ckpt_dir=tmp_path / "a")
@@ -46,6 +48,7 @@ def test_resume_from_lightning_checkpoint_is_bit_exact(tmp_path):
     assert [s["steps"] for s in torch.load(last, weights_only=False)[SYNC_STATE_KEY]["ranks"]] == [10, 10]
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_two_ranks_resumes_on_one(tmp_path):
     """Lightning's checkpoint carries every rank's sync state; at another world size the backend
     takes it over rather than refusing, and training goes on from the saved weights."""

@@ -83,6 +83,7 @@ def _small_cnn():
     return ResNetCNN(width=8, num_blocks=2, num_samples=2048, lr=0.05, momentum=0.9)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "make_model,world,accumulate,clip",
     [
@@ -103,6 +104,7 @@ def test_dense_matches_stock_ddp(make_model, world, accumulate, clip):
     assert torch.equal(ours, ddp)
 
 
+@pytest.mark.multiprocess
 def test_third_party_module_by_registry_name():
     """Lightning's own demo model trains unchanged with strategy="ddlscale", equal to DDP."""
     ours = _fit(BoringModel, "ddlscale", 2)
@@ -116,6 +118,7 @@ class _Manual(BoringModel):
         self.automatic_optimization = False
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
 @pytest.mark.parametrize("kind", ["zen-hierarchical", "stock-ddp"])
 def test_workers_end_every_process_group_at_teardown(kind, tmp_path):
@@ -132,6 +135,7 @@ def test_workers_end_every_process_group_at_teardown(kind, tmp_path):
     assert {path.name: path.read_text() for path in tmp_path.iterdir()} == {"0": "", "1": ""}
 
 
+@pytest.mark.multiprocess
 def test_manual_optimization_is_refused_clearly():
     with pytest.raises(Exception, match="automatic optimization"):
         _fit(_Manual, DDLStrategy(), 1)

@@ -71,10 +71,10 @@ Rules:
     group_states() -> list[dict[str, Tensor]]             # per-name tensors a regrouping re-lays out
     state_dict() -> dict;  load_state_dict(state: dict) -> None
 
-Names (the config group files ``conf/compressor/<name>.yaml`` and ``conf/memory/<name>.yaml``
-target these classes) are listed in :data:`COMPRESSORS` and :data:`MEMORIES`; a name that is a
-configuration of another's class (``signum``, ``efsignsgd``: :class:`SignSGD`) has its settings in
-:data:`PRESETS`.
+Compressor names are their config files, ``conf/compressor/<name>.yaml`` (:mod:`.registry`:
+:data:`COMPRESSORS`, :func:`build_compressor`); a name that is a configuration of another's class
+(``signum``, ``efsignsgd``: :class:`SignSGD`) has its settings there and nowhere else. Memories are
+listed in :data:`MEMORIES` (``conf/memory/<name>.yaml`` target them).
 """
 
 from __future__ import annotations
@@ -85,34 +85,17 @@ from ddlscale.compress.base import Compressed, Compressor, Context, Segment
 from ddlscale.compress.cast import BF16, FP16
 from ddlscale.compress.dgc import DGC
 from ddlscale.compress.int8 import Int8
-from ddlscale.compress.memory import DecayedMemory, Memory, NoMemory, ResidualMemory
+from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory, NoMemory, ResidualMemory
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.onebit import OneBit
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.qsgd import QSGD
 from ddlscale.compress.randomk import RandomK
+from ddlscale.compress.registry import COMPRESSORS, build_compressor, class_path
 from ddlscale.compress.signsgd import SignSGD
 from ddlscale.compress.terngrad import TernGrad
 from ddlscale.compress.threshold import Threshold
 from ddlscale.compress.topk import TopK
-
-COMPRESSORS: dict[str, type[Compressor]] = {
-    "none": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8, "topk": TopK, "randomk": RandomK,
-    "dgc": DGC, "threshold": Threshold, "signsgd": SignSGD, "efsignsgd": SignSGD, "signum": SignSGD,
-    "onebit": OneBit, "qsgd": QSGD, "terngrad": TernGrad, "powersgd": PowerSGD,
-}
-# Names that are a configuration of another name's class (conf/compressor/<name>.yaml says the same).
-PRESETS: dict[str, dict[str, Any]] = {"efsignsgd": {"scaled": True, "vote": False}, "signum": {"momentum": 0.9},
-                                      # the paper's clipping and warm-up (momentum: the optimizer's, set by the config)
-                                      "dgc": {"clip_norm": 5.0, "warmup_steps": 100}}
-MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}
-
-
-def build_compressor(name: str, **params: Any) -> Compressor:
-    """The compressor registered as ``name`` (what ``compressor=<name>`` selects)."""
-    if name not in COMPRESSORS:
-        raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {name!r}")
-    return COMPRESSORS[name](**{**PRESETS.get(name, {}), **params})
 
 
 def build_memory(name: str, **params: Any) -> Memory:
@@ -122,8 +105,8 @@ def build_memory(name: str, **params: Any) -> Memory:
 
 
 __all__ = [
-    "BF16", "COMPRESSORS", "DGC", "FP16", "Int8", "MEMORIES", "PRESETS", "NoCompression", "NoMemory",
+    "BF16", "COMPRESSORS", "DGC", "FP16", "Int8", "MEMORIES", "NoCompression", "NoMemory",
     "OneBit", "PowerSGD", "QSGD", "RandomK", "SignSGD", "TernGrad", "Threshold", "TopK",
     "Compressed", "Compressor", "Context", "DecayedMemory", "Memory", "ResidualMemory", "Segment",
-    "build_compressor", "build_memory",
+    "build_compressor", "build_memory", "class_path",
 ]

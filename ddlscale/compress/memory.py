@@ -125,3 +125,7 @@ class DecayedMemory(ResidualMemory):
 
     def next_residual(self, error: torch.Tensor) -> torch.Tensor:
         return error * self.beta
+
+
+# The memories by name: what ``sync.memory`` and ``conf/memory/<name>.yaml`` select.
+MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}

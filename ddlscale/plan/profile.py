@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ddlscale import clock
-from ddlscale.compress import COMPRESSORS, Compressor, Memory, build_compressor, wire
+from ddlscale.compress import Compressor, Memory, build_compressor, class_path, wire
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
@@ -76,9 +76,11 @@ class CompressorProfile:
     member_decode_s: float = 0.0
     fused_encode_per_element_s: float = 0.0
     fused_decode_per_element_s: float = 0.0
+    target: str = ""  # its class, ``module.Class`` (a compressor defined outside ddlscale too; "": by name)
 
     def build(self) -> Compressor:
-        return build_compressor(self.name, **self.params)
+        """The compressor profiled: its class (or registered name) built from its parameters."""
+        return build_compressor(self.target or self.name, **self.params)
 
     def calibrated(self, encode: float, decode: float, **facts: float) -> CompressorProfile:
         """These fits scaled to what the same work cost inside training steps (on the training
@@ -136,7 +138,7 @@ class Profile:
                                    ("encode", "decode", "side_encode", "side_decode")),
                                    int(c.get("header_bytes", 0)), list(c.get("samples", [])),
                                    dict(c.get("calibration", {})),
-                                   *(float(c.get(k, 0.0)) for k in MEMBER_COSTS))
+                                   *(float(c.get(k, 0.0)) for k in MEMBER_COSTS), str(c.get("target", "")))
             for key, c in data["compressors"].items()
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
@@ -319,8 +321,6 @@ def profile_compressor(compressor: Compressor, largest: int, device: str | torch
                        budget_s: float = 0.02, memory: Memory | None = None) -> CompressorProfile:
     """Measure ``compressor`` (``none`` included: the executor's per-group work is not free) on the
     training device and, beside a GPU, on the CPU (the side device)."""
-    if compressor.name not in COMPRESSORS:
-        raise ValueError(f"compressor {compressor.name!r} is not one of {', '.join(COMPRESSORS)}")
     sizes = size_grid(largest)
     encode, decode, samples = measure_costs(compressor, sizes, device, budget_s=budget_s, memory=memory)
     side_encode, side_decode = encode, decode
@@ -332,7 +332,7 @@ def profile_compressor(compressor: Compressor, largest: int, device: str | torch
     params = {} if compressor.name == "none" else compressor_params(compressor)
     members = member_costs(compressor, device, budget_s, memory) if compressor.per_member else {}
     return CompressorProfile(compressor.name, params, encode, decode, side_encode, side_decode,
-                             header_bytes(compressor), samples, **members)
+                             header_bytes(compressor), samples, **members, target=class_path(compressor))
 
 
 MEMBER_COSTS = ("member_encode_s", "member_decode_s", "fused_encode_per_element_s", "fused_decode_per_element_s")

@@ -14,6 +14,7 @@ import torch
 from ddlscale import clock
 from ddlscale.comm import Pending
 from ddlscale.sync.base import GradSync
+from ddlscale.sync.config import DenseConfig
 
 
 def to_sparse_slices(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:
@@ -73,12 +74,11 @@ class DenseAllreduce(GradSync):
         first_bucket_mb: capacity of the first bucket to launch; small so the network is busy early.
     """
 
+    schema = DenseConfig  # its keys and their checks
+
     def __init__(self, bucket_mb: float = 25.0, first_bucket_mb: float = 1.0):
+        DenseConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)  # refuses what no run can use
         super().__init__()
-        if not bucket_mb > 0:
-            raise ValueError(f"sync.bucket_mb must be > 0, got {bucket_mb}")
-        if not first_bucket_mb > 0:
-            raise ValueError(f"sync.first_bucket_mb must be > 0, got {first_bucket_mb}")
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.first_bucket_bytes = int(first_bucket_mb * 2**20)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ddlscale.compress import MEMORIES, Compressor, NoCompression
+from ddlscale.compress import MEMORIES, Compressor, NoCompression, build_compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", type=Path, help="a saved plan_profile.json")
     source.add_argument("--model", help="profile this workload (conf/model/<name>.yaml) here")
-    parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml")
+    parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml, or a compressor class's module.Class path")
     parser.add_argument("--memory", default="default",
                         help="with --model: the error feedback the compressor is timed with, conf/memory/<name>.yaml "
                              "(default: the compressor's own default, as train.py's)")
@@ -65,13 +65,6 @@ def _load_config(group: str, name: str):
         known = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
         raise ValueError(f"--{group} {name!r}: no {path.relative_to(ROOT)} (one of {known})")
     return OmegaConf.load(path)
-
-
-def build_compressor(name: str) -> Compressor:
-    from hydra.utils import instantiate
-
-    cfg = _load_config("compressor", name)
-    return NoCompression() if cfg.get("_target_") is None else instantiate(cfg)
 
 
 def build_memory(name: str, compressor: Compressor) -> Memory:
@@ -160,7 +153,10 @@ def report(argv: Sequence[str]) -> str:
         cfg.data_seed = 0
         module = instantiate(cfg)
         network = _network(args, {"bandwidth": "1gbit", "latency": "100us", "gpus_per_machine": 1})
-        compressor = build_compressor(args.compressor)
+        try:
+            compressor = build_compressor(args.compressor)
+        except ValueError as exc:
+            raise ValueError(f"--compressor {args.compressor!r}: {exc}") from None
         check_plannable(compressor, "--compressor")
         memory = build_memory(args.memory, compressor)
         profile = profile_model(module, compressor, memory, args.steps, args.workers or 2, network)

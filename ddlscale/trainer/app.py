@@ -29,48 +29,23 @@ from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ddlscale.ckpt import Checkpointer
-from ddlscale.cluster import dilation, stop
+from ddlscale.cluster import stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Launch, no_services
-from ddlscale.cluster.emulated import MAX_NODES, unavailable_reason
+from ddlscale.cluster.emulated import unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
+from ddlscale.schema import is_int
 from ddlscale.strategy import DDLStrategy
-from ddlscale.trainer import pairing, rundir
+from ddlscale.trainer import pairing, rundir, schemas
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
 from ddlscale.trainer.report import RunFailed, failed_summary, print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
 from ddlscale.trainer.runlog import run_log
 from ddlscale.trainer.signals import StopOnSignals
-from ddlscale.units import parse_bandwidth, parse_time
-
-CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
-FALLBACKS = ("loopback", "error")
 
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key."""
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _int_in(cfg: DictConfig, key: str, least: int = 1, most: int | None = None, allow: tuple[int, ...] = ()) -> int:
-    value = OmegaConf.select(cfg, key)
-    if value in allow and _is_int(value):
-        return value
-    if not _is_int(value) or value < least or (most is not None and value > most):
-        wanted = f"an integer in [{least}, {most}]" if most is not None else f"an integer >= {least}"
-        also = "".join(f" or {a}" for a in allow)
-        raise ConfigError(f"{key} must be {wanted}{also}, got {value!r}")
-    return value
-
-
-def _quantity(cfg: DictConfig, key: str, parse: Any) -> None:
-    try:
-        parse(OmegaConf.select(cfg, key))
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"{key}: {exc}") from None
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -102,23 +77,13 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
     """Reject values no component would catch before workers start (``launch``: the launch they are
     checked for, by default :func:`launch_context`'s)."""
     launch = launch if launch is not None else launch_context(cfg)
-    _int_in(cfg, "trainer.devices")
-    _int_in(cfg, "trainer.num_nodes")
-    _int_in(cfg, "trainer.accumulate_grad_batches")
-    _int_in(cfg, "trainer.max_steps", allow=(-1,))  # -1: no limit (then trainer.max_epochs ends the run)
-    if not _is_int(cfg.seed):
-        raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
-    if not isinstance(cfg.get("keep_freed_memory", True), bool):
-        raise ConfigError(f"keep_freed_memory must be true or false, got {cfg.keep_freed_memory!r}")
+    try:
+        schemas.check(cfg)  # every value against its group's schema: types, ranges, choices
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     kind = OmegaConf.select(cfg, "cluster.kind")
-    if kind not in CLUSTER_KINDS:
-        raise ConfigError(f"cluster.kind must be one of {', '.join(CLUSTER_KINDS)}; got {kind!r}")
     if kind == "torchrun" and not launch.is_worker:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
-    if OmegaConf.select(cfg, "cluster.max_restarts") is not None:
-        _int_in(cfg, "cluster.max_restarts", least=0)
-    if kind == "emulated":
-        _check_emulated(cfg)
     _check_sync_keys(cfg)
     try:
         pairing.check_strategy_runs_sync(cfg)
@@ -137,24 +102,13 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
                 raise ConfigError(str(exc)) from None
 
 
-def _check_emulated(cfg: DictConfig) -> None:
-    _int_in(cfg, "cluster.nodes", 1, MAX_NODES)
-    _int_in(cfg, "cluster.port", 1, 65535)
-    _int_in(cfg, "cluster.max_restarts", 0)
-    _quantity(cfg, "cluster.bandwidth", parse_bandwidth)
-    _quantity(cfg, "cluster.latency", parse_time)
-    _quantity(cfg, "cluster.dilation", dilation.parse)
-    if cfg.cluster.get("fallback", "loopback") not in FALLBACKS:
-        raise ConfigError(f"cluster.fallback must be one of {', '.join(FALLBACKS)}, got {cfg.cluster.fallback!r}")
-
-
 def _check_sync_keys(cfg: DictConfig) -> None:
     """Sync keys that must fit the run, which the backends see only in their workers (the world
     size); ``sync.sparse_params`` is checked against the model when it is built."""
     local_size = cfg.sync.get("local_size")
     if local_size is not None:
         world = world_size(cfg)
-        if not _is_int(local_size) or local_size < 1 or world % local_size:
+        if not is_int(local_size) or local_size < 1 or world % local_size:
             raise ConfigError(f"sync.local_size (ranks per machine) must be an integer >= 1 dividing the "
                               f"{world} ranks (trainer.devices x machines), or null; got {local_size!r}")
 

@@ -51,9 +51,20 @@ def option_keys(path: Path, group: str) -> str:
         node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # ${seed} stays as written
     except Exception:  # a file OmegaConf cannot read alone: show no keys rather than fail the help
         return ""
-    if "defaults" in node or "hydra" in node:  # a package-global preset (cluster=slurm)
+    if "hydra" in node or "defaults" in node and not _bases(node["defaults"]):  # a package-global preset (cluster=slurm)
         node = node.get(group, {})
+    elif "defaults" in node:  # an option extending shared keys (a sparse sync): theirs, then its own
+        shared: dict[str, Any] = {}
+        for base in _bases(node.pop("defaults")):
+            shared.update(OmegaConf.to_container(OmegaConf.load(path.parents[1] / f"{base}.yaml"), resolve=False))
+        node = {**shared, **node}
     return ", ".join(f"{group}.{key}={_show(value)}" for key, value in node.items() if key != "_target_")
+
+
+def _bases(defaults: list[Any]) -> list[str]:
+    """The configs an option's defaults list merges into its own package (``/base/x@_here_``)."""
+    return [d.removeprefix("/").removesuffix("@_here_") for d in defaults
+            if isinstance(d, str) and d.endswith("@_here_")]
 
 
 def _show(value: Any) -> str:

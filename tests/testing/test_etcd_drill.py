@@ -24,6 +24,7 @@ GEMINI = [*MODEL, "ckpt=gemini", "ckpt.store=etcd", "ckpt.profile_steps=3", "ckp
           "ckpt.chunk_kib=64"]
 
 
+@pytest.mark.e2e
 def test_losing_the_first_etcd_members_machine_resumes_from_memory(tmp_path):
     straight = tmp_path / "straight"
     with GeminiDrill(4, [*MODEL, "ckpt=none"], straight) as drill:

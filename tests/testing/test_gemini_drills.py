@@ -48,6 +48,7 @@ def _drill(tmp_path, inject, bandwidth="1gbit"):
     return run, events
 
 
+@pytest.mark.e2e
 def test_software_failure_every_machine_reloads_its_local_replica(straight, tmp_path):
     run, _ = _drill(tmp_path, lambda d: d.kill_trainer(1))
     from_step = _assert_continues(straight, run)
@@ -65,6 +66,7 @@ def _kill_and_replace(*machines):
     return inject
 
 
+@pytest.mark.e2e
 def test_machine_failure_the_replacement_fetches_from_its_group_peer(straight, tmp_path):
     run, events = _drill(tmp_path, _kill_and_replace(1))
     from_step = _assert_continues(straight, run)
@@ -74,6 +76,7 @@ def test_machine_failure_the_replacement_fetches_from_its_group_peer(straight, t
     assert any(e.get("event") == "replaced" and e.get("machine") == 1 for e in events)
 
 
+@pytest.mark.e2e
 def test_whole_group_lost_falls_back_to_the_persistent_checkpoint(straight, tmp_path):
     run, _ = _drill(tmp_path, _kill_and_replace(2, 3))
     from_step = _assert_continues(straight, run)
@@ -81,6 +84,7 @@ def test_whole_group_lost_falls_back_to_the_persistent_checkpoint(straight, tmp_
     assert _summary(run)["ckpt_recovery_sources"] == ["persistent"] * 4
 
 
+@pytest.mark.e2e
 def test_kill_during_a_chunk_transfer_keeps_the_committed_version(straight, tmp_path):
     def inject(drill):
         # Wait until machine 0's agent is receiving a version of rank 1 (its group peer), then kill 1.
@@ -98,6 +102,7 @@ def test_kill_during_a_chunk_transfer_keeps_the_committed_version(straight, tmp_
     assert "peer:0" in _summary(run)["ckpt_recovery_sources"]
 
 
+@pytest.mark.e2e
 def test_corrupt_replica_is_caught_and_the_peer_copy_used(straight, tmp_path):
     def inject(drill):
         # Kill first, so no newer version can be committed past the corrupted one, then corrupt rank 1's

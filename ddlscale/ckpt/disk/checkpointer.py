@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.disk.config import DiskConfig, write_rate
 from ddlscale.ckpt.disk.writer import DcpWriter
 from ddlscale.ckpt.state.shard import (
     PAYLOAD_FORMAT,
@@ -48,7 +49,6 @@ from ddlscale.ckpt.version.manifest import (
     step_of,
     verify,
 )
-from ddlscale.units import parse_bandwidth
 
 DEFAULT_SUBDIR = "checkpoints"
 # A DCP collective waiting longer than this for a peer fails the save instead of holding the process
@@ -80,19 +80,6 @@ def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> 
     return None
 
 
-def write_rate(bandwidth: str | float | None, key: str = "ckpt.bandwidth") -> float | None:
-    """Bits per second of an emulated write rate (None: full speed); a bad value names ``key``."""
-    if bandwidth is None:
-        return None
-    try:
-        bps = parse_bandwidth(bandwidth)
-    except ValueError as exc:
-        raise ValueError(f"{key}: {exc}") from None
-    if bps == 0:
-        raise ValueError(f"{key} must be > 0 (or null for no limit)")
-    return bps
-
-
 class DiskCheckpointer(Checkpointer):
     """Atomic, checksummed, sharded checkpoints to a directory (local disk or a mounted store).
 
@@ -110,13 +97,13 @@ class DiskCheckpointer(Checkpointer):
     In Python, outside ``train.py``: ``trainer.fit(model, ckpt_path=checkpointer.resume_path(trainer.world_size))``.
     """
 
+    schema = DiskConfig  # its keys and their checks
+
     def __init__(self, every: int | str = 10, dir: str | None = None, keep: int = 3, bandwidth: str | float | None = None,
                  resume: str | None = None, run_dir: str | None = None, async_save: bool = True) -> None:
+        DiskConfig(every=every, dir=dir, keep=keep, bandwidth=bandwidth, resume=resume,
+                   async_save=async_save)  # refuses what no run can use
         super().__init__(every=every, resume=resume)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"ckpt.keep must be an integer >= 1, got {keep!r}")
-        if not isinstance(async_save, bool):
-            raise ValueError(f"ckpt.async_save must be true or false, got {async_save!r}")
         self.keep = keep
         self.async_save = async_save
         self.bandwidth_bps = write_rate(bandwidth)

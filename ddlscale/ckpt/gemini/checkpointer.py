@@ -40,30 +40,24 @@ from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
+from ddlscale.ckpt.gemini.config import GeminiConfig
 from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
-from ddlscale.ckpt.gemini.interleave import MODES, ReplicaSender, Transfer
+from ddlscale.ckpt.gemini.interleave import ReplicaSender, Transfer
 from ddlscale.ckpt.gemini.launch import check_launch, launch_services
-from ddlscale.ckpt.gemini.placement import KINDS, PlacementPlan
+from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.gemini.recovery import GeminiRecovery
-from ddlscale.ckpt.gemini.store import ETCD, JobStore, check_address, connect
+from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect
 from ddlscale.ckpt.gemini.wire import TrainingWire
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
 from ddlscale.ckpt.state.snapshot import capture
-from ddlscale.ckpt.version.checksum import KEYED
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
 from ddlscale.cluster.context import Launch, Services, job_name
 
 # Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
 OUTCOME_SLACK_S = 10.0
-
-
-def _positive_int(key: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"ckpt.{key} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class GeminiCheckpointer(GeminiRecovery, Checkpointer):
@@ -88,39 +82,27 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
     """
 
+    schema = GeminiConfig  # its keys and their checks
+
     def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
                  chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "hmac-sha256",
                  profile_steps: int = 20,
                  persist_every: int | None = None, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
                  commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
-        if every == "highfreq":
-            raise ValueError("ckpt.every: gemini checkpoints every K steps (1 by default); highfreq is for ckpt=disk")
+        GeminiConfig(every=every, replicas=replicas, placement=placement, mode=mode, chunk_kib=chunk_kib,
+                     subbuffers=subbuffers, mu=mu, checksum=checksum, profile_steps=profile_steps,
+                     persist_every=persist_every, persist_dir=persist_dir, persist_bandwidth=persist_bandwidth,
+                     store=store, commit_timeout_s=commit_timeout_s, resume=resume)  # refuses what no run can use
         super().__init__(every=every, resume=resume)
-        if resume not in (None, "auto"):
-            raise ValueError(f"ckpt.resume for gemini must be 'auto' or null, got {resume!r}")
-        self.replicas = _positive_int("replicas", replicas)
-        if placement not in KINDS:
-            raise ValueError(f"ckpt.placement must be one of {', '.join(KINDS)}, got {placement!r}")
-        if mode not in MODES:
-            raise ValueError(f"ckpt.mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.replicas = replicas
         self.placement, self.mode = placement, mode
-        self.chunk_bytes = _positive_int("chunk_kib", chunk_kib) * 1024
-        self.subbuffers = _positive_int("subbuffers", subbuffers)
-        # mu < 1 (SYSTEMS.md section 4): gap and chunk times are medians, so a plan filling whole gaps
-        # would spill chunks into the next collective.
-        if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 < mu < 1:
-            raise ValueError(f"ckpt.mu must be in (0, 1), got {mu!r}")
+        self.chunk_bytes = chunk_kib * 1024
+        self.subbuffers = subbuffers
         self.mu = float(mu)
-        if checksum not in KEYED:
-            raise ValueError(f"ckpt.checksum must be one of {', '.join(KEYED)}, got {checksum!r}")
         self.checksum = checksum
-        self.profile_steps = _positive_int("profile_steps", profile_steps)
-        check_address(store)
+        self.profile_steps = profile_steps
         self.store_address = store
-        if (isinstance(commit_timeout_s, bool) or not isinstance(commit_timeout_s, (int, float))
-                or not math.isfinite(commit_timeout_s) or commit_timeout_s <= 0):
-            raise ValueError(f"ckpt.commit_timeout_s must be a finite number > 0, got {commit_timeout_s!r}")
         self.commit_timeout_s = float(commit_timeout_s)
         self.run_dir = run_dir
         self.persistent: DiskCheckpointer | None = None
@@ -130,7 +112,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
         if persist_every is not None:
             self.persistent = DiskCheckpointer(
-                every=_positive_int("persist_every", persist_every), keep=2, bandwidth=self.persist_bps,
+                every=persist_every, keep=2, bandwidth=self.persist_bps,
                 dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None)
         # Set in setup (workers).
         self.store: JobStore | None = None

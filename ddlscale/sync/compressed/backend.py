@@ -29,15 +29,14 @@ import torch
 
 from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor, Segment, pieces
-from ddlscale.compress.memory import DecayedMemory, Memory, ResidualMemory
+from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory
 from ddlscale.compress.none import NoCompression
 from ddlscale.plan.choices import Choices, TensorChoice
+from ddlscale.sync.compressed.config import CompressConfig
 from ddlscale.sync.compressed.regroup import GroupLayout, load_summed_share, regroup
 from ddlscale.sync.compressed.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce
 
-FUSIONS = ("tensor", "bucket")
-MEMORIES = {"none": Memory, "residual": ResidualMemory, "decayed": DecayedMemory}
 FLAT, CHUNK, LEADER = "flat", "chunk", "leader"  # how a group runs: whole, a machine's chunk, or at its leader
 
 
@@ -100,21 +99,19 @@ class CompressSync(DenseAllreduce):
     choices: :class:`Choices` overriding the uniform choice per tensor, and the fusion groups.
     """
 
+    schema = CompressConfig  # its keys and their checks
+
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str | None = None,
                  memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,
                  fusion: str = "tensor", choices: Choices | None = None, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
-        scheme(comm, "sync.comm")  # validates the name
         self.memory_default = memory is None
         if memory is None:
             memory = (compressor or NoCompression()).default_memory
-        if isinstance(memory, str) and memory not in MEMORIES:
-            raise ValueError(f"sync.memory must be one of {', '.join(MEMORIES)}; got {memory!r}")
-        if fusion not in FUSIONS:
-            raise ValueError(f"sync.fusion must be one of {', '.join(FUSIONS)}; got {fusion!r}")
-        if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
-            raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
+        CompressConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, comm=comm,
+                       memory=memory if isinstance(memory, str) else None, memory_beta=memory_beta,
+                       hierarchical=hierarchical, local_size=local_size, fusion=fusion)
         self.compressors: dict[str, Compressor] = {"none": NoCompression(), "default": compressor or NoCompression()}
         if isinstance(memory, str):
             memory = DecayedMemory(memory_beta) if memory == "decayed" else MEMORIES[memory]()

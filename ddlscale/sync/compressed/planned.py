@@ -80,10 +80,11 @@ from ddlscale.plan.profile import (
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.base import GradSync
 from ddlscale.sync.compressed.backend import CompressSync
+from ddlscale.sync.compressed.config import EspressoConfig, PlannedConfig
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
 from ddlscale.sync.dense import DenseAllreduce
-from ddlscale.units import parse_bandwidth, parse_time
+from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
@@ -142,6 +143,7 @@ class PlannedSync(GradSync):
     """
 
     system = "?"
+    schema = PlannedConfig  # its keys and their checks
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather",
                  memory: Memory | str | None = None, memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
@@ -149,32 +151,18 @@ class PlannedSync(GradSync):
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
-        if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
-            raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
+        self.schema(comm=comm, memory=memory if isinstance(memory, str) else None, memory_beta=memory_beta,
+                    hierarchical=hierarchical, profile_steps=profile_steps, network_bandwidth=network_bandwidth,
+                    network_latency=network_latency, gpus_per_machine=gpus_per_machine, run_dir=run_dir,
+                    bench_budget_s=bench_budget_s, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
+                    trial_steps=trial_steps, calibrate_steps=calibrate_steps, warmup_steps=warmup_steps,
+                    settle_steps=settle_steps, **self._own_keys())  # refuses what no run can use
         super().__init__()
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         check_plannable(compressor, f"sync={self.system}")
-        if isinstance(profile_steps, bool) or not isinstance(profile_steps, int) or profile_steps < 1:
-            raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
-        for key, value, parse in (("sync.network_bandwidth", network_bandwidth, parse_bandwidth),
-                                  ("sync.network_latency", network_latency, parse_time)):
-            if value == MEASURED and key == "sync.network_latency":
-                continue
-            try:
-                parse(value)
-            except ValueError as exc:
-                raise ValueError(f"{key}: {exc}") from None
-        if not parse_bandwidth(network_bandwidth) > 0:
-            raise ValueError(f"sync.network_bandwidth must be > 0, got {network_bandwidth!r}")
-        if not (isinstance(bench_budget_s, int | float) and bench_budget_s > 0):
-            raise ValueError(f"sync.bench_budget_s must be > 0, got {bench_budget_s!r}")
-        for key, value, least in (("sync.trial_steps", trial_steps, 0), ("sync.calibrate_steps", calibrate_steps, 0),
-                                  ("sync.warmup_steps", warmup_steps, 1), ("sync.settle_steps", settle_steps, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
         self.session = PlanningSession(warmup_steps, profile_steps, settle_steps, calibrate_steps, trial_steps)
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -186,6 +174,10 @@ class PlannedSync(GradSync):
         self._executed: list[list[GroupWork]] = []  # the kept plan's work per group, per step (rank 0, the last WORK_STEPS)
         self._work_steps = 0
         self._machines_built = False
+
+    def _own_keys(self) -> dict[str, Any]:
+        """A subclass's keys beyond these, which its constructor set before calling this one's."""
+        return {k: getattr(self, k) for k in self.schema.keys() if k not in PlannedConfig.keys() and hasattr(self, k)}
 
     # -- what a subclass decides -------------------------------------------------------------------
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
@@ -596,13 +588,11 @@ class EspressoSync(PlannedSync):
     """
 
     system = "espresso"
+    schema = EspressoConfig
 
     def __init__(self, *args, offload: bool = False, fuse: bool = True, **kwargs):
+        self.offload, self.fuse = offload, fuse  # checked by the schema, with the rest
         super().__init__(*args, **kwargs)
-        for key, value in (("sync.offload", offload), ("sync.fuse", fuse)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{key} must be true or false, got {value!r}")
-        self.offload, self.fuse = offload, fuse
 
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         option = configured_option(model, self.comm_scheme, self.hierarchical)

@@ -47,13 +47,13 @@ from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
+from ddlscale.sync.sparse.config import SparseSyncConfig
 from ddlscale.sync.sparse.lane import shared_lane
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE
 from ddlscale.sync.sparse.recursive import union_counts
 from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
 from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
 
-ROUTES = ("auto", "sparse")
 FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)
 
 
@@ -106,6 +106,7 @@ class SparseSync(DenseAllreduce):
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
     """
 
+    schema = SparseSyncConfig
     profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
     # Units one fused group may span: its indices travel as int32 (override for other wires).
     max_group_units = torch.iinfo(INDEX_DTYPE).max + 1
@@ -114,6 +115,10 @@ class SparseSync(DenseAllreduce):
                  network_bandwidth: str = "1gbit", network_latency: str = MEASURED,
                  reprofile_drift: float | None = 2.0, overlap: bool = True, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0):
+        SparseSyncConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, profile_steps=profile_steps,
+                         sparse_params=sparse_params, route=route, network_bandwidth=network_bandwidth,
+                         network_latency=network_latency, reprofile_drift=reprofile_drift,
+                         overlap=overlap)  # refuses what no run can use
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.measure_latency = network_latency == MEASURED
         self.measure_bandwidth = network_bandwidth == MEASURED
@@ -122,17 +127,6 @@ class SparseSync(DenseAllreduce):
                                            latency="0us" if self.measure_latency else network_latency)
         except ValueError as error:
             raise ValueError(str(error).replace("cluster.", "sync.network_")) from None
-        if not isinstance(profile_steps, int) or isinstance(profile_steps, bool) or profile_steps < 1:
-            raise ValueError(f"sync.profile_steps must be an integer >= 1, got {profile_steps!r}")
-        # Any sequence of names but a string: from Hydra the list arrives as an OmegaConf ListConfig.
-        if sparse_params != "auto" and (isinstance(sparse_params, str) or not isinstance(sparse_params, Sequence)):
-            raise ValueError(f"sync.sparse_params must be 'auto' or a list of names, got {sparse_params!r}")
-        if route not in ROUTES:
-            raise ValueError(f"sync.route must be one of {', '.join(ROUTES)}; got {route!r}")
-        if reprofile_drift is not None and not (isinstance(reprofile_drift, int | float) and reprofile_drift > 1):
-            raise ValueError(f"sync.reprofile_drift must be a number > 1 or null, got {reprofile_drift!r}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"sync.overlap must be true or false, got {overlap!r}")
         self.profile_steps = profile_steps
         self.sparse_params = sparse_params if sparse_params == "auto" else list(sparse_params)
         self.route = route

@@ -21,7 +21,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCE, HEADER = "zen_cuda.cu", "zen_hash.h"
-# The source's extern "C" entry points, each looked up by this name (tests/test_cuda_ops.py checks
+# The source's extern "C" entry points, each looked up by this name (tests/sync/sparse/test_cuda_ops.py checks
 # them against the source and, where NVRTC is at hand, against the compiled PTX).
 KERNELS = ("zen_server_of", "zen_count", "zen_scatter_1", "zen_scatter_2", "zen_scatter_4", "zen_scatter_8",
            "zen_scatter_bytes", "zen_pack_bits", "zen_unpack_bits")
@@ -62,7 +62,7 @@ class CudaOps:
     """The CUDA kernels, compiled for the current device when built (a failure shows here, once).
 
     Everything between the kernels (argument order, launch geometry, the scan, row widths) is host code
-    here; tests/test_cuda_ops.py runs it on the CPU against an emulation of the kernels, through
+    here; tests/sync/sparse/test_cuda_ops.py runs it on the CPU against an emulation of the kernels, through
     ``device_type``, ``_on`` and ``_launch``.
     """
 

@@ -3,7 +3,7 @@ beside the dispatch that runs the native C++/CUDA kernel (``csrc/``) where :mod:
 
 Every op works on *units*: rows of a (rows, width) view of a gradient, or single elements (width
 1). Indices are int64 row ids, values are (k, width). The native kernels return the reference's
-result bit for bit (tests/test_native_kernels.py); values are moved as raw bytes or summed in the
+result bit for bit (tests/sync/sparse/test_native_kernels.py); values are moved as raw bytes or summed in the
 reference's order, so every dtype, NaN payloads included, comes out the same.
 
 Consumers (hashing, partition, pushpull, recursive) import this module only; it imports only

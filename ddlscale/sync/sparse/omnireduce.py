@@ -46,6 +46,7 @@ import torch
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.config import OmniReduceConfig
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.rows import units_of
@@ -157,10 +158,11 @@ class OmniReduceSync(SparseSync):
     (``reprofile_drift``) is judged in non-zero units, as for every sparse sync.
     """
 
+    schema = OmniReduceConfig  # its keys and their checks
+
     def __init__(self, block_size: int = 256, **kwargs: Any):
+        OmniReduceConfig(block_size=block_size, **kwargs)
         super().__init__(**kwargs)
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"sync.block_size must be an integer >= 1, got {block_size!r}")
         self.block_size = block_size
 
     def on_setup(self) -> None:

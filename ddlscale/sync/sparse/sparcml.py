@@ -17,6 +17,7 @@ import torch
 
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.config import SparCMLConfig
 from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density
 from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, doubling_seconds
 
@@ -58,13 +59,13 @@ class SparCMLSync(SparseSync):
         a partial sum is sent dense.
     """
 
+    schema = SparCMLConfig  # its keys and their checks
+
     profiles_doubling = True
 
     def __init__(self, dense_threshold: str | float = "auto", **kwargs):
+        SparCMLConfig(dense_threshold=dense_threshold, **kwargs)
         super().__init__(**kwargs)
-        if dense_threshold != "auto" and not (isinstance(dense_threshold, int | float)
-                                              and 0 < dense_threshold <= 1):
-            raise ValueError(f"sync.dense_threshold must be 'auto' or a density in (0, 1], got {dense_threshold!r}")
         self.dense_threshold = dense_threshold
 
     def scheme_cost(self) -> SparCMLCost:

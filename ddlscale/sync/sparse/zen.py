@@ -43,6 +43,7 @@ from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import kernels, pushpull
 from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.config import ZenConfig
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import SparseDoubling
@@ -55,9 +56,6 @@ from ddlscale.sync.sparse.traffic import (
     doubling_seconds,
     partitioned_seconds,
 )
-
-PULL_FORMATS = ("auto", "coo", "bitmap")
-SCHEMES = ("auto", "bp", "hc")
 
 
 def bitmap_bytes(s: Sparsity) -> float:
@@ -155,17 +153,14 @@ class ZenSync(SparseSync):
         torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
     """
 
+    schema = ZenConfig  # its keys and their checks
+
     profiles_doubling = True
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
                  hierarchical: bool = False, local_size: int | None = None, **kwargs):
+        ZenConfig(scheme=scheme, pull=pull, seed=seed, hierarchical=hierarchical, local_size=local_size, **kwargs)
         super().__init__(**kwargs)
-        if scheme not in SCHEMES:
-            raise ValueError(f"sync.scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
-        if pull not in PULL_FORMATS:
-            raise ValueError(f"sync.pull must be one of {', '.join(PULL_FORMATS)}; got {pull!r}")
-        if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
-            raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
         self.scheme, self.pull, self.seed = scheme, pull, seed
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto

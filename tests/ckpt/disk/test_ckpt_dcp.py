@@ -181,6 +181,7 @@ CNN_EF = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=
           "model.optimizer=sgd", "model.momentum=0.9", "sync=compress", "compressor=topk"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("saved,resumed", [(4, 2), (2, 4)])
 def test_train_resumes_at_another_world_size(saved, resumed, tmp_path):
@@ -229,6 +230,7 @@ def _replica(rank, world, step, model, optimizer):
     return {"format": PAYLOAD_FORMAT, "local": local, "shared": shared}
 
 
+@pytest.mark.multiprocess
 def test_a_drained_gemini_version_loads_with_torch_distributed_checkpoint_alone(job, agent, tmp_path):
     step, world = 5, 2
     model = Regression()

@@ -42,6 +42,7 @@ def cnn_runs(tmp_path_factory):
     return tmp
 
 
+@pytest.mark.e2e
 def test_resume_mid_epoch_is_bit_identical_with_momentum(cnn_runs, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(cnn_runs / "stopped" / "checkpoints", ckpt_dir)
@@ -57,6 +58,7 @@ def test_resume_mid_epoch_is_bit_identical_with_momentum(cnn_runs, tmp_path):
     assert [read_manifest(p).step for p in list_manifests(ckpt_dir)] == [8, 6, 4]  # keep: 3
 
 
+@pytest.mark.e2e
 def test_corrupt_newest_shard_falls_back_to_the_previous_version(cnn_runs, tmp_path):
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(cnn_runs / "stopped" / "checkpoints", ckpt_dir)
@@ -74,6 +76,7 @@ def test_corrupt_newest_shard_falls_back_to_the_previous_version(cnn_runs, tmp_p
     assert _summary(out)["ckpt_resumed_step"] == 2
 
 
+@pytest.mark.e2e
 @pytest.mark.slow  # ~45 s on 2 cores
 def test_lstm_zen_resume_at_an_epoch_boundary_keeps_the_sync_state(tmp_path):
     _train(*LSTM, "trainer.max_steps=9", f"hydra.run.dir={tmp_path / 'straight'}")
@@ -87,6 +90,7 @@ def test_lstm_zen_resume_at_an_epoch_boundary_keeps_the_sync_state(tmp_path):
     _assert_continues(tmp_path / "straight", out, from_step=6)
 
 
+@pytest.mark.e2e
 def test_a_crash_mid_write_never_commits_a_partial_version(tmp_path):
     """SIGKILL the run while step 4's shards are being written (throttled to make that window wide)."""
     out = tmp_path / "run"

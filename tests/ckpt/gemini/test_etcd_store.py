@@ -43,6 +43,7 @@ def store(etcd, request):
     return kvstore.JobStore(kvstore.connect(str(etcd.address)), job, JobKeys(b"s" * 32, job))
 
 
+@pytest.mark.multiprocess
 def test_signed_values_round_trip_and_are_stored_signed(store):
     store.set(store.keys.incarnation, 3)
     assert store.get(store.keys.incarnation) == 3
@@ -52,6 +53,7 @@ def test_signed_values_round_trip_and_are_stored_signed(store):
     assert store.refused == 0
 
 
+@pytest.mark.multiprocess
 def test_unsigned_and_forged_values_read_as_absent_and_are_counted(store):
     store.raw.set(store.keys.manifest, '{"step": 99}')  # no signature at all
     other = kvstore.JobStore(store.raw, store.keys.prefix.split("/", 1)[1], JobKeys(b"x" * 32, "other"))
@@ -64,6 +66,7 @@ def test_unsigned_and_forged_values_read_as_absent_and_are_counted(store):
     assert store.refused == 3
 
 
+@pytest.mark.multiprocess
 def test_compare_set_sets_only_over_the_expected_value(store):
     kv, key = store.raw, store.keys.root
     assert kv.compare_set(key, "", "a") == b"a"  # absent: set
@@ -74,6 +77,7 @@ def test_compare_set_sets_only_over_the_expected_value(store):
     assert kv.delete_key(key) and not kv.check([key]) and not kv.delete_key(key)
 
 
+@pytest.mark.multiprocess
 def test_wait_wakes_on_the_key_and_times_out_without_it(store):
     kv, key = store.raw, store.keys.outcome(1, 5)
     threading.Timer(0.3, kv.set, args=(key, "late")).start()
@@ -87,6 +91,7 @@ def test_wait_wakes_on_the_key_and_times_out_without_it(store):
     assert time.monotonic() - started < 3
 
 
+@pytest.mark.multiprocess
 def test_an_agent_registers_heartbeats_and_takes_the_root_role_on_etcd(etcd, store):
     agent = Agent(0, 1, "127.0.0.1:0", str(etcd.address), store.keys.prefix.split("/", 1)[1], store.auth,
                   heartbeat_s=0.05).start()
@@ -101,6 +106,7 @@ def test_an_agent_registers_heartbeats_and_takes_the_root_role_on_etcd(etcd, sto
         agent.stop()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.slow  # about 11 s: three members, then an election when the killed one led
 def test_a_lost_member_loses_nothing(tmp_path):
     members = _members(tmp_path, 3)
@@ -119,6 +125,7 @@ def test_a_lost_member_loses_nothing(tmp_path):
         members.stop()
 
 
+@pytest.mark.multiprocess
 def test_torchrun_rendezvous_on_every_member_skips_one_that_is_down(etcd):
     from torch.distributed.elastic.rendezvous import RendezvousParameters
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
@@ -149,6 +156,7 @@ def _check(overrides):
     check_config(cfg)
 
 
+@pytest.mark.multiprocess
 def test_without_etcd_the_run_is_refused_naming_the_key_and_the_install(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # no etcd binary on it
     from ddlscale.trainer.app import ConfigError

@@ -100,6 +100,7 @@ def _put(job, client, version, data, mac=None, chunk=1000, outcome="failed"):
             job.decide(version, outcome)
 
 
+@pytest.mark.multiprocess
 def test_agent_stores_verifies_and_returns_a_replica(job, agent):
     data = bytes(range(256)) * 40
     with job.client(agent) as client:
@@ -112,6 +113,7 @@ def test_agent_stores_verifies_and_returns_a_replica(job, agent):
             {"version": 1, "bytes": len(data), "complete": True}]
 
 
+@pytest.mark.multiprocess
 def test_a_mac_mismatch_never_completes_and_the_previous_version_stays(job, agent):
     good, bad = b"a" * 5000, b"b" * 5000
     with job.client(agent) as client:
@@ -126,6 +128,7 @@ def test_a_mac_mismatch_never_completes_and_the_previous_version_stays(job, agen
             _put(job, client, 3, bad, mac=checksum(bad, "sha256"))
 
 
+@pytest.mark.multiprocess
 def test_the_committed_version_survives_any_number_of_newer_writes(job, agent):
     """Two buffers per owner: v1 committed, v2 complete but failed; v3 must overwrite v2, never v1."""
     versions = {v: bytes([v]) * 3000 for v in (1, 2, 3, 4)}
@@ -143,6 +146,7 @@ def test_the_committed_version_survives_any_number_of_newer_writes(job, agent):
     assert first.buf is not second.buf  # the two buffers never alias
 
 
+@pytest.mark.multiprocess
 def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(job, agent):
     committed = b"c" * 4000
     with job.client(agent) as client:
@@ -160,6 +164,7 @@ def test_a_sender_dying_mid_version_leaves_the_committed_one_intact(job, agent):
             client.get(2, 0, 4000)
 
 
+@pytest.mark.multiprocess
 def test_the_committed_version_is_never_rewritten_not_even_by_its_own_number(job, agent):
     """After a fall-back to a disk version behind the committed one, replayed steps reach the committed
     version's number again: that must not reset the only copy in memory, whatever the client sends."""
@@ -196,6 +201,7 @@ def test_a_checksum_catches_every_single_bit_flip_and_streams_like_one_shot(algo
         matches(data, "md5:00")
 
 
+@pytest.mark.multiprocess
 def test_an_unknown_mac_algorithm_never_completes_a_replica(job, agent):
     with job.client(agent) as client:
         with pytest.raises(ReplicaError, match="MAC mismatch"):
@@ -203,6 +209,7 @@ def test_an_unknown_mac_algorithm_never_completes_a_replica(job, agent):
         client.stat()  # the connection is still in step
 
 
+@pytest.mark.multiprocess
 def test_corruption_is_caught_by_verify(job, agent):
     data = b"z" * 4000
     with job.client(agent) as client:
@@ -212,6 +219,7 @@ def test_corruption_is_caught_by_verify(job, agent):
             client.verify(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
 
 
+@pytest.mark.multiprocess
 def test_unreachable_agent_and_store_fail_clearly(job):
     port = free_port()
     with pytest.raises(ReplicaError, match=f"127.0.0.1:{port} unreachable"):
@@ -222,6 +230,7 @@ def test_unreachable_agent_and_store_fail_clearly(job):
         kvstore.connect("nowhere")
 
 
+@pytest.mark.multiprocess
 def test_agents_elect_one_root_that_reports_a_dead_machine(job):
     agents = [job.agent(m, 3, heartbeat_s=0.1, failure_timeout_s=0.6) for m in range(3)]
     time.sleep(0.5)
@@ -321,6 +330,7 @@ def test_blocking_mode_sends_everything_before_submit_returns():
         _sender([], "eager")
 
 
+@pytest.mark.multiprocess
 def test_sender_thread_pipeline_matches_the_stream_across_many_chunks(job, agent):
     sender = _sender([job.client(agent)], subbuffers=4, key=job.auth.replica)
     snapshot = capture({"x": torch.randn(50_000)}, set())
@@ -363,6 +373,7 @@ class _Flaky(AgentClient):
         super().end(version, owner, expected)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("op", ["data", "end"])
 def test_a_failed_request_gets_a_fresh_connection_and_a_failed_mac_never_counts(job, agent, op):
     """On the old connection the agent would read the next header as DATA payload, or the next END would
@@ -479,6 +490,7 @@ def _save_steps(checkpointer, trainer, steps: int) -> list[float]:
     return waited
 
 
+@pytest.mark.multiprocess
 def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch, job):
     """Finished transfers stay listed for the figures, but not their snapshots: each holds copies of the
     state the next step changes (error feedback: a model's worth), so keeping them grows every step."""
@@ -492,6 +504,7 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch, job):
     assert figures["ckpt_committed"] == 4 and figures["ckpt_bytes"] > residual.numel() * 4
 
 
+@pytest.mark.multiprocess
 def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch, job):
     """Every rank's next version waits for the outcome key; a commit that raised before writing it held
     each of them for commit_timeout_s + slack (40 s), and that version then failed too."""
@@ -515,6 +528,7 @@ def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for
     assert job.store.get(job.keys.outcome(checkpointer.incarnation, 1)) == "failed"
 
 
+@pytest.mark.multiprocess
 def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, tmp_path, job):
     """Training goes back to the disk version, so its replayed steps must not be kept from their buffers
     by the old manifest (whose version could not be restored); with no disk version it stays, so a
@@ -552,6 +566,7 @@ def _fall_back_on(rank, world, directory):
     return None
 
 
+@pytest.mark.multiprocess
 def test_a_persistent_version_that_does_not_fit_is_the_same_error_on_every_rank(tmp_path):
     from ddlscale.cluster import run_workers
 
@@ -585,6 +600,7 @@ def test_machines_that_are_neither_nodes_nor_ranks_need_each_ranks_machine(monke
         machine_layout(5, 8, node_rank=1, nodes=2)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("env", [{}, {"DDLSCALE_MACHINES": "1"}])
 def test_the_placement_check_counts_machines_as_the_workers_do(monkeypatch, env):
     """torchrun, 2 nodes x 2 workers: two machines (not four ranks), or what the launcher says."""
@@ -607,6 +623,7 @@ def test_the_placement_check_counts_machines_as_the_workers_do(monkeypatch, env)
 
 
 # -- configuration ---------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("overrides, message", [
     (["cluster=emulated", "cluster.nodes=2", "ckpt.replicas=3"], "m \\(replicas\\) must be <= N \\(machines\\) = 2"),
     (["ckpt.replicas=0"], "ckpt.replicas must be an integer >= 1"),
@@ -638,6 +655,7 @@ def test_bad_gemini_values_name_the_key(overrides, message):
         check_config(cfg)
 
 
+@pytest.mark.multiprocess
 def test_own_machine_writes_go_straight_into_the_agents_shared_memory(job, agent):
     from ddlscale.ckpt.gemini.protocol import LocalAgentClient
 
@@ -652,6 +670,7 @@ def test_own_machine_writes_go_straight_into_the_agents_shared_memory(job, agent
         assert bytes(reader.get(1, 0, len(data))) == data
 
 
+@pytest.mark.multiprocess
 def test_a_replacement_agent_starts_empty_and_stopping_frees_the_memory(job, agent):
     from ddlscale.ckpt.gemini.agent.slots import ReplicaStore
     from ddlscale.ckpt.gemini.protocol import shm_dir

@@ -36,6 +36,7 @@ def _corrupt(env, rank, machine):
         corrupt_replica(client.stat()["holds"], rank, manifest.step, manifest.shard(rank).bytes // 2)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("corrupt, source, from_step", [
     # Every rank reloading its own machine's replica is also rank 1's part of the next case: slow run only.
     pytest.param([], ["local", "local"], 4, marks=pytest.mark.slow),
@@ -58,6 +59,7 @@ def test_restart_restores_from_memory_or_falls_back(straight, tmp_path, corrupt,
     assert_continues(straight, resumed, from_step)
 
 
+@pytest.mark.e2e
 def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
     with local_gemini(2, f"t{tmp_path.name}") as env:
         _train(*CNN, *GEMINI, "trainer.devices=2", "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'a'}")
@@ -70,6 +72,7 @@ def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
     assert "there is no persistent checkpoint: set ckpt.persist_every" in result.stderr
 
 
+@pytest.mark.e2e
 def test_gemini_interleaves_after_profiling_and_commits_every_step(tmp_path):
     run = tmp_path / "run"
     _train(*CNN, "ckpt=gemini", "ckpt.profile_steps=3", "trainer.devices=2", "trainer.max_steps=24",

@@ -35,6 +35,7 @@ def _launch(machines, run, job, *overrides):
         return result.stdout, _committed(env)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_gemini_resumes_from_its_persistent_tier_on_another_machine_count(tmp_path):
     run, job = tmp_path / "run", f"t{tmp_path.name}"

@@ -73,6 +73,7 @@ def _torchrun_recipe(run: Path, tmp_path: Path, kill_after: int | None) -> None:
     assert [agent.returncode for agent in agents] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
 
 
+@pytest.mark.e2e
 def test_the_readme_torchrun_recipe_restarts_after_a_kill(tmp_path):
     """A killed worker's restart must not hang in process-group set-up (torchrun's shared store still holds
     the previous round's addresses). Compared with the same recipe uninterrupted: one process per node
@@ -85,6 +86,7 @@ def test_the_readme_torchrun_recipe_restarts_after_a_kill(tmp_path):
     assert_continues(straight, run, summary["ckpt_resumed_step"], restarted_in_place=True)
 
 
+@pytest.mark.e2e
 def test_cluster_local_with_max_restarts_recovers_from_the_agents(straight, tmp_path):
     run = tmp_path / "run"
     launcher = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *MODEL, f"trainer.max_steps={STEPS}",
@@ -102,6 +104,7 @@ def test_cluster_local_with_max_restarts_recovers_from_the_agents(straight, tmp_
     assert [line.split()[0] for line in lines].count("launched") == 2  # the restarted worker's launch, timed
 
 
+@pytest.mark.e2e
 def test_running_the_same_command_again_resumes_from_the_newest_committed_version(straight, tmp_path):
     run = tmp_path / "run"
     first = [*MODEL, *GEMINI, "trainer.devices=2", f"hydra.run.dir={run}"]

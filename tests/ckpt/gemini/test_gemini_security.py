@@ -38,6 +38,7 @@ def _put(job, client, version, data, outcome="failed"):
 
 
 # -- item 1: authentication -------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_the_security_drill_refuses_every_hostile_attempt():
     """``python -m ddlscale.testing.drill security``: anonymous, forged, replayed and stale requests, the
     old fault-injection op, overwriting the committed version, oversized lengths, forged store records,
@@ -54,6 +55,7 @@ def test_the_security_drill_refuses_every_hostile_attempt():
         assert f"'{reason}'" in counters
 
 
+@pytest.mark.multiprocess
 def test_requests_without_the_secret_or_from_a_stale_incarnation_are_refused_and_counted(job, agent):
     data = b"s" * 4096
     job.store.set(job.keys.incarnation, 3)
@@ -72,6 +74,7 @@ def test_requests_without_the_secret_or_from_a_stale_incarnation_are_refused_and
     assert refused == {"unauthenticated": 1, "stale": 1}
 
 
+@pytest.mark.multiprocess
 def test_a_trainer_of_an_earlier_incarnation_cannot_begin_a_version_after_a_restart(job, agent):
     """The agent reads the incarnation afresh at BEGIN: no client of the new incarnation need have spoken
     to it first."""
@@ -83,6 +86,7 @@ def test_a_trainer_of_an_earlier_incarnation_cannot_begin_a_version_after_a_rest
             zombie.begin(2, 0, 1000)
 
 
+@pytest.mark.multiprocess
 def test_store_values_not_signed_by_the_job_read_as_absent_and_are_counted(job):
     job.commit(4)
     raw = job.store.raw
@@ -187,6 +191,7 @@ def test_a_stream_naming_unknown_tags_or_dtypes_is_refused():
 
 
 # -- item 3: bounded, reserved ------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_begin_beyond_the_limit_is_refused_before_anything_is_reserved(job):
     agent = job.agent(max_version_bytes=1 << 20)
     with job.client(agent) as client:
@@ -229,6 +234,7 @@ job.close()
 '''
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_a_small_dev_shm_refuses_clearly_and_a_reserved_version_never_faults(tmp_path):
     """/dev/shm of 4 MiB in a private mount namespace (Docker's default is 64 MB): BEGIN of 8 MiB is
@@ -246,6 +252,7 @@ def test_a_small_dev_shm_refuses_clearly_and_a_reserved_version_never_faults(tmp
     assert "filled /dev/shm: No space left on device" in out and "written through shared memory: True" in out
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
@@ -265,6 +272,7 @@ def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
     assert not progress.exists() or not any(line.startswith("step ") for line in progress.read_text().splitlines())
 
 
+@pytest.mark.multiprocess
 def test_the_space_error_names_the_free_space_ckpt_replicas_and_the_version_size():
     from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
 
@@ -276,6 +284,7 @@ def test_the_space_error_names_the_free_space_ckpt_replicas_and_the_version_size
 
 
 # -- item 4: fencing by the agent alone ---------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_a_newer_version_whose_commit_is_undecided_is_kept_until_decided(job, agent):
     with job.client(agent) as client:
         _put(job, client, 1, b"1" * 3000, outcome="committed")
@@ -287,6 +296,7 @@ def test_a_newer_version_whose_commit_is_undecided_is_kept_until_decided(job, ag
         assert bytes(client.get(1, 0, 3000)) == b"1" * 3000 and bytes(client.get(3, 0, 3000)) == b"3" * 3000
 
 
+@pytest.mark.multiprocess
 def test_a_manifest_deleted_or_forged_by_a_stranger_does_not_unprotect_the_committed_version(job, agent):
     with job.client(agent) as client:
         _put(job, client, 1, b"1" * 3000, outcome="committed")
@@ -301,6 +311,7 @@ def test_a_manifest_deleted_or_forged_by_a_stranger_does_not_unprotect_the_commi
         assert bytes(client.get(1, 0, 3000)) == b"1" * 3000  # still the committed one
 
 
+@pytest.mark.multiprocess
 def test_a_previous_incarnations_undecided_version_is_not_kept(job, agent):
     with job.client(agent) as client:
         _put(job, client, 1, b"1" * 3000, outcome="committed")
@@ -353,6 +364,7 @@ def _two_rank_job(job, monkeypatch, missing):
     return ranks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("missing", [(0, 0), (0, 1), (1, 0), (1, 1)])
 def test_a_version_missing_any_one_replicas_verified_ack_is_never_committed(job, monkeypatch, missing):
     """World 2 x m 2 = 4 replicas per version; one fails its holder's MAC check at version 2: 3 verified

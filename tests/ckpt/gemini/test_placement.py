@@ -110,6 +110,7 @@ def test_bad_k_names_the_argument():
         paper_bound(4, 5, 1)
 
 
+@pytest.mark.multiprocess
 def test_command_line():
     out = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement", "16", "2", "3"],
                          capture_output=True, text=True, timeout=60)

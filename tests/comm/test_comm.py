@@ -65,6 +65,7 @@ def _exercise(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_collectives_results_and_bytes(world):
     results = run_workers(_exercise, world)
@@ -129,6 +130,7 @@ def _skewed_all_to_all(rank, world):
     return private, shared
 
 
+@pytest.mark.multiprocess
 def test_skewed_all_to_all_takes_one_path_on_every_rank():
     world = 3
     for rank, (private, shared) in enumerate(run_workers(_skewed_all_to_all, world, timeout_s=20)):
@@ -157,6 +159,7 @@ def _exchange(rank, world, framed):
     return ok, record.bytes_sent, record.bytes_recv, sizes
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("framed", [True, False])
 def test_exchange_of_unknown_sizes(framed):
     world = 4
@@ -173,6 +176,7 @@ def _one_rank_hangs(rank, world):
     return rank
 
 
+@pytest.mark.multiprocess
 def test_run_workers_names_a_rank_that_never_reports_instead_of_hanging():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"ranks \[1\] reported nothing within 6 s"):

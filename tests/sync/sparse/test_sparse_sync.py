@@ -124,11 +124,13 @@ def _check(results, world):
             assert torch.equal(got[ok], oracle[ok]), where
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 def test_every_backend_equals_dense_allreduce(world):
     _check_all(run_workers(_run, world, list(BACKENDS), [torch.float32]), world)
 
 
+@pytest.mark.multiprocess
 def test_bf16_values_sum_in_their_own_type():
     _check_all(run_workers(_run, 4, ["zen-coo", "zen-bitmap", "zen-hc", "agsparse", "omnireduce"],
                            [torch.bfloat16]), 4)
@@ -182,6 +184,7 @@ def _embedding_table(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_embedding_rows_travel_as_rows():
     for steps in run_workers(_embedding_table, 2):
         for is_sparse, exact, sent in steps:
@@ -211,6 +214,7 @@ def _closed_form(rank, world, backend):
     return stats.bytes_sent, int(table.grad._nnz())
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("backend", ["zen-coo", "zen-bitmap", "agsparse", "gloo_sparse", "sparse_ps"])
 def test_bytes_per_step_match_the_schemes_closed_form_in_rows(backend):
     n, rows, width, nonzero = 4, 4000, 16, 200
@@ -247,6 +251,7 @@ def _huge_table(rank, world):
     return grown_mib, time.perf_counter() - start, table.grad.is_sparse, int(table.grad._nnz())
 
 
+@pytest.mark.multiprocess
 def test_coo_pull_work_follows_the_non_zeros_not_the_table():
     for grown_mib, seconds, is_sparse, nnz in run_workers(_huge_table, 2):
         assert is_sparse and 300 <= nnz <= 600
@@ -262,6 +267,7 @@ def _set_up_only(rank, world):
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
 
+@pytest.mark.multiprocess
 def test_set_up_allocates_no_bucket_before_a_gradient_needs_it():
     # Until its first gradient routes it, a table sits in a dense bucket; six syncs set up side by
     # side on a 2M-row table once took 3 GB per worker for buckets never used.
@@ -296,6 +302,7 @@ def _route_sparse_from_the_first_step(rank, world):
     return sync.routing()["0.weight"]["path"], sent, exact, grown_mib
 
 
+@pytest.mark.multiprocess
 def test_route_sparse_sends_a_declared_sparse_gradient_sparse_from_the_first_step():
     model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(9, 2, sparse=True), "bag": torch.nn.EmbeddingBag(9, 2),
                                  "head": torch.nn.Linear(2, 2)})
@@ -322,6 +329,7 @@ def _overlap(rank, world):
     return ops, stats.comm_s
 
 
+@pytest.mark.multiprocess
 def test_sparse_groups_overlap_backward_in_two_rounds():
     for ops, comm_s in run_workers(_overlap, 3):
         assert ops == [("push", True), ("pull", True)], "one push and one pull, both launched during backward"
@@ -349,6 +357,7 @@ def _bf16_routing(rank, world):
             zen.exchanges.steps(world, 0))
 
 
+@pytest.mark.multiprocess
 def test_routing_prices_values_at_their_element_size():
     for paths, times, network, steps in run_workers(_bf16_routing, 4):
         assert paths == {"fp32": "sparse", "bf16": "sparse"}
@@ -377,6 +386,7 @@ def _forced_routing(rank, world, route):
     return routes
 
 
+@pytest.mark.multiprocess
 def test_forced_sparse_routing_is_the_same_for_every_method():
     for routes in run_workers(_forced_routing, 2, "sparse"):
         assert all(r == {"emb": "sparse", "dense": "dense"} for r in routes.values()), routes
@@ -407,6 +417,7 @@ def _measured_latency(rank, world):
             (restored.network.latency_s, restored.merge_s_per_byte, restored.measure_latency))
 
 
+@pytest.mark.multiprocess
 def test_measured_latency_is_rank_0s_on_every_rank():
     results = run_workers(_measured_latency, 3)
     latency, merge, routing, _, _ = results[0]
@@ -447,6 +458,7 @@ def _capped_groups(rank, world):
     return groups, torch.equal(a.grad, oracle) and torch.equal(b.grad, 2 * oracle)
 
 
+@pytest.mark.multiprocess
 def test_fused_groups_stay_within_the_index_range():
     for groups, exact in run_workers(_capped_groups, 2):
         assert sorted(groups) == [[0], [1]]  # 2000 units would overflow the 1500: two groups

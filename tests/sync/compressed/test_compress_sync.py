@@ -53,6 +53,7 @@ def _identity(rank, world, comm, hierarchical, fusion):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("comm", ["allreduce", "allgather", "alltoall", "gather"])
 def test_identity_through_every_scheme_equals_dense_allreduce(comm, world):
@@ -65,6 +66,7 @@ def test_identity_through_every_scheme_equals_dense_allreduce(comm, world):
                     assert torch.equal(got[name], oracle[name]), (comm, world, name)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("comm", ["allreduce", "allgather", "alltoall", "gather"])
 def test_hierarchical_and_bucketed_identity_equal_dense(comm):
     for fusion in ("tensor", "bucket"):
@@ -90,6 +92,7 @@ def _dense_path(rank, world):
     return got, oracle, {name: sync.memory.residual(name) is not None for name in SHAPES}, in_place
 
 
+@pytest.mark.multiprocess
 def test_uncompressed_allreduce_groups_take_dense_allreduces_own_path():
     """No copies and no residual of zeros for a lossless flat allreduce group; the compressed group
     keeps its error feedback. Results equal dense allreduce bit for bit."""
@@ -116,6 +119,7 @@ def _lossy_allgather(rank, world):
     return got, mine, [(m.bytes_sent, m.bytes_recv) for m in messages]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_lossy_allgather_is_the_sum_of_each_rank_decompressed(world):
     topk = TopK(ratio=0.1)
@@ -150,6 +154,7 @@ def _error_feedback(rank, world, comm):
     return total_sync, total_grad, residual
 
 
+@pytest.mark.multiprocess
 def test_error_feedback_telescopes_across_ranks():
     """sum_t average_t + mean over ranks of e_T = sum_t mean over ranks of g_t (allgather sums exactly)."""
     for total_sync, total_grad, residual in run_workers(_error_feedback, 2, "allgather"):
@@ -169,6 +174,7 @@ def _powersgd(rank, world):
     return got["c"], (u @ v) * sum(range(1, world + 1)) / world, [r.op for r in stats.collectives], residual
 
 
+@pytest.mark.multiprocess
 def test_powersgd_allreduce_path_is_exact_on_low_rank():
     for got, expected, ops, residual in run_workers(_powersgd, 2):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -193,6 +199,7 @@ def _plan(rank, world):
     return got, oracle, [r.op for r in stats.collectives]
 
 
+@pytest.mark.multiprocess
 def test_plan_fuses_groups_and_picks_per_tensor_choices():
     for got, oracle, ops in run_workers(_plan, 2):
         for name in SHAPES:
@@ -216,6 +223,7 @@ def _fused_per_member(rank, world, comm, compressor, memory):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("comm", ["allgather", "gather"])
 @pytest.mark.parametrize("compressor", ["efsignsgd", "onebit"])
 def test_a_fused_group_of_a_per_member_compressor_equals_layer_wise(comm, compressor):
@@ -296,6 +304,7 @@ def _resume(rank, world):
     return all(torch.equal(a[name], b[name]) for name in SHAPES)
 
 
+@pytest.mark.multiprocess
 def test_state_dict_restores_residuals_and_factors_exactly():
     assert all(run_workers(_resume, 2))
 
@@ -331,6 +340,7 @@ def _regrouped(rank, world, compressor, memory):
     return total_sync, total_grad, residual, sorted(k for state in held.group_states() for k in state)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compressor,memory", [(TopK(ratio=0.05), "residual"),
                                                (build_compressor("efsignsgd"), "residual")])
 def test_error_feedback_survives_regrouping(compressor, memory):
@@ -401,6 +411,7 @@ def _identity_cases(rank, world, scheme):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scheme", ["allreduce", "allgather", "alltoall", "gather", "zen"])
 def test_what_was_sent_plus_the_residuals_is_the_true_sum(scheme):
     """Error feedback loses nothing in any scheme, flat or hierarchical, for any compressor it
@@ -444,6 +455,7 @@ def _votes(rank, world, scheme, hierarchical, name):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scheme,hierarchical,name", [("allgather", False, "signsgd"), ("allgather", False, "signum"),
                                                       ("allgather", True, "signsgd")])
 def test_sign_compressors_take_the_majority_vote_in_every_scheme(scheme, hierarchical, name):
@@ -473,6 +485,7 @@ def _powersgd_hierarchical(rank, world, comm):
     return got, want, [(r.op, r.bytes_sent) for r in stats.collectives]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("comm", ["allreduce"])
 def test_hierarchical_powersgd_sends_factors_not_the_matrix(comm):
     """The machine's ranks allreduce the group, the leader runs PowerSGD across machines on the whole
@@ -537,6 +550,7 @@ def _zen_against_allgather(rank, world, name, kwargs, overlap):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("name,kwargs", [("topk", {"ratio": 0.01}), ("dgc", {"ratio": 0.01}),
                                          ("randomk", {"ratio": 0.05, "seed": None}), ("threshold", {"threshold": 2.0})])
 def test_zen_sums_the_selections_as_allgather_does(name, kwargs):
@@ -548,6 +562,7 @@ def test_zen_sums_the_selections_as_allgather_does(name, kwargs):
                 torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-6, msg=lambda m, n=n: f"{name} {n}: {m}")
 
 
+@pytest.mark.multiprocess
 def test_zen_receives_the_union_not_every_selection():
     """With overlapping selections (4 ranks, top-k 1% at the same positions) a rank receives about
     2 (n-1)/n of one selection through zen (push, then the union's pull) against n-1 selections
@@ -568,6 +583,7 @@ def _zen_rounds(rank, world):
     return [r.op for r in stats.collectives], len(sync.buckets)
 
 
+@pytest.mark.multiprocess
 def test_zen_pushes_and_pulls_every_group_in_one_round_each():
     """However many groups use zen, a step has one push and one pull: the groups share one index
     space (the sums are those of the per-group exchanges: test_zen_sums_the_selections_as_allgather_does)."""

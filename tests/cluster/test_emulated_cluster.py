@@ -13,11 +13,12 @@ from hydra import compose, initialize_config_dir
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
 from ddlscale.trainer import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REASON = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 
 
+@pytest.mark.multiprocess
 @needs_namespaces
 def test_machines_talk_over_shaped_links_and_down_removes_everything():
     with EmulatedCluster(2, "100mbit") as cluster:
@@ -40,6 +41,7 @@ def test_machines_talk_over_shaped_links_and_down_removes_everything():
     assert list_namespaces(cluster.name) == []
 
 
+@pytest.mark.multiprocess
 @needs_namespaces
 def test_latency_needs_netem_or_is_refused_clearly():
     cluster = EmulatedCluster(2, "1gbit", "1ms")
@@ -78,6 +80,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.multiprocess
 @needs_namespaces
 @pytest.mark.parametrize("how", ["raise", "sigterm", "sigint"])
 def test_teardown_on_crash_sigterm_and_ctrl_c(how):
@@ -93,6 +96,7 @@ def test_teardown_on_crash_sigterm_and_ctrl_c(how):
     assert list_namespaces(name) == [], f"{how} left namespaces behind"
 
 
+@pytest.mark.e2e
 @needs_namespaces
 def test_train_on_emulated_cluster(tmp_path):
     out = tmp_path / "run"

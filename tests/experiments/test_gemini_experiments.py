@@ -13,6 +13,7 @@ ROWS = [("launched", 0, 0.0, 0.0), ("setup", 0, 1.0, 0.0), ("start", 0, 2.0, 0.0
         *[("step", s, 18.0 + 0.5 * (s - 10), 0.0) for s in range(11, 21)]]
 
 
+@pytest.mark.multiprocess
 def test_a_failure_splits_into_torchrun_startup_restore_retrieval_and_lost_progress():
     failure = gemini_recovery.split_failure(ROWS, t_kill=10.1)
     assert failure["step_at_kill"] == 16 and failure["resumed_step"] == 10 and failure["lost_steps"] == 6
@@ -32,6 +33,7 @@ def test_iteration_time_counts_new_progress_only_stalls_included():
     assert gemini_recovery.iteration_times(stalled) == [0.5, 3.5, 0.5]  # a checkpoint stall counts
 
 
+@pytest.mark.multiprocess
 def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_path, monkeypatch):
     """Gemini 1% slower than none, HighFreq 40%: at 1.5% failures per machine-day the overhead paid
     between failures dominates both totals."""

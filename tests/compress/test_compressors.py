@@ -17,7 +17,7 @@ from ddlscale.compress import bits
 from ddlscale.compress.base import count_of, pieces
 from ddlscale.compress.dgc import MIN_SAMPLE
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 NAMES = sorted(C.COMPRESSORS)
 # Odd sizes, a single element, empty tensors, and matrices (PowerSGD compresses only those).
 SHAPES = [(0,), (1,), (1, 1), (7,), (3, 0), (13, 5), (64, 33), (1027,), (5000,), (16, 8, 3, 3)]

@@ -45,7 +45,7 @@ from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import plan as plan_tool
 from ddlscale.units import parse_bandwidth, parse_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _reduced(model):
@@ -370,6 +370,7 @@ def _espresso_steps(rank, world, bandwidth, latency="100us"):
     return sync.computed.to_dict(), exact, sync.state_dict()["planned"], dict(sync.network_config)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
 def test_espresso_sync_broadcasts_one_plan_and_stays_exact(bandwidth):
     (plan0, exact, state, _), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, bandwidth)
@@ -394,6 +395,7 @@ def _failing_profile_steps(rank, world):
     return None
 
 
+@pytest.mark.multiprocess
 def test_a_profiling_failure_on_one_rank_is_raised_on_every_rank():
     """Rank 1 failing in its compressor benchmark left rank 0 waiting for it in the next collective."""
     said = run_workers(_failing_profile_steps, 2)
@@ -416,6 +418,7 @@ def _trial_steps(rank, world, steps, state=None):
     return sync.computed.to_dict(), exact, layouts, sync.session.trial, saved
 
 
+@pytest.mark.multiprocess
 def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_rank():
     (plan0, exact, layouts, trial, saved), (plan1, exact1, _, _, _) = run_workers(_trial_steps, 2, 16)
     assert plan0 == plan1 and trial is None and all(exact) and all(exact1)
@@ -436,6 +439,7 @@ def test_trial_runs_every_candidate_then_keeps_the_fastest_measured_on_every_ran
     assert again["context"]["candidate"] in tried and "checked on the cluster" in again["notes"][-1]
 
 
+@pytest.mark.multiprocess
 def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():
     (plan0, exact, _, network), (plan1, exact1, _, _) = run_workers(_espresso_steps, 2, "1gbit", "measured")
     assert plan0 == plan1 and all(exact) and all(exact1)
@@ -494,6 +498,7 @@ def _hierarchical_steps(rank, world):
     return exact, [r.op for r in stats.collectives]
 
 
+@pytest.mark.multiprocess
 def test_espresso_sync_with_machines_builds_their_groups():
     for exact, ops in run_workers(_hierarchical_steps, 4):
         assert all(exact)
@@ -521,12 +526,14 @@ def _flat_machines(rank, world):
     return [str(w.message) for w in caught]
 
 
+@pytest.mark.multiprocess
 def test_hierarchical_without_machines_says_so():
     rank0, rank1 = run_workers(_flat_machines, 2)
     assert len(rank0) == 1 and "sync.hierarchical=true" in rank0[0] and "sync.gpus_per_machine" in rank0[0]
     assert rank1 == []
 
 
+@pytest.mark.e2e
 def test_train_py_with_espresso_and_topk(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(

@@ -67,6 +67,7 @@ def _hand_built(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_bytes_per_rank_equal_the_closed_form():
     n = 3
     nonzero = [{i // B for i in ELEMENTS[r]} for r in range(n)]
@@ -85,6 +86,7 @@ def _uniform(rank, world):
     return stats.bytes_sent, stats.bytes_recv
 
 
+@pytest.mark.multiprocess
 def test_mean_formula_on_a_symmetric_case():
     n = 3
     # Plus each message's length and count: 16 bytes, a push and a pull to each of n-1 peers.
@@ -122,6 +124,7 @@ def _imbalance(loads):
     return float(loads.max() / loads.mean())
 
 
+@pytest.mark.multiprocess
 def test_even_block_split_is_imbalanced_under_skew_where_hashing_is_not():
     n = 4
     omni = run_workers(_server_load, n, "omnireduce")
@@ -164,6 +167,7 @@ def _routing(rank, world):
     return sync.routing()
 
 
+@pytest.mark.multiprocess
 def test_routing_judges_by_block_density_not_element_density():
     for table in run_workers(_routing, 2):
         assert table["scattered"]["density"] == pytest.approx(table["clustered"]["density"])
@@ -189,6 +193,7 @@ def _stable_scattered(rank, world):
     return seen, sync._profile_left
 
 
+@pytest.mark.multiprocess
 def test_stable_scattered_sparsity_is_not_drift():
     # The sum travels as whole blocks (256 lanes per lone non-zero) but comes back as its non-zero
     # units, counted against the profiled units: no drift, no re-profiling.

@@ -22,7 +22,7 @@ from hydra.utils import instantiate
 from ddlscale.trainer import ConfigError, StepMetrics, check_config
 from ddlscale.trainer.loggers import RunCSVLogger, record_config, record_summary
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false"]
 TINY = ["model=cnn", "model.width=4", "model.num_blocks=1", "model.image_size=8", "model.num_samples=256"]
 

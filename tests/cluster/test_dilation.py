@@ -14,7 +14,7 @@ from ddlscale.cluster import cpucap, dilation
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
 from ddlscale.trainer import app
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REASON = unavailable_reason()
 needs_namespaces = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 
@@ -35,6 +35,7 @@ def test_the_clock_divides_measured_time_and_multiplies_waits(monkeypatch):
         assert clock.now() == 100.0
 
 
+@pytest.mark.multiprocess
 def test_the_clock_reads_its_factor_from_the_launcher(tmp_path):
     code = "from ddlscale import clock; print(clock.dilation())"
     env = {"PATH": "/usr/bin:/bin", clock.ENV: "2.5"}
@@ -182,6 +183,7 @@ def test_a_dilated_link_runs_k_times_slower_with_k_times_the_delay(monkeypatch):
     assert "burst 125000 " in commands[1] and "burst 125000 " in commands[2]
 
 
+@pytest.mark.multiprocess
 @needs_namespaces
 def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
     with EmulatedCluster(2, "100mbit", dilation=4) as cluster:
@@ -202,6 +204,7 @@ def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
     assert list_namespaces(cluster.name) == [] and not any(g.exists() for g in groups)
 
 
+@pytest.mark.e2e
 @needs_namespaces
 def test_train_on_a_dilated_cluster_reports_emulated_time(tmp_path):
     out = tmp_path / "run"
@@ -228,6 +231,7 @@ def _cpu_cgroup() -> str:
                  or line.startswith("0::")), "")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(cpucap.find_controller() is None, reason="no writable cgroup CPU controller")
 def test_one_machine_dilated_in_place_caps_this_process_and_its_children_then_lets_go():
     before = _cpu_cgroup()

@@ -30,6 +30,7 @@ def _doubling(rank, world, numel, nnz, threshold):
     return got, oracle, bool(torch.all(got_idx[1:] > got_idx[:-1])), kinds
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("threshold", [None, 0.5, 0.05])
 def test_doubling_sum_equals_allreduce_on_every_rank(world, threshold):
@@ -44,6 +45,7 @@ def test_doubling_sum_equals_allreduce_on_every_rank(world, threshold):
 FRAME = 8 + 8  # an exchanged message's length, then a row set's count
 
 
+@pytest.mark.multiprocess
 def test_doubling_bytes_follow_the_merged_units():
     """Disjoint sets of k rows each on 4 ranks: stage 0 sends k rows, stage 1 the merged 2k, one
     message per stage (its length in front)."""
@@ -60,6 +62,7 @@ def test_doubling_bytes_follow_the_merged_units():
         assert records == [("swap", FRAME + k * pair), ("swap", FRAME + 2 * k * pair)]
 
 
+@pytest.mark.multiprocess
 def test_dense_switch_sends_the_dense_vector():
     numel = 1000
 
@@ -79,6 +82,7 @@ def _unions(rank, world):
     return union_counts(Communicator(), sets)
 
 
+@pytest.mark.multiprocess
 def test_union_counts_per_stage():
     for rank, stages in enumerate(run_workers(_unions, 4)):
         # Stage 0: pairs {2j, 2j+1}; stage 1: all four ranks.
@@ -106,6 +110,7 @@ def _profiled(rank, world, overlap):
     return sync.routing()["w"], torch.equal(p.grad, oracle)
 
 
+@pytest.mark.multiprocess
 def test_gammas_are_measured_and_pick_the_scheme():
     for route, exact in run_workers(_profiled, 4, "identical"):
         assert route["gammas"] == [1.0, 1.0, 1.0]
@@ -137,6 +142,7 @@ def _merge_priced(rank, world):
     return measured, free, sync.plan_times(0), sync.plan(0)
 
 
+@pytest.mark.multiprocess
 def test_hc_pays_for_its_merges():
     for measured, free, priced, plan in run_workers(_merge_priced, 4):
         assert 0 < measured < 1e-6
@@ -171,6 +177,7 @@ def _drift(rank, world):
     return seen
 
 
+@pytest.mark.multiprocess
 def test_density_drift_triggers_a_new_profile():
     for seen in run_workers(_drift, 2):
         assert all(exact for *_, exact in seen)
@@ -208,6 +215,7 @@ def _hierarchical(rank, world, scheme):
     return torch.equal(p.grad, oracle), ops
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scheme", ["bp", "hc"])
 def test_hierarchical_mode_dense_inside_sparse_across(scheme):
     for exact, ops in run_workers(_hierarchical, 4, scheme):
@@ -236,6 +244,7 @@ def _hierarchical_routing(rank, world):
     return {name: route["path"] for name, route in sync.routing().items()}
 
 
+@pytest.mark.multiprocess
 def test_hierarchical_routing_compares_dense_over_the_same_split():
     # Dense d = 1 on 2 machines x 2 ranks: the bitmap pull of the 2^17 chunk (~0.79 MB) beats a flat
     # ring over 4 ranks (~1.57 MB) but not the ring between machines on the same chunk (~0.52 MB).
@@ -260,6 +269,7 @@ def _gammas_dropped(rank, world):
     return seen
 
 
+@pytest.mark.multiprocess
 def test_reprofile_drops_gammas_of_tensors_no_longer_candidates():
     for seen in run_workers(_gammas_dropped, 2):
         assert seen[0] == (1, [1.0, 2.0])  # disjoint 1% on two ranks
@@ -289,6 +299,7 @@ def _plans(sync):
     return {i: route.plan for i, route in enumerate(sync.routes) if route.plan is not None}
 
 
+@pytest.mark.multiprocess
 def test_rerouting_does_not_accumulate_owned_sets():
     for seen in run_workers(_relayout, 2):
         assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [20000])  # two groups; only the bitmap pull keeps a set
@@ -328,6 +339,7 @@ def _resumed(rank, world):
     return straight, resumed
 
 
+@pytest.mark.multiprocess
 def test_resume_mid_reprofile_equals_the_uninterrupted_run():
     for straight, resumed in run_workers(_resumed, 4):
         # Unprofiled, the forced tensor pulls COO (no plan kept); routed, it is planned at once.

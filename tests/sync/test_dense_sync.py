@@ -68,6 +68,7 @@ def _run(rank, world, sparse, bucket_mb, steps):
     return outs
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("sparse", [False, True])
 def test_dense_equals_allreduce_average_exactly(world, sparse):
@@ -88,6 +89,7 @@ def test_dense_equals_allreduce_average_exactly(world, sparse):
         assert sorted(steps_out[-1][-1]) == sorted(oracle)
 
 
+@pytest.mark.multiprocess
 def test_small_buckets_split_and_still_exact():
     # 64-byte buckets force one bucket per parameter: more collectives, same exact result.
     outs = run_workers(_run, 3, False, 64 / 2**20, 2)

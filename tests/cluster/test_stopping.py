@@ -14,7 +14,7 @@ import pytest
 
 from ddlscale.cluster.stop import descendants, start_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUIET = ["trainer.enable_progress_bar=false"]
 TINY = ["model=cnn", "model.width=4", "model.num_blocks=1", "model.image_size=8", "model.num_samples=256"]
 
@@ -36,6 +36,7 @@ def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeou
     raise AssertionError(f"no {steps} steps in {timeout} s")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("how", ["sigterm-to-launcher", "sigint-to-launcher", "ctrl-c-to-group"])
 def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
     out = tmp_path / "run"
@@ -89,6 +90,7 @@ except StopRequested as stop:
 """
 
 
+@pytest.mark.multiprocess
 def test_sighup_stops_the_launcher_and_kills_a_child_that_ignores_sigterm():
     launcher = subprocess.Popen([sys.executable, "-c", STOPPED], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child = int(launcher.stdout.readline())
@@ -99,6 +101,7 @@ def test_sighup_stops_the_launcher_and_kills_a_child_that_ignores_sigterm():
     assert start_time(child) != started  # killed after the grace period (it ignored SIGTERM)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("debug", [pytest.param(True, id="debug-names-the-mismatch"),
                                    pytest.param(False, id="timeout-ends-the-hang", marks=pytest.mark.slow)])
 def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
@@ -126,6 +129,7 @@ def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
             assert "Op type: ALLREDUCEvs BROADCAST" in output
 
 
+@pytest.mark.multiprocess
 @pytest.mark.root
 def test_down_all_removes_only_clusters_whose_owner_is_gone(tmp_path, monkeypatch, capsys):
     from ddlscale.cluster.__main__ import main

@@ -254,6 +254,7 @@ def test_fallback_warns_once_and_gives_the_same_results(how, monkeypatch, tmp_pa
     assert native.cpu_ops() is None and reason in native.unavailable_reason("cpu")
 
 
+@pytest.mark.multiprocess
 def test_env_switch_in_a_fresh_process():
     """DDLSCALE_NATIVE=0 in a new process: the warning says why, the partitioner still works."""
     code = ("import warnings; warnings.simplefilter('always'); import torch\n"

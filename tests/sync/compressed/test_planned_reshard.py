@@ -91,6 +91,7 @@ def _resharded_run(rank, world, states, calibrate_steps):
     return loaded, phases, sync.computed.to_dict(), sent, true, residual, orphans
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("saved,resumed,calibrate_steps", [(4, 2, 0), (2, 4, 1)])
 def test_a_resharded_planned_sync_plans_again_and_loses_no_error_feedback(saved, resumed, calibrate_steps):
     before = run_workers(_saved_run, saved)
@@ -136,6 +137,7 @@ def _hierarchical_saved(rank, world, make):
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("make", [_sync, _compress_sync], ids=["cupcake", "compress"])
 def test_a_hierarchical_groups_chunks_are_refused_not_summed(make):
     (said,) = run_workers(_hierarchical_saved, 1, make)

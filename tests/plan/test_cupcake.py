@@ -32,7 +32,7 @@ from ddlscale.sync.compressed import CupcakeSync
 from ddlscale.sync.compressed.planned import PLAN_FILE, WORK_EVERY, WORK_FILE
 from ddlscale.sync.compressed.schemes import GroupWork
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def partitions(count):
@@ -195,6 +195,7 @@ def _sync_steps(rank, world, steps, bandwidth, state=None):
     return sync.computed.to_dict(), exact, ops, sync.state_dict()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("bandwidth", ["10mbit", "100gbit"])
 def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
     results = run_workers(_sync_steps, 2, 8, bandwidth)
@@ -247,6 +248,7 @@ def _executed(rank, world, run_dir, steps):
         sync.finish_step()
 
 
+@pytest.mark.multiprocess
 def test_the_kept_plans_groups_are_timed_as_they_run(tmp_path):
     # A warm-up and a profiled step, then the plan: its first step rebuilds the groups, untimed; 5 timed.
     run_workers(_executed, 2, str(tmp_path), 2 + 1 + WORK_EVERY)
@@ -264,6 +266,7 @@ def test_the_kept_plans_groups_are_timed_as_they_run(tmp_path):
     assert sum(g["finish_s"] for g in work["groups"]) > 0.5 * LAG_S
 
 
+@pytest.mark.multiprocess
 def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):
     (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 3)
     # 3 warm-up and 1 profiled step dense, 2 settling and 2 calibration steps layer-wise, then the plan.
@@ -273,6 +276,7 @@ def test_warmup_steps_run_dense_before_the_profiled_ones(tmp_path):
         CupcakeSync(TopK(), warmup_steps=0)
 
 
+@pytest.mark.multiprocess
 def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its_fits(tmp_path):
     (ops, planned, work), _ = run_workers(_calibrated, 2, str(tmp_path))
     # Warm-up and 1 profiled step dense; 2 settling and 2 calibration steps layer-wise (one top-k
@@ -377,6 +381,7 @@ def test_bad_config_names_the_key():
         CupcakeSync(TopK(), comm="allreduce")  # top-k payloads cannot be summed
 
 
+@pytest.mark.e2e
 def test_train_py_with_cupcake_and_topk(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
