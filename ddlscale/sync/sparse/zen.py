@@ -31,6 +31,7 @@ compare like with like; the steps inside the machine are the same for both and c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -41,23 +42,26 @@ import torch.distributed as dist
 from ddlscale import clock
 from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
-from ddlscale.sync.sparse import kernels, pushpull
-from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse import kernels, pushpull, sections
+from ddlscale.sync.sparse.base import GroupJob, SparseSync
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import SparseDoubling
 from ddlscale.sync.sparse.rows import units_of
 from ddlscale.sync.sparse.traffic import (
+    PUSH_PULL_ROUNDS,
     Exchanges,
     Sparsity,
     Traffic,
     coo_bytes,
+    doubling_rounds,
     doubling_seconds,
     partitioned_seconds,
 )
 
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
+BATCHES = ("step", "width", "tensor")
 
 
 def bitmap_bytes(s: Sparsity) -> float:
@@ -84,10 +88,10 @@ class ZenCost:
         if self.scheme != "hc":
             if self.pull != "bitmap":
                 pull = exchanges.steps(s.n, s.gamma * s.density * s.units / s.n * s.pair_bytes)
-                out["bp-coo"] = Traffic(coo_bytes(s), push + pull)
+                out["bp-coo"] = Traffic(coo_bytes(s), push + pull, PUSH_PULL_ROUNDS)
             if self.pull != "coo":
                 pull = exchanges.steps(s.n, (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n)
-                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull)
+                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull, PUSH_PULL_ROUNDS)
         if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
             out["hc"] = self.hc(s, exchanges)
         return out
@@ -106,7 +110,7 @@ class ZenCost:
             nbytes += sum(fold)
             messages += sum(exchanges.steps(2, b) for b in fold)
         # Each stage merges two partial sums on the CPU (measured cost).
-        return Traffic(nbytes, messages, self.merge_s_per_byte * 2 * sum(stage_bytes))
+        return Traffic(nbytes, messages, doubling_rounds(s.n), self.merge_s_per_byte * 2 * sum(stage_bytes))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:
@@ -153,12 +157,15 @@ class ZenSync(SparseSync):
     hierarchical: dense inside a machine, sparse across machines (see the module doc).
     local_size: ranks per machine for the hierarchical mode (``None``: ``LOCAL_WORLD_SIZE``, as
         torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
+    batch: which BP tensors share a push and a pull: ``"step"`` (all of them, whatever their width
+        and dtype: two rounds a step, :mod:`.sections`), ``"width"`` (those of one dtype, width and
+        pull format) or ``"tensor"`` (each alone). HC tensors fuse by dtype and width.
     """
 
     profiles_doubling = True
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
-                 hierarchical: bool = False, local_size: int | None = None, **kwargs):
+                 hierarchical: bool = False, local_size: int | None = None, batch: str = "step", **kwargs):
         super().__init__(**kwargs)
         if scheme not in SCHEMES:
             raise ValueError(f"sync.scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
@@ -166,7 +173,9 @@ class ZenSync(SparseSync):
             raise ValueError(f"sync.pull must be one of {', '.join(PULL_FORMATS)}; got {pull!r}")
         if local_size is not None and not (isinstance(local_size, int) and local_size >= 1):
             raise ValueError(f"sync.local_size must be an integer >= 1 or null, got {local_size!r}")
-        self.scheme, self.pull, self.seed = scheme, pull, seed
+        if batch not in BATCHES:
+            raise ValueError(f"sync.batch must be one of {', '.join(BATCHES)}; got {batch!r}")
+        self.scheme, self.pull, self.seed, self.batch = scheme, pull, seed, batch
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
 
@@ -210,15 +219,50 @@ class ZenSync(SparseSync):
         return {plan: traffic.seconds(self.network) for plan, traffic in traffics.items()}
 
     def plan(self, index: int) -> str:
-        """This tensor's scheme: the fastest of :meth:`plan_times` (kept until the next profile).
+        """This tensor's scheme (kept until the next profile): see :meth:`choose_plans`.
         A tensor forced sparse before its first profile pulls COO, or as ``scheme``/``pull`` say."""
         route = self.routes[index]
         if route.density is None:
             return "hc" if self.scheme == "hc" else "bp-bitmap" if self.pull == "bitmap" else "bp-coo"
         if route.plan is None:
-            times = self.plan_times(index)
-            route.plan = min(times, key=times.get)
+            self.choose_plans([index, *(i for i in self.sparse if i != index)])
         return route.plan
+
+    def batched(self) -> bool:
+        """Do all BP tensors share one push and one pull (``batch: step``, flat mode)?"""
+        return self.batch == "step" and not (self.hierarchical and self.local_size not in (None, 1))
+
+    def choose_plans(self, indices: Sequence[int]) -> None:
+        """Give each profiled tensor of ``indices`` without a plan the one that makes the step fastest.
+
+        Alone, that is the fastest of :meth:`plan_times`. Batched, BP's two rounds are paid once for
+        every BP tensor of the step, so a tensor's BP costs only its bytes once any tensor takes BP,
+        and HC (whose rounds are its own) wins only where its stages beat that: the tensors choose
+        together, between HC for those it beats BP's bytes on (BP's rounds paid if any stay) and HC
+        for all (no BP round at all)."""
+        todo = [i for i in dict.fromkeys(indices) if self.routes[i].density is not None and self.routes[i].plan is None]
+        if not todo:
+            return
+        cost, exchanges, network = self.scheme_cost(), self.exchanges, self.network
+        traffics = {i: cost.traffics(self.sparsity(i), exchanges) for i in todo}
+        if not self.batched():
+            for i in todo:
+                self.routes[i].plan = min(traffics[i], key=lambda plan: traffics[i][plan].seconds(network))
+            return
+        bytes_only = {i: {plan: dataclasses.replace(t, messages=0).seconds(network) for plan, t in traffics[i].items()
+                          if plan != "hc"} for i in todo}
+        bp = {i: min(options, key=options.get) for i, options in bytes_only.items() if options}
+        hc = {i: traffics[i]["hc"].seconds(network) for i in todo if "hc" in traffics[i]}
+        # The batch's rounds: its push and pull, as many message steps as its largest member's.
+        rounds = max((traffics[i][plan].messages for i, plan in bp.items()), default=0) * network.latency_s
+        mixed = {i: "hc" if i not in bp or (i in hc and hc[i] < bytes_only[i][bp[i]]) else bp[i] for i in todo}
+        stays_bp = any(plan != "hc" for plan in mixed.values())
+        mixed_s = sum(hc[i] if plan == "hc" else bytes_only[i][plan] for i, plan in mixed.items()) + rounds * stays_bp
+        chosen = mixed
+        if stays_bp and len(hc) == len(todo) and sum(hc.values()) < mixed_s:
+            chosen = dict.fromkeys(todo, "hc")
+        for i, plan in chosen.items():
+            self.routes[i].plan = plan
 
     def forget_plans(self) -> None:
         """Choose every tensor's scheme again, from the profile, when next asked."""
@@ -253,7 +297,55 @@ class ZenSync(SparseSync):
         super()._route()
 
     def group_key(self, index: int):
-        return (*super().group_key(index), self.plan(index))
+        plan = self.plan(index)
+        if self.batch == "tensor":
+            return ("tensor", index)
+        if plan != "hc" and self.batched():
+            return ("bp",)  # one push and one pull for every BP tensor: its sections are made per step
+        return (*super().group_key(index), plan)
+
+    def section_key(self, index: int) -> tuple[str, int, str]:
+        """Members with one key share a section of a batch: dtype, unit width and plan."""
+        return str(self.params[index].dtype), self.unit_width(index), self.plan(index)
+
+    def group_rounds(self, group: list[int]) -> int:
+        """Collectives one fused group issues on its busiest rank: a push and a pull, or HC's stages."""
+        if self.plan(group[0]) == "hc":
+            return self.scheme_cost().hc(self.sparsity(group[0]), self.exchanges).rounds
+        return 2
+
+    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        if len({self.section_key(i) for i in job.members}) == 1:
+            return super()._sync_group(job)
+        return self._sync_sections(job)
+
+    def _sync_sections(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        """A batch of BP tensors of several widths, dtypes or pull formats: one push, one pull."""
+        by_key: dict[tuple, list[int]] = {}
+        for i in job.members:
+            by_key.setdefault(self.section_key(i), []).append(i)
+        comm, parts, start = self.sparse_comm, [], 0
+        with self.timed("encode"):
+            for (_, width, plan), members in by_key.items():
+                offsets, ids, values = self.encode_units(job, members, width, self.params[members[0]].dtype, start)
+                parts.append((plan, members, offsets, ids, values))
+                start = offsets[-1]
+        received = sections.push(comm, [(ids, values) for *_, ids, values in parts], self.partitioner.group,
+                                 self.timed)
+        with self.timed("decode"):
+            sums = [pushpull.aggregate(pieces) for pieces in received]
+        owned: list[list[torch.Tensor] | None] = [None] * len(parts)
+        if any(plan == "bp-bitmap" for plan, *_ in parts):
+            everyone = self.partitioner.owned(start, self.device)
+            owned = [sections.owned_in(everyone, offsets[0], offsets[-1]) if plan == "bp-bitmap" else None
+                     for plan, _, offsets, *_ in parts]
+        pulled = sections.pull(comm, sums, owned, self.timed)
+        out = []
+        with self.timed("decode"):
+            for (_, members, offsets, *_), pieces in zip(parts, pulled, strict=True):
+                out += self.decode_units(job, members, offsets, torch.cat([p[0] for p in pieces]),
+                                         torch.cat([p[1] for p in pieces]))
+        return out
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         plan = self.plan(group[0])
