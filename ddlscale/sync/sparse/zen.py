@@ -61,7 +61,7 @@ from ddlscale.sync.sparse.traffic import (
 
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
-BATCHES = ("step", "width", "tensor")
+BATCHES = ("backward", "step", "width", "tensor")
 
 
 def bitmap_bytes(s: Sparsity) -> float:
@@ -157,15 +157,17 @@ class ZenSync(SparseSync):
     hierarchical: dense inside a machine, sparse across machines (see the module doc).
     local_size: ranks per machine for the hierarchical mode (``None``: ``LOCAL_WORLD_SIZE``, as
         torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
-    batch: which BP tensors share a push and a pull: ``"step"`` (all of them, whatever their width
-        and dtype: two rounds a step, :mod:`.sections`), ``"width"`` (those of one dtype, width and
-        pull format) or ``"tensor"`` (each alone). HC tensors fuse by dtype and width.
+    batch: which BP tensors share a push and a pull: ``"backward"`` (all of them, whatever their
+        width and dtype (:mod:`.sections`), split only where backward, as profiled, computes longer
+        between two of them than a batch's rounds cost: there the earlier batch syncs meanwhile),
+        ``"step"`` (all of them: two rounds a step), ``"width"`` (those of one dtype, width and pull
+        format) or ``"tensor"`` (each alone). HC tensors fuse by dtype and width.
     """
 
     profiles_doubling = True
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
-                 hierarchical: bool = False, local_size: int | None = None, batch: str = "step", **kwargs):
+                 hierarchical: bool = False, local_size: int | None = None, batch: str = "backward", **kwargs):
         super().__init__(**kwargs)
         if scheme not in SCHEMES:
             raise ValueError(f"sync.scheme must be one of {', '.join(SCHEMES)}; got {scheme!r}")
@@ -178,6 +180,9 @@ class ZenSync(SparseSync):
         self.scheme, self.pull, self.seed, self.batch = scheme, pull, seed, batch
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
+        self._ready_at: dict[int, float] = {}  # profiling: when each gradient became ready this step
+        self._hooks_s = 0.0  # ... and the time spent in the hooks before it
+        self.ready_offsets: dict[int, float] = {}  # as profiled, agreed: seconds after the step's first gradient
 
     def on_setup(self) -> None:
         if not hasattr(self, "partitioner"):
@@ -229,8 +234,47 @@ class ZenSync(SparseSync):
         return route.plan
 
     def batched(self) -> bool:
-        """Do all BP tensors share one push and one pull (``batch: step``, flat mode)?"""
-        return self.batch == "step" and not (self.hierarchical and self.local_size not in (None, 1))
+        """Do BP tensors of any width share a push and a pull (``batch: backward`` or ``step``, flat mode)?"""
+        return self.batch in ("backward", "step") and not (self.hierarchical and self.local_size not in (None, 1))
+
+    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        if not self._profile_left:
+            super().on_grad_ready(index, param)
+            return
+        # Backward's own time between gradients: less what the hooks spent (profiling's counting
+        # would otherwise pass for computation and cut batches that nothing overlaps).
+        start = clock.now()
+        self._ready_at[index] = start - self._hooks_s
+        super().on_grad_ready(index, param)
+        self._hooks_s += clock.now() - start
+
+    def _profile(self) -> None:
+        if self._ready_at:  # this step's readiness, relative to its first gradient (the last profiled step counts)
+            first = min(self._ready_at.values())
+            self.ready_offsets = {i: t - first for i, t in self._ready_at.items()}
+            self._ready_at, self._hooks_s = {}, 0.0
+        super()._profile()
+
+    def _sparse_groups(self) -> list[list[int]]:
+        """The fused groups; with ``batch: backward`` a BP batch is cut where backward computes, between
+        two of its members' gradients, longer than the batch's push and pull cost: the members before
+        the cut then sync during that computation (their rounds hidden) instead of all after it."""
+        groups = super()._sparse_groups()
+        if self.batch != "backward" or not self.batched() or not self.ready_offsets:
+            return groups
+        out = []
+        for group in groups:
+            if len(group) < 2 or self.plan(group[0]) == "hc" or any(i not in self.ready_offsets for i in group):
+                out.append(group)
+                continue
+            rounds_s = max(self.scheme_cost().traffics(self.sparsity(i), self.exchanges)[self.plan(i)].messages
+                           for i in group) * self.network.latency_s
+            out.append([group[0]])
+            for before, after in zip(group, group[1:], strict=False):
+                if self.ready_offsets[after] - self.ready_offsets[before] > rounds_s:
+                    out.append([])
+                out[-1].append(after)
+        return sorted(out, key=lambda group: self.backward_order.index(group[-1]))
 
     def choose_plans(self, indices: Sequence[int]) -> None:
         """Give each profiled tensor of ``indices`` without a plan the one that makes the step fastest.
@@ -287,6 +331,11 @@ class ZenSync(SparseSync):
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
                 partitioner.clear()
+        if self.world_size > 1:
+            # Rank 0's readiness on every rank: the batches it cuts must be the same everywhere.
+            everyone = range(len(self.params))
+            offsets = self.agreed([self.ready_offsets.get(i, -1.0) for i in everyone])
+            self.ready_offsets = {i: t for i, t in zip(everyone, offsets, strict=True) if t >= 0}
         if self.world_size > 1 and self.scheme == "auto":
             # What HC pays beside its messages is its merges, which on a CPU cost more than the
             # messages it saves; priced at the rate this sync's device merges. Every rank merges at
@@ -400,13 +449,15 @@ class ZenSync(SparseSync):
     def state_dict(self):
         # The plans too: mid re-profile they come from the last complete profile, not the partial one saved.
         return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_byte": self.merge_s_per_byte,
-                "plans": self._figures(("plan",))["plan"]}
+                "plans": self._figures(("plan",))["plan"], "ready_offsets": dict(self.ready_offsets)}
 
     def load_routes(self, state) -> None:
         super().load_routes(state)
         # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
         for i, plan in state.get("plans", {}).items():
             self.routes[int(i)].plan = plan
+        # The readiness the batches were cut on (agreed: rank 0's), so a resumed run cuts them alike.
+        self.ready_offsets = {int(i): float(t) for i, t in state.get("ready_offsets", {}).items()}
 
     def load_state_dict(self, state) -> None:
         self.merge_s_per_byte = float(state.get("merge_s_per_byte", 0.0))

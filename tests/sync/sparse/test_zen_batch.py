@@ -70,7 +70,7 @@ def _batched_and_alone(rank, world, pull):
     out = {}
     for batch in ("step", "width", "tensor"):
         sync = ZenSync(scheme="bp", pull=pull, batch=batch, sparse_params=NAMES, profile_steps=1,
-                       network_latency="100us")
+                       network_latency="10ms")
         out[batch] = _sync_steps(sync, rank, world)
     oracle = []
     for step in range(3):
@@ -221,3 +221,40 @@ def test_every_sparse_sync_routes_on_the_same_measured_alpha_and_configured_band
             cfg = compose("config", overrides=[f"sync={name}", "cluster=emulated", "cluster.bandwidth=100mbit"])
             assert cfg.sync.network_latency == "measured", name
             assert cfg.sync.network_bandwidth == "100mbit", name
+
+
+def _cut(rank, world, pause_s):
+    """Two sparse tables whose gradients come ``pause_s`` of 'backward' apart."""
+    params = {"late": torch.nn.Parameter(torch.zeros(50, 4)), "early": torch.nn.Parameter(torch.zeros(40, 4))}
+    sync = ZenSync(scheme="bp", pull="coo", sparse_params=list(params), profile_steps=1, network_latency="10ms")
+    sync.setup(list(params.items()))
+    seen = []
+    for step in range(3):
+        grads = {n: torch.sparse_coo_tensor(torch.tensor([[rank, 7 + step]]), torch.ones(2, 4), p.shape).coalesce()
+                 for n, p in params.items()}
+        params["early"].grad = grads["early"].clone()
+        sync.grad_ready(params["early"])
+        time.sleep(pause_s)  # backward's computation between the two gradients
+        resumed = time.perf_counter()
+        params["late"].grad = grads["late"].clone()
+        sync.grad_ready(params["late"])
+        stats = sync.finish_step()
+        exact = all(torch.equal(params[n].grad.to_dense(), _summed(grads[n], world)) for n in params)
+        seen.append(([(r.op, r.start < resumed) for r in stats.collectives], exact, len(sync.groups)))
+    return seen
+
+
+def _summed(grad, world):
+    total = grad.to_dense() * (1.0 / world)
+    dist.all_reduce(total)
+    return total
+
+
+def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds():
+    for seen in run_workers(_cut, 4, 0.3):  # 0.3 s of computation against 6 message steps of 10 ms
+        for ops, exact, groups in seen[1:]:
+            assert exact and groups == 2
+            assert ops == [("push", True), ("pull", True), ("push", False), ("pull", False)], ops
+    for seen in run_workers(_cut, 4, 0.0):  # no computation between them: one batch
+        for ops, exact, groups in seen[1:]:
+            assert exact and groups == 1 and [op for op, _ in ops] == ["push", "pull"], ops
