@@ -2,7 +2,10 @@
 equals dense allreduce, hands sparse gradients back sparse, issues the collectives its cost objects
 count, and overlaps backward."""
 
+import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -258,3 +261,25 @@ def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds():
     for seen in run_workers(_cut, 4, 0.0):  # no computation between them: one batch
         for ops, exact, groups in seen[1:]:
             assert exact and groups == 1 and [op for op, _ in ops] == ["push", "pull"], ops
+
+
+def _train(out, *overrides):
+    root = os.path.abspath(os.path.join(CONF, ".."))
+    result = subprocess.run([sys.executable, os.path.join(root, "train.py"), "model=lstm", "model.sparse_embedding=true",
+                             "sync=zen", "trainer.devices=3", "trainer.max_steps=5", "seed=0",
+                             "trainer.enable_progress_bar=false", f"hydra.run.dir={out}", *overrides],
+                            cwd=root, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_path):
+    batched = _train(tmp_path / "batched", "sync.batch=step")
+    alone = _train(tmp_path / "alone", "sync.batch=tensor")
+    assert batched["param_sha256"] == alone["param_sha256"]
+    sparse = [name for name, route in batched["routing"].items() if route["path"] == "sparse"]
+    assert len(sparse) >= 2, batched["routing"]
+    for summary in (batched, alone):  # the ledger's busiest rank against what the cost objects count
+        assert summary["collectives_per_step"] == summary["collectives_priced"]
+        assert 0 <= summary["comm_overlap"] <= 1 and summary["comm_in_flight_s"] > 0
+    assert batched["collective_ops"]["push"]["per_step"] == 1
