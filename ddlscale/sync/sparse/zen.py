@@ -10,7 +10,10 @@ for M units of u bytes (an int32 index and a row: a pair of 4 + u bytes): COO pu
 (4 + u) d M (1 + gamma_n)(n-1)/n, bitmap pull (n-1)/n M ((4 + u) d + u gamma_n d + 1/8); with fp32
 elements (u = 4) these are SYSTEMS.md's 8 d M (1 + gamma_n)(n-1)/n and (n-1)/n M (8d + 4 gamma_n d + 1/8).
 A push and a pull are one exchange each (:meth:`Communicator.exchange`: each message carries its own
-length): two rounds of messages per group.
+length): two rounds of messages per group. With ``batch: backward`` or ``step`` every BP tensor of a
+step is one group whatever its width and dtype (:mod:`.sections`: one index space, a section per
+width, dtype and pull format), so a step pays two rounds, or a few more where ``backward`` cuts the
+batch to overlap backward's computation (:meth:`ZenSync._sparse_groups`).
 
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
