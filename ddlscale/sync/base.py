@@ -29,6 +29,25 @@ from ddlscale import clock
 from ddlscale.comm import CollectiveRecord, CommLedger, Communicator
 
 
+def in_flight(records: Sequence[CollectiveRecord], finishing: float, now: float) -> tuple[float, float]:
+    """(seconds some collective was in flight, of which before ``finishing``): the union of the
+    records' issue-to-completion spans (one without a completion counts to ``now``), whole and cut
+    at the moment the training thread began to wait."""
+    spans = sorted((r.start, r.end if r.end is not None else now) for r in records)
+    total = hidden = 0.0
+    run_start = run_end = None
+    for start, end in [*spans, (float("inf"), float("inf"))]:
+        if run_end is not None and start > run_end:  # a run of overlapping spans closed
+            total += run_end - run_start
+            hidden += max(0.0, min(run_end, finishing) - run_start)
+            run_start = None
+        if run_start is None:
+            run_start, run_end = start, end
+        else:
+            run_end = max(run_end, end)
+    return total, hidden
+
+
 @dataclass
 class StepSyncStats:
     """What one rank's backend did for one optimizer step."""
@@ -39,6 +58,8 @@ class StepSyncStats:
     comm_s: float = 0.0  # training thread blocked on collectives
     decode_s: float = 0.0  # unpacking / decompressing
     collectives: list[CollectiveRecord] = field(default_factory=list)
+    in_flight_s: float = 0.0  # time some collective of the step was in flight (their union)
+    overlapped_s: float = 0.0  # ... of it, before finish() began: hidden behind backward
 
     @property
     def sync_s(self) -> float:
@@ -132,6 +153,7 @@ class GradSync:
 
     def finish_step(self) -> StepSyncStats:
         """Finish the step, learn the backward order after the first one, and close the stats."""
+        finishing = clock.now()
         self.finish()
         if not self._order_known:
             self._adopt_backward_order()
@@ -144,6 +166,7 @@ class GradSync:
             comm_s=self._timers["comm"],
             decode_s=self._timers["decode"],
             collectives=records,
+            **dict(zip(("in_flight_s", "overlapped_s"), in_flight(records, finishing, clock.now()), strict=True)),
         )
         for phase in self._timers:  # in place: executors serving this backend share the dict
             self._timers[phase] = 0.0

@@ -58,6 +58,12 @@ def _phase_medians(history: dict[str, list[float]], phases: list[str]) -> dict[s
     return out
 
 
+def _share(part: torch.Tensor, whole: torch.Tensor) -> float:
+    """The smallest ratio part / whole over ranks (1 where nothing was in flight)."""
+    ratios = [math.nan if math.isnan(w) else p / w if w > 0 else 1.0 for p, w in zip(part.tolist(), whole.tolist(), strict=True)]
+    return min(ratios) if ratios else float("nan")
+
+
 def _per_op(records: list[Any]) -> dict[str, tuple[int, float]]:
     ops: dict[str, tuple[int, float]] = {}
     for record in records:
@@ -91,7 +97,8 @@ class StepMetrics(pl.Callback):
         self.config = dict(config or {})
         self.history: dict[str, list[float]] = {
             k: [] for k in ("step_time_s", "sync_time_s", "bytes_sent", "bytes_recv", "loss",
-                            "encode_time_s", "comm_time_s", "decode_time_s", "collectives", "cpu_s")
+                            "encode_time_s", "comm_time_s", "decode_time_s", "collectives", "cpu_s",
+                            "in_flight_s", "overlapped_s")
         }
         self.phases: dict[str, int] = {}  # steps per sync phase, for backends that have phases
         self.step_phases: list[str] = []  # each recorded step's phase (empty: a sync without phases)
@@ -162,6 +169,9 @@ class StepMetrics(pl.Callback):
             # CPU seconds this rank used in the step: against its step time, how CPU-bound it ran.
             # Not divided by the dilation: a capped machine spends the same CPU work k times slower.
             "cpu_s": time.process_time() - self._step_cpu,
+            # Communication in flight, and how much of it ran before the sync's wait: during backward.
+            "in_flight_s": stats.in_flight_s if stats else float("nan"),
+            "overlapped_s": stats.overlapped_s if stats else float("nan"),
         }
         for key, value in row.items():
             self.history[key].append(value)
@@ -214,6 +224,8 @@ class StepMetrics(pl.Callback):
                 _median_after_warmup(h["decode_time_s"]),
                 _median_after_warmup(h["collectives"]),
                 _median_after_warmup(h["cpu_s"]),
+                _median_after_warmup(h["in_flight_s"]),
+                _median_after_warmup(h["overlapped_s"]),
             ],
             dtype=torch.float64,
         )
@@ -246,6 +258,10 @@ class StepMetrics(pl.Callback):
             "decode_time_s": float(ranks[:, 7].max()),
             "collectives_per_step": float(ranks[:, 8].max()),
             "cpu_s_per_step": float(ranks[:, 9].max()),
+            # The step's communication in flight (busiest rank) and the share of it that overlapped
+            # backward (the least-overlapped rank's).
+            "comm_in_flight_s": float(ranks[:, 10].max()),
+            "comm_overlap": _share(ranks[:, 11], ranks[:, 10]),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }
@@ -282,6 +298,9 @@ class StepMetrics(pl.Callback):
             "decode_time_s": _median_after_warmup(h["decode_time_s"]),
             "collectives_per_step": _median_after_warmup(h["collectives"]),
             "cpu_s_per_step": _median_after_warmup(h["cpu_s"]),
+            "comm_in_flight_s": _median_after_warmup(h["in_flight_s"]),
+            "comm_overlap": _share(torch.tensor([_median_after_warmup(h["overlapped_s"])]),
+                                   torch.tensor([_median_after_warmup(h["in_flight_s"])])),
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }

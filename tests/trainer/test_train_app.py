@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SUMMARY_KEYS = {
     "sync", "compressor", "ckpt", "model", "world_size", "steps", "final_loss", "samples_per_s",
     "step_time_s", "sync_time_s", "bytes_sent_per_step", "bytes_recv_per_step", "imbalance",
-    "collectives_per_step", "param_sha256",
+    "collectives_per_step", "param_sha256", "comm_in_flight_s", "comm_overlap",
 }
 QUIET = ["trainer.enable_progress_bar=false"]
 
@@ -85,6 +85,7 @@ def test_default_run_writes_summary_and_metrics(tmp_path):
     assert summary["collectives_per_step"] >= 1  # dense sync: at least one bucket's allreduce
     assert summary["collective_ops"]["allreduce"]["per_step"] == summary["collectives_per_step"]
     assert summary["collective_ops"]["allreduce"]["ms_per_step"] > 0
+    assert summary["comm_in_flight_s"] > 0 and 0 <= summary["comm_overlap"] <= 1
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     assert {"train_loss", "samples_per_s", "sync_time_s", "bytes_sent", "step_period_s"} <= set(rows[0])
     # A step's period (end to end) holds its batch time and the loop's time between batches.

@@ -25,7 +25,7 @@ class AGSparseCost:
 
     def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
         return Traffic(s.pair_bytes * s.density * s.units * (s.n - 1),
-                       exchanges.steps(s.n, s.pair_bytes * s.density * s.units))
+                       exchanges.steps(s.n, s.pair_bytes * s.density * s.units), 1)
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

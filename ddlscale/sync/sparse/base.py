@@ -230,33 +230,46 @@ class SparseSync(DenseAllreduce):
     def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
         """One fused group: members' units in one index space, synced; (member, average, summed units)."""
         members = job.members
-        width, dtype, device = self.unit_width(members[0]), self.params[members[0]].dtype, self.device
+        width, dtype = self.unit_width(members[0]), self.params[members[0]].dtype
         with self.timed("encode"):
-            offsets, ids, values = [0], [], []
-            for i in members:
-                offsets.append(offsets[-1] + self.units(i))
-                if i not in job.grads:  # no gradient this step on this rank: contribute nothing
-                    continue
-                local_ids, local_values = units_of(job.grads[i][0], width)
-                ids.append(local_ids + offsets[-2])
-                # Scale before summing, as the dense path does, so exact data gives the same bits.
-                values.append(local_values * (1.0 / self.world_size))
-            ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=device)
-            values = torch.cat(values) if values else torch.empty((0, width), dtype=dtype, device=device)
+            offsets, ids, values = self.encode_units(job, members, width, dtype)
         total_ids, total_values = self.sync_sparse(members, offsets[-1], width, ids, values)
         with self.timed("decode"):
-            if total_ids.numel() > 1 and not bool((total_ids[1:] > total_ids[:-1]).all()):
-                order = torch.argsort(total_ids)
-                total_ids, total_values = total_ids[order], total_values[order]
-            cuts = torch.searchsorted(total_ids, torch.tensor(offsets, device=total_ids.device)).tolist()
-            out = []
-            for k, i in enumerate(members):
-                mine = slice(cuts[k], cuts[k + 1])
-                sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
-                grad = grad_of(total_ids[mine] - offsets[k], total_values[mine], self.params[i], sparse_dim,
-                               ids_sorted=True)
-                out.append((i, grad, cuts[k + 1] - cuts[k]))
-            return out
+            return self.decode_units(job, members, offsets, total_ids, total_values)
+
+    def encode_units(self, job: GroupJob, members: list[int], width: int, dtype: torch.dtype,
+                     start: int = 0) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """``members``' local units laid end to end from id ``start``: (each member's first id and
+        the end, ids ascending, rows scaled by 1/n)."""
+        offsets, ids, values = [start], [], []
+        for i in members:
+            offsets.append(offsets[-1] + self.units(i))
+            if i not in job.grads:  # no gradient this step on this rank: contribute nothing
+                continue
+            local_ids, local_values = units_of(job.grads[i][0], width)
+            ids.append(local_ids + offsets[-2])
+            # Scale before summing, as the dense path does, so exact data gives the same bits.
+            values.append(local_values * (1.0 / self.world_size))
+        ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=self.device)
+        values = torch.cat(values) if values else torch.empty((0, width), dtype=dtype, device=self.device)
+        return offsets, ids, values
+
+    def decode_units(self, job: GroupJob, members: list[int], offsets: list[int], total_ids: torch.Tensor,
+                     total_values: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
+        """The summed units of ``members`` (ids from ``offsets[0]``, any order) back into each
+        member's gradient, in its own layout: (member, average, summed units)."""
+        if total_ids.numel() > 1 and not bool((total_ids[1:] > total_ids[:-1]).all()):
+            order = torch.argsort(total_ids)
+            total_ids, total_values = total_ids[order], total_values[order]
+        cuts = torch.searchsorted(total_ids, torch.tensor(offsets, device=total_ids.device)).tolist()
+        out = []
+        for k, i in enumerate(members):
+            mine = slice(cuts[k], cuts[k + 1])
+            sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
+            grad = grad_of(total_ids[mine] - offsets[k], total_values[mine], self.params[i], sparse_dim,
+                           ids_sorted=True)
+            out.append((i, grad, cuts[k + 1] - cuts[k]))
+        return out
 
     def finish(self) -> None:
         super().finish()  # dense buckets first: they were launched during backward
@@ -356,6 +369,21 @@ class SparseSync(DenseAllreduce):
     def ring_seconds(self, numel: int, value_bytes: int, n: int) -> float:
         """Ring allreduce's bytes among ``n`` at the routing's bandwidth (a bucket shares its latency)."""
         return 2 * (n - 1) / n * numel * value_bytes * 8 / self.network.bandwidth_bps
+
+    def group_rounds(self, group: list[int]) -> int:
+        """Collectives one fused group issues on the busiest rank, as its scheme's cost object counts them."""
+        return self.scheme_cost().traffic(self.sparsity(group[0]), self.exchanges).rounds
+
+    def collectives_per_step(self) -> int:
+        """The collectives a step issues on the busiest rank once routed (no profiling step): one per
+        dense bucket and each sparse group's rounds. The run's ledger must count the same."""
+        if self.world_size == 1:
+            return 0
+        return len(self.buckets) + sum(self.group_rounds(group) for group in self.groups)
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {**super().summary_fields(), "collectives_priced": self.collectives_per_step(),
+                "latency_s": self.network.latency_s, "bandwidth_bps": self.network.bandwidth_bps}
 
     def prefers_sparse(self, index: int) -> bool:
         """The cost model's verdict for one profiled tensor."""

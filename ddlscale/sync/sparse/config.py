@@ -15,6 +15,7 @@ from ddlscale.units import parse_bandwidth, parse_time
 ROUTES = ("auto", "sparse")
 PULL_FORMATS = ("auto", "coo", "bitmap")
 SCHEMES = ("auto", "bp", "hc")
+BATCHES = ("backward", "step", "width", "tensor")  # which BP tensors share a push and a pull (ZenSync)
 
 
 @dataclass
@@ -55,10 +56,12 @@ class ZenConfig(SparseSyncConfig):
     seed: Any = 0x5EED  # an integer, or None: draw one
     hierarchical: bool = False
     local_size: Any = None  # ranks per machine, or None: LOCAL_WORLD_SIZE
+    batch: str = "backward"
 
     def check(self) -> None:
         super().check()
         choice(self.key("scheme"), self.scheme, SCHEMES)
+        choice(self.key("batch"), self.batch, BATCHES)
         choice(self.key("pull"), self.pull, PULL_FORMATS)
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"{self.key('seed')} must be an integer or null, got {self.seed!r}")

@@ -50,7 +50,14 @@ from ddlscale.sync.sparse.config import OmniReduceConfig
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.rows import units_of
-from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, partitioned_seconds, push_pull_steps
+from ddlscale.sync.sparse.traffic import (
+    PUSH_PULL_ROUNDS,
+    Exchanges,
+    Sparsity,
+    Traffic,
+    partitioned_seconds,
+    push_pull_steps,
+)
 
 
 def num_blocks(units: int, rows_per_block: int) -> int:
@@ -92,11 +99,11 @@ class OmniReduceCost:
             summed = scattered_block_density(s.gamma * s.density, block_rows)
             nbytes = omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows,
                                       s.unit_bytes)
-            return Traffic(nbytes, push_pull_steps(s, exchanges))
+            return Traffic(nbytes, push_pull_steps(s, exchanges), PUSH_PULL_ROUNDS)
         density, gamma = blocks
         nbytes = omnireduce_bytes(s.units, density, gamma, s.n, block_rows, s.unit_bytes)
         per_peer = nbytes / max(1, 2 * (s.n - 1))
-        return Traffic(nbytes, 2 * exchanges.steps(s.n, per_peer))
+        return Traffic(nbytes, 2 * exchanges.steps(s.n, per_peer), PUSH_PULL_ROUNDS)
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

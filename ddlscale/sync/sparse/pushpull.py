@@ -118,27 +118,34 @@ def pull_bitmap(comm: Communicator, owned: list[torch.Tensor], ids: torch.Tensor
     bitmaps total one bit per unit of the tensor whatever n is. Decoding a server's piece is one
     pass over its owned set: O(M/n)."""
     with timed("encode"):
-        mine = owned[comm.rank]
-        position = torch.searchsorted(mine, ids.to(mine.dtype))  # ids are sorted: rows stay in owned order
-        present = torch.zeros(mine.numel(), dtype=torch.bool, device=ids.device)
-        present[position] = True
-        bitmap = kernels.pack_bits(present)
-        skip = _aligned(bitmap.numel())
-        message = Message(skip + values.numel() * values.element_size(), ids.device)
-        message.payload[:skip].zero_()  # the padding after the bitmap too
-        message.payload[: bitmap.numel()] = bitmap
-        message.payload[skip:].view(values.dtype).view(values.shape).copy_(values)
+        message = pack_bitmap(owned[comm.rank], ids, values)
     peers = [p for p in range(comm.size) if p != comm.rank]
     with timed("comm"):
         received = comm.exchange(dict.fromkeys(peers, message), peers, op="pull")
     width, dtype = values.shape[1], values.dtype
-    out = []
     with timed("decode"):
-        for p, members in enumerate(owned):
-            if p == comm.rank:
-                out.append((ids, values))
-                continue
-            piece, skip = received[p], _aligned((members.numel() + 7) // 8)
-            hits = kernels.unpack_bits(piece[:skip], members.numel()).nonzero().reshape(-1)
-            out.append((members[hits].to(torch.int64), piece[skip:].view(dtype).view(-1, width)))
-    return out
+        return [(ids, values) if p == comm.rank else unpack_bitmap(received[p], members, width, dtype)
+                for p, members in enumerate(owned)]
+
+
+def pack_bitmap(mine: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> Message:
+    """One message: a bitmap over ``mine`` (this server's owned ids, sorted) marking the sorted
+    ``ids`` present, padded to 8 bytes, then their rows in that order."""
+    position = torch.searchsorted(mine, ids.to(mine.dtype))  # ids are sorted: rows stay in owned order
+    present = torch.zeros(mine.numel(), dtype=torch.bool, device=ids.device)
+    present[position] = True
+    bitmap = kernels.pack_bits(present)
+    skip = _aligned(bitmap.numel())
+    message = Message(skip + values.numel() * values.element_size(), ids.device)
+    message.payload[:skip].zero_()  # the padding after the bitmap too
+    message.payload[: bitmap.numel()] = bitmap
+    message.payload[skip:].view(values.dtype).view(values.shape).copy_(values)
+    return message
+
+
+def unpack_bitmap(piece: torch.Tensor, members: torch.Tensor, width: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids int64, rows) from a payload of :func:`pack_bitmap` over the sender's owned ``members``."""
+    skip = _aligned((members.numel() + 7) // 8)
+    hits = kernels.unpack_bits(piece[:skip], members.numel()).nonzero().reshape(-1)
+    return members[hits].to(torch.int64), piece[skip:].view(dtype).view(-1, width)

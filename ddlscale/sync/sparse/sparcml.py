@@ -19,7 +19,7 @@ from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.config import SparCMLConfig
 from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density
-from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, doubling_seconds
+from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, doubling_rounds, doubling_seconds
 
 
 class SparCMLCost:
@@ -45,7 +45,7 @@ class SparCMLCost:
         sizes = [message(min(1.0, gammas[i] * s.density)) for i in range(stages)]
         if core < s.n:  # fold in (one worker's set) and out (the sum)
             sizes += [message(s.density), message(min(1.0, s.gamma * s.density))]
-        return Traffic(sum(sizes), sum(exchanges.steps(2, b) for b in sizes))
+        return Traffic(sum(sizes), sum(exchanges.steps(2, b) for b in sizes), doubling_rounds(s.n))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

@@ -19,6 +19,7 @@ from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.traffic import (
+    PUSH_PULL_ROUNDS,
     Exchanges,
     Sparsity,
     Traffic,
@@ -33,7 +34,7 @@ class SparsePSCost:
     contiguous split were balanced (it is not under skew: the real index sets show its busiest server)."""
 
     def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
-        return Traffic(coo_bytes(s), push_pull_steps(s, exchanges))
+        return Traffic(coo_bytes(s), push_pull_steps(s, exchanges), PUSH_PULL_ROUNDS)
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

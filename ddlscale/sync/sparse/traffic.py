@@ -71,10 +71,13 @@ class Sparsity:
 @dataclass(frozen=True)
 class Traffic:
     """One tensor's sync on one worker: the bytes it moves, the message steps it takes one after
-    another, and seconds of work beside the wire (Zen's HC: its merges)."""
+    another, the collectives it issues on the busiest rank (``rounds``: what the run's ledger counts,
+    each a meeting of the ranks whatever its bytes), and seconds of work beside the wire (Zen's HC:
+    its merges)."""
 
     nbytes: float
     messages: int
+    rounds: int
     work_s: float = 0.0
 
     def seconds(self, network: NetworkModel) -> float:
@@ -96,6 +99,16 @@ class Exchanges:
 
 
 ONE_SEGMENT = Exchanges(math.inf)  # every message in one piece: the formulas' textbook form
+
+
+PUSH_PULL_ROUNDS = 2  # a push and a pull: one exchange each
+
+
+def doubling_rounds(n: int) -> int:
+    """Collectives of recursive doubling on its busiest rank: a swap per stage over the largest power
+    of two, and, where ranks are left over, receiving one's set before and sending the sum after."""
+    core = 1 << (n.bit_length() - 1)
+    return core.bit_length() - 1 + (2 if core < n else 0)
 
 
 def push_pull_steps(s: Sparsity, exchanges: Exchanges) -> int:

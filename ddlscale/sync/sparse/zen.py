@@ -10,7 +10,10 @@ for M units of u bytes (an int32 index and a row: a pair of 4 + u bytes): COO pu
 (4 + u) d M (1 + gamma_n)(n-1)/n, bitmap pull (n-1)/n M ((4 + u) d + u gamma_n d + 1/8); with fp32
 elements (u = 4) these are SYSTEMS.md's 8 d M (1 + gamma_n)(n-1)/n and (n-1)/n M (8d + 4 gamma_n d + 1/8).
 A push and a pull are one exchange each (:meth:`Communicator.exchange`: each message carries its own
-length): two rounds of messages per group.
+length): two rounds of messages per group. With ``batch: backward`` or ``step`` every BP tensor of a
+step is one group whatever its width and dtype (:mod:`.sections`: one index space, a section per
+width, dtype and pull format), so a step pays two rounds, or a few more where ``backward`` cuts the
+batch to overlap backward's computation (:meth:`ZenSync._sparse_groups`).
 
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
 the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
@@ -31,6 +34,7 @@ compare like with like; the steps inside the machine are the same for both and c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Sequence
@@ -41,18 +45,20 @@ import torch.distributed as dist
 from ddlscale import clock
 from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
-from ddlscale.sync.sparse import kernels, pushpull
-from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse import kernels, pushpull, sections
+from ddlscale.sync.sparse.base import GroupJob, SparseSync
 from ddlscale.sync.sparse.config import ZenConfig
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import SparseDoubling
 from ddlscale.sync.sparse.rows import units_of
 from ddlscale.sync.sparse.traffic import (
+    PUSH_PULL_ROUNDS,
     Exchanges,
     Sparsity,
     Traffic,
     coo_bytes,
+    doubling_rounds,
     doubling_seconds,
     partitioned_seconds,
 )
@@ -82,10 +88,10 @@ class ZenCost:
         if self.scheme != "hc":
             if self.pull != "bitmap":
                 pull = exchanges.steps(s.n, s.gamma * s.density * s.units / s.n * s.pair_bytes)
-                out["bp-coo"] = Traffic(coo_bytes(s), push + pull)
+                out["bp-coo"] = Traffic(coo_bytes(s), push + pull, PUSH_PULL_ROUNDS)
             if self.pull != "coo":
                 pull = exchanges.steps(s.n, (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n)
-                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull)
+                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull, PUSH_PULL_ROUNDS)
         if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
             out["hc"] = self.hc(s, exchanges)
         return out
@@ -104,7 +110,7 @@ class ZenCost:
             nbytes += sum(fold)
             messages += sum(exchanges.steps(2, b) for b in fold)
         # Each stage merges two partial sums on the CPU (measured cost).
-        return Traffic(nbytes, messages, self.merge_s_per_byte * 2 * sum(stage_bytes))
+        return Traffic(nbytes, messages, doubling_rounds(s.n), self.merge_s_per_byte * 2 * sum(stage_bytes))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:
@@ -151,6 +157,11 @@ class ZenSync(SparseSync):
     hierarchical: dense inside a machine, sparse across machines (see the module doc).
     local_size: ranks per machine for the hierarchical mode (``None``: ``LOCAL_WORLD_SIZE``, as
         torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
+    batch: which BP tensors share a push and a pull: ``"backward"`` (all of them, whatever their
+        width and dtype (:mod:`.sections`), split only where backward, as profiled, computes longer
+        between two of them than a batch's rounds cost: there the earlier batch syncs meanwhile),
+        ``"step"`` (all of them: two rounds a step), ``"width"`` (those of one dtype, width and pull
+        format) or ``"tensor"`` (each alone). HC tensors fuse by dtype and width.
     """
 
     schema = ZenConfig  # its keys and their checks
@@ -158,12 +169,16 @@ class ZenSync(SparseSync):
     profiles_doubling = True
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
-                 hierarchical: bool = False, local_size: int | None = None, **kwargs):
-        ZenConfig(scheme=scheme, pull=pull, seed=seed, hierarchical=hierarchical, local_size=local_size, **kwargs)
+                 hierarchical: bool = False, local_size: int | None = None, batch: str = "backward", **kwargs):
+        ZenConfig(scheme=scheme, pull=pull, seed=seed, hierarchical=hierarchical, local_size=local_size, batch=batch,
+                  **kwargs)
         super().__init__(**kwargs)
-        self.scheme, self.pull, self.seed = scheme, pull, seed
+        self.scheme, self.pull, self.seed, self.batch = scheme, pull, seed, batch
         self.hierarchical, self.local_size = bool(hierarchical), local_size
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
+        self._ready_at: dict[int, float] = {}  # profiling: when each gradient became ready this step
+        self._hooks_s = 0.0  # ... and the time spent in the hooks before it
+        self.ready_offsets: dict[int, float] = {}  # as profiled, agreed: seconds after the step's first gradient
 
     def on_setup(self) -> None:
         if not hasattr(self, "partitioner"):
@@ -205,15 +220,89 @@ class ZenSync(SparseSync):
         return {plan: traffic.seconds(self.network) for plan, traffic in traffics.items()}
 
     def plan(self, index: int) -> str:
-        """This tensor's scheme: the fastest of :meth:`plan_times` (kept until the next profile).
+        """This tensor's scheme (kept until the next profile): see :meth:`choose_plans`.
         A tensor forced sparse before its first profile pulls COO, or as ``scheme``/``pull`` say."""
         route = self.routes[index]
         if route.density is None:
             return "hc" if self.scheme == "hc" else "bp-bitmap" if self.pull == "bitmap" else "bp-coo"
         if route.plan is None:
-            times = self.plan_times(index)
-            route.plan = min(times, key=times.get)
+            self.choose_plans([index, *(i for i in self.sparse if i != index)])
         return route.plan
+
+    def batched(self) -> bool:
+        """Do BP tensors of any width share a push and a pull (``batch: backward`` or ``step``, flat mode)?"""
+        return self.batch in ("backward", "step") and not (self.hierarchical and self.local_size not in (None, 1))
+
+    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        if not self._profile_left:
+            super().on_grad_ready(index, param)
+            return
+        # Backward's own time between gradients: less what the hooks spent (profiling's counting
+        # would otherwise pass for computation and cut batches that nothing overlaps).
+        start = clock.now()
+        self._ready_at[index] = start - self._hooks_s
+        super().on_grad_ready(index, param)
+        self._hooks_s += clock.now() - start
+
+    def _profile(self) -> None:
+        if self._ready_at:  # this step's readiness, relative to its first gradient (the last profiled step counts)
+            first = min(self._ready_at.values())
+            self.ready_offsets = {i: t - first for i, t in self._ready_at.items()}
+            self._ready_at, self._hooks_s = {}, 0.0
+        super()._profile()
+
+    def _sparse_groups(self) -> list[list[int]]:
+        """The fused groups; with ``batch: backward`` a BP batch is cut where backward computes, between
+        two of its members' gradients, longer than the batch's push and pull cost: the members before
+        the cut then sync during that computation (their rounds hidden) instead of all after it."""
+        groups = super()._sparse_groups()
+        if self.batch != "backward" or not self.batched() or not self.ready_offsets:
+            return groups
+        out = []
+        for group in groups:
+            if len(group) < 2 or self.plan(group[0]) == "hc" or any(i not in self.ready_offsets for i in group):
+                out.append(group)
+                continue
+            rounds_s = max(self.scheme_cost().traffics(self.sparsity(i), self.exchanges)[self.plan(i)].messages
+                           for i in group) * self.network.latency_s
+            out.append([group[0]])
+            for before, after in zip(group, group[1:], strict=False):
+                if self.ready_offsets[after] - self.ready_offsets[before] > rounds_s:
+                    out.append([])
+                out[-1].append(after)
+        return sorted(out, key=lambda group: self.backward_order.index(group[-1]))
+
+    def choose_plans(self, indices: Sequence[int]) -> None:
+        """Give each profiled tensor of ``indices`` without a plan the one that makes the step fastest.
+
+        Alone, that is the fastest of :meth:`plan_times`. Batched, BP's two rounds are paid once for
+        every BP tensor of the step, so a tensor's BP costs only its bytes once any tensor takes BP,
+        and HC (whose rounds are its own) wins only where its stages beat that: the tensors choose
+        together, between HC for those it beats BP's bytes on (BP's rounds paid if any stay) and HC
+        for all (no BP round at all)."""
+        todo = [i for i in dict.fromkeys(indices) if self.routes[i].density is not None and self.routes[i].plan is None]
+        if not todo:
+            return
+        cost, exchanges, network = self.scheme_cost(), self.exchanges, self.network
+        traffics = {i: cost.traffics(self.sparsity(i), exchanges) for i in todo}
+        if not self.batched():
+            for i in todo:
+                self.routes[i].plan = min(traffics[i], key=lambda plan: traffics[i][plan].seconds(network))
+            return
+        bytes_only = {i: {plan: dataclasses.replace(t, messages=0).seconds(network) for plan, t in traffics[i].items()
+                          if plan != "hc"} for i in todo}
+        bp = {i: min(options, key=options.get) for i, options in bytes_only.items() if options}
+        hc = {i: traffics[i]["hc"].seconds(network) for i in todo if "hc" in traffics[i]}
+        # The batch's rounds: its push and pull, as many message steps as its largest member's.
+        rounds = max((traffics[i][plan].messages for i, plan in bp.items()), default=0) * network.latency_s
+        mixed = {i: "hc" if i not in bp or (i in hc and hc[i] < bytes_only[i][bp[i]]) else bp[i] for i in todo}
+        stays_bp = any(plan != "hc" for plan in mixed.values())
+        mixed_s = sum(hc[i] if plan == "hc" else bytes_only[i][plan] for i, plan in mixed.items()) + rounds * stays_bp
+        chosen = mixed
+        if stays_bp and len(hc) == len(todo) and sum(hc.values()) < mixed_s:
+            chosen = dict.fromkeys(todo, "hc")
+        for i, plan in chosen.items():
+            self.routes[i].plan = plan
 
     def forget_plans(self) -> None:
         """Choose every tensor's scheme again, from the profile, when next asked."""
@@ -238,6 +327,11 @@ class ZenSync(SparseSync):
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
                 partitioner.clear()
+        if self.world_size > 1:
+            # Rank 0's readiness on every rank: the batches it cuts must be the same everywhere.
+            everyone = range(len(self.params))
+            offsets = self.agreed([self.ready_offsets.get(i, -1.0) for i in everyone])
+            self.ready_offsets = {i: t for i, t in zip(everyone, offsets, strict=True) if t >= 0}
         if self.world_size > 1 and self.scheme == "auto":
             # What HC pays beside its messages is its merges, which on a CPU cost more than the
             # messages it saves; priced at the rate this sync's device merges. Every rank merges at
@@ -248,7 +342,55 @@ class ZenSync(SparseSync):
         super()._route()
 
     def group_key(self, index: int):
-        return (*super().group_key(index), self.plan(index))
+        plan = self.plan(index)
+        if self.batch == "tensor":
+            return ("tensor", index)
+        if plan != "hc" and self.batched():
+            return ("bp",)  # one push and one pull for every BP tensor: its sections are made per step
+        return (*super().group_key(index), plan)
+
+    def section_key(self, index: int) -> tuple[str, int, str]:
+        """Members with one key share a section of a batch: dtype, unit width and plan."""
+        return str(self.params[index].dtype), self.unit_width(index), self.plan(index)
+
+    def group_rounds(self, group: list[int]) -> int:
+        """Collectives one fused group issues on its busiest rank: a push and a pull, or HC's stages."""
+        if self.plan(group[0]) == "hc":
+            return self.scheme_cost().hc(self.sparsity(group[0]), self.exchanges).rounds
+        return 2
+
+    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        if len({self.section_key(i) for i in job.members}) == 1:
+            return super()._sync_group(job)
+        return self._sync_sections(job)
+
+    def _sync_sections(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
+        """A batch of BP tensors of several widths, dtypes or pull formats: one push, one pull."""
+        by_key: dict[tuple, list[int]] = {}
+        for i in job.members:
+            by_key.setdefault(self.section_key(i), []).append(i)
+        comm, parts, start = self.sparse_comm, [], 0
+        with self.timed("encode"):
+            for (_, width, plan), members in by_key.items():
+                offsets, ids, values = self.encode_units(job, members, width, self.params[members[0]].dtype, start)
+                parts.append((plan, members, offsets, ids, values))
+                start = offsets[-1]
+        received = sections.push(comm, [(ids, values) for *_, ids, values in parts], self.partitioner.group,
+                                 self.timed)
+        with self.timed("decode"):
+            sums = [pushpull.aggregate(pieces) for pieces in received]
+        owned: list[list[torch.Tensor] | None] = [None] * len(parts)
+        if any(plan == "bp-bitmap" for plan, *_ in parts):
+            everyone = self.partitioner.owned(start, self.device)
+            owned = [sections.owned_in(everyone, offsets[0], offsets[-1]) if plan == "bp-bitmap" else None
+                     for plan, _, offsets, *_ in parts]
+        pulled = sections.pull(comm, sums, owned, self.timed)
+        out = []
+        with self.timed("decode"):
+            for (_, members, offsets, *_), pieces in zip(parts, pulled, strict=True):
+                out += self.decode_units(job, members, offsets, torch.cat([p[0] for p in pieces]),
+                                         torch.cat([p[1] for p in pieces]))
+        return out
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
         plan = self.plan(group[0])
@@ -303,13 +445,15 @@ class ZenSync(SparseSync):
     def state_dict(self):
         # The plans too: mid re-profile they come from the last complete profile, not the partial one saved.
         return {**super().state_dict(), "seed": self.partitioner.seed, "merge_s_per_byte": self.merge_s_per_byte,
-                "plans": self._figures(("plan",))["plan"]}
+                "plans": self._figures(("plan",))["plan"], "ready_offsets": dict(self.ready_offsets)}
 
     def load_routes(self, state) -> None:
         super().load_routes(state)
         # Plans a checkpoint lacks are re-derived from the restored profile, identically on every rank.
         for i, plan in state.get("plans", {}).items():
             self.routes[int(i)].plan = plan
+        # The readiness the batches were cut on (agreed: rank 0's), so a resumed run cuts them alike.
+        self.ready_offsets = {int(i): float(t) for i, t in state.get("ready_offsets", {}).items()}
 
     def load_state_dict(self, state) -> None:
         self.merge_s_per_byte = float(state.get("merge_s_per_byte", 0.0))

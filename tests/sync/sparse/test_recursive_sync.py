@@ -302,7 +302,8 @@ def _plans(sync):
 @pytest.mark.multiprocess
 def test_rerouting_does_not_accumulate_owned_sets():
     for seen in run_workers(_relayout, 2):
-        assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [20000])  # two groups; only the bitmap pull keeps a set
+        # One batch of two sections: the bitmap section keeps the joint space's owned sets (a's and b's units).
+        assert seen[1] == ({0: "bp-bitmap", 1: "bp-coo"}, [50000])
         # Step 2 drifts, step 3 re-profiles: both pull COO as one fused group, which keeps nothing.
         assert seen[4] == ({0: "bp-coo", 1: "bp-coo"}, [])
 
