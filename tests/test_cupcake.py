@@ -290,6 +290,15 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     # Rank 1 starts every step LAG_S late: the profile says the slowest rank ends backward that much behind.
     lag = Profile.load(tmp_path / "plan_profile.json").lag_s
     assert LAG_S * 0.8 < lag < LAG_S * 3 and "the slowest rank" in planned
+    # The configured option's family: its own lag, measured in the calibration steps (rank 0's
+    # blocking size exchanges wait for rank 1 inside backward, so it may be far less than the dense
+    # one), and the per-group CPU, which the compressor's other families and a hierarchical
+    # uncompressed group take until measured.
+    families = Profile.load(tmp_path / "plan_profile.json").families
+    assert 0 <= families["default/allgather"]["lag_s"] < LAG_S * 3
+    assert "under default/allgather the slowest rank" in planned
+    assert (families["default/allgather"]["cpu_s"] == families["default/*"]["cpu_s"]
+            == families["none/*"]["cpu_s"] == calibration["group_s"])
     # The per-group overhead makes the model's layer-wise step what the calibration steps took.
     profile = Profile.load(tmp_path / "plan_profile.json")
     model = cost_model(profile)

@@ -21,7 +21,9 @@
    backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
    layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
+   (:func:`~ddlscale.plan.planner.group_overhead`), kept with the slowest rank's lag in those
+   steps as the configured option family's own terms (:attr:`Profile.families`; the compressor's
+   other families and hierarchical uncompressed groups take its CPU figure until measured) —
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compressed.backend.CompressSync` runs the plan: per-tensor
@@ -246,9 +248,10 @@ class PlannedSync(GradSync):
                 else:
                     self._plan_and_switch()
             return
+        backward_end = clock.now()
         self.compressed.finish()
         if session.phase in (Phase.SETTLE, Phase.CALIBRATE):
-            if session.calibration_step(clock.now()):
+            if session.calibration_step(clock.now(), backward_end):
                 self._plan_and_switch()
             elif session.settling():  # residuals and buffers allocated, warming up: its work is not kept
                 self.compressed.work.clear()
@@ -322,26 +325,31 @@ class PlannedSync(GradSync):
         efficiency = {**profile.network.get("efficiency", {}), "allreduce": factor}
         return replace(profile, network={**profile.network, "efficiency": efficiency})
 
-    def calibrate_groups(self, profile: Profile) -> Profile:
-        """``profile`` with the configured compressor's per-group overhead that makes the model's
-        layer-wise step take what the calibration steps took (their median period on this rank)."""
+    def calibrate_groups(self, profile: Profile, lag: float | None = None) -> Profile:
+        """``profile`` with what the calibration steps measured of the configured option's family
+        (:attr:`Profile.families`): the slowest rank's ``lag`` under it (None: not measured), then
+        its per-group CPU that makes the model's layer-wise step take what those steps took (their
+        median period on this rank)."""
         periods = self.session.calibration_periods()
         if not periods or "default" not in profile.compressors:
             return profile
-        return self._with_group_overhead(profile, statistics.median(periods))
+        return self._with_group_overhead(profile, statistics.median(periods), lag)
 
-    def _with_group_overhead(self, profile: Profile, measured: float) -> Profile:
+    def _with_group_overhead(self, profile: Profile, measured: float, lag: float | None = None) -> Profile:
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
+        if lag is not None:
+            profile = profile.with_family(option.family, lag_s=lag)
         extra = group_overhead(profile, option, measured, compressors)
-        costs = {**profile.compressors,
-                 "default": profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)}
-        if "none" in costs:
-            # An uncompressed group off dense allreduce's own path (a hierarchical one: its fits are
-            # none's) runs the same per-group machinery — blocking machine collectives, a job, a
-            # scheme — so it pays the same overhead; flat dense groups pay nothing (their own path).
-            costs["none"] = costs["none"].with_group_overhead(extra)
-        return replace(profile, compressors=costs)
+        facts = {"default": {"group_s": extra, "layerwise_step_s": measured}, "none": {"group_s": extra}}
+        profile = replace(profile, compressors={key: replace(c, calibration={**c.calibration, **facts.get(key, {})})
+                                                for key, c in profile.compressors.items()})  # for the record
+        profile = profile.with_family(option.family, cpu_s=extra)
+        # The compressor's other families were not run: they take this figure until measured. An
+        # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
+        # per-group machinery — blocking machine collectives, a job, a scheme — so it pays it too;
+        # flat dense groups pay nothing (their own path).
+        return profile.with_family("default/*", cpu_s=extra).with_family("none/*", cpu_s=extra)
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -353,11 +361,11 @@ class PlannedSync(GradSync):
             costs, failure = self.calibrate(self.profile_compressors()), None
         except Exception as exc:  # said in the gather below, so no rank waits in it for this one
             costs, failure = None, exc
-        lag = self._slowest_lag(failure)
+        lag, calibration_lag = self._slowest_lag(failure)
 
         def plan() -> list[dict[str, Any]]:
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
-            profile = self.calibrate_groups(before)
+            profile = self.calibrate_groups(before, calibration_lag)
             model = CostModel(profile, self._planning_compressors())
             plans = (self.candidate_plans(profile, model) if self.session.trial_steps
                      else [self.compute_plan(profile, model)])
@@ -464,16 +472,18 @@ class PlannedSync(GradSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None) -> float:
+    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None]:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled
-        steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
+        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`), and in the
+        calibration steps under the configured option (None where none were measured). The gather
         also carries ``failure``, this rank's error in profiling its compressors: every rank raises
         then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
-            return 0.0
+            return 0.0, None
         mine = {"spans": self.session.recorder.spans(self.session.warmup_steps),
+                "calibration": self.session.calibration_spans,
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
@@ -481,7 +491,9 @@ class PlannedSync(GradSync):
         if failed:
             said = "; ".join(f"rank {self.comm._global(rank)}: {error}" for rank, error in failed)
             raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
-        return slowest_lag([g["spans"] for g in gathered], self.rank)
+        calibration = [g["calibration"] for g in gathered]
+        measured = slowest_lag(calibration, self.rank) if all(calibration) else None
+        return slowest_lag([g["spans"] for g in gathered], self.rank), measured
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         compressors = self.compressed.compressors
@@ -668,6 +680,9 @@ def _calibration_note(profile: Profile) -> str:
     if "group_s" in calibration:
         parts.append(f"{calibration['group_s'] * 1e3:.3f} ms more per group, for the layer-wise steps' "
                      f"{calibration['layerwise_step_s'] * 1e3:.1f} ms")
+    for key, terms in sorted(profile.families.items()):
+        if "lag_s" in terms:
+            parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
     return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 
