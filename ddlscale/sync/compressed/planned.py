@@ -46,7 +46,7 @@ import copy
 import json
 import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -70,12 +70,13 @@ from ddlscale.plan.planner import (
     layerwise_plan,
     option_label,
 )
-from ddlscale.plan.pricing import CostModel
+from ddlscale.plan.pricing import SCHEMES, CostModel, Option
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
     StepRecorder,
     TensorProfile,
+    family,
     profile_compressor,
     slowest_lag,
 )
@@ -121,6 +122,10 @@ class PlannedSync(GradSync):
     calibrate_steps: layer-wise compressed steps (after the settling ones) whose compressor work scales
         the benchmarked costs and whose length, with the profiled dense steps', fits the model's
         allreduce factor and per-group overhead (0: trust the benchmark and the network model).
+    calibrate_families: more option families to calibrate (scheme names, ``/hier`` for the
+        hierarchical layout: ``[alltoall, zen]``), each settled and calibrated in turn before the
+        configured one, which stays last; each gets its own per-group CPU and lag between ranks
+        in :attr:`Profile.families` instead of the configured family's CPU and the dense lag.
     settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
         run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
         layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
@@ -150,7 +155,8 @@ class PlannedSync(GradSync):
                  network_bandwidth: str = "1gbit", network_latency: str = MEASURED, gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
-                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
+                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3,
+                 calibrate_families: Sequence[str] = ()):
         if not (isinstance(gpus_per_machine, int) and not isinstance(gpus_per_machine, bool) and gpus_per_machine >= 1):
             raise ValueError(f"sync.gpus_per_machine must be an integer >= 1, got {gpus_per_machine!r}")
         super().__init__()
@@ -178,6 +184,11 @@ class PlannedSync(GradSync):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
         self.session = PlanningSession(warmup_steps, profile_steps, settle_steps, calibrate_steps, trial_steps)
+        self.calibrate_families = _families(calibrate_families)
+        for scheme, _ in self.calibrate_families if compressor is not None else ():
+            self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
+        self._families_left: list[tuple[str, bool]] = []  # calibration's queue, the configured family last
+        self._families_done: dict[str, dict[str, Any]] = {}  # per family calibrated before it: periods, spans
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
@@ -251,7 +262,7 @@ class PlannedSync(GradSync):
         backward_end = clock.now()
         self.compressed.finish()
         if session.phase in (Phase.SETTLE, Phase.CALIBRATE):
-            if session.calibration_step(clock.now(), backward_end):
+            if session.calibration_step(clock.now(), backward_end) and self._family_calibrated():
                 self._plan_and_switch()
             elif session.settling():  # residuals and buffers allocated, warming up: its work is not kept
                 self.compressed.work.clear()
@@ -291,14 +302,39 @@ class PlannedSync(GradSync):
 
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:
-        """Every tensor compressed alone with the configured option, its work timed (CompressSync.work)."""
+        """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn, the
+        configured option last, its work timed (CompressSync.work)."""
+        configured = (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
+        for scheme, hier in self.calibrate_families:
+            if hier and not self._hierarchical_possible():
+                raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
+                                 f"ranks each (sync.gpus_per_machine / sync.local_size)")
+        self._families_left = [f for f in self.calibrate_families if f != configured] + [configured]
+        self._families_done = {}
+        self._calibrate_next()
+
+    def _calibrate_next(self) -> None:
+        """Settle and calibrate the next family of the queue."""
+        scheme, hierarchical = self._families_left.pop(0)
         self.session.start_calibration()
         compressed = self.compressed
         compressed.work = []
-        compressed.choices = Choices(default=TensorChoice("default", self.comm_scheme,
-                                                          self.hierarchical and self._hierarchical_possible()))
-        compressed.check_choice(compressed.choices.default, "sync.comm")
+        compressed.choices = Choices(default=TensorChoice("default", scheme, hierarchical))
+        compressed.check_choice(compressed.choices.default,
+                                "sync.calibrate_families" if self._families_left else "sync.comm")
         self.on_setup()
+
+    def _family_calibrated(self) -> bool:
+        """After a family's last calibration step: keep its periods and spans and start the next
+        family (False), or True after the configured one, whose measurements planning reads."""
+        if not self._families_left:
+            return True
+        choice = self.compressed.choices.default
+        self._families_done[family("default", choice.scheme, choice.hierarchical)] = {
+            "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
+            "option": Option("default", choice.scheme, choice.hierarchical)}
+        self._calibrate_next()
+        return False
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
         """The configured compressor's fits scaled by what its work cost in the calibration steps, encode
@@ -335,6 +371,21 @@ class PlannedSync(GradSync):
             return profile
         return self._with_group_overhead(profile, statistics.median(periods), lag)
 
+    def _calibrate_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
+        """``profile`` with each family calibrated before the configured one: the slowest rank's lag
+        under it, then its per-group CPU that makes its layer-wise step what its steps took."""
+        compressors = self._planning_compressors()
+        for key, done in self._families_done.items():
+            option = done["option"]
+            if not done["periods"] or not CostModel(profile, compressors).allows(option):
+                continue
+            if key in lags:
+                profile = profile.with_family(key, lag_s=lags[key])
+            extra = group_overhead(profile, option, statistics.median(done["periods"]), compressors)
+            profile = profile.with_family(key, cpu_s=extra)
+        self._families_done = {}
+        return profile
+
     def _with_group_overhead(self, profile: Profile, measured: float, lag: float | None = None) -> Profile:
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
@@ -361,11 +412,11 @@ class PlannedSync(GradSync):
             costs, failure = self.calibrate(self.profile_compressors()), None
         except Exception as exc:  # said in the gather below, so no rank waits in it for this one
             costs, failure = None, exc
-        lag, calibration_lag = self._slowest_lag(failure)
+        lag, calibration_lag, family_lags = self._slowest_lag(failure)
 
         def plan() -> list[dict[str, Any]]:
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
-            profile = self.calibrate_groups(before, calibration_lag)
+            profile = self._calibrate_families(self.calibrate_groups(before, calibration_lag), family_lags)
             model = CostModel(profile, self._planning_compressors())
             plans = (self.candidate_plans(profile, model) if self.session.trial_steps
                      else [self.compute_plan(profile, model)])
@@ -472,18 +523,20 @@ class PlannedSync(GradSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None]:
+    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None, dict[str, float]]:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled
         dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`), and in the
-        calibration steps under the configured option (None where none were measured). The gather
+        calibration steps under the configured option (None where none were measured), and under each
+        other calibrated family (by :func:`family` key). The gather
         also carries ``failure``, this rank's error in profiling its compressors: every rank raises
         then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
-            return 0.0, None
+            return 0.0, None, {}
         mine = {"spans": self.session.recorder.spans(self.session.warmup_steps),
                 "calibration": self.session.calibration_spans,
+                "families": {key: done["spans"] for key, done in self._families_done.items()},
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
@@ -493,7 +546,9 @@ class PlannedSync(GradSync):
             raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
         calibration = [g["calibration"] for g in gathered]
         measured = slowest_lag(calibration, self.rank) if all(calibration) else None
-        return slowest_lag([g["spans"] for g in gathered], self.rank), measured
+        families = {key: [g["families"].get(key, []) for g in gathered] for key in self._families_done}
+        lags = {key: slowest_lag(spans, self.rank) for key, spans in families.items() if all(spans)}
+        return slowest_lag([g["spans"] for g in gathered], self.rank), measured, lags
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         compressors = self.compressed.compressors
@@ -663,6 +718,25 @@ class CupcakeSync(PlannedSync):
         for label, plan in plans.items():
             plan.context["candidate"] = label
         return list(plans.values())
+
+
+def _families(value: Sequence[str] | None) -> list[tuple[str, bool]]:
+    """``sync.calibrate_families`` as (scheme, hierarchical) pairs: scheme names, ``/hier`` for the
+    hierarchical layout."""
+    if value is None:
+        return []
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"sync.calibrate_families must be a list of scheme names (e.g. [alltoall, zen/hier]), "
+                         f"got {value!r}")
+    out = []
+    for text in value:
+        scheme, _, layout = text.partition("/")
+        if scheme not in SCHEMES or layout not in ("", "hier"):
+            raise ValueError(f"sync.calibrate_families: {text!r} is not one of {', '.join(SCHEMES)}, "
+                             f"optionally with /hier")
+        if (scheme, layout == "hier") not in out:
+            out.append((scheme, layout == "hier"))
+    return out
 
 
 def _calibration_note(profile: Profile) -> str:
