@@ -35,7 +35,8 @@ Three schemes run otherwise than their plain collective, and are priced as they 
 - ``zen`` under CompressSync batches all of a step's zen groups of one communicator into one push
   and one pull (``ZenPushPull.finish_together``): a group's exchanges are priced without their
   per-message latency, and the two rounds' latency is a fixed cost per step and layout
-  (:meth:`CostModel.fixed_s`) that the planners add once where a plan holds zen;
+  (:meth:`CostModel.fixed_s`) that the planners add once where a plan holds zen; the exchanges
+  block, so they run after backward: a zen group's collective waits for backward end (its lag);
 - ``allreduce`` of a cast narrower than the gradient (fp16/bf16 of float32) under error feedback
   sums at the partitions' owners in float32 (``Allreduce.rounds``): priced as ``alltoall``;
 - TernGrad with ``shared_scale`` agrees on the ranks' largest scalar by a blocking max-allreduce
@@ -370,6 +371,12 @@ class CostModel:
         the ranks last met (the previous step's final collective)."""
         prof = self.profile
         lag = prof.lag_s if option is None else prof.family_terms(option.family).get("lag_s", prof.lag_s)
+        if option is not None and option.scheme == "zen":
+            # Zen's exchanges block, so CompressSync runs them after backward (batched in
+            # finish_together): they wait from the group's ready time to backward end, then for the
+            # slowest rank's backward end. (Encodes stolen after this group's also delay backward
+            # end; not counted here, so this is a lower bound on the wait.)
+            return prof.backward_end_s - ready_s + lag
         if not lag:
             return 0.0 * ready_s
         return lag * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)

@@ -139,3 +139,16 @@ def test_terngrads_shared_scalar_costs_one_small_allreduce_per_group():
         (e1, c1, d1), (e0, c0, d0) = shared.costs(unit, option), own.costs(unit, option)
         assert e1 - e0 == pytest.approx(float(NET.allreduce(4.0, 8)), rel=1e-12)
         assert (c1, d1) == (c0, d0)
+
+
+def test_zens_exchanges_wait_for_backward_end():
+    """They block, so CompressSync runs them after backward: a zen group ready early still
+    communicates after backward (and the slowest rank's backward) ended."""
+    profile = _profile(lag=2e-3)
+    model = _topk(profile)
+    early = replace(units_of(profile)[0], ready_s=0.0)
+    task = model.task(early, Option("default", "zen"))
+    assert task.lag_s == pytest.approx(profile.backward_end_s + 2e-3)
+    step = iteration_time([task], profile.backward_end_s, profile.rest_s)
+    assert step >= profile.backward_end_s + 2e-3 + task.encode_s + task.comm_s + task.decode_s + profile.rest_s - 1e-12
+    assert model.task(early, FLAT_AG).lag_s < task.lag_s  # an asynchronous collective starts at once
