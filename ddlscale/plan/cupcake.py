@@ -200,9 +200,11 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
     def row_cost(i: int) -> tuple[list[int], np.ndarray]:
         end = min(run_end[i], prefix.run_end[i])
         ready = readies[i:end]  # group [i, j) is complete when its last gradient, j - 1, is
-        lag = np.broadcast_to(model.lag(ready), ready.shape)
+        lag = np.broadcast_to(model.lag(ready, options[i]), ready.shape)
         return list(range(i + 1, end + 1)), np.vstack([ready, *prefix.row_costs(i, end, model, options[i]), lag])
 
+    # Fusing changes no unit's option, so the plan's fixed cost per step (zen's rounds) is known.
+    optimizer_s = optimizer_s + model.fixed_s(options)
     groups, _ = partition_rows(len(units), row_cost, backward_end_s, optimizer_s)
     fused = [fuse(units[i:j]) for i, j in groups]
     chosen = [options[i] for i, _ in groups]

@@ -86,7 +86,7 @@ class Evaluator:
         """``options`` without those another one matches or beats on every cost of unit ``i``.
 
         With compute-stream tasks only (the exact search's plans) the simulator is a max-plus recursion,
-        so the iteration time never decreases when an encode, comm or decode time grows: such an
+        so the iteration time never decreases when an encode, comm, decode or lag time grows: such an
         option can never be strictly better and dropping it is exact. It spares many front points
         on small tensors, where several schemes cost the same constants. (A side stream queues
         jobs, where a longer job can reorder the queue, so side options are never pruned.)
@@ -96,7 +96,7 @@ class Evaluator:
             if any(o.device != "compute" for o in options):
                 self._useful[key] = list(options)
             else:
-                costs = [(o, (t.encode_s, t.comm_s, t.decode_s)) for o in options for t in [self.task(i, o)]]
+                costs = [(o, (t.encode_s, t.comm_s, t.decode_s, t.lag_s)) for o in options for t in [self.task(i, o)]]
 
                 def dominated(k: int) -> bool:
                     mine = costs[k][1]
@@ -149,7 +149,7 @@ def exact(ev: Evaluator, options: Sequence[Option], bound: float, cap: int | Non
     floor_c, floor_s = [0.0], [0.0]
     for _, costs in rows:
         ready, encode, comm, decode, lag = costs
-        floor_c.append(max(ready[0] + lag[0] + encode.min(), floor_c[-1]) + comm.min())
+        floor_c.append(max((ready + lag + encode).min(), floor_c[-1]) + comm.min())
         floor_s.append(floor_s[-1] + float((encode + decode).min()))
     b, o = ev.backward_end_s, ev.optimizer_s
     path, _ = best_path(rows, sweep(rows, floor_c, floor_s, b, o, bound, thin=THIN_FRONT)[0])
@@ -192,36 +192,71 @@ def algorithm2(ev: Evaluator, current: list[Option], best_time: float) -> tuple[
     return current, best_time, moved
 
 
+def zen_subsets(options: Sequence[Option]) -> list[list[Option]]:
+    """``options`` with zen kept in every subset of the layouts it is offered in (none first).
+
+    Zen's rounds are a fixed cost per step and layout once any group uses them
+    (:meth:`CostModel.fixed_s`), which the per-unit DP cannot charge once; searched within each
+    subset with that subset's fixed cost added, every plan is timed at or above its true time and
+    the optimum exactly under the subset of layouts it uses: the best over the subsets is exact."""
+    layouts = sorted({o.hierarchical for o in options if o.scheme == "zen"})
+    out = []
+    for mask in range(1 << len(layouts)):
+        kept = {hier for b, hier in enumerate(layouts) if mask >> b & 1}
+        subset = [o for o in options if o.scheme != "zen" or o.hierarchical in kept]
+        if subset:
+            out.append(subset)
+    return out
+
+
 def search(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float = 0.0,
            options: Sequence[Option] | None = None, offload: bool = False, cap: int | None = CAP) -> Search:
     """The optimal per-unit options (no fusion) among ``options`` (default: every compute-stream
     option of ``model``), then (``offload``) Algorithm 2. ``units`` in backward order. ``cap``: front
-    size above which the DP thins with a proven loss, recorded as :attr:`Search.gap_s`."""
+    size above which the DP thins with a proven loss, recorded as :attr:`Search.gap_s`. Where zen is
+    offered, the search runs once per subset of its layouts (:func:`zen_subsets`)."""
     options = list(options if options is not None else model.options())
     if not options:
         raise ValueError("espresso: no option is allowed for this compressor and cluster")
     if any(o.compressed and o.device != "compute" for o in options):
         raise ValueError("espresso: the search takes compute-stream options; the side device is offload's "
                          "(Algorithm 2, sync.offload=true)")
-    ev = Evaluator(units, model, backward_end_s, optimizer_s)
     if not units:
         return Search([], [], backward_end_s + optimizer_s)
     readies = [u.ready_s for u in units]
     if any(later < earlier for earlier, later in zip(readies, readies[1:], strict=False)):
         raise ValueError("espresso: units must come in backward order (ready times non-decreasing)")
+    runs = [_search_within(units, model, backward_end_s, optimizer_s, subset, cap) for subset in zen_subsets(options)]
+    best = min(runs, key=lambda r: r.iteration_s)  # ties: the run without zen, first
+    best.simulations = sum(r.simulations for r in runs)
+    if len(runs) > 1:
+        best.steps.insert(0, f"zen's rounds priced once per step: searched {len(runs)} times (zen offered in each "
+                             f"subset of its layouts), best of {', '.join(f'{r.iteration_s * 1e3:.3f}' for r in runs)} ms")
+    if offload:
+        ev = Evaluator(units, model, backward_end_s, optimizer_s + model.fixed_s(best.options))
+        best.options, best.iteration_s, moved = algorithm2(ev, best.options, best.iteration_s)
+        best.steps.append(f"algorithm 2: {moved} tensors offloaded to the side device -> {best.iteration_s * 1e3:.3f} ms")
+        best.simulations += ev.evaluations
+    best.steps.append(f"{best.simulations} simulations")
+    return best
+
+
+def _search_within(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float,
+                   options: list[Option], cap: int | None) -> Search:
+    """:func:`search` among ``options``, every plan charged ``options``' fixed cost; the result's
+    time is its plan's own (charged only the fixed cost that plan uses)."""
+    ev = Evaluator(units, model, backward_end_s, optimizer_s + model.fixed_s(options))
     uniform = min((ev.time(ev.tasks(plan)), name) for name, plan in uniform_starts(ev, options))
     current, gap, points = exact(ev, options, uniform[0], cap)
     best_time = ev.time(ev.tasks(current))  # the simulator's own figure
     if uniform[0] < best_time:  # only where thinning lost more than the uniform plan's margin
         current, best_time = uniform_starts_plan(ev, options, uniform[1]), uniform[0]
+    # What this plan costs: only the fixed cost it uses (<= what the search charged it).
+    best_time = iteration_time(ev.tasks(current), backward_end_s, optimizer_s + model.fixed_s(current), check=False)
     quality = "the optimum" if gap == 0 else f"within {gap * 1e3:.4f} ms of the optimum (proven; fronts thinned)"
     steps = [f"best uniform plan: '{uniform[1]}' ({uniform[0] * 1e3:.3f} ms)",
              f"search over {len(options)} options: {sum(o != DENSE for o in current)} of {len(units)} "
              f"units compressed -> {best_time * 1e3:.3f} ms, {quality} ({points} front points)"]
-    if offload:
-        current, best_time, moved = algorithm2(ev, current, best_time)
-        steps.append(f"algorithm 2: {moved} tensors offloaded to the side device -> {best_time * 1e3:.3f} ms")
-    steps.append(f"{ev.evaluations} simulations")
     return Search(list(units), current, best_time, "per tensor", steps, ev.evaluations, gap)
 
 
@@ -257,7 +292,7 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
             candidates.append(over)
         best = min(candidates, key=lambda c: c.iteration_s)  # ties: the simpler, earlier candidate
     if offload and best.units:
-        ev = Evaluator(best.units, model, backward_end_s, optimizer_s)
+        ev = Evaluator(best.units, model, backward_end_s, optimizer_s + model.fixed_s(best.options))
         best.options, best.iteration_s, moved = algorithm2(ev, best.options, best.iteration_s)
         best.steps.append(f"algorithm 2: {moved} unit(s) offloaded to the side device -> "
                           f"{best.iteration_s * 1e3:.3f} ms ({ev.evaluations} simulations)")

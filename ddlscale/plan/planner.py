@@ -72,17 +72,16 @@ def group_overhead(profile: Profile, option: Option, measured_s: float,
 
     What a compressed group costs beyond its benchmarked encode/decode and its collectives — the
     scheme's Python, issuing the collective, the other ranks' compression competing for shared
-    cores — is charged per group, on the training thread (the encode fit), because layer-wise
-    steps show it growing with the number of groups.
+    cores — is charged per group, on the training thread (the family's ``cpu_s``:
+    :attr:`Profile.families`), because layer-wise steps show it growing with the number of groups.
     """
     if not option.compressed:
         return 0.0
     compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
-    units, key = units_of(profile), option.compressor
+    units = units_of(profile)
 
     def predicted(extra: float) -> float:
-        costs = {**profile.compressors, key: profile.compressors[key].with_group_overhead(extra)}
-        model = CostModel(replace(profile, compressors=costs), compressors)
+        model = CostModel(profile.with_family(option.family, cpu_s=extra), compressors)
         return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
 
     # Each group's encode delays the step by its overhead, so one step's worth per group is enough.

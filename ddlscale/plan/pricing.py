@@ -25,6 +25,23 @@ The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues
   the scheme across the m machines on a 1/k chunk with the NIC shared by the k concurrent inter
   groups, and an allgather inside the machine after backward (charged to decode).
 
+Beyond the fits and the network, each option family (compressor x scheme x layout) carries what
+calibration measured it to cost in compressed training steps (:attr:`Profile.families`): ``cpu_s``
+per group on the training thread (charged to encode) and ``lag_s``, the slowest rank's lag under it
+(the task's lag), in place of the one lag profiled under dense sync.
+
+Three schemes run otherwise than their plain collective, and are priced as they run:
+
+- ``zen`` under CompressSync batches all of a step's zen groups of one communicator into one push
+  and one pull (``ZenPushPull.finish_together``): a group's exchanges are priced without their
+  per-message latency, and the two rounds' latency is a fixed cost per step and layout
+  (:meth:`CostModel.fixed_s`) that the planners add once where a plan holds zen; the exchanges
+  block, so they run after backward: a zen group's collective waits for backward end (its lag);
+- ``allreduce`` of a cast narrower than the gradient (fp16/bf16 of float32) under error feedback
+  sums at the partitions' owners in float32 (``Allreduce.rounds``): priced as ``alltoall``;
+- TernGrad with ``shared_scale`` agrees on the ranks' largest scalar by a blocking max-allreduce
+  of 4 bytes per group before it compresses: charged to encode.
+
 "Encode" and "decode" are the profiled per-group work of the executor (error feedback, compress,
 pack / unpack, decompress, sum), ``none`` included where it is not free (hierarchical: error
 feedback on the reduced chunk); a flat uncompressed group runs as dense allreduce does, in place.
@@ -52,7 +69,7 @@ from ddlscale.compress import Compressor
 from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.plan.choices import TensorChoice
 from ddlscale.plan.fit import CostFit
-from ddlscale.plan.profile import Profile
+from ddlscale.plan.profile import Profile, family
 from ddlscale.units import parse_time
 
 DEVICES = ("compute", "side")
@@ -84,6 +101,11 @@ class Option:
 
     def on(self, device: str) -> Option:
         return replace(self, device=device)
+
+    @property
+    def family(self) -> str:
+        """Its key in :attr:`Profile.families` (the device is not part of it)."""
+        return family(self.compressor, self.scheme, self.hierarchical)
 
 
 DENSE = Option("none", "allreduce")
@@ -189,7 +211,10 @@ def _price_zen(p: Pricing) -> Price:
                        zip(p.numel.tolist(), kept.tolist(), strict=True)])
     share = union / p.ranks
     pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * p.value_bytes, share * pair)
-    comm = p.net.all_to_all(payload / p.ranks, p.ranks) + p.net.all_to_all(pulled, p.ranks)  # two exchanges
+    # Two exchanges, batched with the step's other zen groups: their latency is paid once per step
+    # (CostModel.fixed_s), not here.
+    net = _without_latency(p.net)
+    comm = net.all_to_all(payload / p.ranks, p.ranks) + net.all_to_all(pulled, p.ranks)
     return p.encode(p.numel), comm, 2 * p.decode(p.numel)
 
 
@@ -313,7 +338,7 @@ class CostModel:
                                     np.array([u.tensors for u in picked]), [u.shape for u in picked])
             for i, unit, encode, comm, decode in zip(at, picked, *(c.tolist() for c in costs), strict=True):
                 out[i] = TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
-                                    self.lag(unit.ready_s))
+                                    self.lag(unit.ready_s, option))
         return out
 
     def costs_many(self, numel: np.ndarray, dtype: str, option: Option, kept: np.ndarray | None = None,
@@ -337,16 +362,37 @@ class CostModel:
     def task(self, unit: Unit, option: Option) -> TensorTask:
         encode, comm, decode = self.costs(unit, option)
         return TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
-                          self.lag(unit.ready_s))
+                          self.lag(unit.ready_s, option))
 
-    def lag(self, ready_s: float) -> float:
+    def lag(self, ready_s: float | np.ndarray, option: Option | None = None) -> float | np.ndarray:
         """How much later than the profiled rank the slowest one issues a collective of a unit ready
-        at ``ready_s``: the profile's lag at backward end (:attr:`Profile.lag_s`), grown in proportion
-        to the time since the ranks last met (the previous step's final collective)."""
+        at ``ready_s`` under ``option``: the lag at backward end measured for its family (else the
+        profile's, under dense sync: :attr:`Profile.lag_s`), grown in proportion to the time since
+        the ranks last met (the previous step's final collective)."""
         prof = self.profile
-        if not prof.lag_s:
+        lag = prof.lag_s if option is None else prof.family_terms(option.family).get("lag_s", prof.lag_s)
+        if option is not None and option.scheme == "zen":
+            # Zen's exchanges block, so CompressSync runs them after backward (batched in
+            # finish_together): they wait from the group's ready time to backward end, then for the
+            # slowest rank's backward end. (Encodes stolen after this group's also delay backward
+            # end; not counted here, so this is a lower bound on the wait.)
+            return prof.backward_end_s - ready_s + lag
+        if not lag:
+            return 0.0 * ready_s
+        return lag * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
+
+    def zen_rounds_s(self, hierarchical: bool = False) -> float:
+        """The latency of zen's push and pull rounds, paid once per step for all of a layout's zen
+        groups (they are batched per communicator)."""
+        if self.n == 1:
             return 0.0
-        return prof.lag_s * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
+        net, ranks = (self.exchange_across, self.n // self.k) if hierarchical else (self.exchange, self.n)
+        return 2 * float(net.all_to_all(0.0, ranks))
+
+    def fixed_s(self, options: Sequence[Option]) -> float:
+        """What a plan under ``options`` costs per step beyond its tasks: zen's two rounds, once per
+        layout it uses zen in."""
+        return sum(self.zen_rounds_s(hier) for hier in sorted({o.hierarchical for o in options if o.scheme == "zen"}))
 
     def _fits(self, option: Option) -> tuple[CostFit, CostFit]:
         prof = self.profile.compressors.get(option.compressor)
@@ -383,23 +429,32 @@ class CostModel:
         if n == 1:
             return 0.0, 0.0, 0.0
         dense_bytes = total * element_size(dtype)
-        encode = decode = 0.0
-        numel, ranks, across = total, n, net if option.scheme == "allreduce" else self.exchange
+        comp = self.compressors.get(option.compressor) if option.compressed else None
+        scheme = option.scheme
+        if scheme == "allreduce" and comp is not None and self._owners_sum(comp, dtype):
+            scheme = "alltoall"  # Allreduce.rounds: the owners sum the 16-bit pieces in float32
+        # What calibration measured this family to cost per group on the training thread (flat dense
+        # groups run on dense allreduce's own path and pay nothing per group).
+        encode = self.profile.family_terms(option.family).get("cpu_s", 0.0) if comp or option.hierarchical else 0.0
+        decode = 0.0
+        allreduce_net, allreduce_ranks = (self.across, n // k) if option.hierarchical else (net, n)
+        if comp is not None and getattr(comp, "shared_scale", False):
+            encode += float(allreduce_net.allreduce(4.0, allreduce_ranks))  # TernGrad's max of the ranks' scalars
+        numel, ranks, across = total, n, net if scheme == "allreduce" else self.exchange
         if option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
             numel, shapes, ranks = -(-total // k), [None] * total.size, n // k
-            across = self.across if option.scheme == "allreduce" else self.exchange_across
+            across = self.across if scheme == "allreduce" else self.exchange_across
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
         # per group beyond the 1/n copy that the profiled backward already holds.
         enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
-        comp = self.compressors.get(option.compressor) if option.compressed else None
         extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
         if comp is not None and comp.per_member and not option.hierarchical:
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
-            extra = _extra_members(tensors, option.scheme, ranks)
+            extra = _extra_members(tensors, scheme, ranks)
             prof = self.profile.compressors[option.compressor]
             extra_encode, extra_decode = prof.member_encode_s * extra, prof.member_decode_s * extra
             extra_encode_per_element = np.where(extra > 0, prof.fused_encode_per_element_s, 0.0)
@@ -417,14 +472,26 @@ class CostModel:
             comp is not None and type(comp).context is Compressor.context,
             float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
                   else element_size(dtype)))
-        scheme_encode, comm, scheme_decode = PRICES[option.scheme].price(priced)
+        scheme_encode, comm, scheme_decode = PRICES[scheme].price(priced)
         return encode + scheme_encode, comm, decode + scheme_decode
+
+    def _owners_sum(self, comp: Compressor, dtype: str) -> bool:
+        """Whether an allreduce of ``comp``'s payloads runs as the owners' float32 sum: a cast narrower
+        than the gradient under error feedback (the memory widens: it is one)."""
+        wire_dtype = getattr(comp, "wire_dtype", None)
+        return self.profile.widens and wire_dtype is not None and wire_dtype.itemsize < element_size(dtype)
 
 
 def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:
     """Members past the first in what one call compresses: an all-to-all partition holds about its
     share of a fused buffer's members."""
     return np.maximum((-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1, 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _without_latency(net: NetworkModel) -> NetworkModel:
+    """``net`` with no per-message latency: the bandwidth part of an exchange whose rounds are paid elsewhere."""
+    return replace(net, latency_s=0.0, intra_latency_s=0.0)
 
 
 @functools.lru_cache(maxsize=4096)

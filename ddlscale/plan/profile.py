@@ -14,6 +14,13 @@ simulator's ``iteration = max(backward end, last decode) + rest_s`` is the whole
 ``lag_s``: how much later than the profiled rank the slowest rank ended backward, counted from the
 previous step's final collective, where the ranks last met (median over the profiled steps): every
 collective waits for the last rank, and noisy or uneven workers make some rank the last.
+
+``families``: what one option family (compressor key x scheme x layout, :func:`family`) was measured
+to cost in compressed training steps beyond the fits and the network model — ``cpu_s``, seconds per
+group on the training thread, and ``lag_s``, the slowest rank's lag under it (a compressed layout
+drifts the ranks apart otherwise than dense sync: a gather root's n decodes, an owner's re-encodes,
+data-dependent sizes). A family without its own entry takes its compressor's (``<key>/*``), else
+nothing extra and the dense ``lag_s``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ from ddlscale.compress import Compressor, Memory, build_compressor, class_path, 
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
+FAMILY_TERMS = ("cpu_s", "lag_s")
+
+
+def family(compressor: str, scheme: str, hierarchical: bool = False) -> str:
+    """The key of an option family in :attr:`Profile.families`: ``default/allgather``, ``none/allreduce/hier``;
+    ``default/*`` stands for every family of a compressor key without its own entry."""
+    return f"{compressor}/{scheme}" + ("/hier" if hierarchical else "")
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,20 @@ class Profile:
     steps: int = 0  # measured steps averaged
     lag_s: float = 0.0  # how much later than this rank the slowest one ended backward (median)
     widens: bool = False  # error feedback compresses bf16/fp16 gradients as float32 (Memory.widens)
+    families: dict[str, dict[str, float]] = field(default_factory=dict)  # per option family: cpu_s, lag_s
+
+    def family_terms(self, key: str) -> dict[str, float]:
+        """What option family ``key`` (:func:`family`) was measured to cost: its own entry, else its
+        compressor's ``<key>/*``, else nothing."""
+        found = self.families.get(key)
+        return found if found is not None else self.families.get(key.split("/", 1)[0] + "/*", {})
+
+    def with_family(self, key: str, **terms: float) -> Profile:
+        """This profile with option family ``key``'s measured terms set (others kept)."""
+        unknown = set(terms) - set(FAMILY_TERMS)
+        if unknown:
+            raise ValueError(f"unknown family terms {sorted(unknown)}; known: {FAMILY_TERMS}")
+        return replace(self, families={**self.families, key: {**self.families.get(key, {}), **terms}})
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -143,7 +171,9 @@ class Profile:
         }
         return cls(tensors, float(data["backward_end_s"]), float(data["rest_s"]), int(data["world_size"]),
                    dict(data["network"]), compressors, data.get("device", "cpu"), data.get("step_s"),
-                   int(data.get("steps", 0)), float(data.get("lag_s", 0.0)), bool(data.get("widens", False)))
+                   int(data.get("steps", 0)), float(data.get("lag_s", 0.0)), bool(data.get("widens", False)),
+                   {key: {t: float(v) for t, v in terms.items() if t in FAMILY_TERMS}
+                    for key, terms in data.get("families", {}).items()})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -101,7 +101,7 @@ def per_unit_savings(units: list[Unit], options: list[Option], model: CostModel,
                      optimizer_s: float) -> list[float]:
     """For each unit: iteration time with it dense (others as planned) minus the plan's."""
     tasks = [model.task(u, o) for u, o in zip(units, options, strict=True)]
-    planned = iteration_time(tasks, backward_end_s, optimizer_s)
+    planned = iteration_time(tasks, backward_end_s, optimizer_s + model.fixed_s(options))
     saved = []
     for g, (unit, option) in enumerate(zip(units, options, strict=True)):
         if not option.compressed:
@@ -109,7 +109,8 @@ def per_unit_savings(units: list[Unit], options: list[Option], model: CostModel,
             continue
         dense = list(tasks)
         dense[g] = model.task(unit, DENSE)
-        saved.append(iteration_time(dense, backward_end_s, optimizer_s) - planned)
+        fixed = model.fixed_s([*options[:g], DENSE, *options[g + 1:]])
+        saved.append(iteration_time(dense, backward_end_s, optimizer_s + fixed) - planned)
     return saved
 
 
@@ -121,7 +122,8 @@ def uniform_time(units: list[Unit], option: Option, model: CostModel, backward_e
 
 def plan_time(units: list[Unit], options: list[Option], model: CostModel, backward_end_s: float,
               optimizer_s: float) -> float:
-    """Predicted iteration time of unit g under ``options[g]``."""
+    """Predicted iteration time of unit g under ``options[g]`` (with the plan's fixed cost per step:
+    :meth:`CostModel.fixed_s`)."""
     tasks = [model.task(u, o) for u, o in zip(units, options, strict=True)]
-    return iteration_time(tasks, backward_end_s, optimizer_s)
+    return iteration_time(tasks, backward_end_s, optimizer_s + model.fixed_s(options))
 

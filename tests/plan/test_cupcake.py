@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.comm.timeline import TensorTask, iteration_time, simulate
-from ddlscale.compress import TopK
+from ddlscale.compress import FP16, TopK
 from ddlscale.plan.cupcake import optimal_partition, plan_fusion
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.planner import (
@@ -216,13 +216,14 @@ def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
 LAG_S = 0.03
 
 
-def _calibrated(rank, world, run_dir, warmup=1):
+def _calibrated(rank, world, run_dir, warmup=1, families=()):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.5), trial_steps=0, comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
-                       network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup, settle_steps=2)
+                       network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup, settle_steps=2,
+                       calibrate_families=list(families))
     sync.setup(params)
     ops = []
-    for step in range(warmup + 5):
+    for step in range(warmup + 5 + 4 * len(families)):
         g = torch.Generator().manual_seed(100 * rank + step)
         if rank == 1:
             time.sleep(LAG_S)  # a slower worker: every collective waits for it
@@ -294,6 +295,15 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     # Rank 1 starts every step LAG_S late: the profile says the slowest rank ends backward that much behind.
     lag = Profile.load(tmp_path / "plan_profile.json").lag_s
     assert LAG_S * 0.8 < lag < LAG_S * 3 and "the slowest rank" in planned
+    # The configured option's family: its own lag, measured in the calibration steps (rank 0's
+    # blocking size exchanges wait for rank 1 inside backward, so it may be far less than the dense
+    # one), and the per-group CPU, which the compressor's other families and a hierarchical
+    # uncompressed group take until measured.
+    families = Profile.load(tmp_path / "plan_profile.json").families
+    assert 0 <= families["default/allgather"]["lag_s"] < LAG_S * 3
+    assert "under default/allgather the slowest rank" in planned
+    assert (families["default/allgather"]["cpu_s"] == families["default/*"]["cpu_s"]
+            == families["none/*"]["cpu_s"] == calibration["group_s"])
     # The per-group overhead makes the model's layer-wise step what the calibration steps took.
     profile = Profile.load(tmp_path / "plan_profile.json")
     model = cost_model(profile)
@@ -311,6 +321,33 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     dense = dense_plan(profile, model).iteration_s
     assert factor >= 1 and (dense == pytest.approx(profile.step_s, rel=1e-3) if factor > 1 else dense >= profile.step_s)
     assert f"allreduce x{factor:.2f} the network model" in planned
+
+
+def test_each_family_of_calibrate_families_is_calibrated_in_turn_before_the_configured_one(tmp_path):
+    (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 1, ["alltoall"])
+    # Warm-up and profiled step dense; 2 settling and 2 calibration steps under alltoall, then the
+    # same under the configured allgather; the plan after the 10th.
+    assert ops[:2] == [["allreduce"]] * 2
+    assert ops[6:] == [["allgather_uneven"] * len(SHAPES)] * 4
+    # alltoall: the partitions' all-to-all per group, then the owners' sums allgathered (after backward).
+    assert ops[2:6] == [["all_to_all"] * len(SHAPES) + ["allgather_uneven"] * len(SHAPES)] * 4
+    assert planned and "under default/alltoall the slowest rank" in planned
+    profile = Profile.load(tmp_path / "plan_profile.json")
+    for key in ("default/alltoall", "default/allgather"):  # rank 1 starts every step LAG_S late
+        assert profile.families[key]["cpu_s"] >= 0 and LAG_S * 0.5 < profile.families[key]["lag_s"] < LAG_S * 3
+    # The configured family's work scaled the fits (2 steps of it, not 4).
+    assert profile.compressors["default"].calibration["groups"] == 2 * len(SHAPES)
+
+
+def test_calibrate_families_are_checked_naming_the_key():
+    with pytest.raises(ValueError, match="sync.calibrate_families: 'ring'"):
+        CupcakeSync(TopK(), calibrate_families=["ring"])
+    with pytest.raises(ValueError, match="sync.calibrate_families: 'zen/flat'"):
+        CupcakeSync(TopK(), calibrate_families=["zen/flat"])
+    with pytest.raises(ValueError, match="sync.calibrate_families must be a list"):
+        CupcakeSync(TopK(), calibrate_families="zen")
+    with pytest.raises(ValueError, match="sync.calibrate_families"):
+        CupcakeSync(FP16(), calibrate_families=["zen"])  # zen carries sparsifiers alone
 
 
 def test_calibration_is_the_weighted_median_of_measured_over_fitted():

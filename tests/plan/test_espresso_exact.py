@@ -10,27 +10,47 @@ from ddlscale.plan.espresso import espresso, search
 from ddlscale.plan.frontier import pareto
 from ddlscale.plan.planner import cost_model
 from ddlscale.plan.pricing import Option, units_of
+from ddlscale.plan.result import plan_time
 from ddlscale.plan.synthetic import random_profile
 
 
-def brute_force(tasks, backward_end, optimizer):
+def brute_force(tasks, backward_end, optimizer, options=None, model=None):
     """Every assignment of options to units at once: ``tasks[i][k]`` is unit i under option k. The
     simulator's forward recursion (state: comm end, stolen compute, last decode), vectorized over
-    all K^N assignments. Returns (best time, best assignment, every time, the assignments)."""
+    all K^N assignments, each task with its own lag; with ``options`` and ``model``, each assignment
+    also pays zen's rounds once per layout it uses zen in. Returns (best time, best assignment,
+    every time, the assignments)."""
     count, width = len(tasks), len(tasks[0])
     picks = np.indices((width,) * count).reshape(count, -1).T  # row-major: assignment k's digits in base K
     comm_end = np.zeros(len(picks))
     stolen = np.zeros(len(picks))
     last = np.full(len(picks), -np.inf)
     for i in range(count):
-        cost = np.array([[t.encode_s, t.comm_s, t.decode_s] for t in tasks[i]])[picks[:, i]]
-        ready, lag = tasks[i][0].ready_s, tasks[i][0].lag_s
-        comm_end = np.maximum(ready + stolen + cost[:, 0] + lag, comm_end) + cost[:, 1]
+        cost = np.array([[t.encode_s, t.comm_s, t.decode_s, t.lag_s] for t in tasks[i]])[picks[:, i]]
+        ready = tasks[i][0].ready_s
+        comm_end = np.maximum(ready + stolen + cost[:, 0] + cost[:, 3], comm_end) + cost[:, 1]
         stolen += cost[:, 0] + cost[:, 2]
         last = np.maximum(last, comm_end + cost[:, 2])
     times = np.maximum(last, backward_end + stolen) + optimizer
+    for hier in (False, True) if options is not None else ():
+        zen = np.array([o.scheme == "zen" and o.hierarchical == hier for o in options])
+        times = times + np.where(zen[picks].any(axis=1), model.zen_rounds_s(hier), 0.0)
     best = int(np.argmin(times))
     return float(times[best]), picks[best], times, picks
+
+
+def with_measured_families(rng, profile, options):
+    """``profile`` with random measured cpu and lag for some of ``options``' families, sometimes a
+    compressor's fallback (``default/*``) too: what calibration adds."""
+    for option in options:
+        if rng.random() < 0.5:
+            terms = {"cpu_s": rng.uniform(0, 2e-3)} if rng.random() < 0.7 else {}
+            if rng.random() < 0.7:
+                terms["lag_s"] = rng.uniform(0, 5e-3)
+            profile = profile.with_family(option.family, **terms)
+    if rng.random() < 0.3:
+        profile = profile.with_family("default/*", cpu_s=rng.uniform(0, 1e-3))
+    return profile
 
 
 def test_zero_gap_to_brute_force_on_the_full_option_set():
@@ -38,20 +58,23 @@ def test_zero_gap_to_brute_force_on_the_full_option_set():
     offered, schemes, hierarchical, instances = set(), set(), 0, 1000
     for trial in range(instances):
         profile = random_profile(rng, rng.randint(1, 5))
+        options = cost_model(profile).options()  # every scheme x layout, dense included
+        profile = with_measured_families(rng, profile, options)
         model = cost_model(profile)
-        units, options = units_of(profile), model.options()  # every scheme x layout, dense included
+        units = units_of(profile)
         by_option = [model.tasks(units, o) for o in options]
         tasks = [[row[i] for row in by_option] for i in range(len(units))]
-        best, pick, times, picks = brute_force(tasks, profile.backward_end_s, profile.rest_s)
+        best, pick, times, picks = brute_force(tasks, profile.backward_end_s, profile.rest_s, options, model)
         # The vectorized recursion is the simulator: checked on the optimum and two random plans.
         for row in (pick, picks[rng.randrange(len(picks))], picks[rng.randrange(len(picks))]):
-            plan = [tasks[i][k] for i, k in enumerate(row)]
-            expected = iteration_time(plan, profile.backward_end_s, profile.rest_s)
+            expected = plan_time(units, [options[k] for k in row], model, profile.backward_end_s, profile.rest_s)
             index = int(np.ravel_multi_index(tuple(row), (len(options),) * len(units)))
             assert (picks[index] == row).all()
             assert abs(expected - times[index]) <= 1e-12 * max(1.0, expected)
         found = search(units, model, profile.backward_end_s, profile.rest_s)
         assert found.iteration_s <= best * (1 + 1e-9), (trial, found.iteration_s, best, found.steps)
+        assert abs(plan_time(units, found.options, model, profile.backward_end_s, profile.rest_s)
+                   - found.iteration_s) <= 1e-12  # the time it reports is its plan's
         chosen = [options[k] for k in pick]
         offered |= {o.scheme for o in options}
         schemes |= {o.scheme for o in chosen if o.compressed}
@@ -67,10 +90,11 @@ def test_the_full_plan_is_never_worse_than_the_per_tensor_optimum():
     rng = random.Random(7)
     for trial in range(100):
         profile = random_profile(rng, rng.randint(1, 4))
+        profile = with_measured_families(rng, profile, cost_model(profile).options())
         model = cost_model(profile)
-        units = units_of(profile)
-        tasks = [[model.task(u, o) for o in model.options()] for u in units]
-        best = brute_force(tasks, profile.backward_end_s, profile.rest_s)[0]
+        units, options = units_of(profile), model.options()
+        tasks = [[model.task(u, o) for o in options] for u in units]
+        best = brute_force(tasks, profile.backward_end_s, profile.rest_s, options, model)[0]
         plan = espresso(units, model, profile.backward_end_s, profile.rest_s,
                         cupcake_option=Option("default", "allgather"), offload=trial % 2 == 0)
         assert plan.iteration_s <= best * (1 + 1e-9), trial
@@ -114,7 +138,8 @@ def test_the_search_is_what_the_simulator_says_of_its_plan():
     model = cost_model(profile)
     found = search(units_of(profile), model, profile.backward_end_s, profile.rest_s)
     plan = [model.task(u, o) for u, o in zip(found.units, found.options, strict=True)]
-    assert iteration_time(plan, profile.backward_end_s, profile.rest_s) == found.iteration_s
+    fixed = model.fixed_s(found.options)
+    assert iteration_time(plan, profile.backward_end_s, profile.rest_s + fixed) == found.iteration_s
     assert all(isinstance(t, TensorTask) for t in plan)
 
 
@@ -128,7 +153,7 @@ def test_thinned_fronts_stay_within_their_proven_gap():
         units, options = units_of(profile), model.options()
         by_option = [model.tasks(units, o) for o in options]
         tasks = [[row[i] for row in by_option] for i in range(len(units))]
-        best = brute_force(tasks, profile.backward_end_s, profile.rest_s)[0]
+        best = brute_force(tasks, profile.backward_end_s, profile.rest_s, options, model)[0]
         found = search(units, model, profile.backward_end_s, profile.rest_s, cap=2)
         assert best * (1 - 1e-9) <= found.iteration_s <= (best + found.gap_s) * (1 + 1e-9), (trial, found.steps)
         thinned += found.gap_s > 0

@@ -41,6 +41,9 @@ class CompressConfig(DenseConfig):
             integer(self.key("local_size"), self.local_size, allow=(None,))
 
 
+TRIAL_STEPS = 3  # sync.trial_steps' default here, in PlannedSync and in conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
+
+
 @dataclass
 class PlannedConfig(DenseConfig):
     """``sync.*`` of the planned syncs (:class:`~ddlscale.sync.compressed.planned.PlannedSync`)."""
@@ -55,10 +58,11 @@ class PlannedConfig(DenseConfig):
     gpus_per_machine: int = 1
     run_dir: Any = None  # a directory, or None: the Hydra run directory
     bench_budget_s: float = 0.02
-    trial_steps: int = 0
+    trial_steps: int = TRIAL_STEPS
     calibrate_steps: int = 3
     warmup_steps: int = 1
     settle_steps: int = 3
+    calibrate_families: Any = ()  # scheme names, /hier for the hierarchical layout (PlannedSync checks them)
 
     def check(self) -> None:
         integer(self.key("gpus_per_machine"), self.gpus_per_machine)

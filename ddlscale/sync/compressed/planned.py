@@ -21,7 +21,9 @@
    backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
    layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`; hierarchical uncompressed groups pay it too) —
+   (:func:`~ddlscale.plan.planner.group_overhead`), kept with the slowest rank's lag in those
+   steps as the configured option family's own terms (:attr:`Profile.families`; the compressor's
+   other families and hierarchical uncompressed groups take its CPU figure until measured) —
    computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
    broadcasts it: every rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compressed.backend.CompressSync` runs the plan: per-tensor
@@ -44,7 +46,7 @@ import copy
 import json
 import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,19 +70,20 @@ from ddlscale.plan.planner import (
     layerwise_plan,
     option_label,
 )
-from ddlscale.plan.pricing import CostModel
+from ddlscale.plan.pricing import SCHEMES, CostModel, Option
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
     StepRecorder,
     TensorProfile,
+    family,
     profile_compressor,
     slowest_lag,
 )
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.base import GradSync
 from ddlscale.sync.compressed.backend import CompressSync
-from ddlscale.sync.compressed.config import EspressoConfig, PlannedConfig
+from ddlscale.sync.compressed.config import TRIAL_STEPS, EspressoConfig, PlannedConfig
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
 from ddlscale.sync.dense import DenseAllreduce
@@ -88,7 +91,6 @@ from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
-TRIAL_STEPS = 3  # sync.trial_steps' default here and in conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 
 
@@ -120,6 +122,10 @@ class PlannedSync(GradSync):
     calibrate_steps: layer-wise compressed steps (after the settling ones) whose compressor work scales
         the benchmarked costs and whose length, with the profiled dense steps', fits the model's
         allreduce factor and per-group overhead (0: trust the benchmark and the network model).
+    calibrate_families: more option families to calibrate (scheme names, ``/hier`` for the
+        hierarchical layout: ``[alltoall, zen]``), each settled and calibrated in turn before the
+        configured one, which stays last; each gets its own per-group CPU and lag between ranks
+        in :attr:`Profile.families` instead of the configured family's CPU and the dense lag.
     settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
         run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
         layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
@@ -150,13 +156,15 @@ class PlannedSync(GradSync):
                  network_bandwidth: str = "1gbit", network_latency: str = MEASURED, gpus_per_machine: int = 1,
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
-                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3):
+                 calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3,
+                 calibrate_families: Sequence[str] = ()):
         self.schema(comm=comm, memory=memory if isinstance(memory, str) else None, memory_beta=memory_beta,
                     hierarchical=hierarchical, profile_steps=profile_steps, network_bandwidth=network_bandwidth,
                     network_latency=network_latency, gpus_per_machine=gpus_per_machine, run_dir=run_dir,
                     bench_budget_s=bench_budget_s, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                     trial_steps=trial_steps, calibrate_steps=calibrate_steps, warmup_steps=warmup_steps,
-                    settle_steps=settle_steps, **self._own_keys())  # refuses what no run can use
+                    settle_steps=settle_steps, calibrate_families=calibrate_families,
+                    **self._own_keys())  # refuses what no run can use
         super().__init__()
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
@@ -164,6 +172,11 @@ class PlannedSync(GradSync):
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         check_plannable(compressor, f"sync={self.system}")
         self.session = PlanningSession(warmup_steps, profile_steps, settle_steps, calibrate_steps, trial_steps)
+        self.calibrate_families = _families(calibrate_families)
+        for scheme, _ in self.calibrate_families if compressor is not None else ():
+            self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
+        self._families_left: list[tuple[str, bool]] = []  # calibration's queue, the configured family last
+        self._families_done: dict[str, dict[str, Any]] = {}  # per family calibrated before it: periods, spans
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
@@ -238,9 +251,10 @@ class PlannedSync(GradSync):
                 else:
                     self._plan_and_switch()
             return
+        backward_end = clock.now()
         self.compressed.finish()
         if session.phase in (Phase.SETTLE, Phase.CALIBRATE):
-            if session.calibration_step(clock.now()):
+            if session.calibration_step(clock.now(), backward_end) and self._family_calibrated():
                 self._plan_and_switch()
             elif session.settling():  # residuals and buffers allocated, warming up: its work is not kept
                 self.compressed.work.clear()
@@ -280,14 +294,39 @@ class PlannedSync(GradSync):
 
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:
-        """Every tensor compressed alone with the configured option, its work timed (CompressSync.work)."""
+        """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn, the
+        configured option last, its work timed (CompressSync.work)."""
+        configured = (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
+        for scheme, hier in self.calibrate_families:
+            if hier and not self._hierarchical_possible():
+                raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
+                                 f"ranks each (sync.gpus_per_machine / sync.local_size)")
+        self._families_left = [f for f in self.calibrate_families if f != configured] + [configured]
+        self._families_done = {}
+        self._calibrate_next()
+
+    def _calibrate_next(self) -> None:
+        """Settle and calibrate the next family of the queue."""
+        scheme, hierarchical = self._families_left.pop(0)
         self.session.start_calibration()
         compressed = self.compressed
         compressed.work = []
-        compressed.choices = Choices(default=TensorChoice("default", self.comm_scheme,
-                                                          self.hierarchical and self._hierarchical_possible()))
-        compressed.check_choice(compressed.choices.default, "sync.comm")
+        compressed.choices = Choices(default=TensorChoice("default", scheme, hierarchical))
+        compressed.check_choice(compressed.choices.default,
+                                "sync.calibrate_families" if self._families_left else "sync.comm")
         self.on_setup()
+
+    def _family_calibrated(self) -> bool:
+        """After a family's last calibration step: keep its periods and spans and start the next
+        family (False), or True after the configured one, whose measurements planning reads."""
+        if not self._families_left:
+            return True
+        choice = self.compressed.choices.default
+        self._families_done[family("default", choice.scheme, choice.hierarchical)] = {
+            "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
+            "option": Option("default", choice.scheme, choice.hierarchical)}
+        self._calibrate_next()
+        return False
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
         """The configured compressor's fits scaled by what its work cost in the calibration steps, encode
@@ -314,26 +353,46 @@ class PlannedSync(GradSync):
         efficiency = {**profile.network.get("efficiency", {}), "allreduce": factor}
         return replace(profile, network={**profile.network, "efficiency": efficiency})
 
-    def calibrate_groups(self, profile: Profile) -> Profile:
-        """``profile`` with the configured compressor's per-group overhead that makes the model's
-        layer-wise step take what the calibration steps took (their median period on this rank)."""
+    def calibrate_groups(self, profile: Profile, lag: float | None = None) -> Profile:
+        """``profile`` with what the calibration steps measured of the configured option's family
+        (:attr:`Profile.families`): the slowest rank's ``lag`` under it (None: not measured), then
+        its per-group CPU that makes the model's layer-wise step take what those steps took (their
+        median period on this rank)."""
         periods = self.session.calibration_periods()
         if not periods or "default" not in profile.compressors:
             return profile
-        return self._with_group_overhead(profile, statistics.median(periods))
+        return self._with_group_overhead(profile, statistics.median(periods), lag)
 
-    def _with_group_overhead(self, profile: Profile, measured: float) -> Profile:
+    def _calibrate_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
+        """``profile`` with each family calibrated before the configured one: the slowest rank's lag
+        under it, then its per-group CPU that makes its layer-wise step what its steps took."""
+        compressors = self._planning_compressors()
+        for key, done in self._families_done.items():
+            option = done["option"]
+            if not done["periods"] or not CostModel(profile, compressors).allows(option):
+                continue
+            if key in lags:
+                profile = profile.with_family(key, lag_s=lags[key])
+            extra = group_overhead(profile, option, statistics.median(done["periods"]), compressors)
+            profile = profile.with_family(key, cpu_s=extra)
+        self._families_done = {}
+        return profile
+
+    def _with_group_overhead(self, profile: Profile, measured: float, lag: float | None = None) -> Profile:
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
+        if lag is not None:
+            profile = profile.with_family(option.family, lag_s=lag)
         extra = group_overhead(profile, option, measured, compressors)
-        costs = {**profile.compressors,
-                 "default": profile.compressors["default"].with_group_overhead(extra, layerwise_step_s=measured)}
-        if "none" in costs:
-            # An uncompressed group off dense allreduce's own path (a hierarchical one: its fits are
-            # none's) runs the same per-group machinery — blocking machine collectives, a job, a
-            # scheme — so it pays the same overhead; flat dense groups pay nothing (their own path).
-            costs["none"] = costs["none"].with_group_overhead(extra)
-        return replace(profile, compressors=costs)
+        facts = {"default": {"group_s": extra, "layerwise_step_s": measured}, "none": {"group_s": extra}}
+        profile = replace(profile, compressors={key: replace(c, calibration={**c.calibration, **facts.get(key, {})})
+                                                for key, c in profile.compressors.items()})  # for the record
+        profile = profile.with_family(option.family, cpu_s=extra)
+        # The compressor's other families were not run: they take this figure until measured. An
+        # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
+        # per-group machinery — blocking machine collectives, a job, a scheme — so it pays it too;
+        # flat dense groups pay nothing (their own path).
+        return profile.with_family("default/*", cpu_s=extra).with_family("none/*", cpu_s=extra)
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -345,11 +404,11 @@ class PlannedSync(GradSync):
             costs, failure = self.calibrate(self.profile_compressors()), None
         except Exception as exc:  # said in the gather below, so no rank waits in it for this one
             costs, failure = None, exc
-        lag = self._slowest_lag(failure)
+        lag, calibration_lag, family_lags = self._slowest_lag(failure)
 
         def plan() -> list[dict[str, Any]]:
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
-            profile = self.calibrate_groups(before)
+            profile = self._calibrate_families(self.calibrate_groups(before, calibration_lag), family_lags)
             model = CostModel(profile, self._planning_compressors())
             plans = (self.candidate_plans(profile, model) if self.session.trial_steps
                      else [self.compute_plan(profile, model)])
@@ -456,16 +515,20 @@ class PlannedSync(GradSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None) -> float:
+    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None, dict[str, float]]:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled
-        steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`). The gather
+        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`), and in the
+        calibration steps under the configured option (None where none were measured), and under each
+        other calibrated family (by :func:`family` key). The gather
         also carries ``failure``, this rank's error in profiling its compressors: every rank raises
         then, naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
-            return 0.0
+            return 0.0, None, {}
         mine = {"spans": self.session.recorder.spans(self.session.warmup_steps),
+                "calibration": self.session.calibration_spans,
+                "families": {key: done["spans"] for key, done in self._families_done.items()},
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, mine, group=self.comm.group)  # set-up, not sync
@@ -473,7 +536,11 @@ class PlannedSync(GradSync):
         if failed:
             said = "; ".join(f"rank {self.comm._global(rank)}: {error}" for rank, error in failed)
             raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
-        return slowest_lag([g["spans"] for g in gathered], self.rank)
+        calibration = [g["calibration"] for g in gathered]
+        measured = slowest_lag(calibration, self.rank) if all(calibration) else None
+        families = {key: [g["families"].get(key, []) for g in gathered] for key in self._families_done}
+        lags = {key: slowest_lag(spans, self.rank) for key, spans in families.items() if all(spans)}
+        return slowest_lag([g["spans"] for g in gathered], self.rank), measured, lags
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         compressors = self.compressed.compressors
@@ -643,6 +710,25 @@ class CupcakeSync(PlannedSync):
         return list(plans.values())
 
 
+def _families(value: Sequence[str] | None) -> list[tuple[str, bool]]:
+    """``sync.calibrate_families`` as (scheme, hierarchical) pairs: scheme names, ``/hier`` for the
+    hierarchical layout."""
+    if value is None:
+        return []
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"sync.calibrate_families must be a list of scheme names (e.g. [alltoall, zen/hier]), "
+                         f"got {value!r}")
+    out = []
+    for text in value:
+        scheme, _, layout = text.partition("/")
+        if scheme not in SCHEMES or layout not in ("", "hier"):
+            raise ValueError(f"sync.calibrate_families: {text!r} is not one of {', '.join(SCHEMES)}, "
+                             f"optionally with /hier")
+        if (scheme, layout == "hier") not in out:
+            out.append((scheme, layout == "hier"))
+    return out
+
+
 def _calibration_note(profile: Profile) -> str:
     """What calibration changed in the model, for plan.txt ("" when nothing)."""
     calibration = profile.compressors["default"].calibration if "default" in profile.compressors else {}
@@ -658,6 +744,9 @@ def _calibration_note(profile: Profile) -> str:
     if "group_s" in calibration:
         parts.append(f"{calibration['group_s'] * 1e3:.3f} ms more per group, for the layer-wise steps' "
                      f"{calibration['layerwise_step_s'] * 1e3:.1f} ms")
+    for key, terms in sorted(profile.families.items()):
+        if "lag_s" in terms:
+            parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
     return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 

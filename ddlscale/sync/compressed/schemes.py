@@ -347,8 +347,8 @@ class ZenPushPull(Scheme):
     Blocking exchanges, so they run after backward: in :meth:`finish_together`, one push and one
     pull for all of a communicator's zen groups (a group alone, or past int32 indices, in its own
     :meth:`finish`); compression runs in :meth:`start`, as the other schemes do. The cost model
-    (:mod:`ddlscale.plan.pricing`) still prices zen's two rounds per group, so it overprices layer-wise
-    zen against what runs."""
+    (:mod:`ddlscale.plan.pricing`) prices it so: each group's exchanges without their latency, the
+    two rounds' latency once per step (``CostModel.fixed_s``)."""
 
     name = "zen"
     SEED = 0x5EED  # a constant every rank shares: no agreement round needed

@@ -119,6 +119,9 @@ class PlanningSession:
     recorder: StepRecorder = field(default_factory=StepRecorder)  # the dense steps, as they run
     calibrated: int = 0  # calibration steps run, settling ones included
     calibration_ends: list[float] = field(default_factory=list)  # clock at each measured calibration step's end
+    # Per measured calibration step: the previous step's end (where the ranks met) to backward end,
+    # on this rank's clock — the compressed layout's lag between ranks, compared across ranks.
+    calibration_spans: list[float] = field(default_factory=list)
     trial: Trial | None = None
 
     @property
@@ -136,12 +139,15 @@ class PlanningSession:
         return steps >= self.warmup_steps + self.profile_steps
 
     def start_calibration(self) -> None:
-        self.phase, self.calibrated, self.calibration_ends = Phase.SETTLE, 0, []
+        self.phase, self.calibrated, self.calibration_ends, self.calibration_spans = Phase.SETTLE, 0, [], []
 
-    def calibration_step(self, now: float) -> bool:
-        """After a calibration step ending at ``now``; True once the last one has run. (A settling step
-        is not measured: its end only starts the next step's period.)"""
+    def calibration_step(self, now: float, backward_end: float | None = None) -> bool:
+        """After a calibration step ending at ``now`` (its backward ended at ``backward_end``, if
+        given); True once the last one has run. (A settling step is not measured: its end only starts
+        the next step's period.)"""
         self.calibrated += 1
+        if backward_end is not None and not self.settling() and self.calibration_ends:
+            self.calibration_spans.append(backward_end - self.calibration_ends[-1])
         self.calibration_ends.append(now)  # a step's end: the next one's start
         if self.settling():
             self.calibration_ends = self.calibration_ends[-1:]

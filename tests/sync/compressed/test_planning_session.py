@@ -37,6 +37,16 @@ def test_calibration_settles_then_measures():
     assert session.calibration_periods() == [1.0, 1.0] and session.calibration_periods() == []
 
 
+def test_calibration_spans_run_from_the_previous_steps_end_to_backward_end_in_measured_steps():
+    session = _session(settle_steps=2, calibrate_steps=2)
+    session.start_calibration()
+    for t in range(4):  # step t ends at 10 t; its backward ended 3 s earlier (7 s after the previous end)
+        session.calibration_step(10.0 * t, 10.0 * t - 3.0)
+    assert session.calibration_spans == [7.0, 7.0]  # the settling steps' spans are not kept
+    session.start_calibration()
+    assert session.calibration_spans == []
+
+
 def test_a_trial_takes_turns_of_a_settling_and_a_measured_step():
     session = _session(trial_steps=2)
     session.trial = Trial.of([_plan("a"), _plan("b")])
