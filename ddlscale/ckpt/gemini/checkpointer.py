@@ -137,6 +137,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.auth: JobKeys | None = None
         self.sender: ReplicaSender | None = None
         self.plan: PlacementPlan | None = None
+        self.rank = 0
         self.machine = 0  # this rank's machine (placement id)
         self.machine_of: list[int] = []
         self.device = torch.device("cpu")  # the strategy's root device: recovery's collective runs on it
@@ -203,6 +204,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.store = self._connect()
         self.device = trainer.strategy.root_device
         world, rank = trainer.world_size, trainer.global_rank
+        self.rank = rank
         machine, machines = machine_layout(rank, world, trainer.node_rank, trainer.num_nodes)
         self.machine = machine
         self.plan = PlacementPlan(machines, self.replicas, self.placement)
@@ -249,7 +251,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
 
     def _on_sent(self, transfer: Transfer) -> None:
         """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
-        rank = self.sender.owner
+        rank = self.rank
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
