@@ -251,7 +251,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
 
     def _on_sent(self, transfer: Transfer) -> None:
         """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
-        rank = self.rank
+        rank = self.sender.owner if self.sender is not None else self.rank
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)

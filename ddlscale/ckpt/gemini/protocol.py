@@ -31,6 +31,7 @@ from __future__ import annotations
 import hmac
 import json
 import mmap
+import os
 import socket
 import struct
 import tempfile
@@ -41,6 +42,7 @@ from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import MAC_BYTES, JobKeys
 
 MAGIC = b"GMN2"
+BUSY = b"GBSY"  # HELLO's magic from an agent at its connection cap: it closes the connection
 PROTOCOL = 2
 HELLO = struct.Struct("<4sB16s")  # magic, protocol, nonce
 REQUEST = struct.Struct("<4sBQqqiqq")  # magic, op, seq, incarnation, version, owner, a, b
@@ -120,6 +122,9 @@ class AgentClient:
             magic, protocol, self.nonce = HELLO.unpack(recv_bytes(self.sock, HELLO.size))
         except OSError as exc:
             raise ReplicaError(f"replica agent {self.address} unreachable: {exc}") from None
+        if magic == BUSY:
+            self.sock.close()
+            raise ReplicaError(f"replica agent {self.address} refused the connection: at its connection cap")
         if magic != MAGIC or protocol != PROTOCOL:
             self.sock.close()
             raise ReplicaError(f"{self.address} is not a replica agent of protocol {PROTOCOL}")
@@ -207,11 +212,13 @@ class LocalAgentClient(AgentClient):
         path = super().begin(version, owner, nbytes)
         if Path(path).parent != shm_dir() or not Path(path).name.startswith("ddl-"):
             raise ReplicaError(f"agent {self.address} named {path!r}, not one of its shared-memory buffers")
-        if self._mapped != (path, nbytes):
-            self._unmap()
-            with open(path, "r+b") as file:
-                self._map = mmap.mmap(file.fileno(), nbytes)
-            self._mapped = (path, nbytes)
+        self._unmap()  # every version is a new file (the agent's): the last one's mapping is dropped
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._mapped = (path, nbytes)
         return path
 
     def data(self, version: int, owner: int, offset: int, pieces: list[memoryview]) -> None:
@@ -220,6 +227,10 @@ class LocalAgentClient(AgentClient):
             view[offset:offset + len(piece)] = piece
             offset += len(piece)
         view.release()
+
+    def end(self, version: int, owner: int, mac: str) -> None:
+        self._unmap()  # the version is written: this trainer keeps no way into its buffer
+        super().end(version, owner, mac)
 
     def _unmap(self) -> None:
         if self._map is not None:

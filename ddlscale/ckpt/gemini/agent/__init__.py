@@ -29,7 +29,7 @@ from collections import Counter
 from typing import Any
 
 from ddlscale.ckpt.gemini.agent.membership import Membership
-from ddlscale.ckpt.gemini.agent.server import ReplicaServer
+from ddlscale.ckpt.gemini.agent.server import MAX_CONNECTIONS, ReplicaServer
 from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, SecretError
 from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir
@@ -40,7 +40,8 @@ class Agent:
     """A machine's agent: the replica server, heartbeats and the root role, on the job's store."""
 
     def __init__(self, machine: int, machines: int, bind: str, store: str, job: str, auth: JobKeys,
-                 heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0, max_version_bytes: int | None = None) -> None:
+                 heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0, max_version_bytes: int | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.machine, self.machines = machine, machines
         self.store_address, self.job, self.auth = store, job, auth
         self.view = JobView(self._job_store())
@@ -49,7 +50,7 @@ class Agent:
         # Beyond this limit (if any) a version is refused outright; below it, BEGIN checks the shared
         # memory's free space before reserving, and refuses naming it.
         self.max_version_bytes = max_version_bytes
-        self.server = ReplicaServer((host, port), self)
+        self.server = ReplicaServer((host, port), self, max_connections)
         self.address = f"{host}:{self.server.server_address[1]}"
         self.stopped = threading.Event()
         self.membership = Membership(machine, machines, heartbeat_s, failure_timeout_s, self.stopped,
