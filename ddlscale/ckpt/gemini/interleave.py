@@ -108,6 +108,7 @@ class Transfer:
     checksum: str = ""  # the whole stream's MAC, "<algorithm>:<hex>"
     error: str | None = None
     space_error: str | None = None  # a holder could not reserve the version's buffer
+    outcome: str | None = None  # its commit's outcome, as the next version's BEGIN read it (every rank alike)
     verified: list[int] = field(default_factory=list)  # holders (machines) whose END check passed
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
     settled: threading.Event = field(default_factory=threading.Event)  # commit bookkeeping finished too

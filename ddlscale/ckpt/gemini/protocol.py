@@ -28,15 +28,17 @@ There is no fault-injection op: tests and drills damage a replica through its sh
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import mmap
 import os
+import shutil
 import socket
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import MAC_BYTES, JobKeys
@@ -54,10 +56,35 @@ MAX_TEXT = 128  # a MAC's text: "hmac-sha256:" + 64 hex digits fits
 MAX_SMALL_REPLY = 1 << 20  # every reply but GET's body
 
 
+SHM_DIR_ENV = "DDLSCALE_SHM_DIR"  # where replica buffers live instead of /dev/shm (tests, odd hosts)
+SHM_BUDGET_ENV = "DDLSCALE_SHM_BUDGET"  # bytes the job's replica files may take there at most (tests)
+
+
 def shm_dir() -> Path:
-    """Where replica buffers live: RAM-backed /dev/shm where there is one."""
+    """Where replica buffers live: ``$DDLSCALE_SHM_DIR``, else RAM-backed /dev/shm where there is one."""
+    if os.environ.get(SHM_DIR_ENV):
+        return Path(os.environ[SHM_DIR_ENV])
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+class ShmUsage(NamedTuple):
+    free: int
+    total: int
+
+
+def shm_usage() -> ShmUsage:
+    """Free and total bytes for replica buffers: the file system's, or within ``$DDLSCALE_SHM_BUDGET``
+    (less what replica files, ``ddl-*``, already take there) when that is set."""
+    usage = shutil.disk_usage(shm_dir())
+    budget = os.environ.get(SHM_BUDGET_ENV)
+    if not budget:
+        return ShmUsage(usage.free, usage.total)
+    used = 0
+    for path in shm_dir().glob("ddl-*"):
+        with contextlib.suppress(OSError):
+            used += path.lstat().st_blocks * 512
+    return ShmUsage(max(0, min(usage.free, int(budget) - used)), min(usage.total, int(budget)))
 
 
 def mib(nbytes: float) -> str:

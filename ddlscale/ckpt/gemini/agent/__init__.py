@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
+import socket
 import sys
 import threading
 from collections import Counter
@@ -32,7 +32,7 @@ from ddlscale.ckpt.gemini.agent.membership import Membership
 from ddlscale.ckpt.gemini.agent.server import MAX_CONNECTIONS, ReplicaServer
 from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, SecretError
-from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir
+from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir, shm_usage
 from ddlscale.ckpt.gemini.store import JobStore, connect
 
 
@@ -73,11 +73,13 @@ class Agent:
             print(f"gemini agent {self.machine}: refused ({reason}, #{n}) {message}", file=sys.stderr, flush=True)
 
     def stat(self) -> dict[str, Any]:
-        usage = shutil.disk_usage(shm_dir())
+        usage = shm_usage()
         with self._count_lock:
             refused = dict(self.refusals)
+        # host and device: which agents share one shared memory (all of them, on cluster=local)
         return {"machine": self.machine, "holds": self.replicas.describe(), "refused": refused,
-                "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total}}
+                "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total,
+                        "host": socket.gethostname(), "device": os.stat(shm_dir()).st_dev}}
 
     def start(self) -> Agent:
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.machine, args.machines, args.bind, args.store, args.job, auth,
                   failure_timeout_s=args.failure_timeout, max_version_bytes=args.max_version_bytes).start()
     signal.signal(signal.SIGTERM, lambda *_: agent.stopped.set())
-    usage = shutil.disk_usage(shm_dir())
+    usage = shm_usage()
     print(f"ready {agent.address}", flush=True)
     print(f"gemini agent {args.machine}: replicas in {shm_dir()} ({mib(usage.free)} free of {mib(usage.total)})",
           file=sys.stderr, flush=True)

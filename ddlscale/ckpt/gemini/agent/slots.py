@@ -21,14 +21,13 @@ import mmap
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir
+from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir, shm_usage
 from ddlscale.ckpt.gemini.store import CLEARED, JobStore
 
 
@@ -84,7 +83,7 @@ class Slot:
     def reserve(self, nbytes: int, what: str) -> None:
         """A new file of ``nbytes``, every page allocated now; Refused when memory is short."""
         self.release()  # its pages go back before the new ones are counted
-        usage = shutil.disk_usage(self.prefix.parent)
+        usage = shm_usage()
         if nbytes > usage.free:
             raise self._no_space(nbytes, what, usage)
         path = self.prefix.with_name(f"{self.prefix.name}-{secrets.token_hex(8)}")
@@ -100,7 +99,7 @@ class Slot:
                 os.unlink(path)
                 if exc.errno != errno.ENOSPC:
                     raise
-                raise self._no_space(nbytes, what, shutil.disk_usage(self.prefix.parent)) from None
+                raise self._no_space(nbytes, what, shm_usage()) from None
             self.buf = mmap.mmap(fd, nbytes)
             self.path = path
         finally:
