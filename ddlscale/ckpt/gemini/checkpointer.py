@@ -251,6 +251,11 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                        int(manifest.placement.get("incarnation", 0)) if manifest is not None else 0)
             self.incarnation = last + 1
             self.store.set(self.store.keys.incarnation, self.incarnation)
+            if manifest is not None and manifest.world_size != world:
+                # Its replicas are per rank of another world size: never restorable here (resume_path went
+                # to the persistent tier), and the agents would keep its buffers for nothing.
+                self.store.clear_manifest(f"the job runs on {world} ranks now; step {manifest.step} was "
+                                          f"committed on {manifest.world_size}", self.incarnation)
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
         self.wire.sync = getattr(trainer.strategy, "sync", None)
         holders = list(self.plan.holders_of(machine))

@@ -125,3 +125,38 @@ def test_a_connection_that_sends_nothing_is_closed(job, monkeypatch):
         assert time.monotonic() - start < 3
     with job.client(agent) as client:  # and the agent serves on
         assert isinstance(client, AgentClient) and client.stat()["machine"] == 0
+
+
+def test_a_replayed_commit_record_is_refused_and_the_committed_buffer_kept(job, agent):
+    """An older signed manifest written back (its signature still holds) must not move the agent back:
+    the next BEGIN would then reuse the committed version's buffer."""
+    with job.client(agent) as client:
+        _put(job, client, 1)
+        job.commit(1, NBYTES)
+        old_record = job.store.raw.get(job.keys.manifest)
+        _put(job, client, 2, fill=2)
+        job.commit(2, NBYTES)
+        assert agent.view.committed(0) == 2  # the agent has seen step 2 committed
+        job.store.raw.set(job.keys.manifest, old_record)  # the replay
+        assert agent.view.committed(0) == 2 and agent.view.store.refused == 1
+        _put(job, client, 3, fill=3)  # goes into step 1's buffer, not the committed one
+    assert bytes(agent.replicas.complete(0, 2).view()) == bytes([2]) * NBYTES
+
+
+def test_a_stale_incarnation_cannot_publish_over_its_successor(job):
+    from ddlscale.ckpt.gemini.store import StaleRecord
+
+    job.store.set(job.keys.incarnation, 1)
+    job.commit(4)
+    job.store.set(job.keys.incarnation, 2)  # a restart
+    with pytest.raises(StaleRecord, match="incarnation 1"):
+        job.store.publish(_manifest(5, incarnation=1))
+    job.store.publish(_manifest(3, incarnation=2))  # the new incarnation may go back to any step
+    assert job.store.manifest().step == 3
+
+
+def _manifest(step, incarnation):
+    from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+
+    return Manifest(step=step, world_size=1, shards=(ShardRecord(0, "memory:rank0", 1, "hmac-sha256:0"),),
+                    tier="memory", placement={"incarnation": incarnation, "machines": 1, "holders": {}})
