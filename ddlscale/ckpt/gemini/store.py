@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import time
 import warnings
 from typing import Any, Protocol
@@ -90,9 +91,14 @@ def connect(address: str, timeout_s: float = 10.0) -> KeyValue:
 
 
 def serve(address: str) -> dist.TCPStore:
-    """Host a TCPStore at ``HOST:PORT`` in this process."""
+    """Host a TCPStore at ``HOST:PORT`` in this process, listening on ``HOST`` only (TCPStore alone would
+    listen on every interface: ``127.0.0.1`` keeps a one-machine job's store off the network)."""
     host, port = parse_address(address)
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=24))
+    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=512, reuse_port=False)
+    fd = listener.detach()  # the store owns the listening socket from here on
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=24),
+                         master_listen_fd=fd, use_libuv=True)
 
 
 class Keys:

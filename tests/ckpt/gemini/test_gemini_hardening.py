@@ -160,3 +160,13 @@ def _manifest(step, incarnation):
 
     return Manifest(step=step, world_size=1, shards=(ShardRecord(0, "memory:rank0", 1, "hmac-sha256:0"),),
                     tier="memory", placement={"incarnation": incarnation, "machines": 1, "holders": {}})
+
+
+def test_the_jobs_store_listens_on_loopback_only(job):
+    import subprocess
+
+    port = job.address.rsplit(":", 1)[1]
+    listening = [line.split()[3] for line in subprocess.run(["ss", "-ltnH"], capture_output=True,
+                                                            text=True).stdout.splitlines()]
+    assert f"127.0.0.1:{port}" in listening
+    assert not any(address.endswith(f":{port}") and not address.startswith("127.0.0.1") for address in listening)
