@@ -93,7 +93,9 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                 try:
                     codes = _wait_all_or_first_failure(agents)
                 except BaseException:
-                    cluster.down(grace_s=stop.GRACE_S)  # SIGTERM first: the workers write what they have
+                    # The workers first (SIGTERM: they write what they have); the services' own processes
+                    # (Gemini's agents hold what goes to disk on the way out) stop as the services end.
+                    stop.stop_processes(lambda: _process_trees(agents), grace_s=stop.GRACE_S)
                     raise
         finally:
             cluster.down()
@@ -126,6 +128,17 @@ def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[st
     grad_bytes = summary["bytes_sent_per_step"] * world / (2 * (world - 1))
     local = max(summary["step_time_s"] - summary["sync_time_s"], 0.0)
     return {str(n): local + network.allreduce(grad_bytes, n) for n in PROJECTION_WORKERS}
+
+
+def _process_trees(processes: list[Any]) -> dict[int, int]:
+    """Each process and everything below it, as pid -> start time (see :func:`stop.stop_processes`)."""
+    found: dict[int, int] = {}
+    for process in processes:
+        started = stop.start_time(process.pid)
+        if started is not None:
+            found[process.pid] = started
+            found.update(stop.descendants(process.pid))
+    return found
 
 
 def _wait_all_or_first_failure(agents: list[Any], poll_s: float = 0.5) -> list[int | None]:

@@ -9,6 +9,10 @@ launcher, torchrun agents and their workers, ``ip netns exec`` on emulated machi
 agents. Without it, a SIGTERM (what ``timeout``, schedulers and ``kill`` send) kills the launcher
 alone and its spawned workers train on, orphaned.
 
+A service that must outlive the workers for a while (Gemini's replica agents hold the version the
+launcher writes to disk on the way out) is :func:`spared` from that first fan-out: its owner stops it
+in its own ``finally``, and whatever it leaves is stopped with the rest at the end.
+
 *Worker side* (:func:`raise_on_signals`): a worker turns the same signals into StopRequested at
 once, so the trainer's callbacks see an interrupted run and write what they have. It replaces
 Lightning's SIGTERM handler for the training loop: that one broadcasts from inside the handler, a
@@ -29,6 +33,7 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 GRACE_S = 5.0  # what workers get to write their summary and leave before they are killed
 
 _received: int | None = None  # the first stop signal this process got
+_spared: dict[int, int] = {}  # pid -> start time: services their owner stops itself (see spared)
 
 
 class StopRequested(KeyboardInterrupt):
@@ -88,6 +93,28 @@ def raise_on_signals() -> Callable[[], None]:
 
 
 @contextlib.contextmanager
+def spared(pid: int) -> Iterator[None]:
+    """Within the block, the first stop signal's fan-out leaves process ``pid`` and everything below
+    it alone: its owner stops it when the block's ``finally`` runs."""
+    started = start_time(pid)
+    if started is not None:
+        _spared[pid] = started
+    try:
+        yield
+    finally:
+        _spared.pop(pid, None)
+
+
+def _spared_now() -> set[int]:
+    """The spared processes still alive, and every process below them."""
+    alive = [pid for pid, started in list(_spared.items()) if start_time(pid) == started]
+    found = set(alive)
+    for pid in alive:
+        found.update(descendants(pid))
+    return found
+
+
+@contextlib.contextmanager
 def stop_on_signals(grace_s: float = GRACE_S) -> Iterator[None]:
     """Launcher: see the module doc. Leaving with any exception also stops what is left of the
     processes started inside the block (never those that were there before it)."""
@@ -98,8 +125,10 @@ def stop_on_signals(grace_s: float = GRACE_S) -> Iterator[None]:
 
     def on_signal(signum: int, frame: Any) -> None:
         if _record(signum):
+            keep = _spared_now()
             for pid, started in started_here().items():  # they stop while this process unwinds
-                _send(pid, started, signal.SIGTERM)
+                if pid not in keep:
+                    _send(pid, started, signal.SIGTERM)
             raise StopRequested(signum)
 
     restore = _install(on_signal)

@@ -47,6 +47,7 @@ from ddlscale.ckpt.gemini.protocol import (
     REPLY,
     REQUEST,
     AgentClient,
+    ReplicaError,
     parse_address,
     recv_bytes,
     request_mac,
@@ -115,7 +116,10 @@ def rss_kib(pid: int) -> int:
 
 
 class Drill:
-    def __init__(self, workdir: Path) -> None:
+    """``agent_argv``: the agent to drill (default: ``python -m ddlscale.ckpt.gemini.agent``), followed by
+    the drill's own arguments; a test passes a deliberately weakened one."""
+
+    def __init__(self, workdir: Path, agent_argv: list[str] | None = None) -> None:
         secret = create_secret_file(workdir)
         self.auth = JobKeys(read_secret(secret), JOB)
         self.stranger = JobKeys(secrets.token_bytes(32), JOB)  # same job id, not its secret
@@ -125,15 +129,16 @@ class Drill:
         self.server = serve(self.store_address)
         self.store = JobStore(connect(self.store_address), JOB, self.auth)
         self.agent = subprocess.Popen(
-            [sys.executable, "-m", "ddlscale.ckpt.gemini.agent", "--machine", "0", "--machines", "1", "--bind", "127.0.0.1:0",
-             "--store", self.store_address, "--job", JOB],
+            [*(agent_argv or [sys.executable, "-m", "ddlscale.ckpt.gemini.agent"]), "--machine", "0", "--machines", "1",
+             "--bind", "127.0.0.1:0", "--store", self.store_address, "--job", JOB],
             env={**os.environ, SECRET_ENV: str(secret)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.agent.stdout.readline().split()
         if line[:1] != ["ready"]:
             raise RuntimeError(f"the drill's agent did not start: {self.agent.stderr.read()}")
         self.address = line[1]
         threading.Thread(target=self.agent.stderr.read, daemon=True).start()  # keep its log pipe drained
-        self.results: list[tuple[str, bool, str]] = []
+        self.results: list[tuple[str, bool, str]] = []  # attempts on the agent
+        self.checks: list[tuple[str, bool, str]] = []  # everything else: store records, client, restore
         self.data = bytes(range(256)) * 64  # rank 0's committed replica, 16 KiB
 
     def close(self) -> None:
@@ -159,14 +164,42 @@ class Drill:
             return bytes(client.get(VERSION, 0, len(self.data))) == self.data
 
     # -- attempts -----------------------------------------------------------------------------------
+    def refusal_count(self) -> int | None:
+        """The agent's refusal counters, summed (None: it cannot be asked: not refused by it, then)."""
+        try:
+            with AgentClient(self.address, self.auth, 1, timeout_s=5) as client:
+                return sum(int(n) for n in client.stat()["refused"].values())
+        except (ReplicaError, OSError):
+            return None
+
     def attempt(self, what: str, run: Callable[[], str], refused: Callable[[str], bool] | None = None) -> None:
+        """An attempt on the agent. Refused only when the agent itself refused it: its refusal counters
+        rose (every refusal of a hostile request is counted by reason); a dead agent, a timeout or a
+        client-side error refuses nothing. ``refused``: a further condition on the outcome."""
+        before = self.refusal_count()
         try:
             outcome = run()
-        except Exception as exc:  # a client-side refusal
-            outcome = f"refused: {type(exc).__name__}: {exc}"
-        ok = (refused or (lambda o: o.startswith(("refused", "closed"))))(outcome)
+        except ReplicaError as exc:  # the agent's own answer, raised by the client
+            outcome = f"refused: {exc}"
+        except Exception as exc:
+            outcome = f"error: {type(exc).__name__}: {exc}"
+        after = self.refusal_count()
+        counted = before is not None and after is not None and after > before
+        ok = counted and (refused is None or refused(outcome))
         self.results.append((what, ok, outcome))
-        print(f"[{'refused' if ok else 'NOT REFUSED'}] {what}\n      -> {outcome}", flush=True)
+        tally = f"agent's counters {before} -> {after}"
+        print(f"[{'refused' if ok else 'NOT REFUSED'}] {what}\n      -> {outcome} ({tally})", flush=True)
+
+    def check(self, what: str, run: Callable[[], str]) -> None:
+        """A check that does not go through the agent (store records, a client facing a fake agent,
+        restoring crafted bytes): held when its outcome says refused."""
+        try:
+            outcome = run()
+        except Exception as exc:  # the client side's own refusal: what this check is about
+            outcome = f"refused: {type(exc).__name__}: {exc}"
+        ok = outcome.startswith("refused")
+        self.checks.append((what, ok, outcome))
+        print(f"[{'held' if ok else 'FAILED'}] {what}\n      -> {outcome}", flush=True)
 
     def anonymous_get(self) -> str:
         raw = Raw(self.address)
@@ -347,13 +380,13 @@ class Drill:
         self.attempt("two DATA prefixes of 1 GiB with no payload, signed", lambda: self.data_prefixes(self.auth),
                      lambda o: o.startswith("refused"))
         self.attempt("END announcing a 1 GiB MAC text", self.huge_mac_text)
-        self.attempt("a fake agent answering a trainer with a 1 TiB reply", self.oversized_reply)
-        self.attempt("an unsigned manifest naming version 99 written into the store", self.forged_manifest)
-        self.attempt("an unsigned agent address pointing the replicas elsewhere", self.forged_address)
-        self.attempt("an acknowledgement of both replicas signed with another key", self.forged_ack)
+        self.check("a fake agent answering a trainer with a 1 TiB reply", self.oversized_reply)
+        self.check("an unsigned manifest naming version 99 written into the store", self.forged_manifest)
+        self.check("an unsigned agent address pointing the replicas elsewhere", self.forged_address)
+        self.check("an acknowledgement of both replicas signed with another key", self.forged_ack)
         marker = workdir / "code-ran"
-        self.attempt("a replica stream whose skeleton is a pickle running os.system", lambda: self.pickled_replica(marker))
-        self.attempt("a persistent shard made by torch.save with a payload running os.system",
+        self.check("a replica stream whose skeleton is a pickle running os.system", lambda: self.pickled_replica(marker))
+        self.check("a persistent shard made by torch.save with a payload running os.system",
                      lambda: self.pickled_shard(workdir, marker))
         intact = self.committed_intact()
         with AgentClient(self.address, self.auth, 1) as client:
@@ -361,9 +394,12 @@ class Drill:
         print(f"\ncommitted version {VERSION} intact after all attempts: {intact}")
         print(f"agent's refusal counters: {refused}")
         missed = [what for what, ok, _ in self.results if not ok]
-        print(f"{len(self.results) - len(missed)} of {len(self.results)} attempts refused"
+        failed = [what for what, ok, _ in self.checks if not ok]
+        print(f"{len(self.results) - len(missed)} of {len(self.results)} attempts on the agent refused by it"
               + (f"; NOT refused: {missed}" if missed else ""))
-        return not missed and intact
+        print(f"{len(self.checks) - len(failed)} of {len(self.checks)} other checks held"
+              + (f"; FAILED: {failed}" if failed else ""))
+        return not missed and not failed and intact
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,8 +13,9 @@ and atomically. One version is in flight at a time; the next save first waits fo
 from __future__ import annotations
 
 import io
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,53 +67,70 @@ class _PacedStream(io.RawIOBase):
         self.raw.flush()
 
 
-class PacedFileSystem(FileSystem):
-    """DCP's file system with every written file paced to ``bandwidth_bps`` (files are unchanged)."""
+class PrivateFileSystem(FileSystem):
+    """DCP's file system with the version private to this user: its directory 0700, its files 0600
+    (a checkpoint holds the model and the data position; nobody else on the machine reads it).
+    ``bandwidth_bps``: every written file paced to that rate (emulated remote storage)."""
 
-    def __init__(self, bandwidth_bps: float) -> None:
+    def __init__(self, bandwidth_bps: float | None = None) -> None:
         self.bandwidth_bps = bandwidth_bps
+
+    def mkdir(self, path: Any) -> None:
+        Path(path).mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(path, 0o700)  # also when the directory was there (mkdir's mode is masked by the umask)
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as stream:
-            yield _PacedStream(stream, self.bandwidth_bps) if "w" in mode else stream
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        os.fchmod(fd, 0o600)  # a file that was there keeps its mode through O_CREAT
+        with os.fdopen(fd, mode) as stream:
+            yield _PacedStream(stream, self.bandwidth_bps) if self.bandwidth_bps else stream
 
 
 def file_system_writer(path: Path, bandwidth_bps: float | None = None) -> dcp.FileSystemWriter:
     """DCP's stock writer as every version is written: one file per rank (the reader's shard records),
-    fsynced, never over an existing version; paced to ``bandwidth_bps`` when given."""
+    fsynced, never over an existing version, private to this user; paced to ``bandwidth_bps`` when given."""
     writer = dcp.FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
-    if bandwidth_bps:
-        writer.fs = PacedFileSystem(bandwidth_bps)
+    writer.fs = PrivateFileSystem(bandwidth_bps)
     return writer
 
 
-def save_ranks(path: Path, ranks: list[dict[str, torch.Tensor]]) -> Any:
-    """What ``dcp.save`` writes when ``len(ranks)`` processes each save their state dict, written by one
-    process; DCP's ``Metadata``, as ``dcp.save`` returns it.
+def save_ranks(path: Path, ranks: int, items_of: Callable[[int], dict[str, torch.Tensor]]) -> Any:
+    """What ``dcp.save`` writes when ``ranks`` processes each save their state dict (``items_of(r)``),
+    written by one process holding one rank's state at a time; DCP's ``Metadata``, as ``dcp.save``
+    returns it.
 
     For a launcher that holds every rank's state once the ranks are gone (:mod:`~ddlscale.ckpt.gemini.drain`).
     DCP's save is collective: each rank plans its items, the coordinator merges the plans, each rank
     writes its file, the coordinator writes ``.metadata``. ``dcp.save(no_dist=True)`` would write all
-    ranks' items as one rank's file, which is not a version of ``len(ranks)`` ranks (one data file per
-    rank is what :func:`commit` records and the reader, resharding included, reads). So each step runs
-    here for every rank in turn, through DCP's own planner and writer, in the order the collectives
-    would run them.
+    ranks' items as one rank's file, which is not a version of ``ranks`` ranks (one data file per rank
+    is what :func:`commit` records and the reader, resharding included, reads). So each step runs here
+    for every rank in turn, through DCP's own planner and writer, in the order the collectives would
+    run them. Plans need only each item's shape and type: they are made from meta tensors, and
+    ``items_of(r)`` is asked again for rank r's bytes when its file is written, so that a model's worth
+    per rank, not per job, is in memory at once.
     """
-    planners = [DefaultSavePlanner() for _ in ranks]
-    writers = [file_system_writer(path) for _ in ranks]
+    planners = [DefaultSavePlanner() for _ in range(ranks)]
+    writers = [file_system_writer(path) for _ in range(ranks)]
     plans = []
-    for rank, (items, planner, writer) in enumerate(zip(ranks, planners, writers, strict=True)):
-        planner.set_up_planner(state_dict=items, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+    for rank, (planner, writer) in enumerate(zip(planners, writers, strict=True)):
+        shapes = {k: torch.empty_like(v, device="meta") for k, v in items_of(rank).items()}
+        planner.set_up_planner(state_dict=shapes, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
         plans.append(writer.prepare_local_plan(planner.create_local_plan()))
     plans, metadata = planners[0].create_global_plan(plans)
     plans = writers[0].prepare_global_plan(plans)
     results = []
-    for plan, planner, writer in zip(plans, planners, writers, strict=True):
+    for rank, (plan, planner, writer) in enumerate(zip(plans, planners, writers, strict=True)):
+        planner.set_up_planner(state_dict=items_of(rank), storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
         written = writer.write_data(planner.finish_plan(plan), planner)
         written.wait()
         results.append(written.value())
+        planner.state_dict = {}  # this rank's bytes are on disk
     writers[0].finish(metadata=metadata, results=results)
     return metadata
 
@@ -154,15 +172,14 @@ def commit(directory: Path, version_dir: str, step: int, world_size: int, positi
     return manifest
 
 
-def write_version(directory: Path, version_dir: str, step: int, payloads: list[dict[str, Any]],
-                  position: DataPosition) -> Manifest:
-    """Version ``step`` of ``len(payloads)`` ranks (payload r: rank r's, the rank-shared state in rank 0's
-    alone), written and committed by one process (:func:`save_ranks`): the files the ranks' own
-    :class:`DcpWriter` would have written."""
+def write_version(directory: Path, version_dir: str, step: int, ranks: int,
+                  payload_of: Callable[[int], dict[str, Any]], position: DataPosition) -> Manifest:
+    """Version ``step`` of ``ranks`` ranks (``payload_of(r)``: rank r's payload, the rank-shared state in
+    rank 0's alone), written and committed by one process (:func:`save_ranks`, one rank at a time):
+    the files the ranks' own :class:`DcpWriter` would have written."""
     directory = Path(directory)
-    items = [state_items(payload, rank, live=None) for rank, payload in enumerate(payloads)]
-    metadata = save_ranks(directory / version_dir, items)
-    return commit(directory, version_dir, step, len(payloads), position, metadata)
+    metadata = save_ranks(directory / version_dir, ranks, lambda rank: state_items(payload_of(rank), rank, live=None))
+    return commit(directory, version_dir, step, ranks, position, metadata)
 
 
 def _record(root: Path, file: str, rank: int) -> ShardRecord:

@@ -58,6 +58,27 @@ from ddlscale.cluster.context import Launch, Services, job_name
 # Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
 OUTCOME_SLACK_S = 10.0
+NO_SPACE_OUTCOME = "no_space"  # a version's outcome when some holder had no room for it
+
+
+def estimate_version_bytes(pl_module: pl.LightningModule) -> int:
+    """A version's size before the optimizer has state: parameters and buffers, plus the optimizer's
+    state per parameter (SGD: a momentum buffer when it has momentum; anything else: two, as Adam's)."""
+    params = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in pl_module.buffers())
+    slots_per_param = 2
+    try:
+        configured = pl_module.configure_optimizers()
+    except Exception:  # an optimizer that needs the trainer: assume the larger state
+        configured = None
+    if isinstance(configured, dict):
+        configured = configured.get("optimizer")
+    if isinstance(configured, (list, tuple)) and configured:
+        configured = configured[0]
+        configured = configured[0] if isinstance(configured, (list, tuple)) and configured else configured
+    if isinstance(configured, torch.optim.SGD):
+        slots_per_param = 1 if any(g.get("momentum", 0) for g in configured.param_groups) else 0
+    return params * (1 + slots_per_param) + buffers
 
 
 class GeminiCheckpointer(GeminiRecovery, Checkpointer):
@@ -79,6 +100,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             also where a launch's last committed version is written when it ends) and write-rate emulation.
         store: ``HOST:PORT`` of the job's TCPStore; null: ``$DDLSCALE_STORE`` (set by the launchers).
         commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
+        on_no_space: a version an agent's shared memory cannot hold: ``stop`` (the run ends, saying so) or
+            ``persist`` (from then on every step goes to the persistent tier, ``persist_every`` required).
         resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
     """
 
@@ -89,11 +112,13 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                  profile_steps: int = 20,
                  persist_every: int | None = None, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
-                 commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None) -> None:
+                 commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None,
+                 on_no_space: str = "stop") -> None:
         GeminiConfig(every=every, replicas=replicas, placement=placement, mode=mode, chunk_kib=chunk_kib,
                      subbuffers=subbuffers, mu=mu, checksum=checksum, profile_steps=profile_steps,
                      persist_every=persist_every, persist_dir=persist_dir, persist_bandwidth=persist_bandwidth,
-                     store=store, commit_timeout_s=commit_timeout_s, resume=resume)  # refuses what no run can use
+                     store=store, commit_timeout_s=commit_timeout_s, resume=resume,
+                     on_no_space=on_no_space)  # refuses what no run can use
         super().__init__(every=every, resume=resume)
         self.replicas = replicas
         self.placement, self.mode = placement, mode
@@ -105,6 +130,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.store_address = store
         self.commit_timeout_s = float(commit_timeout_s)
         self.run_dir = run_dir
+        self.on_no_space = on_no_space
         self.persistent: DiskCheckpointer | None = None
         self.persist_dir = Path(persist_dir) if persist_dir is not None else (
             Path(run_dir) / DEFAULT_SUBDIR if run_dir else None)
@@ -119,6 +145,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.auth: JobKeys | None = None
         self.sender: ReplicaSender | None = None
         self.plan: PlacementPlan | None = None
+        self.rank = 0
         self.machine = 0  # this rank's machine (placement id)
         self.machine_of: list[int] = []
         self.device = torch.device("cpu")  # the strategy's root device: recovery's collective runs on it
@@ -127,6 +154,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.transfers: list[Transfer] = []
         self.stalls: list[float] = []  # training-thread seconds per checkpoint: capture + deadline wait
         self.committed: list[int] = []
+        self._no_space_seen: set[int] = set()
+        self.space_refusal: str | None = None
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.wire = TrainingWire(None, self.profile_steps, self.mu)  # the sync backend is known in setup
@@ -185,6 +214,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.store = self._connect()
         self.device = trainer.strategy.root_device
         world, rank = trainer.world_size, trainer.global_rank
+        self.rank = rank
         machine, machines = machine_layout(rank, world, trainer.node_rank, trainer.num_nodes)
         self.machine = machine
         self.plan = PlacementPlan(machines, self.replicas, self.placement)
@@ -199,11 +229,16 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                        int(manifest.placement.get("incarnation", 0)) if manifest is not None else 0)
             self.incarnation = last + 1
             self.store.set(self.store.keys.incarnation, self.incarnation)
+            if manifest is not None and manifest.world_size != world:
+                # Its replicas are per rank of another world size: never restorable here (resume_path went
+                # to the persistent tier), and the agents would keep its buffers for nothing.
+                self.store.clear_manifest(f"the job runs on {world} ranks now; step {manifest.step} was "
+                                          f"committed on {manifest.world_size}", self.incarnation)
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
         self.wire.sync = getattr(trainer.strategy, "sync", None)
         holders = list(self.plan.holders_of(machine))
         destinations = [self._agent(h, local=h == machine) for h in holders]  # own machine's: shared memory
-        self._check_shared_memory(destinations[0], pl_module, world, machines)
+        self._check_shared_memory(pl_module, world, machines)
         self.sender = ReplicaSender(rank, destinations, holders, self.chunk_bytes, self.subbuffers, self.mode,
                                     self.checksum, self.auth.replica, before_begin=self._before_begin,
                                     on_done=self._on_sent, wire=self.wire.now, device=trainer.strategy.root_device)
@@ -226,17 +261,19 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         previous, self.previous = self.previous, transfer
         if previous is not None:
             # The client's default timeout (connect's) would give up before a long commit_timeout_s.
-            self.store.wait(self.store.keys.outcome(self.incarnation, previous.version),
-                            self.commit_timeout_s + OUTCOME_SLACK_S)
+            key = self.store.keys.outcome(self.incarnation, previous.version)
+            self.store.wait(key, self.commit_timeout_s + OUTCOME_SLACK_S)
+            previous.outcome = self.store.get(key)
 
     def _on_sent(self, transfer: Transfer) -> None:
         """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
-        rank = self.sender.owner
+        rank = self.sender.owner if self.sender is not None else self.rank
         if transfer.error is not None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
         self.store.set(self.store.keys.shard(self.incarnation, transfer.version, rank),
-                       {"bytes": transfer.nbytes, "checksum": transfer.checksum, "verified": transfer.verified})
+                       {"bytes": transfer.nbytes, "checksum": transfer.checksum, "verified": transfer.verified,
+                        "no_space": transfer.space_error})
         if rank == 0:
             self._commit(transfer)
 
@@ -262,22 +299,46 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                 self.store.publish(manifest)  # one signed key: the version now exists
                 self.committed.append(version)
                 outcome = "committed"
+            elif any(r and r.get("no_space") for r in records):  # every rank acts on it at the same step
+                outcome = NO_SPACE_OUTCOME
+                self.space_refusal = next(r["no_space"] for r in records if r and r.get("no_space"))
             else:
                 warnings.warn(f"gemini: version {version} not committed ({verified} of {expected} replicas verified)",
                               stacklevel=2)
         finally:  # every rank's next version waits for this key: a commit that raised says "failed"
             self.store.set(self.store.keys.outcome(self.incarnation, version), outcome)
 
-    def _check_shared_memory(self, own: AgentClient, pl_module: pl.LightningModule, world: int, machines: int) -> None:
-        """At start-up: refuse clearly when this machine's shared memory cannot hold even the parameters'
-        share of the buffers it will keep (the first version's BEGIN checks the full size)."""
-        need = 2 * self.replicas * math.ceil(world / machines) * sum(
-            p.numel() * p.element_size() for p in pl_module.parameters())
-        free = int(own.stat()["shm"]["free"])
-        if need > free:
-            raise RuntimeError(self._space_message(f"{mib(free)} free in {shm_dir()} on machine {self.machine}",
-                                                   need // (2 * self.replicas * math.ceil(world / machines)),
-                                                   world, machines))
+    def _check_shared_memory(self, pl_module: pl.LightningModule, world: int, machines: int) -> None:
+        """At start-up: refuse, with the numbers, when a shared memory cannot hold every buffer the agents
+        using it will keep: 2 per rank held, for the ranks of ``ckpt.replicas`` machines, each of a version's
+        size (parameters, buffers and optimizer state, estimated before the optimizer has any), times the
+        agents that share it (all of them on one host: cluster=local). Rank 0 asks every agent; all ranks
+        raise alike."""
+        problem: list[str | None] = [None]
+        if self.rank == 0:
+            version = estimate_version_bytes(pl_module)
+            per_machine = math.ceil(world / machines)
+            per_agent = 2 * self.replicas * per_machine * version
+            stats = []
+            for machine in range(machines):
+                with self._agent(machine) as client:
+                    stats.append(client.stat()["shm"])
+            mine = stats[self.machine]
+            sharing = [m for m, st in enumerate(stats) if (st.get("host"), st.get("device")) ==
+                       (mine.get("host"), mine.get("device"))]
+            need = per_agent * len(sharing)
+            free = min(int(stats[m]["free"]) for m in sharing)
+            if need > free:
+                problem[0] = (
+                    f"ckpt=gemini: {mib(free)} free in {mine['dir']} on {mine.get('host')}, which the agents of "
+                    f"{len(sharing)} machine(s) share; each keeps 2 buffers for each of the {per_machine} rank(s) of "
+                    f"the ckpt.replicas={self.replicas} machines whose replicas it holds, of about {mib(version)} "
+                    f"each (parameters, buffers, optimizer state): {mib(need)} ({need} bytes) in all. Enlarge it (docker run "
+                    "--shm-size=...), lower ckpt.replicas or use fewer ranks per host")
+        if dist.is_initialized() and world > 1:
+            dist.broadcast_object_list(problem, src=0)
+        if problem[0] is not None:
+            raise RuntimeError(problem[0])
 
     def _space_message(self, refusal: str, version_bytes: int, world: int, machines: int) -> str:
         per_machine = math.ceil(world / machines)
@@ -310,12 +371,19 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         waited = self.sender.deadline()
         if waited and self.stalls:
             self.stalls[-1] += waited
-        sent = self.transfers[-1] if self.transfers else None
-        if sent is not None and sent.space_error is not None:
-            message = self._space_message(sent.space_error, sent.nbytes, trainer.world_size, self.plan.machines)
-            if len(self.transfers) == 1:  # the first version: stop at start-up rather than train unprotected
-                raise RuntimeError(message)
-            warnings.warn(message, stacklevel=2)
+        # The version before the one just sent: its outcome is known to every rank by now (the last one's
+        # BEGIN waited for it), so all ranks act at the same step.
+        decided = self.transfers[-2] if len(self.transfers) >= 2 else None
+        if decided is not None and decided.outcome == NO_SPACE_OUTCOME and decided.version not in self._no_space_seen:
+            self._no_space_seen.add(decided.version)
+            refusal = decided.space_error or f"an agent could not store version {decided.version}"
+            message = self._space_message(refusal, decided.nbytes, trainer.world_size, self.plan.machines)
+            if self.on_no_space == "stop":  # never train on unprotected: say so and end the run
+                raise RuntimeError(f"{message} (ckpt.on_no_space=stop; =persist writes every step to disk instead)")
+            if self.persistent.interval != 1:  # persist: protection moves to the persistent tier, every step
+                print(f"{message}; ckpt.on_no_space=persist: every step goes to {self.persistent.dir} from "
+                      f"step {trainer.global_step} on", flush=True)
+                self.persistent.interval, self.persistent.anchor = 1, trainer.global_step
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.sender is not None:

@@ -13,6 +13,8 @@ from ddlscale.ckpt.gemini.store import check_address
 from ddlscale.ckpt.version.checksum import KEYED
 from ddlscale.schema import Schema, choice, integer, is_number
 
+ON_NO_SPACE = ("stop", "persist")  # what a version no holder had room for does: stop the run, or persist every step
+
 
 @dataclass
 class GeminiConfig(Schema):
@@ -35,6 +37,7 @@ class GeminiConfig(Schema):
     store: Any = None  # HOST:PORT (or etcd's), or None: $DDLSCALE_STORE
     commit_timeout_s: float = 30.0
     resume: Any = "auto"
+    on_no_space: str = "stop"
 
     def check(self) -> None:
         if self.every == HIGHFREQ:
@@ -59,3 +62,7 @@ class GeminiConfig(Schema):
         write_rate(self.persist_bandwidth, self.key("persist_bandwidth"))
         if self.persist_every is not None:
             integer(self.key("persist_every"), self.persist_every)
+        choice(self.key("on_no_space"), self.on_no_space, ON_NO_SPACE)
+        if self.on_no_space == "persist" and self.persist_every is None:
+            raise ValueError(f"{self.key('on_no_space')}=persist falls back to the persistent tier: "
+                             f"set {self.key('persist_every')}")

@@ -3,7 +3,9 @@
 The agents die with the launch that started them (``cluster=local``, ``cluster=emulated``), and with
 them the in-memory versions. So on the way out the launcher reads the committed manifest, fetches every
 rank's replica from a live holder, checks its MAC, parses it (a snapshot stream: JSON and raw tensors,
-nothing unpickled) and writes the version as the persistent tier writes its own: a
+nothing unpickled) and writes the version as the persistent tier writes its own, one rank at a time
+(a rank's replica is fetched, checked, written into its DCP file and dropped before the next one's
+is fetched; a first pass reads each for its items' shapes only, which DCP's plan needs): a
 torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
 (:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. Running
 the same command again in the same run directory then resumes from it instead of from step 0 — after
@@ -16,10 +18,13 @@ SIGKILLed.
 from __future__ import annotations
 
 import argparse
+import shutil
 import uuid
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ddlscale import clock
 from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
 from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
@@ -31,59 +36,100 @@ from ddlscale.ckpt.version.checksum import matches
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, list_manifests, step_of
 
 KEEP = 2  # persistent versions kept, as the persistent tier keeps them
+DEADLINE_S = 60.0  # the most a drain may take by default: the launch is ending
 
 
-def persist_committed(store: JobStore, directory: Path) -> Path | None:
-    """Write the committed version to ``directory``; its manifest's path, or None when there is nothing
-    newer than what ``directory`` holds (or some rank has no intact replica left)."""
+class DrainError(RuntimeError):
+    """The committed version could not be written; the message says why (for the user, not a trace)."""
+
+
+@dataclass(frozen=True)
+class Drained:
+    """What a drain did: ``path``, the written version's manifest, or ``why`` nothing was written."""
+
+    path: Path | None
+    why: str = ""
+    step: int | None = None
+
+
+def persist_committed(store: JobStore, directory: Path, deadline_s: float = DEADLINE_S) -> Drained:
+    """Write the committed version to ``directory``, one rank's replica at a time (each fetched from a
+    live holder and checked against its MAC), within ``deadline_s`` seconds; nothing is written when
+    ``directory`` already holds that step or a newer one, or when some rank has no intact replica."""
+    deadline = clock.now() + deadline_s
     manifest = store.manifest()
     if not isinstance(manifest, Manifest):
-        return None
+        why = ("no version was committed in memory" if manifest is None
+               else "the job went back to a persistent version and committed none since")
+        return Drained(None, why)
     existing = list_manifests(directory)
     if existing and (step_of(existing[0]) or 0) >= manifest.step:
-        return None
+        return Drained(existing[0], f"{existing[0].name} already holds step {step_of(existing[0])}", manifest.step)
     incarnation = int(store.get(store.keys.incarnation, 0))
     alive = store.get(store.keys.alive, list(range(manifest.placement["machines"])))
-    payloads = []
-    for rank in range(manifest.world_size):
+
+    def payload_of(rank: int) -> dict[str, Any]:
         record = manifest.shard(rank)
         holders = sorted(manifest.placement["holders"][str(rank)], key=lambda h: h not in alive)
-        data = _replica(store, incarnation, manifest.step, rank, record, holders)
+        data, tried = _replica(store, incarnation, manifest.step, rank, record, holders, deadline)
         if data is None:
-            warnings.warn(f"gemini: rank {rank} has no intact replica of step {manifest.step}: not persisted",
-                          stacklevel=2)
-            return None
+            raise DrainError(f"rank {rank} has no intact replica of step {manifest.step} ({tried})")
         payload = decode(data, where=f"replica of rank {rank} of step {manifest.step}")
         if rank != manifest.shared_rank:
             payload["shared"] = None  # every replica carries the rank-shared state: the version keeps one copy
-        payloads.append(payload)
-    position = DataPosition.from_dict(payloads[manifest.shared_rank]["local"]["data"])
+        return payload
+
+    position = DataPosition.from_dict(payload_of(manifest.shared_rank)["local"]["data"])
     version_dir = f"step_{manifest.step:09d}.{uuid.uuid4().hex[:8]}"
-    written = write_version(directory, version_dir, manifest.step, payloads, position)
+    try:
+        written = write_version(directory, version_dir, manifest.step, manifest.world_size, payload_of, position)
+    except BaseException:
+        shutil.rmtree(directory / version_dir, ignore_errors=True)  # never committed: nothing names it
+        raise
     DiskCheckpointer(dir=str(directory), keep=KEEP).prune()
-    return directory / written.name
+    return Drained(directory / written.name, step=manifest.step)
 
 
-def announce(written: Path | None) -> None:
-    if written is not None:
-        print(f"ckpt=gemini: committed version written to {written}; the same command in this run directory "
-              "continues from it", flush=True)
+def drain_and_report(store: JobStore, directory: Path, deadline_s: float = DEADLINE_S) -> Drained:
+    """:func:`persist_committed`, its outcome printed for the user in one line: what was written and
+    that the same command continues from it, or why nothing was (never a traceback: the launch is
+    ending anyway)."""
+    try:
+        drained = persist_committed(store, directory, deadline_s)
+    except Exception as exc:  # the store or every holder gone, the disk full: say so, plainly
+        drained = Drained(None, str(exc) if isinstance(exc, (DrainError, OSError)) else f"{type(exc).__name__}: {exc}")
+    if drained.path is not None and not drained.why:
+        print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}; the same command in this "
+              "run directory continues from it", flush=True)
+    elif drained.path is not None:
+        print(f"ckpt=gemini: nothing to write on the way out: {drained.why}", flush=True)
+    else:
+        print(f"ckpt=gemini: no version written to {directory} on the way out: {drained.why}", flush=True)
+    return drained
 
 
-def _replica(store: JobStore, incarnation: int, step: int, rank: int, record: ShardRecord,
-             holders: list[int]) -> bytearray | None:
+def _replica(store: JobStore, incarnation: int, step: int, rank: int, record: ShardRecord, holders: list[int],
+             deadline: float) -> tuple[bytearray | None, str]:
+    """Rank ``rank``'s replica of ``step`` from the first holder that has it intact, and what was tried."""
+    tried = []
     for holder in holders:
+        left = deadline - clock.now()
+        if left <= 0:
+            raise DrainError(f"out of time fetching rank {rank}'s replica of step {step}")
         address = store.get(store.keys.agent(holder))
         if address is None:
+            tried.append(f"machine {holder}: no agent registered")
             continue
         try:
-            with AgentClient(address, store.auth, incarnation, timeout_s=10.0) as client:
+            with AgentClient(address, store.auth, incarnation, timeout_s=min(10.0, left)) as client:
                 data = client.get(step, rank, max_bytes=record.bytes)
-        except (ReplicaError, OSError):
+        except (ReplicaError, OSError) as exc:
+            tried.append(f"machine {holder}: {exc}")
             continue
         if len(data) == record.bytes and matches(data, record.checksum, store.auth.replica):
-            return data
-    return None
+            return data, ""
+        tried.append(f"machine {holder}: fails its MAC")
+    return None, "; ".join(tried) or "no holders"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", required=True)
     args = parser.parse_args(argv)
     store = JobStore(connect(args.store), args.job, JobKeys.from_env(args.job))
-    announce(persist_committed(store, Path(args.dir)))
+    drain_and_report(store, Path(args.dir))
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ class Transfer:
     checksum: str = ""  # the whole stream's MAC, "<algorithm>:<hex>"
     error: str | None = None
     space_error: str | None = None  # a holder could not reserve the version's buffer
+    outcome: str | None = None  # its commit's outcome, as the next version's BEGIN read it (every rank alike)
     verified: list[int] = field(default_factory=list)  # holders (machines) whose END check passed
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
     settled: threading.Event = field(default_factory=threading.Event)  # commit bookkeeping finished too
@@ -156,6 +157,7 @@ class ReplicaSender:
         self._iteration = threading.Condition()
         self._iteration_start: float | None = None
         self._deadline = threading.Event()
+        self._abandoned = threading.Event()  # training stopped: what is in flight fails quietly, uncommitted
         self._current: Transfer | None = None
         self._stale: set[AgentClient] = set()  # connections a failed request left out of step
         self._thread: threading.Thread | None = None
@@ -210,10 +212,15 @@ class ReplicaSender:
     def abandon(self) -> None:
         """Stop without waiting: training failed, so a peer may be gone and the version in flight would
         wait for a commit that cannot come (rank 0 for commit_timeout_s) and hold up the restart."""
+        self._abandoned.set()
         self._deadline.set()
         self._jobs.put(None)
         for client in self.destinations:
             client.close()  # a send in progress fails at once; the daemon thread ends with the process
+
+    @property
+    def abandoned(self) -> bool:
+        return self._abandoned.is_set()
 
     # -- the sender thread -------------------------------------------------------------------------
     def _run(self) -> None:
@@ -272,6 +279,10 @@ class ReplicaSender:
         transfer.snapshot = None
         transfer.finished = clock.now()
         transfer.done.set()  # the training thread may step now; the commit needs no more of our state
+        if self._abandoned.is_set():  # the failures of a send cut short on purpose are no news
+            transfer.error = "abandoned: training stopped"
+            transfer.settled.set()
+            return
         try:
             self.on_done(transfer)
         except Exception as exc:  # the commit bookkeeping failed (the store, say): this version only

@@ -33,17 +33,18 @@ import socket
 import subprocess
 import sys
 import tempfile
-import warnings
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
-from ddlscale.ckpt.gemini.drain import announce, persist_committed
+from ddlscale.ckpt.gemini.drain import drain_and_report
 from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
+from ddlscale.cluster import stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
 from ddlscale.cluster.control_plane import EtcdMembers, Member, missing
 
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
+DRAIN_DEADLINE_S = 30.0  # the most the way out waits for the committed version to reach disk
 ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains
 
 
@@ -105,7 +107,7 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
     committed version is written to ``persist_dir`` from inside machine 0, then the machines go down and
     with them the agents, whose shared memory is removed last."""
     cluster, job = launch.cluster, launch.job
-    with job_secret() as secret:
+    with job_secret() as secret, contextlib.ExitStack() as spared:
         rendezvous = None
         if gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
             etcd = start_emulated_etcd(cluster, launch.run_dir / "etcd", job)
@@ -115,7 +117,8 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
             store = launch.rendezvous_store()
         env = {}
         for machine in range(cluster.nodes):
-            start_emulated_agent(cluster, machine, store, job, secret)
+            agent = start_emulated_agent(cluster, machine, store, job, secret)
+            spared.enter_context(stop.spared(agent.pid))  # stopped with its machine, after the drain
             env[machine] = emulated_env(cluster, machine, store, job, secret)
         try:
             yield Services(env=env, rendezvous=rendezvous)
@@ -159,7 +162,12 @@ def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
                  etcd_dir: Path | None = None) -> Iterator[dict[str, str]]:
     """Secret, store and ``machines`` agents on loopback for one launch; yields (and exports) their
     environment. On the way out the committed version goes to ``persist_dir`` when given. With
-    ``etcd_dir`` the store is one etcd member with its data there (no replication on one machine)."""
+    ``etcd_dir`` the store is one etcd member with its data there (no replication on one machine).
+
+    The agents hold the version that goes to disk on the way out, so a stop signal must not reach them
+    first: each runs in a session of its own (a terminal's Ctrl-C goes to the launcher's process group
+    only) and is spared from the launcher's first fan-out of SIGTERM (:func:`ddlscale.cluster.stop.spared`);
+    they are stopped here, after the drain."""
     if etcd_dir is not None:
         member = Member("m0", "127.0.0.1", _free_port(), _free_port())
         store = EtcdMembers([member], etcd_dir, lambda _, argv, **kw: subprocess.Popen(argv, **kw), job).start()
@@ -169,24 +177,23 @@ def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
         store = serve(address)
     agents: list[subprocess.Popen] = []
     saved = {k: os.environ.get(k) for k in (STORE_ENV, MACHINES_ENV, JOB_ENV, SECRET_ENV)}
-    with job_secret() as secret:
+    with job_secret() as secret, contextlib.ExitStack() as spared:
         env = {STORE_ENV: address, MACHINES_ENV: str(machines), JOB_ENV: job, SECRET_ENV: str(secret)}
         try:
             for m in range(machines):
                 agents.append(subprocess.Popen(agent_argv(m, machines, "127.0.0.1:0", address, job),
-                                               stdout=subprocess.PIPE, text=True, env={**os.environ, **env}))
+                                               stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
+                                               start_new_session=True))
+                spared.enter_context(stop.spared(agents[-1].pid))
             for m, agent in enumerate(agents):
                 _await_ready(agent, f"replica agent {m}")
             os.environ.update(env)
             yield env
         finally:
             if persist_dir is not None and agents:
-                _persist(address, job, JobKeys(read_secret(secret), job), persist_dir)
-            for agent in agents:
-                agent.terminate()
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.wait(timeout=10)
+                drain_and_report(JobStore(connect(address), job, JobKeys(read_secret(secret), job)), Path(persist_dir),
+                                 deadline_s=DRAIN_DEADLINE_S)
+            stop_agents(agents)
             remove_replicas(job)
             for key, value in saved.items():
                 if value is None:
@@ -198,13 +205,20 @@ def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
             del store
 
 
-def _persist(address: str, job: str, auth: JobKeys, directory: Path) -> None:
-    try:
-        written = persist_committed(JobStore(connect(address), job, auth), Path(directory))
-    except Exception as exc:  # the launch is ending anyway: say why the version stayed in memory
-        warnings.warn(f"gemini: could not write the committed version to {directory}: {exc}", stacklevel=2)
-        return
-    announce(written)
+def stop_agents(agents: list[subprocess.Popen], grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL what is left after ``grace_s`` (an agent stops within its 1 s poll)."""
+    for agent in agents:
+        with contextlib.suppress(ProcessLookupError):
+            agent.terminate()
+    deadline = time.monotonic() + grace_s
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+        if agent.stdout is not None:
+            agent.stdout.close()
 
 
 def start_emulated_etcd(cluster: Any, directory: Path, job: str) -> EtcdMembers:

@@ -28,19 +28,23 @@ There is no fault-injection op: tests and drills damage a replica through its sh
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import mmap
+import os
+import shutil
 import socket
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import MAC_BYTES, JobKeys
 
 MAGIC = b"GMN2"
+BUSY = b"GBSY"  # HELLO's magic from an agent at its connection cap: it closes the connection
 PROTOCOL = 2
 HELLO = struct.Struct("<4sB16s")  # magic, protocol, nonce
 REQUEST = struct.Struct("<4sBQqqiqq")  # magic, op, seq, incarnation, version, owner, a, b
@@ -52,10 +56,35 @@ MAX_TEXT = 128  # a MAC's text: "hmac-sha256:" + 64 hex digits fits
 MAX_SMALL_REPLY = 1 << 20  # every reply but GET's body
 
 
+SHM_DIR_ENV = "DDLSCALE_SHM_DIR"  # where replica buffers live instead of /dev/shm (tests, odd hosts)
+SHM_BUDGET_ENV = "DDLSCALE_SHM_BUDGET"  # bytes the job's replica files may take there at most (tests)
+
+
 def shm_dir() -> Path:
-    """Where replica buffers live: RAM-backed /dev/shm where there is one."""
+    """Where replica buffers live: ``$DDLSCALE_SHM_DIR``, else RAM-backed /dev/shm where there is one."""
+    if os.environ.get(SHM_DIR_ENV):
+        return Path(os.environ[SHM_DIR_ENV])
     shm = Path("/dev/shm")
     return shm if shm.is_dir() else Path(tempfile.gettempdir())
+
+
+class ShmUsage(NamedTuple):
+    free: int
+    total: int
+
+
+def shm_usage() -> ShmUsage:
+    """Free and total bytes for replica buffers: the file system's, or within ``$DDLSCALE_SHM_BUDGET``
+    (less what replica files, ``ddl-*``, already take there) when that is set."""
+    usage = shutil.disk_usage(shm_dir())
+    budget = os.environ.get(SHM_BUDGET_ENV)
+    if not budget:
+        return ShmUsage(usage.free, usage.total)
+    used = 0
+    for path in shm_dir().glob("ddl-*"):
+        with contextlib.suppress(OSError):
+            used += path.lstat().st_blocks * 512
+    return ShmUsage(max(0, min(usage.free, int(budget) - used)), min(usage.total, int(budget)))
 
 
 def mib(nbytes: float) -> str:
@@ -120,6 +149,9 @@ class AgentClient:
             magic, protocol, self.nonce = HELLO.unpack(recv_bytes(self.sock, HELLO.size))
         except OSError as exc:
             raise ReplicaError(f"replica agent {self.address} unreachable: {exc}") from None
+        if magic == BUSY:
+            self.sock.close()
+            raise ReplicaError(f"replica agent {self.address} refused the connection: at its connection cap")
         if magic != MAGIC or protocol != PROTOCOL:
             self.sock.close()
             raise ReplicaError(f"{self.address} is not a replica agent of protocol {PROTOCOL}")
@@ -207,11 +239,13 @@ class LocalAgentClient(AgentClient):
         path = super().begin(version, owner, nbytes)
         if Path(path).parent != shm_dir() or not Path(path).name.startswith("ddl-"):
             raise ReplicaError(f"agent {self.address} named {path!r}, not one of its shared-memory buffers")
-        if self._mapped != (path, nbytes):
-            self._unmap()
-            with open(path, "r+b") as file:
-                self._map = mmap.mmap(file.fileno(), nbytes)
-            self._mapped = (path, nbytes)
+        self._unmap()  # every version is a new file (the agent's): the last one's mapping is dropped
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        self._mapped = (path, nbytes)
         return path
 
     def data(self, version: int, owner: int, offset: int, pieces: list[memoryview]) -> None:
@@ -220,6 +254,10 @@ class LocalAgentClient(AgentClient):
             view[offset:offset + len(piece)] = piece
             offset += len(piece)
         view.release()
+
+    def end(self, version: int, owner: int, mac: str) -> None:
+        self._unmap()  # the version is written: this trainer keeps no way into its buffer
+        super().end(version, owner, mac)
 
     def _unmap(self) -> None:
         if self._map is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 import time
 import warnings
 from typing import Any, Protocol
@@ -90,9 +91,14 @@ def connect(address: str, timeout_s: float = 10.0) -> KeyValue:
 
 
 def serve(address: str) -> dist.TCPStore:
-    """Host a TCPStore at ``HOST:PORT`` in this process."""
+    """Host a TCPStore at ``HOST:PORT`` in this process, listening on ``HOST`` only (TCPStore alone would
+    listen on every interface: ``127.0.0.1`` keeps a one-machine job's store off the network)."""
     host, port = parse_address(address)
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=24))
+    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=512, reuse_port=False)
+    fd = listener.detach()  # the store owns the listening socket from here on
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=24),
+                         master_listen_fd=fd, use_libuv=True)
 
 
 class Keys:
@@ -142,7 +148,9 @@ class JobStore:
 
     def __init__(self, store: KeyValue, job: str, auth: JobKeys) -> None:
         self.raw, self.keys, self.auth = store, Keys(job), auth
-        self.refused = 0  # values read that failed their signature
+        self.refused = 0  # values read that failed their signature, or went back (replays)
+        self._newest: tuple[int, int] | None = None  # the newest commit record seen (see manifest)
+        self._newest_value: Any = None
 
     def set(self, key: str, value: Any) -> None:
         self.raw.set(key, self.signed(key, value))
@@ -182,26 +190,72 @@ class JobStore:
         self.raw.delete_key(key)
 
     # -- the commit record ------------------------------------------------------------------------
+    # A signed record can be written back later by anyone who reaches the store (a replay: its signature
+    # still holds). So each commit record carries where it stands, (incarnation, seq): seq counts the
+    # records written, each one by compare-and-set on the one it follows. A reader refuses a record
+    # older than the newest it has seen (``refused`` counts it), so the agents, which read it for as long
+    # as the job runs, are never moved back; and no record goes over one of a newer incarnation.
+
     def manifest(self) -> Manifest | None | str:
         """The committed manifest; None when there is none; ``CLEARED`` when the job declared that it
         has none any more (it went back to a persistent version)."""
         value = self.get(self.keys.manifest)
-        if value is None:
+        if not isinstance(value, dict):
             return None
+        order = _order(value)
+        if self._newest is not None and order < self._newest:
+            self.refused += 1
+            warnings.warn(f"gemini: store key {self.keys.manifest} went back to an older record {order} (newest "
+                          f"seen {self._newest}): a replay, ignored", stacklevel=2)
+            value = self._newest_value
+        else:
+            self._newest, self._newest_value = order, value
         if value.get("cleared"):
             return CLEARED
         try:
-            return Manifest.from_dict(value, f"store key {self.keys.manifest}")
+            return Manifest.from_dict(value.get("manifest"), f"store key {self.keys.manifest}")
         except ManifestError as exc:
             warnings.warn(f"gemini: {exc}", stacklevel=2)
             return None
 
     def publish(self, manifest: Manifest) -> None:
-        """One signed key: from here on the version is committed."""
-        self.set(self.keys.manifest, manifest.to_dict())
+        """One signed key: from here on the version is committed (see :meth:`_advance`)."""
+        self._advance({"manifest": manifest.to_dict()}, int(manifest.placement.get("incarnation", 0)))
 
-    def clear_manifest(self, reason: str) -> None:
-        self.set(self.keys.manifest, {"cleared": True, "reason": reason})
+    def clear_manifest(self, reason: str, incarnation: int | None = None) -> None:
+        if incarnation is None:
+            incarnation = int(self.get(self.keys.incarnation, 0))
+        self._advance({"cleared": True, "reason": reason}, incarnation)
+
+    def _advance(self, value: dict[str, Any], incarnation: int, attempts: int = 5) -> None:
+        """Write the commit record ``value`` of ``incarnation`` by compare-and-set on the record there;
+        refused (:class:`StaleRecord`) when the job or the record there is of a newer incarnation (a
+        trainer left from before a restart must not publish over its successors)."""
+        key = self.keys.manifest
+        for _ in range(attempts):
+            current = int(self.get(self.keys.incarnation, 0))
+            if incarnation < current:
+                raise StaleRecord(f"a commit record of incarnation {incarnation}: the job is at {current}")
+            raw = self.raw.get(key) if self.raw.check([key]) else b""
+            there = self.open(key, raw) if raw else None
+            there_order = _order(there) if isinstance(there, dict) else (0, 0)
+            if there_order[0] > incarnation:
+                raise StaleRecord(f"the commit record there is of incarnation {there_order[0]}, newer than {incarnation}")
+            record = {**value, "incarnation": incarnation, "seq": there_order[1] + 1}
+            desired = self.signed(key, record)
+            if bytes(self.raw.compare_set(key, raw.decode() if raw else "", desired)) == desired.encode():
+                self._newest, self._newest_value = _order(record), record
+                return
+        raise RuntimeError(f"gemini: store key {key} kept changing under compare-and-set")
+
+
+class StaleRecord(RuntimeError):
+    """A commit record that would go over one of a newer incarnation."""
+
+
+def _order(value: dict[str, Any]) -> tuple[int, int]:
+    """Where a commit record stands: (incarnation, seq)."""
+    return int(value.get("incarnation", 0)), int(value.get("seq", 0))
 
 
 CLEARED = "cleared"

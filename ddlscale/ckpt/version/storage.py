@@ -30,7 +30,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) -> None:
-    """Write ``data`` to ``path`` all or nothing; at most ``bandwidth_bps`` bits/s when given.
+    """Write ``data`` to ``path`` all or nothing, readable by this user only (0600); at most
+    ``bandwidth_bps`` bits/s when given.
 
     Pacing emulates remote storage on a local disk: each chunk waits until the bytes written so far
     would have crossed a link of that rate.
@@ -39,7 +40,9 @@ def write_atomic(path: Path, data: bytes, bandwidth_bps: float | None = None) ->
     tmp = path.with_name(f".{path.name}{_TMP_MARK}{os.getpid()}")
     start = clock.now()
     try:
-        with open(tmp, "wb") as file:
+        tmp.unlink(missing_ok=True)  # a stray one of an earlier crash of this pid; never followed if a link
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as file:
             view = memoryview(data)
             chunk = _CHUNK if not bandwidth_bps else max(4096, min(_CHUNK, int(bandwidth_bps / 8 / 20)))
             for offset in range(0, len(view), chunk):

@@ -253,7 +253,9 @@ def test_a_drained_gemini_version_loads_with_torch_distributed_checkpoint_alone(
                                           "holders": {str(r): [0] for r in range(world)}}))
     job.decide(step, "committed")
 
-    written = persist_committed(job.store, tmp_path / "checkpoints")
+    drained = persist_committed(job.store, tmp_path / "checkpoints")
+    written = drained.path
+    assert drained.why == "" and drained.step == step
     record = read_manifest(written)
     assert (record.step, record.world_size, record.layout) == (step, world, "dcp")
     version_dir = written.parent / record.shards[0].file.split("/")[0]
@@ -277,4 +279,5 @@ def test_a_drained_gemini_version_loads_with_torch_distributed_checkpoint_alone(
         assert loaded[RANK_STATE_KEY]["rank"] == rank and loaded[RANK_STATE_KEY]["data"] == payloads[rank]["local"]["data"]
         assert torch.equal(loaded[SYNC_STATE_KEY]["ranks"][rank]["memory"]["residuals"]["g0"],
                            payloads[rank]["local"]["sync"]["memory"]["residuals"]["g0"])
-    assert persist_committed(job.store, tmp_path / "checkpoints") is None  # nothing newer than what is there
+    again = persist_committed(job.store, tmp_path / "checkpoints")  # nothing newer than what is there
+    assert again.path == written and "already holds step 5" in again.why

@@ -125,6 +125,44 @@ def test_a_lost_member_loses_nothing(tmp_path):
         members.stop()
 
 
+def _leader(members, alive) -> int | None:
+    """The member that says it leads (etcd's v2 self statistics), among ``alive``."""
+    import json
+    import urllib.request
+
+    for i in alive:
+        try:
+            with urllib.request.urlopen(f"{members.members[i].client_url}/v2/stats/self", timeout=2) as reply:
+                if json.load(reply).get("state") == "StateLeader":
+                    return i
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.slow  # an election follows: about 10 s
+def test_killing_the_leader_on_purpose_loses_nothing(tmp_path):
+    members = _members(tmp_path, 3)
+    try:
+        kv = EtcdKeyValue(members.address, timeout_s=20)
+        kv.set("k/a", "1")
+        leader = _leader(members, range(3))
+        assert leader is not None
+        members.processes[leader].kill()
+        members.processes[leader].wait()
+        kv.set("k/b", "2")  # needs a new leader: the two survivors elect one
+        assert kv.get("k/a") == b"1" and kv.get("k/b") == b"2"
+        assert kv.compare_set("k/a", "1", "3") == b"3"
+        survivors = [i for i in range(3) if i != leader]
+        deadline = time.monotonic() + 20
+        while (new := _leader(members, survivors)) is None:
+            assert time.monotonic() < deadline, "no new leader"
+            time.sleep(0.2)
+        assert new != leader
+    finally:
+        members.stop()
+
+
 @pytest.mark.multiprocess
 def test_torchrun_rendezvous_on_every_member_skips_one_that_is_down(etcd):
     from torch.distributed.elastic.rendezvous import RendezvousParameters

@@ -47,7 +47,8 @@ def test_the_security_drill_refuses_every_hostile_attempt():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    assert sum(line.startswith("[refused]") for line in lines) == 18
+    assert sum(line.startswith("[refused]") for line in lines) == 12  # by the agent itself, counted
+    assert sum(line.startswith("[held]") for line in lines) == 6  # store, client and restore checks
     assert not any("NOT REFUSED" in line or "EXECUTED" in line for line in lines)
     assert "committed version 1 intact after all attempts: True" in lines
     counters = next(line for line in lines if line.startswith("agent's refusal counters"))

@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import signal
+import socket
 import sys
 import threading
 from collections import Counter
 from typing import Any
 
 from ddlscale.ckpt.gemini.agent.membership import Membership
-from ddlscale.ckpt.gemini.agent.server import ReplicaServer
+from ddlscale.ckpt.gemini.agent.server import MAX_CONNECTIONS, ReplicaServer
 from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, SecretError
-from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir
+from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir, shm_usage
 from ddlscale.ckpt.gemini.store import JobStore, connect
 
 
@@ -40,7 +40,8 @@ class Agent:
     """A machine's agent: the replica server, heartbeats and the root role, on the job's store."""
 
     def __init__(self, machine: int, machines: int, bind: str, store: str, job: str, auth: JobKeys,
-                 heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0, max_version_bytes: int | None = None) -> None:
+                 heartbeat_s: float = 0.5, failure_timeout_s: float = 3.0, max_version_bytes: int | None = None,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.machine, self.machines = machine, machines
         self.store_address, self.job, self.auth = store, job, auth
         self.view = JobView(self._job_store())
@@ -49,7 +50,7 @@ class Agent:
         # Beyond this limit (if any) a version is refused outright; below it, BEGIN checks the shared
         # memory's free space before reserving, and refuses naming it.
         self.max_version_bytes = max_version_bytes
-        self.server = ReplicaServer((host, port), self)
+        self.server = ReplicaServer((host, port), self, max_connections)
         self.address = f"{host}:{self.server.server_address[1]}"
         self.stopped = threading.Event()
         self.membership = Membership(machine, machines, heartbeat_s, failure_timeout_s, self.stopped,
@@ -72,11 +73,13 @@ class Agent:
             print(f"gemini agent {self.machine}: refused ({reason}, #{n}) {message}", file=sys.stderr, flush=True)
 
     def stat(self) -> dict[str, Any]:
-        usage = shutil.disk_usage(shm_dir())
+        usage = shm_usage()
         with self._count_lock:
             refused = dict(self.refusals)
+        # host and device: which agents share one shared memory (all of them, on cluster=local)
         return {"machine": self.machine, "holds": self.replicas.describe(), "refused": refused,
-                "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total}}
+                "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total,
+                        "host": socket.gethostname(), "device": os.stat(shm_dir()).st_dev}}
 
     def start(self) -> Agent:
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True,
@@ -119,17 +122,21 @@ def main(argv: list[str] | None = None) -> None:
     agent = Agent(args.machine, args.machines, args.bind, args.store, args.job, auth,
                   failure_timeout_s=args.failure_timeout, max_version_bytes=args.max_version_bytes).start()
     signal.signal(signal.SIGTERM, lambda *_: agent.stopped.set())
-    usage = shutil.disk_usage(shm_dir())
+    usage = shm_usage()
     print(f"ready {agent.address}", flush=True)
     print(f"gemini agent {args.machine}: replicas in {shm_dir()} ({mib(usage.free)} free of {mib(usage.total)})",
           file=sys.stderr, flush=True)
     try:
-        while not agent.stopped.wait(1.0):
+        while not agent.stopped.wait(0.1):
             pass
     except KeyboardInterrupt:
         pass
     if agent.refusals:
         print(f"gemini agent {args.machine}: refused {dict(agent.refusals)}", file=sys.stderr, flush=True)
     agent.stop()  # the replicas' shared memory goes with the agent
-    sys.exit(0)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Nothing is left to finalize: skip the interpreter's teardown of torch, seconds on a busy machine,
+    # which a launcher stopping on a signal would wait for.
+    os._exit(0)
 

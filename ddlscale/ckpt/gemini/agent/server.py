@@ -11,19 +11,22 @@ slots' check), each DATA chunk against the version's announced size, a MAC text 
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import secrets
 import socket
 import socketserver
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ddlscale.ckpt.gemini.agent.slots import Refused, Slot
 from ddlscale.ckpt.gemini.auth import MAC_BYTES
 from ddlscale.ckpt.gemini.protocol import (
     BEGIN,
+    BUSY,
     DATA,
     END,
     GET,
@@ -48,7 +51,13 @@ if TYPE_CHECKING:
     from ddlscale.ckpt.gemini.agent import Agent
 
 MIN_VERSION_BYTES = 16  # a snapshot stream's header
-TEXT_OPS = (END, VERIFY)  # requests followed by a short text (a MAC), covered by the request's MAC
+DATA_FENCE_S = 0.05  # how stale the incarnation a DATA chunk is checked against may be (one store read per
+# chunk would halve a fast link's chunk rate)
+TEXT_OPS = (END, VERIFY)
+MAX_CONNECTIONS = 256  # per agent: trainers hold one each per holder they send to, drills and readers a few
+FIRST_REQUEST_S = 10.0  # a new connection's first request must arrive within this
+MESSAGE_S = 30.0  # the rest of a message (header, MAC, text, DATA payload) once its first bytes came
+IDLE_S = 24 * 3600.0  # an authenticated connection between requests (a trainer between versions)  # requests followed by a short text (a MAC), covered by the request's MAC
 
 
 @dataclass(frozen=True)
@@ -72,22 +81,31 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(None)
         nonce = secrets.token_bytes(16)
         agent = self.server.agent
+        if not self.server.admitted:  # at the cap: said plainly, then closed (the client names the cap)
+            agent.count("connections", f"{self.client_address[0]}: over {self.server.max_connections} connections")
+            with contextlib.suppress(OSError):
+                sock.settimeout(1.0)
+                sock.sendall(HELLO.pack(BUSY, PROTOCOL, bytes(16)))
+            return
         try:
             sock.sendall(HELLO.pack(MAGIC, PROTOCOL, nonce))
             seq = 0
             while True:
                 try:
+                    # Until a request authenticates, a connection gets FIRST_REQUEST_S to send it; after
+                    # that a trainer may idle between versions, but a message once begun must keep coming.
+                    sock.settimeout(FIRST_REQUEST_S if seq == 0 else IDLE_S)
                     magic = bytes(recv_bytes(sock, len(MAGIC)))
+                    sock.settimeout(MESSAGE_S)
                     if magic != MAGIC:  # answered at once: a stranger's protocol need not fill our header
                         agent.count("unauthenticated", f"{self.client_address[0]}: not the replica protocol")
                         self.reply(sock, nonce, REQUEST.pack(MAGIC, 0, 0, 0, 0, 0, 0, 0), REFUSED,
                                    b"not the replica protocol")
                         return
                     raw = magic + recv_bytes(sock, REQUEST.size - len(MAGIC) + MAC_BYTES)
-                except ConnectionError:
+                except (ConnectionError, TimeoutError):
                     return
                 header, mac = bytes(raw[:REQUEST.size]), bytes(raw[REQUEST.size:])
                 _, op, rseq, incarnation, version, owner, a, b = REQUEST.unpack(header)
@@ -103,9 +121,11 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
                         raise Refused("replayed", f"request {rseq} where {seq + 1} was due (replayed or reordered)")
                     seq = rseq
                     try:
-                        # BEGIN reads it afresh: a trainer left from an earlier incarnation must not start
-                        # writing after a restart this agent has not heard of yet.
-                        current = agent.view.incarnation(at_least=incarnation, fresh=op == BEGIN)
+                        # Every request but a DATA chunk reads it afresh, and a chunk within DATA_FENCE_S
+                        # of the last read: a trainer left from an earlier incarnation is refused as soon
+                        # as the restart raised it, whatever it sends.
+                        current = agent.view.incarnation(at_least=incarnation,
+                                                         max_age_s=DATA_FENCE_S if op == DATA else 0.0)
                     except (RuntimeError, OSError) as exc:  # the store is unreachable: nothing can be decided
                         raise Refused(None, f"cannot read the job's incarnation from the store: {exc}") from None
                     if incarnation != current:
@@ -195,9 +215,32 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
 
 
 class ReplicaServer(socketserver.ThreadingTCPServer):
+    """A thread per connection, at most ``max_connections`` of them: one more is told so and closed,
+    so the agent's threads and open files stay bounded whoever connects."""
+
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], agent: Agent) -> None:
+    def __init__(self, address: tuple[str, int], agent: Agent, max_connections: int = MAX_CONNECTIONS) -> None:
         self.agent = agent
+        self.max_connections = max_connections
+        self._open = 0
+        self._open_lock = threading.Lock()
+        self._local = threading.local()
         super().__init__(address, ReplicaHandler)
+
+    @property
+    def admitted(self) -> bool:
+        return self._local.admitted
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        with self._open_lock:
+            self._local.admitted = self._open < self.max_connections
+            if self._local.admitted:
+                self._open += 1
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            if self._local.admitted:
+                with self._open_lock:
+                    self._open -= 1

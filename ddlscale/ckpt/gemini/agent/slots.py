@@ -9,23 +9,25 @@ the committed version (the manifest) is never overwritten, nor is a complete new
 commit is still undecided in the current incarnation. A committed manifest that disappears from the
 store without the job clearing it stays protected.
 
-A buffer is reserved whole (``posix_fallocate``) or refused naming the free space: a full /dev/shm
+A buffer is a new file per version, made by the agent alone (see :class:`Slot`), reserved whole (``posix_fallocate``) or refused naming the free space: a full /dev/shm
 then fails one request instead of killing the trainer that writes through shared memory with SIGBUS.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import mmap
 import os
 import re
-import shutil
+import secrets
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir
+from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir, shm_usage
 from ddlscale.ckpt.gemini.store import CLEARED, JobStore
 
 
@@ -59,52 +61,64 @@ class Slot:
 
     Shared memory lets the machine's own trainers write their replica with one memcpy instead of a
     trip through the TCP stack; remote senders' bytes are received straight into the same mapping.
+
+    Every version gets a new file, created by the agent alone (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode
+    0600, a name with 64 random bits in ``prefix``'s family): nobody can plant it (a symlink or a file
+    of their own) before the agent makes it, and a trainer's mapping of an older version's file never
+    reaches a later version's buffer. The previous file is unlinked as the new one is made.
     """
 
-    path: Path
+    prefix: Path
     version: int = NO_VERSION
     incarnation: int = 0
     nbytes: int = 0
     complete: bool = False
     mac: str | None = None
     buf: mmap.mmap | None = None
+    path: Path | None = None
 
     def view(self) -> memoryview:
         return memoryview(self.buf)[: self.nbytes]
 
     def reserve(self, nbytes: int, what: str) -> None:
-        """Make the buffer ``nbytes`` long, every page allocated now; Refused when memory is short."""
-        if self.buf is not None and len(self.buf) == nbytes:
-            return
-        if self.buf is not None:
-            self.buf.close()
-            self.buf = None
-        usage = shutil.disk_usage(self.path.parent)
-        held = self.path.stat().st_size if self.path.exists() else 0
-        if nbytes - held > usage.free:
+        """A new file of ``nbytes``, every page allocated now; Refused when memory is short."""
+        self.release()  # its pages go back before the new ones are counted
+        usage = shm_usage()
+        if nbytes > usage.free:
             raise self._no_space(nbytes, what, usage)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        path = self.prefix.with_name(f"{self.prefix.name}-{secrets.token_hex(8)}")
         try:
-            os.ftruncate(fd, min(held, nbytes))
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:  # someone made it first (a planted link or file): never written through
+            raise Refused("planted", f"{path} exists already and is not this agent's: {what} not stored") from None
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # tmpfs allocates the pages, or says ENOSPC now
             except OSError as exc:
+                os.unlink(path)
                 if exc.errno != errno.ENOSPC:
                     raise
-                raise self._no_space(nbytes, what, shutil.disk_usage(self.path.parent)) from None
+                raise self._no_space(nbytes, what, shm_usage()) from None
             self.buf = mmap.mmap(fd, nbytes)
+            self.path = path
         finally:
             os.close(fd)
 
     def _no_space(self, nbytes: int, what: str, usage: Any) -> Refused:
-        return Refused("space", f"cannot reserve {mib(nbytes)} ({nbytes} bytes) for {what} in {self.path.parent}: "
+        return Refused("space", f"cannot reserve {mib(nbytes)} ({nbytes} bytes) for {what} in {self.prefix.parent}: "
                                 f"{mib(usage.free)} free of {mib(usage.total)}", NO_SPACE)
 
     def release(self) -> None:
         if self.buf is not None:
-            self.buf.close()
+            try:
+                self.buf.close()
+            except BufferError:  # a DATA being received into it still holds a view: freed with that view
+                pass
             self.buf = None
-        self.path.unlink(missing_ok=True)
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path = None
 
 
 class ReplicaStore:
@@ -183,12 +197,16 @@ class JobView:
         self.lock = threading.Lock()  # one store connection for every handler thread
         self._incarnation = 0
         self._committed: Any = None  # the last manifest seen: kept if the key disappears uncleared
+        self._read_at = -math.inf  # when the incarnation was last read from the store
 
-    def incarnation(self, at_least: int, fresh: bool = False) -> int:
-        """The job's current incarnation, read again when a client claims a newer one (or ``fresh``)."""
+    def incarnation(self, at_least: int, max_age_s: float = 0.0) -> int:
+        """The job's current incarnation: read again when a client claims a newer one, or when the value
+        held was read more than ``max_age_s`` ago (0: always)."""
         with self.lock:
-            if fresh or at_least > self._incarnation:
+            now = time.monotonic()
+            if at_least > self._incarnation or now - self._read_at >= max_age_s:
                 self._incarnation = max(self._incarnation, int(self.store.get(self.store.keys.incarnation, 0)))
+                self._read_at = now
             return self._incarnation
 
     def committed(self, owner: int) -> int | None:

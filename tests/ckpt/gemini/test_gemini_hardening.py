@@ -1,0 +1,172 @@
+"""Issue 44's hostile-neighbour scenarios against a live agent: a planted symlink or file in shared memory,
+a stale incarnation's DATA and END after a restart, a flood of connections, a silent connection; and
+what a trainer's mapping can reach after its version is written."""
+
+import os
+import socket
+import stat
+import time
+
+import pytest
+
+from ddlscale.ckpt.gemini.agent import server as agent_server
+from ddlscale.ckpt.gemini.agent import slots
+from ddlscale.ckpt.gemini.protocol import HELLO, AgentClient, LocalAgentClient, ReplicaError, ReplicaRefused
+from ddlscale.ckpt.version.checksum import checksum
+
+NBYTES = 4096
+
+
+def _put(job, client, version, owner=0, fill=1):
+    data = bytes([fill]) * NBYTES
+    path = client.begin(version, owner, NBYTES)
+    client.data(version, owner, 0, [memoryview(data)])
+    client.end(version, owner, checksum(data, "hmac-sha256", job.auth.replica))
+    return path
+
+
+def test_replica_files_are_private_and_unpredictable(job, agent):
+    with job.client(agent) as client:
+        first = _put(job, client, 1)
+        job.decide(1)
+        second = _put(job, client, 2)
+    for path in (first, second):
+        mode = os.stat(path).st_mode
+        assert stat.S_IMODE(mode) == 0o600 and stat.S_ISREG(mode)
+    # 64 random bits in each name: the next one cannot be guessed from these.
+    assert first != second and len(os.path.basename(first).rsplit("-", 1)[1]) == 16
+
+
+def test_a_planted_symlink_is_never_written_through(job, agent, tmp_path, monkeypatch):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    monkeypatch.setattr(slots.secrets, "token_hex", lambda n: "0" * 2 * n)  # the name an attacker would need
+    planted = slots.shm_dir() / f"{agent.replicas.prefix}-o0-s0-{'0' * 16}"
+    planted.symlink_to(victim)
+    try:
+        with job.client(agent) as client, pytest.raises(ReplicaError, match="exists already"):
+            client.begin(1, 0, NBYTES)
+        assert victim.read_bytes() == b"precious" and planted.is_symlink()
+        assert agent.refusals["planted"] == 1
+    finally:
+        planted.unlink()
+
+
+def test_a_planted_world_writable_file_receives_nothing(job, agent, monkeypatch):
+    monkeypatch.setattr(slots.secrets, "token_hex", lambda n: "1" * 2 * n)
+    planted = slots.shm_dir() / f"{agent.replicas.prefix}-o0-s0-{'1' * 16}"
+    planted.write_bytes(b"")
+    os.chmod(planted, 0o666)
+    try:
+        with job.client(agent) as client, pytest.raises(ReplicaError, match="exists already"):
+            client.begin(1, 0, NBYTES)
+        assert planted.read_bytes() == b""
+    finally:
+        planted.unlink()
+
+
+def test_a_stale_incarnations_data_and_end_are_refused_as_soon_as_the_job_restarts(job, agent):
+    job.store.set(job.keys.incarnation, 1)
+    stale = job.client(agent, incarnation=1)
+    stale.begin(1, 0, NBYTES)
+    job.store.set(job.keys.incarnation, 2)  # a restart: rank 0 of incarnation 2 raised it
+    time.sleep(2 * agent_server.DATA_FENCE_S)
+    stale.data(1, 0, 0, [memoryview(bytes(NBYTES))])
+    with pytest.raises((ReplicaRefused, ReplicaError, OSError)):
+        stale.end(1, 0, checksum(bytes(NBYTES), "hmac-sha256", job.auth.replica))
+    assert agent.refusals["stale"] == 1  # the DATA, at once; the connection is then closed
+    stale.close()
+    # END alone, on a connection of its own, is refused too, with no wait at all.
+    late = job.client(agent, incarnation=2)
+    late.begin(1, 0, NBYTES)
+    late.data(1, 0, 0, [memoryview(bytes(NBYTES))])
+    job.store.set(job.keys.incarnation, 3)
+    with pytest.raises(ReplicaRefused, match="not the job's current one"):
+        late.end(1, 0, checksum(bytes(NBYTES), "hmac-sha256", job.auth.replica))
+    assert agent.refusals["stale"] == 2 and agent.replicas.complete(0, 1) is None
+    late.close()
+
+
+def test_a_trainers_mapping_never_reaches_a_written_version(job, agent):
+    """The machine's own trainer writes through shared memory: its mapping is dropped at END, and each
+    version is a new file, so whatever it kept from an earlier version cannot change a later one."""
+    with job.client(agent, cls=LocalAgentClient) as client:
+        path = _put(job, client, 1)
+        assert client._map is None
+        job.decide(1)
+        second = _put(job, client, 2, fill=2)
+    assert path != second  # a new file: the first one's mapping (had it been kept) is not this one
+    held = agent.replicas.complete(0, 2)
+    assert bytes(held.view()) == bytes([2]) * NBYTES
+
+
+def test_the_agent_caps_its_connections_and_says_so(job):
+    agent = job.agent(max_connections=3)
+    held = [job.client(agent) for _ in range(3)]
+    with pytest.raises(ReplicaError, match="connection cap"):
+        job.client(agent)
+    assert agent.refusals["connections"] == 1
+    held.pop().close()
+    time.sleep(0.2)  # the agent's handler thread sees the close
+    with job.client(agent) as client:  # room again
+        assert client.stat()["machine"] == 0
+    for client in held:
+        client.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed(job, monkeypatch):
+    monkeypatch.setattr(agent_server, "FIRST_REQUEST_S", 0.3)
+    agent = job.agent()
+    host, port = agent.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as silent:
+        assert len(silent.recv(HELLO.size)) == HELLO.size
+        start = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the agent
+        assert time.monotonic() - start < 3
+    with job.client(agent) as client:  # and the agent serves on
+        assert isinstance(client, AgentClient) and client.stat()["machine"] == 0
+
+
+def test_a_replayed_commit_record_is_refused_and_the_committed_buffer_kept(job, agent):
+    """An older signed manifest written back (its signature still holds) must not move the agent back:
+    the next BEGIN would then reuse the committed version's buffer."""
+    with job.client(agent) as client:
+        _put(job, client, 1)
+        job.commit(1, NBYTES)
+        old_record = job.store.raw.get(job.keys.manifest)
+        _put(job, client, 2, fill=2)
+        job.commit(2, NBYTES)
+        assert agent.view.committed(0) == 2  # the agent has seen step 2 committed
+        job.store.raw.set(job.keys.manifest, old_record)  # the replay
+        assert agent.view.committed(0) == 2 and agent.view.store.refused == 1
+        _put(job, client, 3, fill=3)  # goes into step 1's buffer, not the committed one
+    assert bytes(agent.replicas.complete(0, 2).view()) == bytes([2]) * NBYTES
+
+
+def test_a_stale_incarnation_cannot_publish_over_its_successor(job):
+    from ddlscale.ckpt.gemini.store import StaleRecord
+
+    job.store.set(job.keys.incarnation, 1)
+    job.commit(4)
+    job.store.set(job.keys.incarnation, 2)  # a restart
+    with pytest.raises(StaleRecord, match="incarnation 1"):
+        job.store.publish(_manifest(5, incarnation=1))
+    job.store.publish(_manifest(3, incarnation=2))  # the new incarnation may go back to any step
+    assert job.store.manifest().step == 3
+
+
+def _manifest(step, incarnation):
+    from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+
+    return Manifest(step=step, world_size=1, shards=(ShardRecord(0, "memory:rank0", 1, "hmac-sha256:0"),),
+                    tier="memory", placement={"incarnation": incarnation, "machines": 1, "holders": {}})
+
+
+def test_the_jobs_store_listens_on_loopback_only(job):
+    import subprocess
+
+    port = job.address.rsplit(":", 1)[1]
+    listening = [line.split()[3] for line in subprocess.run(["ss", "-ltnH"], capture_output=True,
+                                                            text=True).stdout.splitlines()]
+    assert f"127.0.0.1:{port}" in listening
+    assert not any(address.endswith(f":{port}") and not address.startswith("127.0.0.1") for address in listening)
