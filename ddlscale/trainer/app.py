@@ -38,7 +38,7 @@ from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer import pairing, rundir, schemas
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.metrics import StepMetrics
-from ddlscale.trainer.report import RunFailed, failed_summary, print_summary, stopped_summary
+from ddlscale.trainer.report import RunFailed, error_line, failed_summary, print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
 from ddlscale.trainer.runlog import run_log
 from ddlscale.trainer.signals import StopOnSignals
@@ -259,7 +259,7 @@ def run(
                 # Past validation: the run directory keeps a failed summary, train.log the traceback.
                 failure.append(traceback.format_exc())
                 print_summary(failed_summary(output_dir, info, exc, started), output_dir)
-                raise RunFailed(f"{type(exc).__name__}: {exc}"[:500]) from exc
+                raise RunFailed(error_line(exc)) from exc
             if summary and reporting:
                 print_summary(summary, output_dir)
     except RunFailed:

@@ -18,6 +18,15 @@ class RunFailed(RuntimeError):
     """The run failed after its config was accepted; its ``failed`` summary and train.log are written."""
 
 
+def error_line(exc: BaseException) -> str:
+    """The error in one line: a worker's error reaches the launcher as its whole traceback (Lightning's
+    spawn launcher), whose last line is the error itself."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    if len(lines) > 1 and any(line.startswith("Traceback") for line in lines):
+        return lines[-1].strip()[:500]
+    return f"{type(exc).__name__}: {' '.join(lines)}"[:500]
+
+
 def stopped_summary(output_dir: Path, info: dict[str, Any], signal_name: str, since: float) -> dict[str, Any]:
     """The summary rank 0 wrote when the run (started at ``since``, epoch seconds) stopped, or, where
     it could not (killed in a collective, or a strategy whose workers write none), what metrics.csv
@@ -29,7 +38,7 @@ def stopped_summary(output_dir: Path, info: dict[str, Any], signal_name: str, si
 def failed_summary(output_dir: Path, info: dict[str, Any], error: BaseException, since: float) -> dict[str, Any]:
     """The summary of a run that failed (an error, not a signal): rank 0's ``failed`` summary where it
     wrote one, else what metrics.csv says (it may hold no step: a worker that failed while starting)."""
-    return _ended_summary(output_dir, info, since, "failed", f"{type(error).__name__}: {error}"[:500])
+    return _ended_summary(output_dir, info, since, "failed", error_line(error))
 
 
 def _ended_summary(output_dir: Path, info: dict[str, Any], since: float, status: str, cause: str) -> dict[str, Any]:

@@ -307,3 +307,12 @@ def test_every_relative_link_resolves_in_the_clone(document):
 def _anchor(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped, spaces as dashes."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_a_workers_error_is_told_by_its_own_last_line():
+    from ddlscale.trainer.report import error_line
+
+    spawned = RuntimeError("\n-- Process 1 terminated with the following error:\nTraceback (most recent call last):\n"
+                           '  File "x.py", line 1, in f\nValueError: ckpt.resume: no intact replica\n')
+    assert error_line(spawned) == "ValueError: ckpt.resume: no intact replica"
+    assert error_line(OSError("disk full")) == "OSError: disk full"
