@@ -90,7 +90,7 @@ def _small_cnn():
         (_small_cnn, 2, 1, None),
         (_small_lstm, 2, 2, 0.5),  # accumulation and clipping after the sync
         (_small_lstm, 3, 1, None),
-        (_small_cnn, 3, 2, None),
+        pytest.param(_small_cnn, 3, 2, None, marks=pytest.mark.slow),  # ~18 s; lstm-3 covers an odd world
     ],
     ids=["cnn-2", "lstm-2-accum-clip", "lstm-3", "cnn-3-accum"],
 )

@@ -48,6 +48,11 @@ def _ended_summary(output_dir: Path, info: dict[str, Any], since: float, status:
         if summary.get("status") == "finished" or (status == "failed" and summary.get("status") == "failed"):
             return summary  # a worker's own error says more than what the launcher caught of it
         summary.update(status=status, stopped_by=cause)
+        # Rank 0 wrote its summary while stopping; a step's row may have reached metrics.csv after it.
+        # The workers are gone now: metrics.csv is final, and the summary counts what it holds.
+        rows = [row for row in metrics_rows(output_dir) if row.get("step_loss")]
+        if rows and int(rows[-1]["step"]) + 1 > int(summary.get("steps") or 0):
+            summary.update(steps=int(rows[-1]["step"]) + 1, final_loss=float(rows[-1]["step_loss"]))
     else:
         rows = [row for row in metrics_rows(output_dir) if row.get("step_loss")]
         summary = {**info, "status": status, "stopped_by": cause,

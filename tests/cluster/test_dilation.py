@@ -204,6 +204,7 @@ def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
     assert list_namespaces(cluster.name) == [] and not any(g.exists() for g in groups)
 
 
+@pytest.mark.slow  # ~35 s: a whole dilated training run
 @pytest.mark.e2e
 @needs_namespaces
 def test_train_on_a_dilated_cluster_reports_emulated_time(tmp_path):
@@ -231,6 +232,7 @@ def _cpu_cgroup() -> str:
                  or line.startswith("0::")), "")
 
 
+@pytest.mark.slow  # ~25 s
 @pytest.mark.multiprocess
 @pytest.mark.skipif(cpucap.find_controller() is None, reason="no writable cgroup CPU controller")
 def test_one_machine_dilated_in_place_caps_this_process_and_its_children_then_lets_go():

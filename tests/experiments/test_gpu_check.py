@@ -35,6 +35,6 @@ def test_without_a_gpu_it_says_so_and_checks_nothing(capsys, monkeypatch, tmp_pa
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check would run")
 def test_the_script_exits_cleanly_without_a_gpu(tmp_path):
     done = subprocess.run([sys.executable, "-m", "experiments.gpu_check", f"--out={tmp_path}"],
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
     assert "no CUDA device" in done.stdout and list(tmp_path.iterdir()) == []

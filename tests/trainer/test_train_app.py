@@ -202,8 +202,8 @@ def test_compressors_train_through_sync_compress(tmp_path, compressors):
                     f"hydra.sweep.dir={sweep}", *QUIET, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads((job / "summary.json").read_text())
-                 for job in sorted(sweep.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1)
-                 if job.is_dir() and job.name.isdigit()]
+                 for job in sorted(sweep.iterdir(), key=lambda p: int(p.name.split("-")[0]))
+                 if job.is_dir() and job.name.split("-")[0].isdigit()]  # <job>-<run name>
     assert [s["compressor"] for s in summaries] == compressors
     # memory=default: each ran with its compressor's own error feedback, and the summary says which.
     assert [(s["memory"], s["memory_default"]) for s in summaries] == [

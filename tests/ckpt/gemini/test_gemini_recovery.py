@@ -41,7 +41,8 @@ def _corrupt(env, rank, machine):
     # Every rank reloading its own machine's replica is also rank 1's part of the next case: slow run only.
     pytest.param([], ["local", "local"], 4, marks=pytest.mark.slow),
     ([(0, 0)], ["peer:1", "local"], 4),  # rank 0's own copy is corrupt: its peer's copy is used
-    ([(1, 1), (1, 0)], ["persistent", "persistent"], 3),  # every copy of rank 1 corrupt: disk, step 3
+    # every copy of rank 1 corrupt: disk, step 3 (~27 s; test_no_intact_copy_... covers the refusal by default)
+    pytest.param([(1, 1), (1, 0)], ["persistent", "persistent"], 3, marks=pytest.mark.slow),
 ])
 def test_restart_restores_from_memory_or_falls_back(straight, tmp_path, corrupt, source, from_step):
     common = [*CNN, *GEMINI, "trainer.devices=2", "ckpt.persist_every=3", f"ckpt.persist_dir={tmp_path / 'disk'}"]
