@@ -87,7 +87,7 @@ def _small_cnn():
 @pytest.mark.parametrize(
     "make_model,world,accumulate,clip",
     [
-        (_small_cnn, 2, 1, None),
+        pytest.param(_small_cnn, 2, 1, None, marks=pytest.mark.slow),  # ~12 s; lstm covers 2 ranks
         (_small_lstm, 2, 2, 0.5),  # accumulation and clipping after the sync
         (_small_lstm, 3, 1, None),
         pytest.param(_small_cnn, 3, 2, None, marks=pytest.mark.slow),  # ~18 s; lstm-3 covers an odd world

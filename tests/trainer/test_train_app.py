@@ -169,6 +169,7 @@ print(faults() - before)
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # ~11 s
 def test_kept_freed_memory_spares_a_page_fault_per_page_of_every_large_temporary():
     """Four 16 MiB temporaries, allocated and freed together 20 times: at glibc's default mmap
     threshold they go back to the OS and fault their 4,096 pages each back in every time; with
@@ -193,7 +194,7 @@ KINDS = ["none", "int8", "topk", "efsignsgd"]
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("compressors", [pytest.param(KINDS, id="each-kind"),
+@pytest.mark.parametrize("compressors", [pytest.param(KINDS, id="each-kind", marks=pytest.mark.slow),
                                          pytest.param(COMPRESSORS, id="all", marks=pytest.mark.slow)])
 def test_compressors_train_through_sync_compress(tmp_path, compressors):
     """One sweep over the compressors, through the default allgather scheme."""
@@ -202,8 +203,8 @@ def test_compressors_train_through_sync_compress(tmp_path, compressors):
                     f"hydra.sweep.dir={sweep}", *QUIET, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summaries = [json.loads((job / "summary.json").read_text())
-                 for job in sorted(sweep.iterdir(), key=lambda p: int(p.name.split("-")[0]))
-                 if job.is_dir() and job.name.split("-")[0].isdigit()]  # <job>-<run name>
+                 for job in sorted((p for p in sweep.iterdir() if p.is_dir() and p.name.split("-")[0].isdigit()),
+                                   key=lambda p: int(p.name.split("-")[0]))]  # <job>-<run name>
     assert [s["compressor"] for s in summaries] == compressors
     # memory=default: each ran with its compressor's own error feedback, and the summary says which.
     assert [(s["memory"], s["memory_default"]) for s in summaries] == [
@@ -217,6 +218,7 @@ def test_compressors_train_through_sync_compress(tmp_path, compressors):
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # ~11 s
 def test_powersgd_trains_through_sync_compress_allreduce(tmp_path):
     out = tmp_path / "run"
     result = _train("sync=compress", "compressor=powersgd", "sync.comm=allreduce", "model=cnn", "trainer.max_steps=3",

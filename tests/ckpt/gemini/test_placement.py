@@ -111,6 +111,7 @@ def test_bad_k_names_the_argument():
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # ~10 s: a subprocess of the tool
 def test_command_line():
     out = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement", "16", "2", "3"],
                          capture_output=True, text=True, timeout=60)

@@ -131,6 +131,7 @@ def test_every_backend_equals_dense_allreduce(world):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow  # ~17 s
 def test_bf16_values_sum_in_their_own_type():
     _check_all(run_workers(_run, 4, ["zen-coo", "zen-bitmap", "zen-hc", "agsparse", "omnireduce"],
                            [torch.bfloat16]), 4)
