@@ -14,10 +14,13 @@ printed beside each median; the target is within 15% from 4 MB up.
 
 Every cluster runs time-dilated (``--dilation``, as ``cluster.dilation``: ``auto`` picks the k at which
 the host stops limiting), so each emulated machine has its own CPU relative to its NIC, as a real
-machine does; times are emulated seconds (wall / k). The model is the wire (the NICs' payload rate,
-the collective's algorithm) plus the per-message latency each cluster measures before the runs with
-tiny collectives (``ddlscale.comm.probe.probe_latency``, as ``sync.network_latency=measured`` does):
-nothing in it is fitted to the points it predicts, so every point is out of sample. Needs root.
+machine does; times are emulated seconds (wall / k). The model is the collective's algorithm on
+rates and latencies each cluster measures before the runs, as the syncs do with
+``sync.network_latency=measured`` and ``sync.network_bandwidth=measured``: allreduce at the NICs'
+payload rate with the per-message latency of tiny allreduces (``ddlscale.comm.probe.probe_latency``);
+the pairwise exchanges (allgather and all-to-all) at the rate and fixed cost two all-to-alls of 2 and
+8 MB per rank show (``probe_exchange``). No point's size is probed and no point is fitted, so every
+point is out of sample. Needs root.
 """
 
 from __future__ import annotations
@@ -36,15 +39,21 @@ from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
 from ddlscale.units import parse_bandwidth
 
 COLLECTIVES = ("allreduce", "allgather", "all_to_all")
+PROBED = ("allreduce_alpha_s", "exchange_alpha_s", "exchange_bps", "exchange_fixed_s")
 PORT = 29511
 
 
-def model_time(model: NetworkModel, collective: str, nbytes: float, n: int, alphas: dict | None = None) -> float:
-    """The model's time for the call the workers make (allgather: direct, as on gloo); ``alphas``:
-    the latencies measured on the cluster (allreduce's, and the exchanges'), else the model's own."""
-    if alphas is not None:
-        key = "allreduce_alpha_s" if collective == "allreduce" else "exchange_alpha_s"
-        model = dataclasses.replace(model, latency_s=alphas[key])
+def model_time(model: NetworkModel, collective: str, nbytes: float, n: int, probe: dict | None = None) -> float:
+    """The model's time for the call the workers make (allgather: direct, as on gloo). ``probe``: what
+    the cluster measured before the runs (allreduce's alpha from tiny calls; the exchanges' rate and
+    fixed cost from two all-to-alls of sizes not among the points), else the wire's own."""
+    if probe is not None:
+        if collective == "allreduce":
+            model = dataclasses.replace(model, latency_s=probe["allreduce_alpha_s"])
+        else:  # the pairwise exchange prices (n-1) alphas and its busiest NIC's bytes at its rate
+            # each of its n-1 steps costs at least a tiny message's latency, whatever the line's intercept
+            latency = max(probe["exchange_alpha_s"], probe["exchange_fixed_s"] / max(1, n - 1))
+            model = dataclasses.replace(model, latency_s=latency, bandwidth_bps=probe["exchange_bps"])
     if collective == "allreduce":
         return model.allreduce(nbytes, n)
     if collective == "allgather":
@@ -67,7 +76,7 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: s
 
     from ddlscale import clock
     from ddlscale.comm import Communicator
-    from ddlscale.comm.probe import probe_latency
+    from ddlscale.comm.probe import probe_exchange, probe_latency
     from ddlscale.units import parse_bandwidth
 
     torch.set_num_threads(1)
@@ -89,6 +98,8 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: s
     prepare("allreduce", 4096)().wait()  # warm the connections
     # The per-message latency of this cluster, as the planners measure it: tiny collectives timed.
     probe = probe_latency(None, world, parse_bandwidth(bandwidth) * TCP_PAYLOAD_FRACTION)
+    exchange = probe_exchange(None, world)  # the exchanges' rate and fixed cost, at sizes no point uses
+    probe.update(exchange_bps=exchange["bandwidth_bps"], exchange_fixed_s=exchange["fixed_s"])
     rows = []
     for size_mb in sizes_mb:
         nbytes = int(size_mb * 2**20)
@@ -112,8 +123,8 @@ def worker(rank: int, world: int, sizes_mb: list[float], reps: int, bandwidth: s
                              "host_cpu_busy": (busy1 - busy0) / max(1, total1 - total0)})
                 del pending, call
     if rank == 0:
-        print("RESULT " + json.dumps([{**row, "allreduce_alpha_s": probe["allreduce_alpha_s"],
-                                       "exchange_alpha_s": probe["exchange_alpha_s"]} for row in rows]), flush=True)
+        measured = {key: probe[key] for key in PROBED}
+        print("RESULT " + json.dumps([{**row, **measured} for row in rows]), flush=True)
     dist.destroy_process_group()
 
 
@@ -168,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += measure(nodes, args.bandwidth, sizes, args.reps, choice.k)
         results.progress(i + 1, len(node_counts), f"{nodes} machines measured")
     results.dilation = ", ".join(f"{k:g} ({n} machines)" for n, k in ks.items())
-    alphas = {n: next({k: r[k] for k in ("allreduce_alpha_s", "exchange_alpha_s")} for r in rows if r["nodes"] == n)
-              for n in node_counts}
+    alphas = {n: next({k: r[k] for k in PROBED} for r in rows if r["nodes"] == n) for n in node_counts}
     for row in rows:
         row["model_s"] = model_time(wire_model, row["collective"], row["size_mb"] * 2**20, row["nodes"],
                                     alphas[row["nodes"]])
@@ -204,25 +214,27 @@ def main(argv: list[str] | None = None) -> None:
     results.write_markdown(
         f"Cost model vs emulated cluster ({args.bandwidth} NICs, one rank per machine)",
         ["machines", "k", "collective", "MB", "measured s (median)", "min", "max", "wire s",
-         "model s (wire + measured alpha)", "model error", "host CPU busy", "start skew ms", "within 15% (>= 4 MB)"],
+         "model s (measured alpha, beta)", "model error", "host CPU busy", "start skew ms", "within 15% (>= 4 MB)"],
         table,
         notes=f"Model: NIC payload rate {wire_model.bandwidth_bps / 1e9:.3f} Gbit/s (TCP framing), "
               "ring allreduce (gloo's), allgather and all-to-all as ddlscale runs them on gloo (every pair at "
               f"once in 256 KiB segments), per-NIC bottleneck ('wire s', with the configured alpha {ALPHA}). The "
-              "model takes the per-message "
-              "latency measured on each cluster before the runs, as sync.network_latency=measured does (20 tiny "
-              "allreduces and allgathers, ddlscale.comm.probe.probe_latency): "
-              + ", ".join(f"{n} machines: allreduce {a['allreduce_alpha_s'] * 1e6:.0f} us, exchanges "
-                          f"{a['exchange_alpha_s'] * 1e6:.0f} us" for n, a in alphas.items())
-              + ": tiny collectives, none of the points predicted, so every point is out of sample. Times are "
+              "model takes what each cluster measured before the runs: allreduce's per-message latency from 20 "
+              "tiny allreduces (ddlscale.comm.probe.probe_latency, as sync.network_latency=measured does), and the "
+              "pairwise exchange's rate and fixed cost from all-to-alls of 2 and 8 MB per rank (probe_exchange, "
+              "as sync.network_bandwidth=measured does), the line through their medians: "
+              + ", ".join(f"{n} machines: allreduce {a['allreduce_alpha_s'] * 1e6:.0f} us; exchanges "
+                          f"{a['exchange_bps'] / 1e9:.3f} Gbit/s and {a['exchange_fixed_s'] * 1e3:.1f} ms each"
+                          for n, a in alphas.items())
+              + ": calls of sizes none of the points has, timed apart from them, so every point is out of sample. Times are "
               "emulated seconds (wall / k, k per cluster in the table). "
               f"{misses} of the points >= 4 MB miss 15%. 'host CPU busy' is the share of this host's cores in use "
               "during the collective (wall time: under dilation the machines' CPU caps leave the rest to the "
               "kernel's networking); 'start skew' how far apart the ranks entered it (timed from the last one)."
               "\n\nProjection to larger clusters (wire model):\n" + projection_text,
         summary={"Compared": "measured allreduce, allgather and all-to-all of " + args.sizes_mb.replace(",", ", ")
-                             + " MB against the alpha-beta cost model (the wire, and the wire with the alpha each cluster "
-                             "measured).",
+                             + " MB against the alpha-beta cost model (the wire, and the alpha and beta each cluster "
+                             "measured on other calls).",
                  "Emulation": f"{args.nodes} emulated machines, one rank each, {args.bandwidth} NICs, on this host's "
                               f"{os.cpu_count()} cores, time-dilated (k per cluster: {results.dilation}); no device time.",
                  "Bound by": "measured per point as the share of the host's cores in use during the collective "

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
+from ddlscale.comm.collectives import Communicator
 from ddlscale.comm.network import NetworkModel
 
 MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
@@ -54,28 +55,42 @@ def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int 
             "allreduce_s": timed["allreduce"], "calls": calls}
 
 
-def probe_bandwidth(group: Any, world_size: int, block_bytes: int = 1 << 20, calls: int = 3) -> float:
-    """A NIC's bandwidth as an all-to-all of ``block_bytes`` per peer shows it (every rank calls).
+PROBE_TOTALS = (8 << 20, 32 << 20)  # bytes each rank sends in the two timed exchanges (its input, itself included)
 
-    Each rank sends and receives (n-1) blocks at once, so its NIC carries (n-1) * block_bytes each
-    way; the median of ``calls`` timed exchanges, less the message steps' latency measured with one
-    tiny exchange, gives bit/s. On the emulated cluster it lands near the shaped rate times TCP's
-    payload fraction; on a shared host it also holds the host's copying, which is the point of
-    measuring.
+
+def probe_exchange(group: Any, world_size: int, totals: tuple[int, int] = PROBE_TOTALS, calls: int = 5) -> dict[str, Any]:
+    """The pairwise exchange's rate and fixed cost as ``group`` shows them (every rank calls).
+
+    Times all-to-alls of two sizes through :class:`~ddlscale.comm.collectives.Communicator`, the
+    path the syncs' exchanges take (every pair at once, in segments, on gloo), and puts a line
+    through the two medians: its slope gives the rate each NIC achieves (``bandwidth_bps``, payload
+    bits a second), its intercept the cost every exchange pays whatever its size (``fixed_s``). A
+    NIC's nominal rate is what one flow gets; many flows sharing each link at once get less, and
+    an exchange starts up more slowly than a tiny message's latency says (measured on the emulated
+    cluster: the same at any dilation, so not the host's).
     """
     if world_size < 2:
-        return float("inf")
-    send = torch.zeros(world_size * block_bytes, dtype=torch.uint8)
-    recv = torch.empty_like(send)
-    tiny, tiny_out = torch.zeros(world_size, dtype=torch.uint8), torch.empty(world_size, dtype=torch.uint8)
+        return {"bandwidth_bps": float("inf"), "fixed_s": 0.0, "times_s": [], "totals": list(totals)}
+    comm = Communicator(group)
+    medians = []
+    for total in totals:
+        block = max(1, total // world_size)
+        send = torch.zeros(world_size * block, dtype=torch.uint8)
+        recv = torch.empty_like(send)
+        comm.all_to_all(recv, send).wait()  # warm
+        times = []
+        for _ in range(calls):
+            dist.barrier(group=group)
+            start = clock.now()
+            comm.all_to_all(recv, send).wait()
+            times.append(clock.now() - start)
+        medians.append(statistics.median(times))
+    busiest = [(world_size - 1) * max(1, total // world_size) for total in totals]  # bytes each NIC carries each way
+    slope = max(medians[1] - medians[0], 1e-9) / (busiest[1] - busiest[0])
+    return {"bandwidth_bps": 8 / slope, "fixed_s": max(0.0, medians[0] - busiest[0] * slope),
+            "times_s": medians, "totals": list(totals)}
 
-    def timed(out: torch.Tensor, data: torch.Tensor) -> float:
-        dist.barrier(group=group)
-        start = clock.now()
-        dist.all_to_all_single(out, data, group=group)
-        return clock.now() - start
 
-    timed(recv, send)  # warm
-    base = statistics.median(timed(tiny_out, tiny) for _ in range(calls))
-    full = statistics.median(timed(recv, send) for _ in range(calls))
-    return (world_size - 1) * block_bytes * 8 / max(full - base, 1e-9)
+def probe_bandwidth(group: Any, world_size: int) -> float:
+    """A NIC's payload bit/s as the pairwise exchange achieves it (:func:`probe_exchange`'s rate)."""
+    return probe_exchange(group, world_size)["bandwidth_bps"]

@@ -182,3 +182,22 @@ def test_run_workers_names_a_rank_that_never_reports_instead_of_hanging():
     with pytest.raises(RuntimeError, match=r"ranks \[1\] reported nothing within 6 s"):
         run_workers(_one_rank_hangs, 2, timeout_s=3)
     assert time.monotonic() - start < 20
+
+
+def _probe_exchange(rank, world):
+    from ddlscale.comm.probe import probe_exchange
+
+    return probe_exchange(None, world, totals=(1 << 20, 8 << 20), calls=3)
+
+
+@pytest.mark.multiprocess
+def test_exchange_probe_fits_a_rate_and_a_fixed_cost_from_two_sizes():
+    """The larger exchange takes longer, and the line through the two medians passes through both."""
+    for probe in run_workers(_probe_exchange, 2, timeout_s=60):
+        small, large = probe["times_s"]
+        assert 0 < small < large
+        assert 0 < probe["bandwidth_bps"] < float("inf") and probe["fixed_s"] >= 0
+        per_bit = 1 / probe["bandwidth_bps"]
+        carried = [(2 - 1) * total // 2 * 8 for total in probe["totals"]]  # bits each NIC carries each way
+        assert large == pytest.approx(probe["fixed_s"] + carried[1] * per_bit, rel=1e-6)
+        assert small <= probe["fixed_s"] + carried[0] * per_bit + 1e-9  # equal unless the intercept was clamped
