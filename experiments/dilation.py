@@ -1,7 +1,10 @@
 """Time dilation changes nothing it should not, and removes the host where the host was the limit.
 
     python -m experiments.dilation [--ks 1,2,4] [--syncs dense,zen,compress] [--reps 4] [--steps 16]
-        [--big-nodes 8] [--big-syncs dense,zen] [--big-reps 4]
+        [--big-nodes 8] [--big-syncs dense,zen] [--big-reps 4] [--name dilation]
+
+``--nodes 0`` leaves out the invariance part, ``--big-nodes 0`` the 8-machine one; each part can be
+run on its own into its own folder (``--name``), as the claims table does.
 
 **Invariance.** On 2 emulated machines, one worker each (2 ranks on this host's 2 cores: not
 oversubscribed), the same lstm job runs at k = 1, 2 and 4 (``cluster.dilation``) under three syncs:
@@ -72,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--big-nodes", type=int, default=8)
     parser.add_argument("--big-syncs", default="dense,zen")
     parser.add_argument("--big-reps", type=int, default=4)
+    parser.add_argument("--name", default="dilation", help="the results folder under experiments/results")
     args = parser.parse_args(argv)
     ks, syncs, big_syncs = args.ks.split(","), args.syncs.split(","), args.big_syncs.split(",")
     for name in [*syncs, *big_syncs]:
@@ -84,9 +88,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{args.big_nodes} machines: {auto.describe()}", flush=True)
         settings["2x auto"] = f"{2 * auto.k:g}"
         big_cells = [(sync, k) for sync in big_syncs for k in ("1", "auto", "2x auto")]
-    results = Results("dilation")
+    if not (args.nodes or args.big_nodes):
+        parser.error("--nodes 0 and --big-nodes 0 leave nothing to run")
+    results = Results(args.name)
     rows: list[dict[str, Any]] = []
-    cells = [(sync, k) for sync in syncs for k in ks]
+    cells = [(sync, k) for sync in syncs for k in ks] if args.nodes else []
     total, done = len(cells) * args.reps + len(big_cells) * args.big_reps, 0
     for part, nodes, plan, reps in (("invariance", args.nodes, cells, args.reps),
                                     ("bound", args.big_nodes, big_cells, args.big_reps)):
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         return statistics.median(values) if values else float("nan")
 
     table = []
-    for sync in syncs:
+    for sync in syncs if args.nodes else ():
         base_step, base_sync = med("step_time_s", part="invariance", sync=sync, setting="1"), \
             med("sync_time_s", part="invariance", sync=sync, setting="1")
         for k in ks:
@@ -139,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
                           med("comm_over_wire", part="bound", sync=sync, setting=k),
                           med("wall_s", part="bound", sync=sync, setting=k)])
 
-    worst = max(abs(float(cell.rstrip("%"))) / 100 for r in table if r[8] for cell in (r[6], r[8]))
+    worst = max((abs(float(cell.rstrip("%"))) / 100 for r in table if r[8] for cell in (r[6], r[8])), default=None)
     bound_lines = []
     for k in dict.fromkeys(c[1] for c in big_cells):
         dense = [r for r in rows if (r["part"], r["sync"], r["setting"]) == ("bound", "dense", k)]
@@ -148,6 +154,17 @@ def main(argv: list[str] | None = None) -> None:
                 f"k={statistics.median(r['k'] for r in dense):g}: ranks used "
                 f"{statistics.median(r['cpu_use'] for r in dense):.2f} of their CPU, dense's communication ran "
                 f"{statistics.median(r['comm_over_wire'] for r in dense):.2f}x its wire time")
+    answers = []
+    if worst is not None:
+        answers.append(f"at {args.nodes} machines the medians at k = {', '.join(ks[1:])} differ from k = 1's by at "
+                       f"most {worst:.1%} (step and sync, every sync)")
+    for sync in big_syncs:
+        moved = [abs(r["step_time_s"] / a["step_time_s"] - 1) for a in rows for r in rows
+                 if (a["part"], a["sync"], a["setting"]) == ("bound", sync, "auto")
+                 and (r["part"], r["sync"], r["setting"], r["rep"]) == ("bound", sync, "2x auto", a["rep"])]
+        if moved:
+            answers.append(f"at {args.big_nodes} machines {sync}'s step at twice auto's k differs from auto's by "
+                           f"{statistics.median(moved):.1%} (median of paired repetitions)")
     results.write_markdown(
         "Time dilation: invariant where the host is not the limit; what bounds 8 machines at k = 1 and auto",
         ["cluster", "sync", "k", "step ms (median)", "min", "max", "step vs k=1", "sync ms (median)",
@@ -160,26 +177,33 @@ def main(argv: list[str] | None = None) -> None:
               f"the host's {os.cpu_count()} cores when every rank computes). 'comm / wire': the sync's time blocked "
               "on communication over the bytes it sent at the NIC's payload rate. 'wall s per run': the host's "
               "seconds for the whole run, start-up included: what dilation costs.",
-        summary={"Compared": f"reported step and sync times at k = {', '.join(ks)} on {args.nodes} machines "
-                             f"({', '.join(syncs)}); at {args.big_nodes} machines k = 1 and twice auto's k against "
-                             f"auto's ({', '.join(big_syncs)}).",
-                 "Emulation": f"{args.nodes} and {args.big_nodes} emulated machines, one worker each, {args.bandwidth} "
-                              f"NICs, device time {DEVICE_TIME_S * 1e3:.0f} ms a step, on this host's "
-                              f"{os.cpu_count()} cores; k as in the table.",
-                 "Bound by": "measured per run (CPU use, comm / wire); at 8 machines: " + "; ".join(bound_lines) + ".",
-                 "Repetitions": f"{args.reps} alternating at {args.nodes} machines, {args.big_reps} at "
-                                f"{args.big_nodes}; every run in results.csv.",
-                 "Answer": f"at {args.nodes} machines the medians at k = {', '.join(ks[1:])} differ from k = 1's by "
-                           f"at most {worst:.1%} (step and sync, every sync)."},
+        summary={"Compared": "; ".join(
+                     ([f"reported step and sync times at k = {', '.join(ks)} on {args.nodes} machines "
+                       f"({', '.join(syncs)})"] if args.nodes else [])
+                     + ([f"at {args.big_nodes} machines k = 1 and twice auto's k against auto's "
+                         f"({', '.join(big_syncs)})"] if args.big_nodes else [])) + ".",
+                 "Emulation": f"{' and '.join(str(n) for n in (args.nodes, args.big_nodes) if n)} emulated machines, "
+                              f"one worker each, {args.bandwidth} NICs, device time {DEVICE_TIME_S * 1e3:.0f} ms a "
+                              f"step, on this host's {os.cpu_count()} cores; k as in the table.",
+                 "Bound by": "measured per run (CPU use, comm / wire)" + (
+                     f"; at {args.big_nodes} machines: " + "; ".join(bound_lines) if bound_lines else "") + ".",
+                 "Repetitions": ", ".join(f"{reps} alternating at {n} machines" for n, reps in
+                                          ((args.nodes, args.reps), (args.big_nodes, args.big_reps)) if n)
+                                + "; every run in results.csv.",
+                 "Answer": "; ".join(answers) + "."},
         command=f"python -m experiments.dilation --ks {args.ks} --syncs {args.syncs} --reps {args.reps} "
                 f"--steps {args.steps} --big-nodes {args.big_nodes} --big-syncs {args.big_syncs} "
-                f"--big-reps {args.big_reps}",
+                f"--big-reps {args.big_reps}" + (f" --nodes {args.nodes}" if args.nodes != 2 else "")
+                + (f" --name {args.name}" if args.name != "dilation" else ""),
     )
-    _plot(results, rows, syncs, ks)
+    if args.nodes:
+        _plot(results, rows, "invariance", args.nodes, syncs)
+    else:
+        _plot(results, rows, "bound", args.big_nodes, big_syncs)
     print(f"wrote {results.dir}")
 
 
-def _plot(results: Results, rows: list[dict[str, Any]], syncs: list[str], ks: list[str]) -> None:
+def _plot(results: Results, rows: list[dict[str, Any]], part: str, nodes: int, syncs: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,15 +214,16 @@ def _plot(results: Results, rows: list[dict[str, Any]], syncs: list[str], ks: li
         for sync in syncs:
             by_k: dict[float, list[float]] = defaultdict(list)
             for r in rows:
-                if (r["part"], r["sync"]) == ("invariance", sync):
+                if (r["part"], r["sync"]) == (part, sync):
                     by_k[r["k"]].append(r[column] * 1e3)
             xs = sorted(by_k)
             meds = [statistics.median(by_k[x]) for x in xs]
             line = ax.plot(xs, meds, "o-", label=sync)[0]
             for x in xs:
                 ax.plot([x] * len(by_k[x]), by_k[x], ".", color=line.get_color(), alpha=0.4)
-        ax.set(xscale="log", xticks=[float(k) for k in ks], xticklabels=ks, xlabel="dilation k",
-               ylabel=f"{label} time (ms, reported)", title=f"{label} time vs k, 2 machines")
+        ks = sorted({r["k"] for r in rows if r["part"] == part})
+        ax.set(xscale="log", xticks=ks, xticklabels=[f"{k:g}" for k in ks], xlabel="dilation k",
+               ylabel=f"{label} time (ms, reported)", title=f"{label} time vs k, {nodes} machines")
         ax.set_ylim(bottom=0)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
