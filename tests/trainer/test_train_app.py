@@ -94,6 +94,7 @@ def test_default_run_writes_summary_and_metrics(tmp_path):
     assert len(periods) == len(steps) - 1 and all(period > batch for period, batch in periods)
 
 
+@pytest.mark.slow  # ~28 s: test_run_tracking's compare case runs a sweep by default
 @pytest.mark.e2e
 def test_sweep_runs_each_job_once_and_seed_reproduces(tmp_path):
     sweep = tmp_path / "sweep"
@@ -228,6 +229,7 @@ def test_powersgd_trains_through_sync_compress_allreduce(tmp_path):
     assert summary["compressor"] == "powersgd" and summary["steps"] == 3 and summary["final_loss"] == summary["final_loss"]
 
 
+@pytest.mark.slow  # ~21 s, two trainings: test_strategy's third-party module case covers a user's backend by default
 @pytest.mark.e2e
 def test_user_backend_outside_the_package(tmp_path):
     example = ROOT / "examples" / "custom_sync"
