@@ -18,8 +18,8 @@ machine does; times are emulated seconds (wall / k). The model is the collective
 rates and latencies each cluster measures before the runs, as the syncs do with
 ``sync.network_latency=measured`` and ``sync.network_bandwidth=measured``: allreduce at the NICs'
 payload rate with the per-message latency of tiny allreduces (``ddlscale.comm.probe.probe_latency``);
-the pairwise exchanges (allgather and all-to-all) at the rate and fixed cost two all-to-alls of 2 and
-8 MB per rank show (``probe_exchange``). No point's size is probed and no point is fitted, so every
+the pairwise exchanges (allgather and all-to-all) at the rate and fixed cost two all-to-alls of 8 and
+32 MB per rank show (``probe_exchange``, ``PROBE_TOTALS``). No point's size is probed and no point is fitted, so every
 point is out of sample. Needs root.
 """
 
@@ -36,6 +36,7 @@ import sys
 from ddlscale.cluster import dilation
 from ddlscale.cluster.emulated import ALPHA, TCP_PAYLOAD_FRACTION, EmulatedCluster
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
+from ddlscale.comm.probe import PROBE_TOTALS
 from ddlscale.units import parse_bandwidth
 
 COLLECTIVES = ("allreduce", "allgather", "all_to_all")
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> None:
               f"once in 256 KiB segments), per-NIC bottleneck ('wire s', with the configured alpha {ALPHA}). The "
               "model takes what each cluster measured before the runs: allreduce's per-message latency from 20 "
               "tiny allreduces (ddlscale.comm.probe.probe_latency, as sync.network_latency=measured does), and the "
-              "pairwise exchange's rate and fixed cost from all-to-alls of 2 and 8 MB per rank (probe_exchange, "
+              f"pairwise exchange's rate and fixed cost from all-to-alls of {' and '.join(f'{t / 2**20:g}' for t in PROBE_TOTALS)} "
+              "MB per rank (probe_exchange, "
               "as sync.network_bandwidth=measured does), the line through their medians: "
               + ", ".join(f"{n} machines: allreduce {a['allreduce_alpha_s'] * 1e6:.0f} us; exchanges "
                           f"{a['exchange_bps'] / 1e9:.3f} Gbit/s and {a['exchange_fixed_s'] * 1e3:.1f} ms each"
