@@ -47,6 +47,9 @@ ALPHA = "100us"  # per message step across veth + bridge + TCP, as measured on t
 PREFIX = "ddl"  # every namespace this module creates starts with it
 SUBNET = "10.213.0"  # machine i has SUBNET.(i+1)/24, inside its namespace only
 MAX_NODES = 250  # addresses .1 to .250 of the /24
+# torch's c10d rendezvous defaults (seconds), which a dilated cluster stretches by k.
+RENDEZVOUS_SECONDS = {"join_timeout": 600, "last_call_timeout": 30, "close_timeout": 30, "heartbeat": 5,
+                      "keep_alive_interval": 5}
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
 
 
@@ -335,6 +338,17 @@ class EmulatedCluster:
             raise RuntimeError(f"the rendezvous store on {self.address(0)}:{port} did not start")
         return store
 
+    def rendezvous_conf(self) -> str:
+        """torchrun's c10d rendezvous options: its timeouts and keep-alive stretched by k.
+
+        The agents run capped like every process on their machine, and torch's rendezvous keeps wall
+        time: at k = 8 on 8 machines an agent's rounds of the rendezvous outlasted its peers' patience
+        with its keep-alives (5 s, three missed) and the rendezvous never completed.
+        """
+        k = self.dilation
+        stretched = {name: seconds * k for name, seconds in RENDEZVOUS_SECONDS.items()}
+        return ",".join(["is_host=false", *(f"{name}={seconds:.0f}" for name, seconds in stretched.items())])
+
     def torchrun(self, machine: int, script_args: Sequence[str], nproc_per_node: int = 1, port: int = 29400,
                  script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, etcd: Any = None, run_id: str = "none",
                  **popen_kwargs: Any):
@@ -345,8 +359,8 @@ class EmulatedCluster:
             rendezvous = ["--rdzv-backend=ddlscale-etcd", f"--rdzv-endpoint={etcd.rendezvous_endpoint}",
                           f"--rdzv-id={run_id}"]
         else:
-            rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}", "--rdzv-conf=is_host=false",
-                          f"--rdzv-id={run_id}"]
+            rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint={self.address(0)}:{port}",
+                          f"--rdzv-conf={self.rendezvous_conf()}", f"--rdzv-id={run_id}"]
         argv = [
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}", *rendezvous,

@@ -183,6 +183,21 @@ def test_a_dilated_link_runs_k_times_slower_with_k_times_the_delay(monkeypatch):
     assert "burst 125000 " in commands[1] and "burst 125000 " in commands[2]
 
 
+def test_a_dilated_cluster_stretches_the_rendezvous_timeouts_by_k(monkeypatch):
+    """torchrun's agents run capped: their rendezvous must wait k times longer, or at k = 8 it never completes."""
+    from ddlscale.cluster import emulated
+
+    launched = []
+    monkeypatch.setattr(EmulatedCluster, "popen", lambda self, machine, argv, **kw: launched.append(argv))
+    for k in (1, 8):
+        EmulatedCluster(8, "1gbit", dilation=k).torchrun(0, ["model=cnn"])
+    confs = [dict(item.split("=") for item in next(a for a in argv if a.startswith("--rdzv-conf="))
+                  .removeprefix("--rdzv-conf=").split(",")) for argv in launched]
+    assert confs[0]["is_host"] == confs[1]["is_host"] == "false"
+    for name, seconds in emulated.RENDEZVOUS_SECONDS.items():
+        assert int(confs[0][name]) == seconds and int(confs[1][name]) == 8 * seconds
+
+
 @pytest.mark.multiprocess
 @needs_namespaces
 def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
