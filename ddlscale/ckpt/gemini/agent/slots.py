@@ -131,14 +131,15 @@ class Slot:
         if self.inbox is not None:
             self.inbox.release(revoke=True)
             self.inbox = None
+        unmapped = True
         if self.buf is not None:
             try:
                 self.buf.close()
             except BufferError:  # a DATA being received into it still holds a view: freed with that view
-                pass
+                unmapped = False  # and never truncated under it (the agent itself would fault)
             self.buf = None
         if self.fd is not None:
-            if revoke:
+            if revoke and unmapped:
                 os.ftruncate(self.fd, 0)
             os.close(self.fd)
             self.fd = None
