@@ -61,6 +61,13 @@ OUTCOME_SLACK_S = 10.0
 NO_SPACE_OUTCOME = "no_space"  # a version's outcome when some holder had no room for it
 
 
+def buffers_per_agent(replicas: int, ranks_per_machine: int) -> int:
+    """Version-sized files an agent holds at once: 2 per rank of the ``replicas`` machines it holds (the
+    committed version and the one coming), and one per rank of its own machine (what that trainer writes
+    through shared memory, until END copies it in)."""
+    return (2 * replicas + 1) * ranks_per_machine
+
+
 def estimate_version_bytes(pl_module: pl.LightningModule) -> int:
     """A version's size before the optimizer has state: parameters and buffers, plus the optimizer's
     state per parameter (SGD: a momentum buffer when it has momentum; anything else: two, as Adam's)."""
@@ -310,7 +317,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
 
     def _check_shared_memory(self, pl_module: pl.LightningModule, world: int, machines: int) -> None:
         """At start-up: refuse, with the numbers, when a shared memory cannot hold every buffer the agents
-        using it will keep: 2 per rank held, for the ranks of ``ckpt.replicas`` machines, each of a version's
+        using it will keep: 2 per rank held, for the ranks of ``ckpt.replicas`` machines, and the file each of
+        its own machine's ranks writes a version into (copied into a buffer at END), each of a version's
         size (parameters, buffers and optimizer state, estimated before the optimizer has any), times the
         agents that share it (all of them on one host: cluster=local). Rank 0 asks every agent; all ranks
         raise alike."""
@@ -318,7 +326,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         if self.rank == 0:
             version = estimate_version_bytes(pl_module)
             per_machine = math.ceil(world / machines)
-            per_agent = 2 * self.replicas * per_machine * version
+            per_agent = buffers_per_agent(self.replicas, per_machine) * version
             stats = []
             for machine in range(machines):
                 with self._agent(machine) as client:
@@ -332,8 +340,9 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                 problem[0] = (
                     f"ckpt=gemini: {mib(free)} free in {mine['dir']} on {mine.get('host')}, which the agents of "
                     f"{len(sharing)} machine(s) share; each keeps 2 buffers for each of the {per_machine} rank(s) of "
-                    f"the ckpt.replicas={self.replicas} machines whose replicas it holds, of about {mib(version)} "
-                    f"each (parameters, buffers, optimizer state): {mib(need)} ({need} bytes) in all. Enlarge it (docker run "
+                    f"the ckpt.replicas={self.replicas} machines whose replicas it holds, and one its own machine's "
+                    f"{per_machine} rank(s) write into, of about {mib(version)} each (parameters, buffers, optimizer "
+                    f"state): {mib(need)} ({need} bytes) in all. Enlarge it (docker run "
                     "--shm-size=...), lower ckpt.replicas or use fewer ranks per host")
         if dist.is_initialized() and world > 1:
             dist.broadcast_object_list(problem, src=0)
@@ -342,9 +351,10 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
 
     def _space_message(self, refusal: str, version_bytes: int, world: int, machines: int) -> str:
         per_machine = math.ceil(world / machines)
+        need = buffers_per_agent(self.replicas, per_machine) * version_bytes
         return (f"ckpt=gemini: {refusal}. Each machine keeps 2 buffers for each rank of the ckpt.replicas="
-                f"{self.replicas} machines whose replicas it holds ({per_machine} rank(s) each): versions of "
-                f"{mib(version_bytes)} need about {mib(2 * self.replicas * per_machine * version_bytes)} of "
+                f"{self.replicas} machines whose replicas it holds ({per_machine} rank(s) each), and one for each "
+                f"of its own ranks to write into: versions of {mib(version_bytes)} need about {mib(need)} of "
                 f"{shm_dir()} per machine. Enlarge it (docker run --shm-size=...) or lower ckpt.replicas")
 
     # -- interleaving: profile the idle spans, hold the optimizer step until the version is out ------

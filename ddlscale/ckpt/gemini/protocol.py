@@ -5,8 +5,10 @@ a fresh random nonce). Then every request is a fixed header ``(op, seq, incarnat
 a, b)`` and a MAC under the job's message key (:mod:`ddlscale.ckpt.gemini.auth`) over the nonce, the header
 and any short text that follows; ``owner`` is the rank whose state the bytes are:
 
-* ``BEGIN`` (``a`` = the version's size): the agent picks and reserves a buffer — which one is its
-  decision alone (:mod:`ddlscale.ckpt.gemini.agent`) — and answers with its shared-memory file;
+* ``BEGIN`` (``a`` = the version's size; ``b`` = 1 from the machine's own trainer): the agent picks
+  and reserves a buffer — which one is its decision alone (:mod:`ddlscale.ckpt.gemini.agent`) — and
+  answers the own trainer with a shared-memory file to write, copied into the buffer at END (the
+  buffer's own file is named to no writer);
 * ``DATA`` (``a`` = offset, ``b`` = length, then ``b`` bytes; no reply, so chunks stream);
 * ``END`` (text: the version's MAC under the replica key): the agent checks the bytes it holds;
   only then is the replica complete;
@@ -187,9 +189,10 @@ class AgentClient:
             raise {NO_SPACE: ReplicaSpaceError, REFUSED: ReplicaRefused}.get(status, ReplicaError)(message)
         return body
 
-    def begin(self, version: int, owner: int, nbytes: int) -> str:
-        """Open a version at the agent; returns the shared-memory file the agent reserved for it."""
-        self._request(BEGIN, version, owner, nbytes)
+    def begin(self, version: int, owner: int, nbytes: int, shared: bool = False) -> str:
+        """Open a version at the agent. ``shared``: it will be written through shared memory; returns the
+        file to write (else "")."""
+        self._request(BEGIN, version, owner, nbytes, 1 if shared else 0)
         return self._reply().decode()
 
     def data(self, version: int, owner: int, offset: int, pieces: list[memoryview]) -> None:
@@ -227,8 +230,10 @@ class AgentClient:
 
 
 class LocalAgentClient(AgentClient):
-    """The connection to this machine's own agent: data goes straight into the agent's shared-memory
-    buffer (one memcpy, no TCP); BEGIN, END and the rest still go over the socket."""
+    """The connection to this machine's own agent: data goes straight into a shared-memory file the agent
+    made for it (one memcpy, no TCP); BEGIN, END and the rest still go over the socket. At END the agent
+    copies that file into the replica's buffer and truncates it: nothing mapped here reaches a complete
+    version."""
 
     def __init__(self, address: str, auth: JobKeys, incarnation: int, timeout_s: float = 30.0) -> None:
         super().__init__(address, auth, incarnation, timeout_s)
@@ -236,7 +241,7 @@ class LocalAgentClient(AgentClient):
         self._map: mmap.mmap | None = None
 
     def begin(self, version: int, owner: int, nbytes: int) -> str:
-        path = super().begin(version, owner, nbytes)
+        path = super().begin(version, owner, nbytes, shared=True)
         if Path(path).parent != shm_dir() or not Path(path).name.startswith("ddl-"):
             raise ReplicaError(f"agent {self.address} named {path!r}, not one of its shared-memory buffers")
         self._unmap()  # every version is a new file (the agent's): the last one's mapping is dropped
@@ -256,7 +261,7 @@ class LocalAgentClient(AgentClient):
         view.release()
 
     def end(self, version: int, owner: int, mac: str) -> None:
-        self._unmap()  # the version is written: this trainer keeps no way into its buffer
+        self._unmap()  # the version is written (the agent truncates the file at END: a kept mapping would fault)
         super().end(version, owner, mac)
 
     def _unmap(self) -> None:

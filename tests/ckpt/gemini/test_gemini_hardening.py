@@ -3,8 +3,11 @@ a stale incarnation's DATA and END after a restart, a flood of connections, a si
 what a trainer's mapping can reach after its version is written."""
 
 import os
+import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 
 import pytest
@@ -27,12 +30,16 @@ def _put(job, client, version, owner=0, fill=1):
 
 def test_replica_files_are_private_and_unpredictable(job, agent):
     with job.client(agent) as client:
-        first = _put(job, client, 1)
+        assert _put(job, client, 1) == ""  # a buffer's own file is named to no writer
+        first = agent.replicas.complete(0, 1).path
         job.decide(1)
-        second = _put(job, client, 2)
-    for path in (first, second):
-        mode = os.stat(path).st_mode
-        assert stat.S_IMODE(mode) == 0o600 and stat.S_ISREG(mode)
+        _put(job, client, 2)
+        second = agent.replicas.complete(0, 2).path
+    modes = [os.stat(path).st_mode for path in (first, second)]
+    job.decide(2)
+    with job.client(agent, cls=LocalAgentClient) as local:  # and the file the machine's own trainer writes
+        modes.append(os.stat(local.begin(3, 0, NBYTES)).st_mode)
+    assert all(stat.S_IMODE(mode) == 0o600 and stat.S_ISREG(mode) for mode in modes)
     # 64 random bits in each name: the next one cannot be guessed from these.
     assert first != second and len(os.path.basename(first).rsplit("-", 1)[1]) == 16
 
@@ -98,6 +105,63 @@ def test_a_trainers_mapping_never_reaches_a_written_version(job, agent):
     assert path != second  # a new file: the first one's mapping (had it been kept) is not this one
     held = agent.replicas.complete(0, 2)
     assert bytes(held.view()) == bytes([2]) * NBYTES
+
+
+# A trainer that keeps its mapping of the file BEGIN named past END (left over from before a restart, or
+# buggy): it maps the file, waits for the version to complete, then writes over it.
+KEEPER = r"""
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+kept = mmap.mmap(fd, int(sys.argv[2]))
+os.close(fd)
+print("mapped", flush=True)
+sys.stdin.readline()
+kept[:] = b"\xff" * len(kept)
+kept.flush()
+print("written", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_mapping_kept_past_end_cannot_change_the_complete_version(job, agent):
+    """Item 5: a committed buffer is never mapped writable by a trainer. The file a trainer writes is not
+    the buffer that becomes complete: END copies it into the agent's own buffer (checking the MAC on the
+    copy) and truncates it, so a write through a mapping kept past END faults (SIGBUS) and what the agent
+    serves, to a reader or the drain, stays bit-identical to what was sent."""
+    data = bytes(range(256)) * (NBYTES // 256)
+    mac = checksum(data, "hmac-sha256", job.auth.replica)
+    with job.client(agent, cls=LocalAgentClient) as local:
+        path = local.begin(1, 0, NBYTES)
+        keeper = subprocess.Popen([sys.executable, "-c", KEEPER, path, str(NBYTES)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert keeper.stdout.readline() == "mapped\n"
+            local.data(1, 0, 0, [memoryview(data)])
+            local.end(1, 0, mac)
+            keeper.stdin.write("go\n")
+            keeper.stdin.flush()
+            assert keeper.wait(timeout=60) == -signal.SIGBUS  # the stray write faulted
+            assert keeper.stdout.read() == ""  # and never went through
+        finally:
+            keeper.kill()
+            keeper.wait()
+        assert bytes(local.get(1, 0, NBYTES)) == data
+        local.verify(1, 0, mac)
+    assert not os.path.exists(path)  # unlinked: nothing can map it again by name
+    held = agent.replicas.describe()["0"]
+    assert [h["version"] for h in held if h["complete"]] == [1] and path not in [h["path"] for h in held]
+
+
+def test_the_file_of_a_version_abandoned_before_end_goes_at_the_next_begin(job, agent):
+    """A trainer writes one version at a time: its next BEGIN revokes the file of one it left unfinished
+    (its pages go, a kept mapping faults), and at most one such file per rank is ever held."""
+    with job.client(agent, cls=LocalAgentClient) as local:
+        first = local.begin(1, 0, NBYTES)
+        local.data(1, 0, 0, [memoryview(bytes([7]) * NBYTES)])
+        job.decide(1)  # given up (a peer failed, say)
+        second = _put(job, local, 2, fill=2)
+    assert first != second and not os.path.exists(first) and not os.path.exists(second)
+    assert bytes(agent.replicas.complete(0, 2).view()) == bytes([2]) * NBYTES
 
 
 def test_the_agent_caps_its_connections_and_says_so(job):

@@ -662,10 +662,11 @@ def test_own_machine_writes_go_straight_into_the_agents_shared_memory(job, agent
     data = bytes(range(200)) * 100
     with job.client(agent, cls=LocalAgentClient) as local:
         path = local.begin(1, 0, len(data))
-        local.data(1, 0, 0, [memoryview(data)[:5000], memoryview(data)[5000:]])
-        local.end(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
-        assert Path(path).read_bytes()[:len(data)] == data  # the replica is the shared-memory file
         assert Path(path).stat().st_mode & 0o077 == 0  # readable by the job's user only
+        local.data(1, 0, 0, [memoryview(data)[:5000], memoryview(data)[5000:]])
+        assert Path(path).read_bytes()[:len(data)] == data  # written straight into the shared-memory file
+        local.end(1, 0, checksum(data, "hmac-sha256", job.auth.replica))
+        assert not Path(path).exists()  # copied into the agent's own buffer at END, then removed
     with job.client(agent) as reader:
         assert bytes(reader.get(1, 0, len(data))) == data
 

@@ -218,7 +218,7 @@ try:
 except ReplicaSpaceError as exc:
     print("refused:", exc)
 # A version that fits is reserved in full: filling the rest of /dev/shm must not break writing it.
-data = os.urandom(2 << 20)
+data = os.urandom(1 << 20)  # its buffer and the file the trainer writes: 2 MiB of the 4
 with job.client(agent, cls=LocalAgentClient) as local:
     local.begin(2, 0, len(data))
     with open("/dev/shm/filler", "wb") as filler:
@@ -239,7 +239,7 @@ job.close()
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_a_small_dev_shm_refuses_clearly_and_a_reserved_version_never_faults(tmp_path):
     """/dev/shm of 4 MiB in a private mount namespace (Docker's default is 64 MB): BEGIN of 8 MiB is
-    refused naming the free space; a 2 MiB version is reserved whole, so the trainer writing it through
+    refused naming the free space; a 1 MiB version is reserved whole, so the trainer writing it through
     shared memory after /dev/shm filled up gets no SIGBUS."""
     (tmp_path / "job").mkdir(mode=0o700)
     script = tmp_path / "small_shm.py"
@@ -257,7 +257,7 @@ def test_a_small_dev_shm_refuses_clearly_and_a_reserved_version_never_faults(tmp
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare")
 def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
-    """``python train.py ckpt=gemini`` with a 4 MiB /dev/shm (the GPT's buffers need about 14 MiB per
+    """``python train.py ckpt=gemini`` with a 4 MiB /dev/shm (the GPT's buffers need about 38 MiB per
     machine) stops before its first step with the error naming the free space, ckpt.replicas and the
     version size, instead of training unprotected or dying of SIGBUS."""
     run = tmp_path / "run"
@@ -268,7 +268,8 @@ def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode != 0, out[-3000:]
     assert re.search(r"MiB free (in /dev/shm|of 4\.0 MiB)", out), out[-3000:]
-    assert "ckpt.replicas=2" in out and "need about" in out and "Enlarge it" in out, out[-3000:]
+    assert "ckpt.replicas=2" in out and re.search(r"of about [\d.]+ MiB each", out) and "in all" in out, out[-3000:]
+    assert "Enlarge it" in out, out[-3000:]
     progress = run / PROGRESS_FILE
     assert not progress.exists() or not any(line.startswith("step ") for line in progress.read_text().splitlines())
 
@@ -281,7 +282,8 @@ def test_the_space_error_names_the_free_space_ckpt_replicas_and_the_version_size
         "agent x: cannot reserve 96.0 MiB (100663296 bytes) for version 1 of rank 0 in /dev/shm: 60.1 MiB free of "
         "64.0 MiB", 96 << 20, world=8, machines=4)
     assert "60.1 MiB free of 64.0 MiB" in message and "ckpt.replicas=2" in message
-    assert "versions of 96.0 MiB need about 768.0 MiB of /dev/shm per machine" in message
+    # 2 buffers x 2 replicas x 2 ranks, and 1 file per own rank: 10 versions
+    assert "versions of 96.0 MiB need about 960.0 MiB of /dev/shm per machine" in message
 
 
 # -- item 4: fencing by the agent alone ---------------------------------------------------------------

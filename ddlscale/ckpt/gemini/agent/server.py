@@ -45,7 +45,7 @@ from ddlscale.ckpt.gemini.protocol import (
     reply_mac,
     request_mac,
 )
-from ddlscale.ckpt.version.checksum import KEYED, algorithm_of, matches
+from ddlscale.ckpt.version.checksum import KEYED, Checksum, algorithm_of
 
 if TYPE_CHECKING:
     from ddlscale.ckpt.gemini.agent import Agent
@@ -153,7 +153,9 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
 
     # -- one handler per op code ---------------------------------------------------------------------
     def begin(self, r: Request) -> None:
-        """Reserve the buffer this version goes into (the slots' fencing decides which); answer its file."""
+        """Reserve the buffer this version goes into (the slots' fencing decides which). ``b`` = 1: the
+        sender is the machine's own trainer, answered with the file it writes (the slot's inbox, copied
+        in at END); to anyone else nothing: the buffer's own file is never named to a writer."""
         agent = self.server.agent
         if r.a < MIN_VERSION_BYTES or (agent.max_version_bytes is not None and r.a > agent.max_version_bytes):
             raise Refused("bounds", f"a version of {r.a} bytes (this agent takes {MIN_VERSION_BYTES} to "
@@ -162,15 +164,17 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
             committed = agent.view.committed(r.owner)
         except (RuntimeError, OSError) as exc:
             raise Refused(None, f"cannot read the committed manifest from the store: {exc}") from None
-        slot = agent.replicas.begin(r.owner, r.version, r.a, r.incarnation, committed, agent.view.undecided)
-        self.reply(r.sock, r.nonce, r.header, OK, str(slot.path).encode())  # a sender on this machine writes there
+        shared = r.b == 1
+        slot = agent.replicas.begin(r.owner, r.version, r.a, r.incarnation, committed, agent.view.undecided, shared)
+        self.reply(r.sock, r.nonce, r.header, OK, str(slot.inbox.path).encode() if shared else b"")
 
     def data(self, r: Request) -> None:
         """Receive ``b`` bytes at offset ``a`` straight into the buffer (no reply: chunks stream)."""
         slot = self.server.agent.replicas.writing(r.owner, r.version, r.incarnation)
-        if slot is None or r.a < 0 or r.b <= 0 or r.a + r.b > slot.nbytes:
-            raise Refused("bounds", f"DATA [{r.a}, {r.a + r.b}) of version {r.version} of rank {r.owner}: "
-                                    + ("no such version in progress" if slot is None else f"it has {slot.nbytes} bytes"))
+        if slot is None or slot.inbox is not None or r.a < 0 or r.b <= 0 or r.a + r.b > slot.nbytes:
+            raise Refused("bounds", f"DATA [{r.a}, {r.a + r.b}) of version {r.version} of rank {r.owner}: " + (
+                "no such version in progress" if slot is None else "it is written through shared memory"
+                if slot.inbox is not None else f"it has {slot.nbytes} bytes"))
         recv_exactly(r.sock, memoryview(slot.buf)[r.a:r.a + r.b])
 
     def end(self, r: Request) -> None:
@@ -180,10 +184,10 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
         slot = replicas.writing(r.owner, r.version, r.incarnation)
         if slot is None:
             raise Refused(None, f"no version {r.version} of rank {r.owner} in progress")
-        if not self.holds(slot, expected):
+        if not self.holds(slot, expected, inbox=replicas.detach_inbox(slot)):
             raise Refused("mac_mismatch", f"MAC mismatch for version {r.version} of rank {r.owner}")
-        with replicas.lock:
-            slot.complete, slot.mac = True, expected
+        if not replicas.mark_complete(slot, r.version, r.incarnation, expected):
+            raise Refused(None, f"the buffer of version {r.version} of rank {r.owner} was reused meanwhile")
         self.reply(r.sock, r.nonce, r.header, OK)
 
     def get(self, r: Request) -> None:
@@ -205,13 +209,25 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
         BEGIN: begin, DATA: data, END: end, GET: get, VERIFY: verify, STAT: stat,
     }
 
-    def holds(self, slot: Slot, expected: str) -> bool:
+    def holds(self, slot: Slot, expected: str, inbox: Slot | None = None) -> bool:
         """Whether the slot's bytes have MAC ``expected`` under the replica key (an unkeyed checksum,
-        or an algorithm this agent does not know, never completes a replica)."""
+        or an algorithm this agent does not know, never completes a replica). ``inbox``: the file a
+        trainer wrote through shared memory, copied in first; the copy is what is checked."""
         try:
-            return algorithm_of(expected) in KEYED and matches(slot.view(), expected, self.server.agent.auth.replica)
+            keyed = algorithm_of(expected) in KEYED
         except ValueError:
+            keyed = False
+        if not keyed:
+            if inbox is not None:
+                inbox.release(revoke=True)
             return False
+        digest = Checksum(algorithm_of(expected), self.server.agent.auth.replica)
+        if inbox is not None:
+            slot.copy_in(inbox, digest.update)
+        else:
+            with slot.view() as held:
+                digest.update(held)
+        return hmac.compare_digest(digest.text(), expected)
 
 
 class ReplicaServer(socketserver.ThreadingTCPServer):

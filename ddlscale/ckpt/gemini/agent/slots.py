@@ -11,6 +11,15 @@ store without the job clearing it stays protected.
 
 A buffer is a new file per version, made by the agent alone (see :class:`Slot`), reserved whole (``posix_fallocate``) or refused naming the free space: a full /dev/shm
 then fails one request instead of killing the trainer that writes through shared memory with SIGBUS.
+
+**No trainer ever maps a buffer that holds a complete version.** The machine's own trainer writes into
+a separate file, the slot's *inbox*; END copies it into the slot's buffer, which only the agent maps,
+checking the MAC on the copy, then truncates and unlinks the inbox. A mapping cannot be taken back from
+the process that holds it, so this is the one way a trainer that kept its mapping past END (left over
+from a restart, or buggy) cannot change what the agent serves: its write faults (SIGBUS on the
+truncated file) instead of corrupting the committed replica that GET sends to recovery and the drain.
+The price is one copy per version on the agent, fused with the MAC check END does anyway, and one more
+version-sized file per own-machine rank while a version is in flight.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +50,8 @@ def remove_replicas(job: str) -> None:
     for path in shm_dir().glob(f"{file_prefix(job, 0)[:-3]}-m*"):
         path.unlink(missing_ok=True)
 
+
+COPY_CHUNK = 1 << 20  # END copies an inbox in pieces this large, each hashed while it is in cache
 
 # Refusals after which the connection is closed: its framing, or its sender, cannot be trusted any more.
 CLOSING = {"unauthenticated", "replayed", "stale", "bounds", "unknown_op"}
@@ -76,6 +88,8 @@ class Slot:
     mac: str | None = None
     buf: mmap.mmap | None = None
     path: Path | None = None
+    fd: int | None = None  # kept open: truncating the file by its descriptor reaches nothing else
+    inbox: Slot | None = None  # the file this version's own-machine trainer writes; copied in at END
 
     def view(self) -> memoryview:
         return memoryview(self.buf)[: self.nbytes]
@@ -101,24 +115,60 @@ class Slot:
                     raise
                 raise self._no_space(nbytes, what, shm_usage()) from None
             self.buf = mmap.mmap(fd, nbytes)
-            self.path = path
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self.path, self.fd = path, fd
 
     def _no_space(self, nbytes: int, what: str, usage: Any) -> Refused:
         return Refused("space", f"cannot reserve {mib(nbytes)} ({nbytes} bytes) for {what} in {self.prefix.parent}: "
                                 f"{mib(usage.free)} free of {mib(usage.total)}", NO_SPACE)
 
-    def release(self) -> None:
+    def release(self, revoke: bool = False) -> None:
+        """Unmap and unlink; ``revoke``: truncate the file first, so that its pages go now and a mapping
+        some other process kept faults on its next access (only for an inbox: nothing of the agent's reads
+        it once END copied it)."""
+        if self.inbox is not None:
+            self.inbox.release(revoke=True)
+            self.inbox = None
+        unmapped = True
         if self.buf is not None:
             try:
                 self.buf.close()
             except BufferError:  # a DATA being received into it still holds a view: freed with that view
-                pass
+                unmapped = False  # and never truncated under it (the agent itself would fault)
             self.buf = None
+        if self.fd is not None:
+            if revoke and unmapped:
+                os.ftruncate(self.fd, 0)
+            os.close(self.fd)
+            self.fd = None
         if self.path is not None:
             self.path.unlink(missing_ok=True)
             self.path = None
+
+    def open_inbox(self, what: str) -> Path:
+        """A file of this slot's size for the machine's own trainer to write (BEGIN names it); the slot's
+        own file is never named to anyone who writes."""
+        self.inbox = Slot(self.prefix.with_name(f"{self.prefix.name}-in"))
+        self.inbox.reserve(self.nbytes, f"{what} (the file its trainer writes)")
+        return self.inbox.path
+
+    def copy_in(self, inbox: Slot, digest: Callable[[memoryview], None]) -> None:
+        """Copy ``inbox`` (detached from this slot: :meth:`ReplicaStore.detach_inbox`) into this slot's
+        buffer, passing the copied bytes (never the inbox's, which a trainer may still change) to
+        ``digest``; then revoke the inbox."""
+        try:
+            if self.buf is None:  # a BEGIN took the slot for another version meanwhile
+                raise Refused(None, f"the buffer of version {self.version} was reused meanwhile")
+            with memoryview(inbox.buf) as source, memoryview(self.buf) as target:
+                for start in range(0, self.nbytes, COPY_CHUNK):
+                    end = min(self.nbytes, start + COPY_CHUNK)
+                    target[start:end] = source[start:end]
+                    with target[start:end] as copied:  # hashed while it is still in cache
+                        digest(copied)
+        finally:
+            inbox.release(revoke=True)
 
 
 class ReplicaStore:
@@ -136,8 +186,10 @@ class ReplicaStore:
             leftover.unlink(missing_ok=True)
 
     def begin(self, owner: int, version: int, nbytes: int, incarnation: int, committed: int | None,
-              undecided: Any) -> Slot:
+              undecided: Any, shared: bool = False) -> Slot:
         """The slot version ``version`` goes into, reserved; Refused when none may be overwritten.
+        ``shared``: the sender is the machine's own trainer, writing through shared memory; the slot then
+        gets an inbox (:meth:`Slot.open_inbox`) as well.
 
         Kept: the complete slot holding ``committed`` (the committed step, from the manifest), and a
         complete slot of this incarnation newer than it whose commit ``undecided(incarnation, version)``.
@@ -151,15 +203,42 @@ class ReplicaStore:
                                            and undecided(s.incarnation, s.version)))]
             if version == committed and any(s.version == committed for s in kept):
                 raise Refused("fenced", f"version {version} of rank {owner} is the committed one: it is never rewritten")
+            for s in pair:  # a trainer writes one version at a time: one it left unfinished is abandoned
+                if s.inbox is not None:
+                    s.inbox.release(revoke=True)
+                    s.inbox = None
             free = [s for s in pair if s not in kept]
             if not free:
                 raise Refused("fenced", f"both buffers of rank {owner} hold versions that must be kept "
                                         f"({', '.join(str(s.version) for s in kept)}): version {version} cannot go in")
             slot = min(free, key=lambda s: (s.version != version, s.complete, s.version))
             slot.version, slot.complete, slot.mac = NO_VERSION, False, None  # unusable until reserved again
-            slot.reserve(nbytes, f"version {version} of rank {owner}")
-            slot.version, slot.incarnation, slot.nbytes = version, incarnation, nbytes
+            what = f"version {version} of rank {owner}"
+            slot.reserve(nbytes, what)
+            slot.incarnation, slot.nbytes = incarnation, nbytes
+            if shared:
+                try:
+                    slot.open_inbox(what)
+                except BaseException:
+                    slot.release()  # no half-reserved version: a refusal frees what was taken
+                    raise
+            slot.version = version
             return slot
+
+    def detach_inbox(self, slot: Slot) -> Slot | None:
+        """The slot's inbox, no longer the slot's: a BEGIN reusing the slot meanwhile cannot truncate it
+        under END's copy."""
+        with self.lock:
+            inbox, slot.inbox = slot.inbox, None
+            return inbox
+
+    def mark_complete(self, slot: Slot, version: int, incarnation: int, mac: str) -> bool:
+        """Complete ``slot`` as ``version``, unless a BEGIN took the slot for another version meanwhile."""
+        with self.lock:
+            if slot.version != version or slot.incarnation != incarnation or slot.buf is None:
+                return False
+            slot.complete, slot.mac = True, mac
+            return True
 
     def writing(self, owner: int, version: int, incarnation: int) -> Slot | None:
         with self.lock:
