@@ -16,6 +16,11 @@ from omegaconf import DictConfig
 
 from ddlscale.cluster.stop import StopRequested
 from ddlscale.trainer import ConfigError, RunFailed, discard_refused_run, run, runinfo
+from ddlscale.trainer.shutdown import skip_final_collection
+
+# Every process that runs this file: the launcher, and the workers Lightning spawns (as __mp_main__)
+# or torchrun starts; each would spend a second of CPU, or ten on a busy host, on its way out.
+skip_final_collection()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
