@@ -195,6 +195,33 @@ def test_embedding_rows_travel_as_rows():
             assert sent <= 2 * (3 * (INDEX_BYTES + 16 * 4) + 8 + 8 + 8)
 
 
+def _measured_network(rank, world):
+    """route=auto with the network measured on the sync group: the routes and the sums as before."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(1000, 16, sparse=True)
+    sync = ZenSync(profile_steps=1, network_bandwidth="measured", network_latency="measured")
+    sync.setup(list(emb.named_parameters()))
+    exact = []
+    for step in range(2):
+        emb.zero_grad()
+        emb(torch.tensor([0, 999, 3 * rank + step])).sum().backward()
+        oracle = emb.weight.grad.to_dense() * (1.0 / world)
+        dist.all_reduce(oracle)
+        sync.grad_ready(emb.weight)
+        sync.finish_step()
+        exact.append(torch.equal(emb.weight.grad.to_dense(), oracle))
+    return exact, sync.network.bandwidth_bps, sync.network.latency_s
+
+
+@pytest.mark.multiprocess
+def test_a_measured_network_is_the_same_on_every_rank_and_routes_exactly():
+    results = run_workers(_measured_network, 2, timeout_s=120)
+    assert all(all(exact) for exact, _, _ in results)
+    bandwidths, latencies = {r[1] for r in results}, {r[2] for r in results}
+    assert len(bandwidths) == 1 and len(latencies) == 1  # rank 0's figures on every rank: one routing
+    assert 0 < bandwidths.pop() < float("inf") and latencies.pop() >= 0
+
+
 def _closed_form(rank, world, backend):
     """Bytes every rank sent, and the units every rank and the sum held, on a 5%-dense table."""
     rows, width, nonzero = 4000, 16, 200
