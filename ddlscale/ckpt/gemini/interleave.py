@@ -22,7 +22,6 @@ from __future__ import annotations
 import queue
 import statistics
 import threading
-import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -104,7 +103,7 @@ class Transfer:
     version: int
     snapshot: Snapshot | None
     position: Any = None  # where in the data the version is (for the manifest)
-    captured: float = field(default_factory=time.perf_counter)
+    captured: float = field(default_factory=clock.now)  # emulated seconds, as finished
     checksum: str = ""  # the whole stream's MAC, "<algorithm>:<hex>"
     error: str | None = None
     space_error: str | None = None  # a holder could not reserve the version's buffer

@@ -319,6 +319,18 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     sender.close()
 
 
+def test_a_transfers_time_to_complete_is_emulated_time_under_dilation():
+    """captured and finished on one clock: at k = 2 the span was once -16000 s (wall minus emulated)."""
+    from ddlscale import clock
+
+    recorder = _Recorder(lambda: None)
+    with clock.dilated(2):
+        sender = _sender([recorder], "blocking", chunk_bytes=4096)
+        transfer = Transfer(1, capture({"x": torch.arange(1000)}, set()))
+        sender.submit(transfer)
+        assert transfer.finished is not None and 0 <= transfer.finished - transfer.captured < 60
+
+
 def test_blocking_mode_sends_everything_before_submit_returns():
     recorder = _Recorder(lambda: None)
     sender = _sender([recorder], "blocking", chunk_bytes=4096)
