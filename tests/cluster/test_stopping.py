@@ -125,8 +125,10 @@ def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
         assert "Ranks 1 failed to pass monitoredBarrier" in summary["stopped_by"]
         # Rank 1 names both sides, unless rank 0's barrier timeout tears the job down before rank 1's
         # message is printed (a race in torch's checker, seen 2 in ~5 full suites): then it is absent.
+        # Its line names rank 1's extra collective, in whichever form torch's checker printed it (its
+        # summary, or the fingerprints, which the run's one-line error may cut before the other side).
         if "Detected mismatch between collectives" in output:
-            assert "Op type: ALLREDUCEvs BROADCAST" in output
+            assert "BROADCAST" in output
 
 
 @pytest.mark.multiprocess
