@@ -1,7 +1,7 @@
 """Checkpointer: the part every checkpoint tier shares, as a Lightning callback.
 
 It decides *when* (every K optimizer steps, or "highfreq": K = ceil(t_ckpt / T_iter) measured on a
-probe checkpoint), restores at train start what Lightning's own restore leaves out (RNG, data
+probe checkpoint, whose write training does not wait for), restores at train start what Lightning's own restore leaves out (RNG, data
 position), and reports checkpoint figures for ``summary.json``. A tier subclasses it and implements
 :meth:`save` (and :meth:`resume_path` to offer a version to resume from).
 
@@ -39,14 +39,15 @@ HIGHFREQ_PROBE_STEP = 3
 
 
 def process_started_unix() -> float | None:
-    """When this process started (Linux: /proc), so a restart's time can be split at the worker's launch."""
+    """When this process started (Linux: /proc), on :func:`ddlscale.clock.timestamp`'s scale (unix / k), so a
+    restart's time can be split at the worker's launch."""
     try:
         ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
         boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
                     if line.startswith("btime "))
     except (OSError, ValueError, IndexError, StopIteration):
         return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return (boot + ticks / os.sysconf("SC_CLK_TCK")) / clock.dilation()
 
 
 def parse_every(every: Any, key: str = "ckpt.every") -> int | str:
@@ -78,6 +79,7 @@ class Checkpointer(pl.Callback):
         self.resumed_world_size: int | None = None  # the world size the resumed version was saved at
         self.loaded_param_sha256: str | None = None  # rank 0's parameters as restored
         self._step_times: list[float] = []
+        self._probe_step: int | None = None  # HighFreq: the step of the probe checkpoint being written
         self._batch_start: float | None = None
         self._last_step = 0
         self._pending_local: dict[str, Any] | None = None
@@ -91,6 +93,11 @@ class Checkpointer(pl.Callback):
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """Persist the state after batch ``batch_idx`` (every rank; collectives allowed)."""
         raise NotImplementedError
+
+    def written_seconds(self) -> float | None:
+        """Seconds from the newest checkpoint's save until it was whole on its tier, None while it is
+        still being written (HighFreq's t_ckpt). This default: a tier that writes inside :meth:`save`."""
+        return self.times[-1] if self.times else None
 
     def resume_path(self, world_size: int) -> str | None:
         """What ``trainer.fit(ckpt_path=)`` should load, decided before workers start (None: fresh)."""
@@ -118,18 +125,23 @@ class Checkpointer(pl.Callback):
 
     # -- schedule ------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
-        if self.interval is None:  # HighFreq before its probe
-            return step >= HIGHFREQ_PROBE_STEP
+        if self.interval is None:  # HighFreq: one probe, then none until its write has set K
+            return self._probe_step is None and step >= HIGHFREQ_PROBE_STEP
         return step > self.anchor and (step - self.anchor) % self.interval == 0
 
     def _settle_highfreq(self, trainer: pl.Trainer, step: int) -> None:
-        """K = ceil(t_ckpt / T_iter), from the slowest rank's figures so every rank agrees."""
+        """Once every rank's probe is written: K = ceil(t_ckpt / T_iter), from the slowest rank's figures
+        so every rank agrees, and the next checkpoint at the next step. Training runs on meanwhile: the
+        probe costs what any checkpoint costs, not its whole write (one small reduce per step until then)."""
+        written = self.written_seconds()
         steps = self._step_times[1:] or self._step_times
-        local = torch.tensor([self.times[-1], statistics.median(steps)], dtype=torch.float64,
-                             device=trainer.strategy.root_device)
-        t_ckpt, t_iter = (float(v) for v in trainer.strategy.reduce(local, reduce_op="max").cpu())
+        local = torch.tensor([1.0 if written is None else 0.0, written or 0.0, statistics.median(steps)],
+                             dtype=torch.float64, device=trainer.strategy.root_device)
+        writing, t_ckpt, t_iter = (float(v) for v in trainer.strategy.reduce(local, reduce_op="max").cpu())
+        if writing:
+            return
         self.interval = max(1, math.ceil(t_ckpt / t_iter)) if t_iter > 0 else 1
-        self.anchor = step
+        self.anchor = step + 1 - self.interval
 
     # -- Lightning hooks -----------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -184,13 +196,15 @@ class Checkpointer(pl.Callback):
             self._step_times.append(clock.now() - self._batch_start)
         self._batch_start = None
         self._progress(trainer, f"step {step} {clock.timestamp():.3f}")
+        if self.interval is None and self._probe_step is not None:
+            self._settle_highfreq(trainer, step)
         if not self.due(step):
             return
         start = clock.now()
         self.save(trainer, batch_idx)
         self.times.append(clock.now() - start)
         if self.interval is None:
-            self._settle_highfreq(trainer, step)
+            self._probe_step = step
 
     def state_dict(self) -> dict[str, Any]:
         return {"interval": self.interval, "anchor": self.anchor}

@@ -14,7 +14,9 @@ injects failures:
   that member: removed, added again, started with an empty data directory);
 * :meth:`corrupt` — flip a byte of a committed replica (in its agent's shared-memory file).
 
-Each torchrun agent's output goes to ``<run dir>/logs/machine<i>.<n>.log``.
+Each torchrun agent's output goes to ``<run dir>/logs/machine<i>.<n>.log``. With ``dilation`` k > 1 the
+cluster runs time-dilated (:mod:`ddlscale.clock`): its machines capped, its NICs slowed, and every
+timeout here given in emulated seconds.
 
 ``python -m ddlscale.testing.drill security`` runs the hostile-client drill instead
 (:mod:`ddlscale.testing.security_drill`): no cluster needed.
@@ -43,7 +45,7 @@ from ddlscale.cluster.emulated import EmulatedCluster
 
 class GeminiDrill:
     def __init__(self, nodes: int, overrides: list[str], run_dir: Path, bandwidth: str = "1gbit", devices: int = 1,
-                 max_restarts: int = 5, port: int = 29400, store: str = "tcp") -> None:
+                 max_restarts: int = 5, port: int = 29400, store: str = "tcp", dilation: float = 1.0) -> None:
         if store not in ("tcp", "etcd"):
             raise ValueError(f"drill store must be tcp or etcd, got {store!r}")
         self.nodes, self.devices, self.port, self.store_kind = nodes, devices, port, store
@@ -53,7 +55,8 @@ class GeminiDrill:
         self.args = [*overrides, f"trainer.devices={devices}", f"trainer.num_nodes={nodes}",
                      f"hydra.run.dir={self.run_dir}"]
         self.max_restarts = max_restarts
-        self.cluster = EmulatedCluster(nodes, bandwidth)
+        self.cluster = EmulatedCluster(nodes, bandwidth, dilation=dilation, ranks_per_machine=devices)
+        self.k = self.cluster.dilation  # waits below are emulated seconds, stretched to wall time by k
         self.agents: dict[int, subprocess.Popen] = {}
         self.trainers: dict[int, subprocess.Popen] = {}
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -112,7 +115,7 @@ class GeminiDrill:
     # -- observing -------------------------------------------------------------------------------
     def wait_for(self, predicate, timeout_s: float = 300.0) -> dict[str, Any]:
         """The next control record satisfying ``predicate``."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s * self.k
         while (left := deadline - time.monotonic()) > 0:
             try:
                 record = self.events.get(timeout=min(left, 1.0))
@@ -146,7 +149,7 @@ class GeminiDrill:
 
     def finish(self, timeout_s: float = 600.0) -> None:
         """Wait for training to end on every machine; raise if any torchrun agent failed."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + timeout_s * self.k
         for machine, process in self.trainers.items():
             code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
             if code != 0:
@@ -167,12 +170,14 @@ class GeminiDrill:
                 pids.append(int(pid))
         return pids
 
-    def kill_trainer(self, machine: int) -> None:
+    def kill_trainer(self, machine: int) -> float:
+        """SIGKILL the machine's training processes; when, as the workers' ``clock.timestamp()`` reads."""
         pids = self.trainer_pids(machine)
         if not pids:
             raise RuntimeError(f"drill: no training process on machine {machine}")
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
+        return time.time() / self.k
 
     def kill_machine(self, machine: int) -> None:
         self.cluster.kill_machine(machine)

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from ddlscale import clock
 from ddlscale.ckpt import DataPosition, DiskCheckpointer, Manifest, ManifestError, ShardRecord, read_manifest
+from ddlscale.ckpt.base import process_started_unix
 from ddlscale.ckpt.state.data import ResumingBatchSampler, position_loader
 from ddlscale.ckpt.state.shard import Shard, decode
 from ddlscale.ckpt.version.manifest import list_manifests
@@ -68,13 +70,18 @@ def test_resume_restores_rng_optimizer_scheduler_and_data_position(stop, tmp_pat
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters(), strict=True))
 
 
-def test_highfreq_sets_the_interval_from_the_probe_checkpoint(tmp_path):
-    # At 400 kbit/s a checkpoint (tens of kB) lasts far longer than a step: K = ceil(t_ckpt / T_iter) > 1.
-    checkpointer = DiskCheckpointer(every="highfreq", dir=str(tmp_path), keep=10, bandwidth="400kbit")
-    _fit(3, checkpointer)
-    assert [read_manifest(p).step for p in list_manifests(tmp_path)] == [3]
-    assert checkpointer.interval > 1 and checkpointer.anchor == 3
-    assert checkpointer.due(3 + checkpointer.interval) and not checkpointer.due(4)
+def test_highfreq_sets_the_interval_from_the_probe_checkpoint_without_waiting_for_it(tmp_path):
+    # At 2 Mbit/s a checkpoint (tens of kB) lasts far longer than a step: K = ceil(t_ckpt / T_iter) > 1.
+    checkpointer = DiskCheckpointer(every="highfreq", dir=str(tmp_path), keep=100, bandwidth="2mbit")
+    _fit(400, checkpointer)
+    steps = sorted(read_manifest(p).step for p in list_manifests(tmp_path))
+    k = checkpointer.interval
+    assert steps[0] == 3 and k > 1 and len(steps) >= 2 and steps[1] > 3  # the next once the probe is written
+    assert checkpointer.due(steps[1] + k) and not checkpointer.due(steps[1] + 1)  # then every K steps
+    assert all(b - a == k for a, b in zip(steps[1:], steps[2:], strict=False))
+    probe = checkpointer.write_timings[0]
+    assert checkpointer.times[0] < probe["written_s"] / 2  # training did not wait for the probe's write
+    assert k >= (steps[1] - 3) / 2  # K from the whole write, which the steps until its settling also took
 
 
 def test_keep_prunes_old_versions_and_their_files(tmp_path):
@@ -126,3 +133,12 @@ def test_strategy_reads_the_sync_state_under_the_same_key():
     from ddlscale.ckpt import SYNC_STATE_KEY
 
     assert STRATEGY_KEY == SYNC_STATE_KEY
+
+
+def test_the_process_start_is_on_the_progress_logs_clock_under_dilation():
+    """A restart splits at the worker's launch: its start must read like clock.timestamp() (unix / k)."""
+    started = process_started_unix()
+    assert started is not None and started <= clock.timestamp()
+    with clock.dilated(2):
+        assert process_started_unix() == pytest.approx(started / 2)
+        assert process_started_unix() <= clock.timestamp()

@@ -42,7 +42,8 @@ def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_pa
     iteration = {"none": 0.300, "gemini": 0.303, "highfreq": 0.420, "strawman": 0.310}
     waste = {"gemini": 10.0, "highfreq": 12.0, "strawman": 20.0}
 
-    def run(strategy, args, rng):
+    def run(strategy, args, rng, keep):
+        assert args.k == 2
         failures = [] if strategy == "none" else [
             {"step_at_kill": 20, "resumed_step": 19, "lost_steps": 1, "restart_s": 9.0, "torchrun_s": 2.0,
              "startup_s": 6.5, "restore_s": 0.5, "retrieve_s": 0.1, "lost_progress_s": waste[strategy] - 9.1,
@@ -50,13 +51,15 @@ def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_pa
         return failures, [iteration[strategy]] * 50, [0.060] * 25
 
     monkeypatch.setattr(gemini_recovery, "run_strategy", run)
-    gemini_recovery.main(["--reps", "2"])
+    gemini_recovery.main(["--reps", "2", "--dilation", "2"])
     report = (tmp_path / "gemini_recovery" / "results.md").read_text()
     mtbf16 = 86400 / (16 * 0.015)
     gemini16 = 10.0 + mtbf16 * (1 - 0.300 / 0.303)
     highfreq16 = 12.0 + mtbf16 * (1 - 0.300 / 0.420)
     assert f"{gemini16:.4g}" in report and f"{highfreq16:.4g}" in report
-    assert "Gemini overhead <= 3%: 1.00%;" in report
+    assert "Gemini overhead <= 2%: 1.00%;" in report
+    assert "--dilation 2`" in report and "**Dilation:** 2 " in report  # the command and the header say k
+    assert "took 0.5 s (median of 0.5, 0.5, 0.5) here (host seconds / k, k = 2)" in report
     assert f"16 machines {highfreq16 / gemini16:.1f}x" in report
     assert c.folder_problems(tmp_path / "gemini_recovery") == []  # its run kept, no verdict outside the Runs
     assert (tmp_path / "gemini_recovery" / "iterations.csv").exists()

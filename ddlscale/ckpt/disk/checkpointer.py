@@ -54,6 +54,9 @@ DEFAULT_SUBDIR = "checkpoints"
 # A DCP collective waiting longer than this for a peer fails the save instead of holding the process
 # (a peer that died mid-save) for gloo's default 30 minutes.
 DCP_TIMEOUT_S = 300
+# A save that first waits longer than this for the version before it says so, with that version's timings:
+# the write outlasted the interval (or hung), and the stall would otherwise show only as one long step.
+STALL_NOTE_S = 5.0
 
 
 def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> Path | None:
@@ -115,6 +118,7 @@ class DiskCheckpointer(Checkpointer):
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.bytes_written: list[int] = []  # rank 0: each committed version's bytes
         self.writer: DcpWriter | None = None
+        self.write_timings: list[dict[str, float]] = []  # the writer's, kept past its teardown for the summary
         self._token: str | None = None
         self._rank = 0
         self._world_size = 1
@@ -172,6 +176,7 @@ class DiskCheckpointer(Checkpointer):
             group = dist.new_group(backend="gloo", timeout=clock.wall_timeout(DCP_TIMEOUT_S))
         self.writer = DcpWriter(self._directory(), self._rank, trainer.world_size, self.async_save, self.bandwidth_bps,
                                 group, on_commit=self._committed)
+        self.write_timings = self.writer.timings
 
     def save(self, trainer: pl.Trainer, batch_idx: int) -> None:
         step, rank = trainer.global_step, trainer.global_rank
@@ -179,8 +184,22 @@ class DiskCheckpointer(Checkpointer):
                    "shared": capture_shared(trainer) if rank == 0 else None}
         live = unchanged_until_step(trainer) if self.async_save else None
         self.writer.save(step, f"step_{step:09d}.{self._token}", payload, live, data_position(trainer, batch_idx))
-        if self.interval is None:
-            self.writer.wait()  # HighFreq's probe: K = ceil(t_ckpt / T_iter) from the whole write, not the stall
+        self._note_stall(rank)
+
+    def written_seconds(self) -> float | None:
+        """The newest version's save until its manifest was published (rank 0) or its files were written."""
+        return self.write_timings[-1].get("committed_s") if self.write_timings else None
+
+    def _note_stall(self, rank: int) -> None:
+        timings = self.write_timings
+        if len(timings) < 2 or timings[-1]["waited_s"] <= STALL_NOTE_S:
+            return
+        previous = timings[-2]
+        phases = ", ".join(f"{name} after {previous[key]:.1f} s" for name, key in
+                           (("staged", "staged_s"), ("written", "written_s"), ("committed", "committed_s"))
+                           if key in previous)
+        print(f"ckpt: rank {rank} step {timings[-1]['step']}: training waited {timings[-1]['waited_s']:.1f} s for "
+              f"step {previous['step']}'s version to be written ({phases}; every {self.interval} steps)", flush=True)
 
     def _committed(self, manifest: Manifest) -> None:
         """Rank 0, in the committing thread: a version exists; keep only the newest ``keep``."""
@@ -242,8 +261,11 @@ class DiskCheckpointer(Checkpointer):
                 entry.unlink(missing_ok=True)
 
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        written = sorted(t["written_s"] for t in self.write_timings if "written_s" in t)
         return {
             "ckpt_bytes": self.bytes_written[-1] if self.bytes_written else None,
+            "ckpt_write_s_median": written[len(written) // 2] if written else None,
+            "ckpt_write_s_max": written[-1] if written else None,
             "ckpt_dir": str(self.dir),
             "ckpt_bandwidth_bps": self.bandwidth_bps,
         }

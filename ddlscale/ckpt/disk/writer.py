@@ -219,12 +219,21 @@ class DcpWriter:
         self._staging: Future | None = None
         self._pending: Future | None = None
         self.item_bytes: list[int] = []  # this rank's bytes per version
+        # Per version on this rank, seconds after its save began: "staged_s" (its tensors copied),
+        # "written_s" (DCP's write done on every rank), "committed_s" (rank 0: manifest published), and
+        # "waited_s", how long that save first waited for the version before it (a stall of the caller).
+        self.timings: list[dict[str, float]] = []
 
     def save(self, step: int, version_dir: str, payload: dict[str, Any], live: set[int] | None,
              position: DataPosition) -> None:
         """Start writing version ``step`` (every rank, same step); returns once the state may change
         again — at once when asynchronous (then :meth:`staged` before the optimizer step)."""
-        self.wait()
+        timing = {"step": step, "waited_s": self.wait()}
+        self.timings.append(timing)
+        start = clock.now()
+
+        def done(key: str) -> Callable[[Any], None]:
+            return lambda _: timing.__setitem__(key, clock.now() - start)
         items = state_items(payload, self.rank, live)
         self.item_bytes.append(sum(t.numel() * t.element_size() for t in items.values()))
         path = self.directory / version_dir
@@ -234,7 +243,9 @@ class DcpWriter:
             warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
             if not self.asynchronous:
                 metadata = dcp.save(items, **kwargs)
+                timing["written_s"] = clock.now() - start
                 self._commit(step, version_dir, position, metadata)
+                done("committed_s")(None)
                 return
             if self._stager is None:
                 cuda = any(t.is_cuda for t in items.values())
@@ -242,8 +253,11 @@ class DcpWriter:
                                                             use_async_staging=True, use_non_blocking_copy=cuda))
                 self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-dcp-commit")
             response = dcp.async_save(items, async_stager=self._stager, **kwargs)
+        response.staging_completion.add_done_callback(done("staged_s"))
+        response.upload_completion.add_done_callback(done("written_s"))
         self._staging = response.staging_completion
         self._pending = self._committer.submit(self._finish, response.upload_completion, step, version_dir, position)
+        self._pending.add_done_callback(done("committed_s"))
 
     def _finish(self, upload: Future, step: int, version_dir: str, position: DataPosition) -> None:
         self._commit(step, version_dir, position, upload.result())

@@ -121,6 +121,34 @@ def test_async_save_keeps_the_state_as_of_the_save(tmp_path):
     assert torch.equal(back["local"]["buffer"], torch.arange(1000, dtype=torch.float32))
 
 
+def test_each_version_is_timed_and_a_save_behind_a_slow_write_waits_for_it(tmp_path):
+    """Paced at 8 Mbit/s, a 400 kB version takes ~0.4 s to write: the save right after it waits that out."""
+    payload = {"format": "ddlscale-training-state/1", "local": {"rank": 0},
+               "shared": {"state_dict": {"w": torch.zeros(100_000)}}}
+    writer = DcpWriter(tmp_path, rank=0, world_size=1, asynchronous=True, bandwidth_bps=8e6)
+    writer.save(1, "step_000000001.x", payload, None, DataPosition(0, 1, 4, 8))
+    writer.save(2, "step_000000002.x", payload, None, DataPosition(0, 2, 4, 8))
+    writer.close()
+    first, second = writer.timings
+    assert first["step"] == 1 and first["waited_s"] < 0.05
+    assert first["staged_s"] <= first["written_s"] <= first["committed_s"] and first["written_s"] > 0.3
+    assert second["waited_s"] > 0.25  # the second save stalled on the first's write
+    assert [read_manifest(p).step for p in list_manifests(tmp_path)] == [2, 1]
+
+
+def test_a_long_wait_for_the_previous_version_is_said_with_its_timings(tmp_path, capsys):
+    checkpointer = DiskCheckpointer(every=5, run_dir=str(tmp_path))
+    checkpointer.write_timings = [{"step": 5, "waited_s": 0.0, "staged_s": 0.01, "written_s": 9.5, "committed_s": 9.6},
+                                  {"step": 10, "waited_s": 7.75}]
+    checkpointer._note_stall(rank=2)
+    line = capsys.readouterr().out
+    assert "rank 2 step 10: training waited 7.8 s for step 5's version" in line
+    assert "written after 9.5 s, committed after 9.6 s; every 5 steps" in line
+    checkpointer.write_timings[-1]["waited_s"] = 1.0  # a short wait is not a stall worth a line
+    checkpointer._note_stall(rank=2)
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("saved,resumed", [(4, 2), (2, 4), (3, 2)])
 def test_error_feedback_is_summed_and_shared_out_keeping_its_total(saved, resumed):
     generator = torch.Generator().manual_seed(saved)

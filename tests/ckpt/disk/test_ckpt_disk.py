@@ -49,6 +49,7 @@ def test_resume_mid_epoch_is_bit_identical_with_momentum(cnn_runs, tmp_path):
     stopped = _summary(cnn_runs / "stopped")
     assert stopped["ckpt"] == "disk" and stopped["ckpt_count"] == 2 and stopped["ckpt_time_s"] > 0
     assert len(stopped["ckpt_times_s"]) == 2 and stopped["ckpt_bytes"] > 0
+    assert 0 < stopped["ckpt_write_s_median"] <= stopped["ckpt_write_s_max"]
     out = tmp_path / "resumed"
     _train(*CNN, "trainer.max_steps=8", "ckpt=disk", "ckpt.every=2", "ckpt.resume=auto", f"ckpt.dir={ckpt_dir}",
            f"hydra.run.dir={out}")
