@@ -131,13 +131,16 @@ def split_failure(rows: list[tuple[str, int, float, float]], t_kill: float) -> d
             "lost_progress_s": t_back - t_resumed, "wasted_s": t_back - t_kill}
 
 
-def _running(path: Path) -> tuple[int, int]:
-    """(how many times training started, steps since the latest start) from the progress log."""
-    if not path.exists():
-        return 0, 0
-    rows = read_progress(path)
+def ready_for_failure(rows: list[tuple[str, int, float, float]], failure: int, warmup_steps: int) -> bool:
+    """Whether failure ``failure`` (0-based) may be injected: training (re)started after the previous one,
+    ran ``warmup_steps`` steps since, and went past every step trained before, so that the previous
+    failure's lost progress is measured whole, not cut short by this one (whose restart it would count)."""
     starts = [i for i, r in enumerate(rows) if r[0] in ("start", "resumed")]
-    return len(starts), len([r for r in rows[starts[-1]:] if r[0] == "step"]) if starts else 0
+    if len(starts) <= failure:
+        return False
+    since = [r[1] for r in rows[starts[-1]:] if r[0] == "step"]
+    before = [r[1] for r in rows[:starts[-1]] if r[0] == "step"]
+    return len(since) >= warmup_steps and max(since) > max(before, default=0)
 
 
 def sync_seconds(run: Path, steps: int) -> list[float]:
@@ -160,7 +163,7 @@ def run_strategy(strategy: str, args: argparse.Namespace, rng: random.Random,
                          max_restarts=failures + 2, dilation=args.k) as drill:
             for failure in range(failures):
                 # A random moment once training has run a while since its latest (re)start.
-                while (state := _running(progress))[0] <= failure or state[1] < args.warmup_steps:
+                while not (progress.exists() and ready_for_failure(read_progress(progress), failure, args.warmup_steps)):
                     time.sleep(0.05)
                 time.sleep(rng.uniform(0, args.window_s) * args.k)
                 kills.append(drill.kill_trainer(rng.randrange(args.nodes)))

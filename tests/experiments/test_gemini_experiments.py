@@ -33,6 +33,15 @@ def test_iteration_time_counts_new_progress_only_stalls_included():
     assert gemini_recovery.iteration_times(stalled) == [0.5, 3.5, 0.5]  # a checkpoint stall counts
 
 
+def test_the_next_failure_waits_until_the_previous_ones_lost_progress_is_made_up():
+    assert not gemini_recovery.ready_for_failure(ROWS[:5], failure=0, warmup_steps=3)  # 2 steps since the start
+    assert gemini_recovery.ready_for_failure(ROWS[:6], failure=0, warmup_steps=3)
+    restarted = ROWS[:-10] + ROWS[-10:-4]  # resumed at 10 after step 16, now at step 16 again
+    assert not gemini_recovery.ready_for_failure(restarted, failure=1, warmup_steps=3)  # still replaying
+    assert gemini_recovery.ready_for_failure(ROWS, failure=1, warmup_steps=3)  # step 17 on: new progress
+    assert not gemini_recovery.ready_for_failure(ROWS, failure=2, warmup_steps=3)  # no third start yet
+
+
 @pytest.mark.multiprocess
 def test_the_report_adds_overhead_between_failures_and_judges_the_targets(tmp_path, monkeypatch):
     """Gemini 1% slower than none, HighFreq 40%: at 1.5% failures per machine-day the overhead paid
