@@ -389,7 +389,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             refusal = decided.space_error or f"an agent could not store version {decided.version}"
             message = self._space_message(refusal, decided.nbytes, trainer.world_size, self.plan.machines)
             if self.on_no_space == "stop":  # never train on unprotected: say so and end the run
-                raise RuntimeError(f"{message} (ckpt.on_no_space=stop; =persist writes every step to disk instead)")
+                # The option first: the launcher's one-line error keeps a message's first 500 characters.
+                raise RuntimeError(f"ckpt.on_no_space=stop (=persist writes every step to disk instead): {message}")
             if self.persistent.interval != 1:  # persist: protection moves to the persistent tier, every step
                 print(f"{message}; ckpt.on_no_space=persist: every step goes to {self.persistent.dir} from "
                       f"step {trainer.global_step} on", flush=True)
