@@ -18,20 +18,49 @@ urllib3 (the ``etcd`` extra), and without them torch would print a traceback on 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
 BACKEND = "ddlscale-etcd"
+# How long a rendezvous read or write keeps being retried while etcd has no leader. torch's backend
+# fails at once on etcd's "request timed out, possibly due to previous leader failure", which a member's
+# machine failure causes for the seconds an election takes; every surviving agent then gave up and
+# closed the rendezvous, so the job died with the one machine it was meant to survive.
+ELECTION_S = 60.0
+
+
+def _retrying(call: Callable[[], Any], window_s: float = ELECTION_S, pause_s: float = 1.0) -> Any:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    deadline = time.monotonic() + window_s
+    while True:
+        try:
+            return call()
+        except RendezvousConnectionError:
+            if time.monotonic() + pause_s > deadline:
+                raise
+            time.sleep(pause_s)
 
 
 def _backend_class() -> type:
     from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import EtcdRendezvousBackend
 
     class EveryMemberBackend(EtcdRendezvousBackend):
-        """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for)."""
+        """torch's etcd-v2 backend under its own name (torchrun checks that a handler is the one asked for),
+        its requests retried through an etcd leader election. A write retried after a lost reply is a
+        compare-and-set on a token that no longer matches: the caller gets the current state, as for any
+        lost race."""
 
         @property
         def name(self) -> str:
             return BACKEND
+
+        def get_state(self) -> Any:
+            return _retrying(lambda: EtcdRendezvousBackend.get_state(self))
+
+        def set_state(self, state: bytes, token: Any = None) -> Any:
+            return _retrying(lambda: EtcdRendezvousBackend.set_state(self, state, token))
 
     return EveryMemberBackend
 
