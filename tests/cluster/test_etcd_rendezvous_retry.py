@@ -18,25 +18,22 @@ def test_a_request_is_retried_while_etcd_has_no_leader():
     assert _retrying(call, window_s=1.0, pause_s=0.01) == "state" and answers == []
 
 
-def test_a_request_still_failing_after_the_window_fails():
-    calls = []
-
+def _always(error, calls):
     def call():
         calls.append(1)
-        raise RendezvousConnectionError("etcd gone")
+        raise error
+    return call
 
+
+def test_a_request_still_failing_after_the_window_fails():
+    calls = []
     with pytest.raises(RendezvousConnectionError):
-        _retrying(call, window_s=0.05, pause_s=0.01)
+        _retrying(_always(RendezvousConnectionError("etcd gone"), calls), window_s=0.05, pause_s=0.01)
     assert 2 <= len(calls) <= 10
 
 
 def test_other_errors_are_not_retried():
     calls = []
-
-    def call():
-        calls.append(1)
-        raise ValueError("a bug, not an election")
-
     with pytest.raises(ValueError):
-        _retrying(call, window_s=1.0, pause_s=0.01)
+        _retrying(_always(ValueError("a bug, not an election"), calls), window_s=1.0, pause_s=0.01)
     assert calls == [1]
