@@ -13,13 +13,13 @@ failure: the iteration time the others are measured against. Storage is throttle
 1/``storage-fraction`` of the NIC bandwidth, both ways (the paper's setting: 20 Gbps storage next to
 a 400 Gbps network). Strategies alternate within each repetition. The cluster runs time-dilated
 (``--dilation``, as ``cluster.dilation``; ``auto``: the k the host's probe picks for this shape), so
-that the 2-core host, not the emulated machines, never decides an iteration or a restart; every time
-below is in emulated seconds.
+that the emulated machines, not the 2-core host, decide an iteration or a restart; every time below
+is in emulated seconds.
 
 - ``gemini``: every iteration into CPU memory of 2 machines (own + group peer), persisted rarely;
 - ``highfreq``: ``ckpt=disk`` (DCP ``async_save``) every K = ceil(t_ckpt / T_iter) steps, t_ckpt timed
-  on a probe checkpoint written whole (its one stall); any wait of a save for the version before it is
-  part of its iterations;
+  on a probe checkpoint that training does not wait for; any wait of a save for the version before it
+  is part of its iterations;
 - ``strawman``: ``ckpt=disk`` (DCP ``async_save``) every ``--strawman-every`` steps.
 
 From rank 0's progress log (``ckpt_progress.log``):

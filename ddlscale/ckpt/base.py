@@ -1,8 +1,8 @@
 """Checkpointer: the part every checkpoint tier shares, as a Lightning callback.
 
 It decides *when* (every K optimizer steps, or "highfreq": K = ceil(t_ckpt / T_iter) measured on a
-probe checkpoint, whose write training does not wait for), restores at train start what Lightning's own restore leaves out (RNG, data
-position), and reports checkpoint figures for ``summary.json``. A tier subclasses it and implements
+probe checkpoint, whose write training does not wait for), restores at train start what Lightning's
+own restore leaves out (RNG, data position), and reports checkpoint figures for ``summary.json``. A tier subclasses it and implements
 :meth:`save` (and :meth:`resume_path` to offer a version to resume from).
 
 Launch hooks, called by the app and the launch modes for whatever tier is configured, so that they
