@@ -389,6 +389,10 @@ class SparseSync(DenseAllreduce):
         """The cost model's verdict for one profiled tensor."""
         return self.sparse_seconds(index) < self.dense_seconds(index)
 
+    def auto_sparse(self) -> list[int]:
+        """``route: auto``'s sparse tensors: each on its own verdict (override where tensors share rounds)."""
+        return [i for i in range(len(self.params)) if self.prefers_sparse(i)]
+
     # -- profiling and routing -------------------------------------------------------------------
     def _observe(self, index: int, grad: torch.Tensor) -> None:
         """Record one local gradient's non-zero elements and rows for the profile."""
@@ -494,7 +498,7 @@ class SparseSync(DenseAllreduce):
             self._choose_sparse(i for i, route in enumerate(self.routes) if route.sparse_dim is not None
                                 or (1.0 if route.density is None else route.density) <= FORCED_DENSITY)
         else:
-            self._choose_sparse([i for i in range(len(self.params)) if self.prefers_sparse(i)])
+            self._choose_sparse(self.auto_sparse())
         self.on_setup()  # rebuild the dense buckets without the sparse tensors, and the sparse groups
 
     def _measure_network(self) -> None:

@@ -304,6 +304,32 @@ class ZenSync(SparseSync):
         for i, plan in chosen.items():
             self.routes[i].plan = plan
 
+    def auto_sparse(self) -> list[int]:
+        """Batched, a BP tensor does not pay its own rounds: the step's push and pull are paid once for
+        every BP tensor, so pricing each tensor with them alone (the base's verdict) keeps dense what
+        would ride the batch for its bytes. The tensors are routed together: each to the cheapest of
+        dense, HC (its own stages) and BP (its bytes), the batch's rounds charged once if any takes BP,
+        against the routing without a batch (each to dense or HC). Exact for this model where every BP
+        plan takes as many message steps (flat: one exchange each way, COO or bitmap)."""
+        if not self.batched():
+            return super().auto_sparse()
+        cost, network = self.scheme_cost(), self.network
+        without, batched, steps = {}, {}, {}
+        for i in range(len(self.params)):
+            traffics = cost.traffics(self.sparsity(i), self.exchanges)
+            dense = ("dense", self.dense_seconds(i))
+            hc = ("hc", traffics["hc"].seconds(network)) if "hc" in traffics else dense
+            without[i] = min(dense, hc, key=lambda option: option[1])
+            bp = {plan: dataclasses.replace(t, messages=0).seconds(network) for plan, t in traffics.items()
+                  if plan != "hc"}
+            batched[i] = without[i]
+            plan = min(bp, key=bp.get, default=None)
+            if plan is not None and bp[plan] < without[i][1]:
+                batched[i], steps[i] = ("bp", bp[plan]), traffics[plan].messages
+        batch_s = sum(s for _, s in batched.values()) + max(steps.values(), default=0) * network.latency_s
+        chosen = batched if steps and batch_s < sum(s for _, s in without.values()) else without
+        return [i for i, (path, _) in chosen.items() if path != "dense"]
+
     def forget_plans(self) -> None:
         """Choose every tensor's scheme again, from the profile, when next asked."""
         for route in self.routes:

@@ -126,7 +126,8 @@ def test_gammas_are_measured_and_pick_the_scheme():
 
 def _merge_priced(rank, world):
     p = torch.nn.Parameter(torch.zeros(40_000))
-    sync = ZenSync(profile_steps=1)
+    # A pinned alpha: a measured one on a loaded host can make BP's rounds dearer than HC's merges.
+    sync = ZenSync(profile_steps=1, network_latency="100us")
     sync.setup([("w", p)])
     local = torch.zeros(40_000)
     local[torch.arange(0, 40_000, 40)] = 1.0  # identical on every rank: HC's best case

@@ -274,8 +274,9 @@ def _train(out, *overrides):
 
 
 def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_path):
-    batched = _train(tmp_path / "batched", "sync.batch=step")
-    alone = _train(tmp_path / "alone", "sync.batch=tensor")
+    # One routing for both (auto's would differ: batched, BP's rounds are shared), so only the exchange differs.
+    batched = _train(tmp_path / "batched", "sync.batch=step", "sync.route=sparse")
+    alone = _train(tmp_path / "alone", "sync.batch=tensor", "sync.route=sparse")
     assert batched["param_sha256"] == alone["param_sha256"]
     sparse = [name for name, route in batched["routing"].items() if route["path"] == "sparse"]
     assert len(sparse) >= 2, batched["routing"]
@@ -283,3 +284,28 @@ def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_p
         assert summary["collectives_per_step"] == summary["collectives_priced"]
         assert 0 <= summary["comm_overlap"] <= 1 and summary["comm_in_flight_s"] > 0
     assert batched["collective_ops"]["push"]["per_step"] == 1
+
+
+def _auto_routes(rank, world, batch, latency):
+    """route=auto on eight 1000 x 4 tables at 1% density whose workers touch disjoint rows."""
+    names = [f"t{k}" for k in range(8)]
+    params = {n: torch.nn.Parameter(torch.zeros(1000, 4)) for n in names}
+    sync = ZenSync(batch=batch, profile_steps=1, network_latency=latency)
+    sync.setup(list(params.items()))
+    for route in sync.routes:
+        route.seen, route.density, route.gamma, route.gammas, route.width = True, 0.01, 4.0, [1.0, 2.0, 4.0], 4
+    chosen = sync.auto_sparse()
+    priced = {i: (sync.dense_seconds(i), sync.plan_times(i)) for i in range(len(names))}
+    return chosen, priced
+
+
+def test_auto_routing_under_a_batch_charges_bp_rounds_once_per_step():
+    """At a 110 us alpha each table alone is cheaper dense than sparse (BP's rounds, HC's stages), so
+    routed tensor by tensor all eight stay dense; in one batch BP's rounds are paid once and all eight
+    go sparse. Too high an alpha for even the shared rounds keeps them dense again."""
+    alone = run_workers(_auto_routes, 4, "tensor", "110us")
+    for chosen, priced in alone:
+        assert chosen == []
+        assert all(min(plans.values()) > dense for dense, plans in priced.values()), priced
+    assert all(chosen == list(range(8)) for chosen, _ in run_workers(_auto_routes, 4, "step", "110us"))
+    assert all(chosen == [] for chosen, _ in run_workers(_auto_routes, 4, "step", "5ms"))
