@@ -72,8 +72,8 @@ def overrides_of(method: str, cluster: str, args: argparse.Namespace) -> list[st
     out += [f"sync={method.split()[0]}", *compressor, "sync.comm=allgather", f"sync.network_bandwidth={bandwidth}",
             f"sync.network_latency={latency}", f"sync.gpus_per_machine={workers}",
             *(f"{k}={v}" for k, v in PLANNER.items())]
-    if method.startswith("espresso"):
-        out.append(f"sync.trial_steps={TRIAL_STEPS if method == 'espresso trial' else 0}")
+    # Cupcake and the search run their model's plan: sync.trial_steps=0 (both planners' default is a trial).
+    out.append(f"sync.trial_steps={TRIAL_STEPS if method == 'espresso trial' else 0}")
     return out
 
 

@@ -7,8 +7,9 @@ Per (bandwidth, workload) the methods alternate, rotating which goes first: dens
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
 ``sync=cupcake`` and ``sync=espresso``; allgather, or allreduce where the compressor is summable;
 each compressor's default error feedback (residual for the three here). One worker per emulated
-machine. Espresso checks its plan on the cluster (``sync.trial_steps``): its own plan, Cupcake's and
-dense's take 3 turns each (a settling step and a measured one) and the fastest on rank 0 is kept. Measured: rank 0's median step
+machine. Both planners run their model's plan, with no trial on the cluster (``sync.trial_steps=0``:
+Espresso's search alone, Cupcake's fusion alone); every method skips as many steps as a trial would take,
+so the measured window is the same for all. Measured: rank 0's median step
 period (one optimizer step's end to the next: the batch and the loop's time between batches, which is
 what the planners' profiles measure and their predictions mean; trials.csv also has the batch alone)
 over the steps after that (the planned syncs profile dense for the first steps), the same steps for
@@ -54,7 +55,7 @@ METHODS = ("dense", "layerwise", *PLANNED)
 # ones (3, the default, is noisy on this shared host).
 WARMUP_STEPS, PROFILE_STEPS = 6, 6
 SETTLE_STEPS, CALIBRATE_STEPS = 3, 3  # then layer-wise: 3 settling steps, 3 timing the compressor in training (median), then the plan
-TRIAL_STEPS = 3  # espresso's, Cupcake's and dense's plans then take 3 turns of 2 steps each; the fastest stays
+TRIAL_STEPS = 3  # a trial's turns (3 candidates x 2 steps each): the measured window skips them, though none runs
 CANDIDATES = 3
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
 AFTER_WARMUP = PROFILE_STEPS + SETTLE_STEPS + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
@@ -136,8 +137,8 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
                 f"sync.warmup_steps={args.warmup_steps}", f"sync.profile_steps={PROFILE_STEPS}",
                 f"sync.settle_steps={SETTLE_STEPS}", f"sync.calibrate_steps={CALIBRATE_STEPS}",
                 "sync.gpus_per_machine=1"]
-    if method == "espresso":
-        out.append(f"sync.trial_steps={TRIAL_STEPS}")
+    if method in PLANNED:  # each planner's own plan, from its model alone (their default adds a trial)
+        out.append("sync.trial_steps=0")
     return out
 
 
@@ -457,8 +458,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
-profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan; espresso then gives up to {CANDIDATES} plans {TRIAL_STEPS} turns each, round robin, of a settling and a
-measured step, and keeps the fastest; the first planned step rebuilds the groups), median (min-max) over {args.reps}
+profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan, with no trial (sync.trial_steps=0: the model's plan runs; the window still skips the
+{CANDIDATES * TRIAL_STEPS * 2} steps a trial would take, as every method does); the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 each compressor's default; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor
 compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.

@@ -50,3 +50,13 @@ def test_the_4x2_table_prices_espresso_search_against_its_measured_step(fake_run
     assert "Espresso's search 0.900x the best uniform plan's step (dense" in text
     assert "predicted 0.900x its measured step" in text
     assert "| lstm | dense 200.0 | 180.0 | 0.900 | yes | 162.0 | 0.900 0.900 |" in text
+
+
+def test_only_espresso_trial_runs_a_trial():
+    """Both planners default to a trial; this experiment's Cupcake and search rows are their models' plans."""
+    from argparse import Namespace
+
+    args = Namespace(bandwidth="1gbit", measure=10, overrides="", compressor="topk", ratio=0.01)
+    for method in compression_schemes.PLANNED:
+        trial = [o for o in compression_schemes.overrides_of(method, "4x2", args) if o.startswith("sync.trial_steps=")]
+        assert trial == [f"sync.trial_steps={compression_schemes.TRIAL_STEPS if method == 'espresso trial' else 0}"]
