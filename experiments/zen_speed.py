@@ -5,8 +5,9 @@
 
 Each (bandwidth, model, sync, routing) trains with one worker per emulated machine (NICs shaped to
 the bandwidth); repetitions alternate the syncs, the first rotating. Every sparse sync routes with the
-same network: the cluster's configured bandwidth and the configured per-message latency
-(``sync.network_latency``, 100 us), each charged the messages it really sends. ``auto``: each
+same network model: the cluster's configured bandwidth and the per-message latency measured on the
+sync group at routing (``sync.network_latency=measured``, every sparse sync's default), each charged
+the messages it really sends. ``auto``: each
 backend's cost model decides which tensors go sparse; ``sparse``: every tensor with a sparse gradient
 goes sparse for every method (``sync.route=sparse``), so the methods also compare on identical
 routing. Embedding gradients arrive as sparse COO (``model.sparse_embedding=true``), what a user of
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
               "alternating repetitions, medians (step: min-max). 'sync ms': the training thread's time in "
               "synchronization per step (encode and decode work, and the wait for communication after "
               "backward); 'comm ms' that wait. Every sparse sync routes with the same network model "
-              "(the configured NIC bandwidth, 100 us per message step); '/auto': its cost model decides, "
+              "(the configured NIC bandwidth, and the alpha per message step each run measures at routing); '/auto': its cost model decides, "
               "'/sparse': every sparse-gradient tensor goes sparse for every method (where a method's own "
               "routing already sends exactly those tensors sparse, its '/sparse' row is its '/auto' runs, "
               "not run twice: rerun=False in the CSV). 'bound by': dense's "
