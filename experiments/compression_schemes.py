@@ -10,8 +10,8 @@ One compressor (top-k 1% by default, with its default error feedback: residual),
   ``zen``: Zen's push / sum / pull of the selections) — what a sparsifier's payloads cost to aggregate.
 - ``4x2``: 4 machines, two workers each, so hierarchical layouts exist: dense; every uniform plan of
   Espresso's option space run layer-wise (the compressor under allgather, alltoall and gather, flat
-  and hierarchical, and zen where the compressor is a sparsifier; dense allreduce hierarchical); Cupcake's groups of compressor/allgather; Espresso's
-  search alone (``sync.trial_steps=0``: the model's plan runs) and Espresso with its trial (its plan,
+  and hierarchical, and zen where the compressor is a sparsifier; dense allreduce hierarchical); Cupcake's groups of compressor/allgather; Espresso
+  (every option family calibrated first: ``sync.calibrate_families``) with its search alone (``sync.trial_steps=0``: the model's plan runs) and Espresso with its trial (its plan,
   Cupcake's and dense's take turns on the cluster, the fastest stays).
 
 Per (cluster, workload) the methods alternate, the first rotating, ``--reps`` repetitions. Measured per
@@ -44,6 +44,10 @@ PLANNED = ("cupcake", "espresso search", "espresso trial")
 WARMUP = 5  # steps every run takes before its measured ones (plus the planners' own phases)
 PLANNER = {"sync.warmup_steps": 4, "sync.profile_steps": 6, "sync.settle_steps": 3, "sync.calibrate_steps": 3}
 TRIAL_STEPS = 3  # Espresso's trial: 3 candidates x 3 turns of a settling and a measured step
+# Espresso calibrates every option family it may choose (each settled and timed layer-wise in turn, the
+# configured allgather last), so each is priced on its own CPU and lag: with allgather's alone the first
+# dilated run's search took alltoall/hier on figures measured for allgather and the dense lag.
+FAMILIES = tuple(f"{s}{layout}" for s in SCHEMES for layout in ("", "/hier") if f"{s}{layout}" != "allgather")
 
 
 def settle_steps(method: str) -> int:
@@ -52,6 +56,8 @@ def settle_steps(method: str) -> int:
     if method not in PLANNED:
         return WARMUP
     steps = sum(PLANNER.values()) + 1
+    if method.startswith("espresso"):  # each further family settles and calibrates before the configured one
+        steps += len(FAMILIES) * (PLANNER["sync.settle_steps"] + PLANNER["sync.calibrate_steps"])
     return steps + (3 * TRIAL_STEPS * 2 if method == "espresso trial" else 0) + WARMUP
 
 
@@ -74,6 +80,8 @@ def overrides_of(method: str, cluster: str, args: argparse.Namespace) -> list[st
             *(f"{k}={v}" for k, v in PLANNER.items())]
     # Cupcake and the search run their model's plan: sync.trial_steps=0 (both planners' default is a trial).
     out.append(f"sync.trial_steps={TRIAL_STEPS if method == 'espresso trial' else 0}")
+    if method.startswith("espresso"):
+        out.append(f"sync.calibrate_families=[{','.join(FAMILIES)}]")
     return out
 
 
@@ -268,7 +276,9 @@ figures are rank 0's medians over its last {args.measure} steps (after {WARMUP} 
 profiling, calibration, planning and trial steps); the table gives the median (min-max) over repetitions and
 every repetition's step period. Layer-wise methods are `sync=compress` (every tensor compressed alone) under the
 scheme named; `/hier` adds sync.hierarchical. Planned runs: the planners are told {planner_network(args.bandwidth)[0]}
-bit/s and measure the latency; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
+bit/s and measure the latency; Espresso first calibrates every option family it may choose, each settled and
+timed layer-wise in turn (sync.calibrate_families: {', '.join(FAMILIES)}, then the configured allgather), so each
+is priced on its own CPU and lag; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
 fastest on the cluster of Espresso's, Cupcake's and dense's plans ({TRIAL_STEPS} turns each). Plans: the candidate
 kept and the options its units use, per repetition.{failed_note(failures)}
 

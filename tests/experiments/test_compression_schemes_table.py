@@ -60,3 +60,8 @@ def test_only_espresso_trial_runs_a_trial():
     for method in compression_schemes.PLANNED:
         trial = [o for o in compression_schemes.overrides_of(method, "4x2", args) if o.startswith("sync.trial_steps=")]
         assert trial == [f"sync.trial_steps={compression_schemes.TRIAL_STEPS if method == 'espresso trial' else 0}"]
+    # Espresso prices every family it may choose on its own calibration: the 8 schemes x layouts, allgather last
+    search = compression_schemes.overrides_of("espresso search", "4x2", args)
+    families = next(o for o in search if o.startswith("sync.calibrate_families=")).split("=", 1)[1]
+    assert sorted([*families.strip("[]").split(","), "allgather"]) == sorted(
+        f"{s}{layout}" for s in compression_schemes.SCHEMES for layout in ("", "/hier"))
