@@ -1,7 +1,7 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 2] [--steps 55] [--warmup-steps 6]
+        [--compressors dgc,efsignsgd,randomk] [--reps 4] [--steps 61] [--warmup-steps 6]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
@@ -55,10 +55,12 @@ METHODS = ("dense", "layerwise", *PLANNED)
 # ones (3, the default, is noisy on this shared host).
 WARMUP_STEPS, PROFILE_STEPS = 6, 6
 SETTLE_STEPS, CALIBRATE_STEPS = 3, 3  # then layer-wise: 3 settling steps, 3 timing the compressor in training (median), then the plan
-TRIAL_STEPS = 3  # a trial's turns (3 candidates x 2 steps each): the measured window skips them, though none runs
-CANDIDATES = 3
-# Skip the first planned step too (it rebuilds the groups), and every method alike skips the trial's steps.
-AFTER_WARMUP = PROFILE_STEPS + SETTLE_STEPS + CALIBRATE_STEPS + CANDIDATES * TRIAL_STEPS * 2 + 1
+# Espresso also settles and calibrates every other scheme it may choose (sync.calibrate_families), at most
+# these many, before the configured one: so each option family is priced on its own CPU and lag.
+MAX_FAMILIES = 4
+# Skip the first planned step too (it rebuilds the groups), and every method alike skips as many steps as
+# the longest calibration takes.
+AFTER_WARMUP = PROFILE_STEPS + (1 + MAX_FAMILIES) * (SETTLE_STEPS + CALIBRATE_STEPS) + 1
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -123,6 +125,24 @@ def scheme_of(compressor: str) -> str:
     return "allreduce" if comp.summable or hasattr(comp, "reduce") else "allgather"
 
 
+def other_families(compressor: str) -> list[str]:
+    """The schemes besides :func:`scheme_of`'s that the compressor runs under: the option families
+    Espresso may choose, each calibrated before planning (``sync.calibrate_families``)."""
+    from ddlscale.compress import build_compressor
+    from ddlscale.sync.compressed.schemes import SCHEMES, scheme
+
+    comp, out = build_compressor(compressor), []
+    for name in SCHEMES:
+        try:
+            scheme(name).check(comp, "sync.calibrate_families")
+        except ValueError:
+            continue
+        if name != scheme_of(compressor):
+            out.append(name)
+    assert len(out) <= MAX_FAMILIES, out
+    return out
+
+
 def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argparse.Namespace) -> list[str]:
     out = ["cluster=emulated", f"cluster.nodes={args.nodes}", f"cluster.bandwidth={bandwidth}",
            "trainer.devices=1", f"trainer.max_steps={args.steps}", "seed=0", *args.overrides.split()]
@@ -139,6 +159,8 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
                 "sync.gpus_per_machine=1"]
     if method in PLANNED:  # each planner's own plan, from its model alone (their default adds a trial)
         out.append("sync.trial_steps=0")
+    if method == "espresso":
+        out.append(f"sync.calibrate_families=[{','.join(other_families(compressor))}]")
     return out
 
 
@@ -258,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidths", default="1gbit,5gbit")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
-    parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=55)
+    parser.add_argument("--reps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=61)
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="the planned syncs' dense steps before the profiled ones")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
@@ -458,8 +480,9 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
-profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan, with no trial (sync.trial_steps=0: the model's plan runs; the window still skips the
-{CANDIDATES * TRIAL_STEPS * 2} steps a trial would take, as every method does); the first planned step rebuilds the groups), median (min-max) over {args.reps}
+profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan, with no trial (sync.trial_steps=0: the model's plan runs); Espresso first settles and
+calibrates each other scheme it may choose ({"; ".join(f"{c}: {', '.join(other_families(c))}" for c in compressors)}), and every
+method's window skips as many steps as that takes; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 each compressor's default; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor
 compressed alone). Speed-ups are against the dense median of the same bandwidth and workload.
