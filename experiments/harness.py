@@ -80,13 +80,34 @@ def train(overrides: Sequence[str], timeout: float = 900, run_dir: Path | None =
         out = Path(run_dir) if run_dir is not None else Path(scratch)
         cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"hydra.run.dir={out}",
                "trainer.enable_progress_bar=false"]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        result = run_child(cmd, timeout)
         if result.returncode != 0:
             raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-4000:]}")
         summary = json.loads((out / "summary.json").read_text())
         if "dilation" in summary:
             DILATIONS.add(summary["dilation"])
         return summary
+
+
+def run_child(cmd: Sequence[str], timeout: float, grace_s: float = 60.0) -> subprocess.CompletedProcess:
+    """Run ``cmd`` with its output captured. Not ``subprocess.run``: on Ctrl-C or SIGTERM that kills the
+    child outright, and a train.py killed so leaves its emulated cluster (namespaces, agents) behind.
+    Here a stop signal reaches the child as SIGTERM (``stop_on_signals``), and its output is read on
+    while it tears down, up to ``grace_s``, so it never writes into a closed pipe; then the stop goes on."""
+    from ddlscale.cluster.stop import stop_on_signals
+
+    with stop_on_signals(), subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                             text=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.terminate()
+            child.communicate(timeout=grace_s)
+            raise
+        except KeyboardInterrupt:  # a stop signal (StopRequested): the child got SIGTERM as well
+            child.communicate(timeout=grace_s)
+            raise
+    return subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
 
 
 def git_commit() -> str:
