@@ -11,7 +11,8 @@ One compressor (top-k 1% by default, with its default error feedback: residual),
 - ``4x2``: 4 machines, two workers each, so hierarchical layouts exist: dense; every uniform plan of
   Espresso's option space run layer-wise (the compressor under allgather, alltoall and gather, flat
   and hierarchical, and zen where the compressor is a sparsifier; dense allreduce hierarchical); Cupcake's groups of compressor/allgather; Espresso
-  (every option family calibrated first: ``sync.calibrate_families``) with its search alone (``sync.trial_steps=0``: the model's plan runs) and Espresso with its trial (its plan,
+  (every option family calibrated first, layer-wise and fused: ``sync.calibrate_families``,
+  ``sync.calibrate_fused``) with its search alone (``sync.trial_steps=0``: the model's plan runs) and Espresso with its trial (its plan,
   Cupcake's and dense's take turns on the cluster, the fastest stays).
 
 Per (cluster, workload) the methods alternate, the first rotating, ``--reps`` repetitions. Measured per
@@ -48,6 +49,9 @@ TRIAL_STEPS = 3  # Espresso's trial: 3 candidates x 3 turns of a settling and a 
 # configured allgather last), so each is priced on its own CPU and lag: with allgather's alone the first
 # dilated run's search took alltoall/hier on figures measured for allgather and the dense lag.
 FAMILIES = tuple(f"{s}{layout}" for s in SCHEMES for layout in ("", "/hier") if f"{s}{layout}" != "allgather")
+# Both planners also time each family fused (sync.calibrate_fused): per group and per element apart.
+# Charged per group alone, the second dilated run's plans of one or two compressed groups came out
+# 10-41% under their measured steps.
 
 
 def settle_steps(method: str) -> int:
@@ -56,8 +60,10 @@ def settle_steps(method: str) -> int:
     if method not in PLANNED:
         return WARMUP
     steps = sum(PLANNER.values()) + 1
+    family = PLANNER["sync.settle_steps"] + PLANNER["sync.calibrate_steps"]
+    steps += family  # the configured family fused
     if method.startswith("espresso"):  # each further family settles and calibrates before the configured one
-        steps += len(FAMILIES) * (PLANNER["sync.settle_steps"] + PLANNER["sync.calibrate_steps"])
+        steps += 2 * len(FAMILIES) * family
     return steps + (3 * TRIAL_STEPS * 2 if method == "espresso trial" else 0) + WARMUP
 
 
@@ -80,6 +86,7 @@ def overrides_of(method: str, cluster: str, args: argparse.Namespace) -> list[st
             *(f"{k}={v}" for k, v in PLANNER.items())]
     # Cupcake and the search run their model's plan: sync.trial_steps=0 (both planners' default is a trial).
     out.append(f"sync.trial_steps={TRIAL_STEPS if method == 'espresso trial' else 0}")
+    out.append("sync.calibrate_fused=true")
     if method.startswith("espresso"):
         out.append(f"sync.calibrate_families=[{','.join(FAMILIES)}]")
     return out
@@ -279,8 +286,8 @@ profiling, calibration, planning and trial steps); the table gives the median (m
 every repetition's step period. Layer-wise methods are `sync=compress` (every tensor compressed alone) under the
 scheme named; `/hier` adds sync.hierarchical. Planned runs: the planners are told {planner_network(args.bandwidth)[0]}
 bit/s and measure the latency; Espresso first calibrates every option family it may choose, each settled and
-timed layer-wise in turn (sync.calibrate_families: {', '.join(FAMILIES)}, then the configured allgather), so each
-is priced on its own CPU and lag; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
+timed layer-wise and then fused in turn (sync.calibrate_families: {', '.join(FAMILIES)}, then the configured allgather;
+sync.calibrate_fused, Cupcake's configured family too), so each is priced on its own CPU, per group and per element, and lag; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
 fastest on the cluster of Espresso's, Cupcake's and dense's plans ({TRIAL_STEPS} turns each). Plans: the candidate
 kept and the options its units use, per repetition.{failed_note(failures)}
 

@@ -88,6 +88,52 @@ def group_overhead(profile: Profile, option: Option, measured_s: float,
     return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
 
 
+def fused_units(units: list[Unit]) -> list[Unit]:
+    """Every unit of one dtype fused into one group (in backward order): calibration's fused step."""
+    by_dtype: dict[str, list[Unit]] = {}
+    for unit in units:
+        by_dtype.setdefault(unit.dtype, []).append(unit)
+    return sorted((fuse(group) for group in by_dtype.values()), key=lambda u: u.ready_s)
+
+
+def family_overheads(profile: Profile, option: Option, layerwise_s: float, fused_s: float,
+                     compressors: dict[str, Compressor] | None = None) -> tuple[float, float]:
+    """(seconds per group, seconds per element) that make the model's layer-wise step under ``option``
+    take ``layerwise_s`` and its fused step (one group per dtype) take ``fused_s``, both measured in
+    training.
+
+    One layer-wise step cannot tell a cost per group from a cost per element: charged per group, a
+    family's cost measured on N groups is under-charged to a plan of a few large groups by about
+    (N - 1) / N (measured under dilation, lstm: plans of one or two compressed groups predicted 10-41%
+    under). With a fused step as the second point, the per-element share is the one that also
+    explains the fused step; it is 0 where the per-group charge alone already explains it or more,
+    and everything per element where even that falls short."""
+    if not option.compressed:
+        return 0.0, 0.0
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+    units = units_of(profile)
+    fused = fused_units(units)
+    elements = max(1, sum(u.numel for u in units))
+
+    def model(group_s: float, element_s: float) -> CostModel:
+        return CostModel(profile.with_family(option.family, cpu_s=group_s, cpu_per_element_s=element_s), compressors)
+
+    # Solved in seconds per step over all elements (``spread``), where _solve's tolerance is meant.
+    def per_group(spread: float) -> float:  # what the layer-wise step leaves to each group
+        return _solve(lambda g: uniform_time(units, option, model(g, spread / elements), profile.backward_end_s,
+                                             profile.rest_s), layerwise_s, 0.0, max(0.0, layerwise_s))
+
+    def fused_time(spread: float) -> float:
+        return uniform_time(fused, option, model(per_group(spread), spread / elements), profile.backward_end_s,
+                            profile.rest_s)
+
+    # The most per element: all of the layer-wise step's excess.
+    most = _solve(lambda x: uniform_time(units, option, model(0.0, x / elements), profile.backward_end_s,
+                                         profile.rest_s), layerwise_s, 0.0, max(0.0, layerwise_s))
+    spread = _solve(fused_time, fused_s, 0.0, most)
+    return per_group(spread), spread / elements
+
+
 def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | None = None,
                          first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> float:
     """The factor on the model's allreduce times (``NetworkModel.efficiency``) that makes its dense

@@ -28,7 +28,8 @@ The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues
 Beyond the fits and the network, each option family (compressor x scheme x layout) carries what
 calibration measured it to cost in compressed training steps (:attr:`Profile.families`): ``cpu_s``
 per group on the training thread (charged to encode) and ``lag_s``, the slowest rank's lag under it
-(the task's lag), in place of the one lag profiled under dense sync.
+(the task's lag), in place of the one lag profiled under dense sync; with a fused calibration
+(``sync.calibrate_fused``) also ``cpu_per_element_s``, charged to encode per element of the group.
 
 Three schemes run otherwise than their plain collective, and are priced as they run:
 
@@ -435,7 +436,10 @@ class CostModel:
             scheme = "alltoall"  # Allreduce.rounds: the owners sum the 16-bit pieces in float32
         # What calibration measured this family to cost per group on the training thread (flat dense
         # groups run on dense allreduce's own path and pay nothing per group).
-        encode = self.profile.family_terms(option.family).get("cpu_s", 0.0) if comp or option.hierarchical else 0.0
+        terms = self.profile.family_terms(option.family) if comp or option.hierarchical else {}
+        # Per group (its Python, its blocking calls) and per element of the group (the CPU the ranks'
+        # compression takes from each other's training threads, in proportion to what they compress).
+        encode = terms.get("cpu_s", 0.0) + terms.get("cpu_per_element_s", 0.0) * total
         decode = 0.0
         allreduce_net, allreduce_ranks = (self.across, n // k) if option.hierarchical else (net, n)
         if comp is not None and getattr(comp, "shared_scale", False):

@@ -17,7 +17,8 @@ collective waits for the last rank, and noisy or uneven workers make some rank t
 
 ``families``: what one option family (compressor key x scheme x layout, :func:`family`) was measured
 to cost in compressed training steps beyond the fits and the network model — ``cpu_s``, seconds per
-group on the training thread, and ``lag_s``, the slowest rank's lag under it (a compressed layout
+group on the training thread, ``cpu_per_element_s`` (where a fused step was calibrated too: what the
+family costs per element compressed rather than per group), and ``lag_s``, the slowest rank's lag under it (a compressed layout
 drifts the ranks apart otherwise than dense sync: a gather root's n decodes, an owner's re-encodes,
 data-dependent sizes). A family without its own entry takes its compressor's (``<key>/*``), else
 nothing extra and the dense ``lag_s``.
@@ -41,7 +42,7 @@ from ddlscale.compress import Compressor, Memory, build_compressor, class_path, 
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
-FAMILY_TERMS = ("cpu_s", "lag_s")
+FAMILY_TERMS = ("cpu_s", "cpu_per_element_s", "lag_s")
 
 
 def family(compressor: str, scheme: str, hierarchical: bool = False) -> str:
@@ -132,7 +133,7 @@ class Profile:
     steps: int = 0  # measured steps averaged
     lag_s: float = 0.0  # how much later than this rank the slowest one ended backward (median)
     widens: bool = False  # error feedback compresses bf16/fp16 gradients as float32 (Memory.widens)
-    families: dict[str, dict[str, float]] = field(default_factory=dict)  # per option family: cpu_s, lag_s
+    families: dict[str, dict[str, float]] = field(default_factory=dict)  # per option family: cpu_s, cpu_per_element_s, lag_s
 
     def family_terms(self, key: str) -> dict[str, float]:
         """What option family ``key`` (:func:`family`) was measured to cost: its own entry, else its

@@ -22,6 +22,8 @@ from ddlscale.plan.planner import (
     configured_option,
     cost_model,
     dense_plan,
+    family_overheads,
+    fused_units,
     group_overhead,
 )
 from ddlscale.plan.pricing import DENSE, Option, Unit, fuse, units_of
@@ -216,14 +218,14 @@ def test_cupcake_sync_profiles_plans_identically_and_runs_the_groups(bandwidth):
 LAG_S = 0.03
 
 
-def _calibrated(rank, world, run_dir, warmup=1, families=()):
+def _calibrated(rank, world, run_dir, warmup=1, families=(), fused=False):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.5), trial_steps=0, comm="allgather", memory="residual", profile_steps=1, calibrate_steps=2,
                        network_bandwidth="10mbit", run_dir=run_dir, warmup_steps=warmup, settle_steps=2,
-                       calibrate_families=list(families))
+                       calibrate_families=list(families), calibrate_fused=fused)
     sync.setup(params)
     ops = []
-    for step in range(warmup + 5 + 4 * len(families)):
+    for step in range(warmup + 1 + 4 * (len(families) + 1) * (2 if fused else 1)):
         g = torch.Generator().manual_seed(100 * rank + step)
         if rank == 1:
             time.sleep(LAG_S)  # a slower worker: every collective waits for it
@@ -339,6 +341,24 @@ def test_each_family_of_calibrate_families_is_calibrated_in_turn_before_the_conf
     assert profile.compressors["default"].calibration["groups"] == 2 * len(SHAPES)
 
 
+def test_a_fused_calibration_follows_each_familys_layer_wise_one_and_splits_its_cost(tmp_path):
+    (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 1, ["alltoall"], True)
+    assert ops[:2] == [["allreduce"]] * 2
+    # alltoall layer-wise (2 settling, 2 timed), then fused: one group (every tensor is float32).
+    assert ops[2:6] == [["all_to_all"] * len(SHAPES) + ["allgather_uneven"] * len(SHAPES)] * 4
+    assert ops[6:10] == [["all_to_all", "allgather_uneven"]] * 4
+    # The configured allgather fused, then layer-wise last (planning reads its work and steps).
+    assert ops[10:14] == [["allgather_uneven"]] * 4
+    assert ops[14:18] == [["allgather_uneven"] * len(SHAPES)] * 4
+    profile = Profile.load(tmp_path / "plan_profile.json")
+    for key in ("default/alltoall", "default/allgather"):
+        terms = profile.families[key]
+        assert terms["cpu_s"] >= 0 and terms["cpu_per_element_s"] >= 0 and "lag_s" in terms
+    assert not any(key.endswith("@fused") for key in profile.families)
+    assert profile.compressors["default"].calibration["groups"] == 2 * len(SHAPES)
+    assert planned and "calibrated in training" in planned
+
+
 def test_calibrate_families_are_checked_naming_the_key():
     with pytest.raises(ValueError, match="sync.calibrate_families: 'ring'"):
         CupcakeSync(TopK(), calibrate_families=["ring"])
@@ -369,6 +389,34 @@ def test_calibration_is_the_weighted_median_of_measured_over_fitted():
         CupcakeSync(TopK(), calibrate_steps=-1)
     with pytest.raises(ValueError, match="sync.settle_steps must be an integer >= 1, got 0"):
         CupcakeSync(TopK(), settle_steps=0)
+
+
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_a_fused_step_splits_a_familys_cost_into_per_group_and_per_element(seed):
+    """Steps measured on a cluster whose family costs g per group and e per element, layer-wise and
+    fused, give back g and e; one layer-wise step alone would charge it all per group."""
+    profile = random_profile(random.Random(seed), 20, world_size=4)
+    model = cost_model(profile)
+    option, units = configured_option(model), units_of(profile)
+    fused = fused_units(units)
+    assert len(fused) == 1 and fused[0].numel == sum(u.numel for u in units)
+    elements = fused[0].numel
+    group_s, element_s = 3e-4, 2e-3 / elements  # 2 ms a step over all elements
+
+    def measured(p, over):
+        return uniform_time(over, option, cost_model(p), p.backward_end_s, p.rest_s)
+
+    truth = profile.with_family(option.family, cpu_s=group_s, cpu_per_element_s=element_s)
+    layerwise_s, fused_s = measured(truth, units), measured(truth, fused)
+    got_group, got_element = family_overheads(profile, option, layerwise_s, fused_s)
+    assert got_group == pytest.approx(group_s, rel=1e-2, abs=1e-6)
+    assert got_element * elements == pytest.approx(element_s * elements, rel=1e-2, abs=1e-6)
+    # Per group alone, the fused step is predicted short by about (N - 1) / N of the per-element cost.
+    per_group_only = profile.with_family(option.family, cpu_s=group_overhead(profile, option, layerwise_s))
+    assert measured(per_group_only, fused) < fused_s - 0.5 * element_s * elements
+    # A fused step no dearer than the per-group charge predicts: nothing per element.
+    assert family_overheads(profile, option, layerwise_s, 0.0)[1] == 0.0
+    assert family_overheads(profile, DENSE, layerwise_s, fused_s) == (0.0, 0.0)
 
 
 def test_group_overhead_makes_the_layer_wise_prediction_what_training_measured():

@@ -63,9 +63,11 @@ class PlannedConfig(DenseConfig):
     warmup_steps: int = 1
     settle_steps: int = 3
     calibrate_families: Any = ()  # scheme names, /hier for the hierarchical layout (PlannedSync checks them)
+    calibrate_fused: bool = False
 
     def check(self) -> None:
         integer(self.key("gpus_per_machine"), self.gpus_per_machine)
+        boolean(self.key("calibrate_fused"), self.calibrate_fused)
         super().check()
         choice(self.key("comm"), self.comm, SCHEMES)
         if self.memory is not None:

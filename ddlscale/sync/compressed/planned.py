@@ -66,6 +66,7 @@ from ddlscale.plan.planner import (
     cupcake_plan,
     dense_plan,
     espresso_plan,
+    family_overheads,
     group_overhead,
     layerwise_plan,
     option_label,
@@ -91,6 +92,7 @@ from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
+FUSED = "@fused"  # a family's fused calibration steps, beside its layer-wise ones (sync.calibrate_fused)
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 
 
@@ -126,6 +128,11 @@ class PlannedSync(GradSync):
         hierarchical layout: ``[alltoall, zen]``), each settled and calibrated in turn before the
         configured one, which stays last; each gets its own per-group CPU and lag between ranks
         in :attr:`Profile.families` instead of the configured family's CPU and the dense lag.
+    calibrate_fused: also settle and time every calibrated family (the configured one included) with
+        each dtype's tensors fused into one group, after its layer-wise steps (the configured
+        family's before them: its layer-wise steps stay last). The two steps split the family's cost
+        into per group and per element (:func:`~ddlscale.plan.planner.family_overheads`), where one
+        layer-wise step charges it all per group and so under-prices plans of a few large groups.
     settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
         run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
         layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
@@ -157,13 +164,13 @@ class PlannedSync(GradSync):
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3,
-                 calibrate_families: Sequence[str] = ()):
+                 calibrate_families: Sequence[str] = (), calibrate_fused: bool = False):
         self.schema(comm=comm, memory=memory if isinstance(memory, str) else None, memory_beta=memory_beta,
                     hierarchical=hierarchical, profile_steps=profile_steps, network_bandwidth=network_bandwidth,
                     network_latency=network_latency, gpus_per_machine=gpus_per_machine, run_dir=run_dir,
                     bench_budget_s=bench_budget_s, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                     trial_steps=trial_steps, calibrate_steps=calibrate_steps, warmup_steps=warmup_steps,
-                    settle_steps=settle_steps, calibrate_families=calibrate_families,
+                    settle_steps=settle_steps, calibrate_families=calibrate_families, calibrate_fused=calibrate_fused,
                     **self._own_keys())  # refuses what no run can use
         super().__init__()
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
@@ -175,7 +182,10 @@ class PlannedSync(GradSync):
         self.calibrate_families = _families(calibrate_families)
         for scheme, _ in self.calibrate_families if compressor is not None else ():
             self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
-        self._families_left: list[tuple[str, bool]] = []  # calibration's queue, the configured family last
+        self.calibrate_fused = bool(calibrate_fused)
+        # Calibration's queue of (scheme, hierarchical, fused), the configured family's layer-wise steps last.
+        self._families_left: list[tuple[str, bool, bool]] = []
+        self._calibrating: tuple[str, bool, bool] | None = None  # the queue's entry in force
         self._families_done: dict[str, dict[str, Any]] = {}  # per family calibrated before it: periods, spans
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -301,19 +311,26 @@ class PlannedSync(GradSync):
             if hier and not self._hierarchical_possible():
                 raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
                                  f"ranks each (sync.gpus_per_machine / sync.local_size)")
-        self._families_left = [f for f in self.calibrate_families if f != configured] + [configured]
+        fused = [True] if self.calibrate_fused else []
+        self._families_left = [(*f, layout) for f in self.calibrate_families if f != configured
+                               for layout in [False, *fused]] + [(*configured, layout) for layout in [*fused, False]]
         self._families_done = {}
         self._calibrate_next()
 
     def _calibrate_next(self) -> None:
-        """Settle and calibrate the next family of the queue."""
-        scheme, hierarchical = self._families_left.pop(0)
+        """Settle and calibrate the next family of the queue: every tensor alone, or (fused) each
+        dtype's tensors in one group."""
+        scheme, hierarchical, fused = self._calibrating = self._families_left.pop(0)
         self.session.start_calibration()
         compressed = self.compressed
         compressed.work = []
-        compressed.choices = Choices(default=TensorChoice("default", scheme, hierarchical))
-        compressed.check_choice(compressed.choices.default,
-                                "sync.calibrate_families" if self._families_left else "sync.comm")
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, p in zip(self.names, self.params, strict=True):
+            by_dtype.setdefault(p.dtype, []).append(name)
+        compressed.choices = Choices(default=TensorChoice("default", scheme, hierarchical),
+                                     groups=list(by_dtype.values()) if fused else None)
+        configured = (scheme, hierarchical) == (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
+        compressed.check_choice(compressed.choices.default, "sync.comm" if configured else "sync.calibrate_families")
         self.on_setup()
 
     def _family_calibrated(self) -> bool:
@@ -321,10 +338,10 @@ class PlannedSync(GradSync):
         family (False), or True after the configured one, whose measurements planning reads."""
         if not self._families_left:
             return True
-        choice = self.compressed.choices.default
-        self._families_done[family("default", choice.scheme, choice.hierarchical)] = {
+        scheme, hierarchical, fused = self._calibrating
+        self._families_done[family("default", scheme, hierarchical) + (FUSED if fused else "")] = {
             "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
-            "option": Option("default", choice.scheme, choice.hierarchical)}
+            "option": Option("default", scheme, hierarchical), "fused": fused}
         self._calibrate_next()
         return False
 
@@ -365,34 +382,45 @@ class PlannedSync(GradSync):
 
     def _calibrate_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
         """``profile`` with each family calibrated before the configured one: the slowest rank's lag
-        under it, then its per-group CPU that makes its layer-wise step what its steps took."""
+        under it (layer-wise), then its CPU that makes its layer-wise step (and fused step, where
+        calibrated) what its steps took."""
         compressors = self._planning_compressors()
         for key, done in self._families_done.items():
             option = done["option"]
-            if not done["periods"] or not CostModel(profile, compressors).allows(option):
+            if done["fused"] or not done["periods"] or not CostModel(profile, compressors).allows(option):
                 continue
             if key in lags:
                 profile = profile.with_family(key, lag_s=lags[key])
-            extra = group_overhead(profile, option, statistics.median(done["periods"]), compressors)
-            profile = profile.with_family(key, cpu_s=extra)
+            per_group, per_element = self._family_cpu(profile, option, statistics.median(done["periods"]))
+            profile = profile.with_family(key, cpu_s=per_group, cpu_per_element_s=per_element)
         self._families_done = {}
         return profile
+
+    def _family_cpu(self, profile: Profile, option: Option, layerwise_s: float) -> tuple[float, float]:
+        """(seconds per group, per element) of ``option``'s family: from its layer-wise and fused steps
+        where both were measured, else all per group from the layer-wise ones."""
+        compressors = self._planning_compressors()
+        fused = self._families_done.get(option.family + FUSED, {}).get("periods")
+        if fused:
+            return family_overheads(profile, option, layerwise_s, statistics.median(fused), compressors)
+        return group_overhead(profile, option, layerwise_s, compressors), 0.0
 
     def _with_group_overhead(self, profile: Profile, measured: float, lag: float | None = None) -> Profile:
         compressors = self._planning_compressors()
         option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
         if lag is not None:
             profile = profile.with_family(option.family, lag_s=lag)
-        extra = group_overhead(profile, option, measured, compressors)
+        extra, per_element = self._family_cpu(profile, option, measured)
         facts = {"default": {"group_s": extra, "layerwise_step_s": measured}, "none": {"group_s": extra}}
         profile = replace(profile, compressors={key: replace(c, calibration={**c.calibration, **facts.get(key, {})})
                                                 for key, c in profile.compressors.items()})  # for the record
-        profile = profile.with_family(option.family, cpu_s=extra)
+        profile = profile.with_family(option.family, cpu_s=extra, cpu_per_element_s=per_element)
         # The compressor's other families were not run: they take this figure until measured. An
         # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
         # per-group machinery — blocking machine collectives, a job, a scheme — so it pays it too;
         # flat dense groups pay nothing (their own path).
-        return profile.with_family("default/*", cpu_s=extra).with_family("none/*", cpu_s=extra)
+        return (profile.with_family("default/*", cpu_s=extra, cpu_per_element_s=per_element)
+                .with_family("none/*", cpu_s=extra))
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -747,6 +775,9 @@ def _calibration_note(profile: Profile) -> str:
     for key, terms in sorted(profile.families.items()):
         if "lag_s" in terms:
             parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
+        if terms.get("cpu_per_element_s") and not key.endswith("/*"):
+            parts.append(f"under {key} {terms['cpu_s'] * 1e3:.3f} ms per group and "
+                         f"{terms['cpu_per_element_s'] * 1e9:.2f} ms per million elements (layer-wise and fused steps)")
     return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 
