@@ -50,8 +50,8 @@ TRIAL_STEPS = 3  # Espresso's trial: 3 candidates x 3 turns of a settling and a 
 # dilated run's search took alltoall/hier on figures measured for allgather and the dense lag.
 FAMILIES = tuple(f"{s}{layout}" for s in SCHEMES for layout in ("", "/hier") if f"{s}{layout}" != "allgather")
 # Both planners also time each family fused (sync.calibrate_fused): per group and per element apart.
-# Charged per group alone, the second dilated run's plans of one or two compressed groups came out
-# 10-41% under their measured steps.
+# Espresso also times a mixed step (sync.calibrate_mixed: the largest tensor compressed, the rest dense
+# alone): in the third dilated run its plans' small dense groups waited several ms each at the step's end.
 
 
 def settle_steps(method: str) -> int:
@@ -62,8 +62,8 @@ def settle_steps(method: str) -> int:
     steps = sum(PLANNER.values()) + 1
     family = PLANNER["sync.settle_steps"] + PLANNER["sync.calibrate_steps"]
     steps += family  # the configured family fused
-    if method.startswith("espresso"):  # each further family settles and calibrates before the configured one
-        steps += 2 * len(FAMILIES) * family
+    if method.startswith("espresso"):  # each further family settles and calibrates before the configured one, and a mixed step
+        steps += (2 * len(FAMILIES) + 1) * family
     return steps + (3 * TRIAL_STEPS * 2 if method == "espresso trial" else 0) + WARMUP
 
 
@@ -88,7 +88,7 @@ def overrides_of(method: str, cluster: str, args: argparse.Namespace) -> list[st
     out.append(f"sync.trial_steps={TRIAL_STEPS if method == 'espresso trial' else 0}")
     out.append("sync.calibrate_fused=true")
     if method.startswith("espresso"):
-        out.append(f"sync.calibrate_families=[{','.join(FAMILIES)}]")
+        out += [f"sync.calibrate_families=[{','.join(FAMILIES)}]", "sync.calibrate_mixed=true"]
     return out
 
 
@@ -287,7 +287,8 @@ every repetition's step period. Layer-wise methods are `sync=compress` (every te
 scheme named; `/hier` adds sync.hierarchical. Planned runs: the planners are told {planner_network(args.bandwidth)[0]}
 bit/s and measure the latency; Espresso first calibrates every option family it may choose, each settled and
 timed layer-wise and then fused in turn (sync.calibrate_families: {', '.join(FAMILIES)}, then the configured allgather;
-sync.calibrate_fused, Cupcake's configured family too), so each is priced on its own CPU, per group and per element, and lag; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
+sync.calibrate_fused, Cupcake's configured family too), so each is priced on its own CPU, per group and per element, and lag,
+and then a mixed step (sync.calibrate_mixed: the largest tensor under allgather, the rest dense alone), for what a dense group costs beside compression; `espresso search` runs the search's plan (sync.trial_steps=0), `espresso trial` the
 fastest on the cluster of Espresso's, Cupcake's and dense's plans ({TRIAL_STEPS} turns each). Plans: the candidate
 kept and the options its units use, per repetition.{failed_note(failures)}
 

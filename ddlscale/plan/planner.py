@@ -18,7 +18,7 @@ from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
 from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of
 from ddlscale.plan.profile import Profile
-from ddlscale.plan.result import CompressionPlan, per_unit_savings, uniform_time
+from ddlscale.plan.result import CompressionPlan, per_unit_savings, plan_time, uniform_time
 
 
 def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = None, world_size: int | None = None,
@@ -132,6 +132,33 @@ def family_overheads(profile: Profile, option: Option, layerwise_s: float, fused
                                          profile.rest_s), layerwise_s, 0.0, max(0.0, layerwise_s))
     spread = _solve(fused_time, fused_s, 0.0, most)
     return per_group(spread), spread / elements
+
+
+def mixed_options(units: list[Unit], option: Option) -> list[Option]:
+    """Calibration's mixed step: the largest unit (the first of equals) under ``option``, every other
+    one dense allreduce alone (uniform_starts' "largest only")."""
+    largest = max(range(len(units)), key=lambda i: (units[i].numel, -i))
+    return [option if i == largest else DENSE for i in range(len(units))]
+
+
+def beside_overhead(profile: Profile, option: Option, measured_s: float,
+                    compressors: dict[str, Compressor] | None = None) -> float:
+    """Seconds per flat dense group that make the model's mixed step (:func:`mixed_options`: the
+    largest tensor under ``option``, the rest dense alone) take ``measured_s``, measured in training
+    after ``option``'s own family was calibrated; 0 where the model already says that much or more.
+    (:meth:`CostModel.beside_compression` charges it to every flat dense group of a plan that
+    compresses.)"""
+    if not option.compressed:
+        return 0.0
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+    units = units_of(profile)
+    options = mixed_options(units, option)
+
+    def predicted(per_group: float) -> float:
+        model = CostModel(profile.with_family(DENSE.family, beside_compression_s=per_group), compressors)
+        return plan_time(units, options, model.beside_compression(), profile.backward_end_s, profile.rest_s)
+
+    return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
 
 
 def allreduce_efficiency(profile: Profile, compressors: dict[str, Compressor] | None = None,
@@ -256,8 +283,9 @@ def espresso_plan(profile: Profile, model: CostModel, cupcake_option: Option | N
     fusion = {"per tensor": "none (each tensor alone)",
               "fused runs": "runs of consecutive tensors with the same option fused (Cupcake's DP)",
               "cupcake groups": f"Cupcake's groups of {option_label(model, cupcake_option)} as units"}[result.fusion]
+    priced = model if all(o == DENSE for o in result.options) else model.beside_compression()
     plan = CompressionPlan("espresso", result.units, result.options, result.iteration_s, fusion,
-                           per_unit_savings(result.units, result.options, model, profile.backward_end_s,
+                           per_unit_savings(result.units, result.options, priced, profile.backward_end_s,
                                             profile.rest_s),
                            _baselines(profile, model, cupcake_option or DENSE), context=_context(profile, model))
     plan.notes = [*_notes(profile, plan), *(f"search: {step}" for step in result.steps)]

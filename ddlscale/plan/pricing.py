@@ -56,6 +56,7 @@ the training thread, so the plan says so when it offloads.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -279,6 +280,20 @@ class CostModel:
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
         self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
         self._cache: dict[tuple, tuple[float, float, float]] = {}
+        self.beside = False  # priced for a plan off the all-dense path: flat dense groups pay beside_compression_s
+
+    def beside_compression(self) -> CostModel:
+        """This model for plans with any group off dense allreduce's own path (compressed, or
+        hierarchical): each flat dense group also pays what
+        calibration measured a dense group to cost beside compressed ones (``none/allreduce``'s
+        ``beside_compression_s``, after backward, on the training thread). Measured on the emulated
+        cluster: in a plan that compressed the embeddings, each small dense allreduce still had 3-6 ms
+        to wait for at the step's end, where alone they cost well under a millisecond — compression
+        on the training threads holds up the other ranks' part of them. A plan of flat dense groups
+        only is priced by the plain model."""
+        other = copy.copy(self)
+        other._cache, other.beside = {}, True
+        return other
 
     # -- the option space ------------------------------------------------------------------------
     @property
@@ -441,6 +456,8 @@ class CostModel:
         # compression takes from each other's training threads, in proportion to what they compress).
         encode = terms.get("cpu_s", 0.0) + terms.get("cpu_per_element_s", 0.0) * total
         decode = 0.0
+        if self.beside and comp is None and not option.hierarchical:
+            decode += self.profile.family_terms(option.family).get("beside_compression_s", 0.0)
         allreduce_net, allreduce_ranks = (self.across, n // k) if option.hierarchical else (net, n)
         if comp is not None and getattr(comp, "shared_scale", False):
             encode += float(allreduce_net.allreduce(4.0, allreduce_ranks))  # TernGrad's max of the ranks' scalars

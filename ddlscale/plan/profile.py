@@ -21,7 +21,9 @@ group on the training thread, ``cpu_per_element_s`` (where a fused step was cali
 family costs per element compressed rather than per group), and ``lag_s``, the slowest rank's lag under it (a compressed layout
 drifts the ranks apart otherwise than dense sync: a gather root's n decodes, an owner's re-encodes,
 data-dependent sizes). A family without its own entry takes its compressor's (``<key>/*``), else
-nothing extra and the dense ``lag_s``.
+nothing extra and the dense ``lag_s``. Flat dense allreduce's family (``none/allreduce``) may carry
+``beside_compression_s``: what each of its groups costs in a step that also compresses (a mixed
+calibration step, ``sync.calibrate_mixed``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ddlscale.compress import Compressor, Memory, build_compressor, class_path, 
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
-FAMILY_TERMS = ("cpu_s", "cpu_per_element_s", "lag_s")
+FAMILY_TERMS = ("cpu_s", "cpu_per_element_s", "lag_s", "beside_compression_s")
 
 
 def family(compressor: str, scheme: str, hierarchical: bool = False) -> str:

@@ -560,3 +560,93 @@ def test_train_py_with_espresso_and_topk(tmp_path):
 def test_iteration_time_is_simulate():
     tasks = [TensorTask("a", 0.0, 1e-3, 2e-3, 1e-3, True), TensorTask("b", 1e-3, 1e-3, 1e-3, 2e-3, False)]
     assert iteration_time(tasks, 3e-3, 1e-3) == simulate(tasks, 3e-3, 1e-3).iteration_s
+
+
+def test_dense_groups_beside_compression_are_charged_and_the_dense_plan_is_still_a_candidate():
+    """A cost per flat dense group in plans that compress: the mixed step's prediction grows by it
+    per dense group, beside_overhead recovers it from that step, and Espresso prices every plan
+    that compresses with it while still offering the plan that compresses nothing, priced plainly."""
+    from ddlscale.plan.planner import beside_overhead, mixed_options
+    from ddlscale.plan.result import plan_time
+
+    profile = random_profile(random.Random(11), 12, world_size=4)
+    model = cost_model(profile)
+    option, units = configured_option(model), units_of(profile)
+    mixed = mixed_options(units, option)
+    assert sum(o == option for o in mixed) == 1 and mixed[max(range(len(units)), key=lambda i: units[i].numel)] == option
+    per_group = 2e-3
+    charged = profile.with_family(DENSE.family, beside_compression_s=per_group)
+
+    def time_of(p, options, beside=True):
+        m = cost_model(p)
+        return plan_time(units, options, m.beside_compression() if beside else m, p.backward_end_s, p.rest_s)
+
+    measured = time_of(charged, mixed)
+    assert measured >= time_of(profile, mixed) + per_group  # paid after backward, per dense group
+    assert beside_overhead(profile, option, measured) == pytest.approx(per_group, abs=1e-6)
+    assert beside_overhead(profile, option, 0.5 * time_of(profile, mixed)) == 0.0
+    # Plans that run only dense allreduce's own path are priced without it.
+    dense = [DENSE] * len(units)
+    assert time_of(charged, dense, beside=False) == time_of(profile, dense, beside=False)
+
+
+@pytest.mark.parametrize("seed", [2, 5])
+def test_espresso_prices_dense_groups_beside_compression_and_keeps_the_all_dense_candidate(seed):
+    from ddlscale.plan.cupcake import plan_fusion
+
+    profile = random_profile(random.Random(seed), 12, world_size=4)
+    units = units_of(profile)
+    b, rest = profile.backward_end_s, profile.rest_s
+    plain = espresso(units, cost_model(profile), b, rest)
+    assert any(o == DENSE for o in plain.options)  # both instances keep flat dense groups when they cost nothing more
+    for per_group in (2e-3, 10.0):
+        charged = profile.with_family(DENSE.family, beside_compression_s=per_group)
+        plan = espresso(units, cost_model(charged), b, rest)
+        assert plan.iteration_s >= plain.iteration_s - 1e-12  # nothing got cheaper
+        dense = plan_fusion(units, cost_model(profile), DENSE, b, rest)  # the best all-dense plan, priced plainly
+        if all(o == DENSE for o in plan.options):
+            assert plan.iteration_s == pytest.approx(dense.iteration_s)
+        else:  # it mixes: every flat dense group pays, so the plan has few of them, and it beats all-dense
+            assert plan.iteration_s < dense.iteration_s
+            if per_group == 10.0:
+                assert DENSE not in plan.options
+    if seed == 2:  # here one hierarchical dense group beside flat ones saved least: all dense wins
+        assert all(o == DENSE for o in espresso(units, cost_model(profile.with_family(
+            DENSE.family, beside_compression_s=2e-3)), b, rest).options)
+
+
+def _mixed_calibration(rank, world, run_dir):
+    params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
+    sync = EspressoSync(TopK(ratio=0.5), trial_steps=0, comm="allgather", memory="residual", profile_steps=1,
+                        calibrate_steps=2, settle_steps=2, network_bandwidth="10mbit", run_dir=run_dir,
+                        calibrate_mixed=True)
+    sync.setup(params)
+    ops = []
+    for step in range(1 + 1 + 4 * 2):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        for name, p in reversed(params):
+            p.grad = torch.randn(SHAPES[name], generator=g)
+            sync.grad_ready(p)
+        ops.append([r.op for r in sync.finish_step().collectives])
+    return ops, sync.computed is not None
+
+
+@pytest.mark.multiprocess
+def test_a_mixed_calibration_step_runs_the_largest_tensor_compressed_and_the_rest_dense(tmp_path):
+    (ops, planned), _ = run_workers(_mixed_calibration, 2, str(tmp_path))
+    assert planned
+    assert ops[:2] == [["allreduce"]] * 2
+    # Mixed (2 settling, 2 timed): "d" (the largest) under allgather, the other three dense alone.
+    assert all(sorted(step) == sorted(["allgather_uneven"] + ["allreduce"] * 3) for step in ops[2:6])
+    assert ops[6:10] == [["allgather_uneven"] * len(SHAPES)] * 4  # the configured family alone, last
+    profile = Profile.load(tmp_path / "plan_profile.json")
+    assert profile.families[DENSE.family]["beside_compression_s"] >= 0
+    assert "default/allgather" in profile.families
+
+
+def test_calibrate_mixed_is_espressos_and_checked():
+    with pytest.raises(ValueError, match="sync.calibrate_mixed"):
+        EspressoSync(TopK(), calibrate_mixed="yes")
+    from ddlscale.sync.compressed import CupcakeSync
+    with pytest.raises(TypeError):
+        CupcakeSync(TopK(), calibrate_mixed=True)

@@ -88,8 +88,10 @@ class PlannedConfig(DenseConfig):
 class EspressoConfig(PlannedConfig):
     offload: bool = False
     fuse: bool = True
+    calibrate_mixed: bool = False
 
     def check(self) -> None:
         super().check()
         boolean(self.key("offload"), self.offload)
         boolean(self.key("fuse"), self.fuse)
+        boolean(self.key("calibrate_mixed"), self.calibrate_mixed)

@@ -61,6 +61,7 @@ from ddlscale.compress.memory import Memory
 from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
     allreduce_efficiency,
+    beside_overhead,
     check_plannable,
     configured_option,
     cupcake_plan,
@@ -71,7 +72,7 @@ from ddlscale.plan.planner import (
     layerwise_plan,
     option_label,
 )
-from ddlscale.plan.pricing import SCHEMES, CostModel, Option
+from ddlscale.plan.pricing import DENSE, SCHEMES, CostModel, Option
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -92,7 +93,10 @@ from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
-FUSED = "@fused"  # a family's fused calibration steps, beside its layer-wise ones (sync.calibrate_fused)
+# Calibration layouts: every tensor alone; each dtype's tensors in one group (sync.calibrate_fused); the
+# largest tensor alone under the family, the rest dense alone (sync.calibrate_mixed). Also the suffix
+# of a family's key in the steps kept per family.
+ALONE, FUSED, MIXED = "", "@fused", "@mixed"
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 
 
@@ -183,9 +187,10 @@ class PlannedSync(GradSync):
         for scheme, _ in self.calibrate_families if compressor is not None else ():
             self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
         self.calibrate_fused = bool(calibrate_fused)
-        # Calibration's queue of (scheme, hierarchical, fused), the configured family's layer-wise steps last.
-        self._families_left: list[tuple[str, bool, bool]] = []
-        self._calibrating: tuple[str, bool, bool] | None = None  # the queue's entry in force
+        # Calibration's queue of (scheme, hierarchical, layout: alone, fused or mixed), the configured
+        # family's layer-wise steps last.
+        self._families_left: list[tuple[str, bool, str]] = []
+        self._calibrating: tuple[str, bool, str] | None = None  # the queue's entry in force
         self._families_done: dict[str, dict[str, Any]] = {}  # per family calibrated before it: periods, spans
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
@@ -311,26 +316,34 @@ class PlannedSync(GradSync):
             if hier and not self._hierarchical_possible():
                 raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
                                  f"ranks each (sync.gpus_per_machine / sync.local_size)")
-        fused = [True] if self.calibrate_fused else []
-        self._families_left = [(*f, layout) for f in self.calibrate_families if f != configured
-                               for layout in [False, *fused]] + [(*configured, layout) for layout in [*fused, False]]
+        extra = [FUSED] if self.calibrate_fused else []
+        mixed = [MIXED] if getattr(self, "calibrate_mixed", False) else []
+        self._families_left = ([(*f, layout) for f in self.calibrate_families if f != configured
+                                for layout in [ALONE, *extra]]
+                               + [(*configured, layout) for layout in [*extra, *mixed, ALONE]])
         self._families_done = {}
         self._calibrate_next()
 
     def _calibrate_next(self) -> None:
-        """Settle and calibrate the next family of the queue: every tensor alone, or (fused) each
-        dtype's tensors in one group."""
-        scheme, hierarchical, fused = self._calibrating = self._families_left.pop(0)
+        """Settle and calibrate the next family of the queue: every tensor alone, each dtype's tensors
+        in one group (fused), or the largest tensor alone under it and every other one dense alone
+        (mixed)."""
+        scheme, hierarchical, layout = self._calibrating = self._families_left.pop(0)
         self.session.start_calibration()
         compressed = self.compressed
         compressed.work = []
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, p in zip(self.names, self.params, strict=True):
-            by_dtype.setdefault(p.dtype, []).append(name)
-        compressed.choices = Choices(default=TensorChoice("default", scheme, hierarchical),
-                                     groups=list(by_dtype.values()) if fused else None)
+        choice = TensorChoice("default", scheme, hierarchical)
+        if layout == MIXED:
+            largest = max(range(len(self.params)), key=lambda i: (self.params[i].numel(), -self.backward_order.index(i)))
+            compressed.choices = Choices(default=TensorChoice("none", "allreduce", False),
+                                         tensors={self.names[largest]: choice})
+        else:
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for name, p in zip(self.names, self.params, strict=True):
+                by_dtype.setdefault(p.dtype, []).append(name)
+            compressed.choices = Choices(default=choice, groups=list(by_dtype.values()) if layout == FUSED else None)
         configured = (scheme, hierarchical) == (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
-        compressed.check_choice(compressed.choices.default, "sync.comm" if configured else "sync.calibrate_families")
+        compressed.check_choice(choice, "sync.comm" if configured else "sync.calibrate_families")
         self.on_setup()
 
     def _family_calibrated(self) -> bool:
@@ -338,10 +351,10 @@ class PlannedSync(GradSync):
         family (False), or True after the configured one, whose measurements planning reads."""
         if not self._families_left:
             return True
-        scheme, hierarchical, fused = self._calibrating
-        self._families_done[family("default", scheme, hierarchical) + (FUSED if fused else "")] = {
+        scheme, hierarchical, layout = self._calibrating
+        self._families_done[family("default", scheme, hierarchical) + ("" if layout == ALONE else layout)] = {
             "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
-            "option": Option("default", scheme, hierarchical), "fused": fused}
+            "option": Option("default", scheme, hierarchical), "layout": layout}
         self._calibrate_next()
         return False
 
@@ -387,12 +400,16 @@ class PlannedSync(GradSync):
         compressors = self._planning_compressors()
         for key, done in self._families_done.items():
             option = done["option"]
-            if done["fused"] or not done["periods"] or not CostModel(profile, compressors).allows(option):
+            if done["layout"] != ALONE or not done["periods"] or not CostModel(profile, compressors).allows(option):
                 continue
             if key in lags:
                 profile = profile.with_family(key, lag_s=lags[key])
             per_group, per_element = self._family_cpu(profile, option, statistics.median(done["periods"]))
             profile = profile.with_family(key, cpu_s=per_group, cpu_per_element_s=per_element)
+        for done in self._families_done.values():  # a mixed step, its compressed family's terms known now
+            if done["layout"] == MIXED and done["periods"]:
+                beside = beside_overhead(profile, done["option"], statistics.median(done["periods"]), compressors)
+                profile = profile.with_family(DENSE.family, beside_compression_s=beside)
         self._families_done = {}
         return profile
 
@@ -680,13 +697,20 @@ class EspressoSync(PlannedSync):
         on the training thread only, so offloaded choices are predictions of what a side stream would
         give, not what runs: off by default, and the plan says so when on.
     fuse: consider fused plans (equal-option runs, Cupcake groups of ``comm``); off: one tensor each.
+    calibrate_mixed: also settle and time a mixed step before the configured family's layer-wise
+        steps: the largest tensor under the configured option, every other one dense alone. What
+        its dense groups cost beyond the model is charged to every flat dense group of a plan that
+        compresses (:func:`~ddlscale.plan.planner.beside_overhead`,
+        :meth:`~ddlscale.plan.pricing.CostModel.beside_compression`); without it such groups are
+        priced as if they ran alone.
     """
 
     system = "espresso"
     schema = EspressoConfig
 
-    def __init__(self, *args, offload: bool = False, fuse: bool = True, **kwargs):
-        self.offload, self.fuse = offload, fuse  # checked by the schema, with the rest
+    def __init__(self, *args, offload: bool = False, fuse: bool = True, calibrate_mixed: bool = False, **kwargs):
+        # Checked by the schema, with the rest.
+        self.offload, self.fuse, self.calibrate_mixed = offload, fuse, calibrate_mixed
         super().__init__(*args, **kwargs)
 
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
@@ -775,6 +799,9 @@ def _calibration_note(profile: Profile) -> str:
     for key, terms in sorted(profile.families.items()):
         if "lag_s" in terms:
             parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
+        if terms.get("beside_compression_s"):
+            parts.append(f"each flat dense group {terms['beside_compression_s'] * 1e3:.3f} ms more beside compressed "
+                         "ones (a mixed step)")
         if terms.get("cpu_per_element_s") and not key.endswith("/*"):
             parts.append(f"under {key} {terms['cpu_s'] * 1e3:.3f} ms per group and "
                          f"{terms['cpu_per_element_s'] * 1e9:.2f} ms per million elements (layer-wise and fused steps)")
