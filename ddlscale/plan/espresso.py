@@ -272,6 +272,23 @@ def _beside_s(model: CostModel) -> float:
     return model.profile.family_terms(DENSE.family).get("beside_compression_s", 0.0)
 
 
+def _all_dense_if_faster(best: Search, units: list[Unit], plain: CostModel, backward_end_s: float,
+                         optimizer_s: float, fuse: bool) -> Search:
+    """``best``, or the best plan of flat dense groups only, priced by the plain model, if faster:
+    dense fusion's optimum (``fuse``), else every tensor dense alone."""
+    if fuse:
+        dense = plan_fusion(units, plain, DENSE, backward_end_s, optimizer_s)
+        found, options, time_s, fusion = dense.units, dense.options, dense.iteration_s, "fused runs"
+    else:
+        found, options, fusion = units, [DENSE] * len(units), "per tensor"
+        time_s = iteration_time([plain.task(u, DENSE) for u in units], backward_end_s, optimizer_s)
+    if time_s >= best.iteration_s - _TOL:
+        return best
+    return Search(list(found), list(options), time_s, fusion,
+                  [*best.steps, f"dense groups priced beside compression: all dense is faster, {len(found)} "
+                                f"dense group(s) -> {time_s * 1e3:.3f} ms"], best.simulations)
+
+
 def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float = 0.0,
              options: Sequence[Option] | None = None, offload: bool = False, fuse: bool = True,
              cupcake_option: Option | None = None) -> Search:
@@ -303,13 +320,8 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
             over.steps.insert(0, f"units: the {len(groups.groups)} Cupcake groups of {cupcake_option.label(names)}")
             candidates.append(over)
         best = min(candidates, key=lambda c: c.iteration_s)  # ties: the simpler, earlier candidate
-    if units and _beside_s(plain) > 0:
-        dense = plan_fusion(units, plain, DENSE, backward_end_s, optimizer_s)
-        if dense.iteration_s < best.iteration_s - _TOL:
-            best = Search(dense.units, dense.options, dense.iteration_s, "fused runs",
-                          [*best.steps, f"dense groups priced beside compression: all dense is faster, "
-                                        f"{len(dense.groups)} dense groups -> {dense.iteration_s * 1e3:.3f} ms"],
-                          best.simulations)
+    if units and _beside_s(plain) > 0 and (options is None or DENSE in options):
+        best = _all_dense_if_faster(best, list(units), plain, backward_end_s, optimizer_s, fuse)
     if offload and best.units:
         ev = Evaluator(best.units, model, backward_end_s, optimizer_s + model.fixed_s(best.options))
         best.options, best.iteration_s, moved = algorithm2(ev, best.options, best.iteration_s)

@@ -107,12 +107,15 @@ def family_overheads(profile: Profile, option: Option, layerwise_s: float, fused
     (N - 1) / N (measured under dilation, lstm: plans of one or two compressed groups predicted 10-41%
     under). With a fused step as the second point, the per-element share is the one that also
     explains the fused step; it is 0 where the per-group charge alone already explains it or more,
-    and everything per element where even that falls short."""
+    and everything per element where even that falls short. (The bisection takes the fused step's
+    prediction to grow with the per-element share, as it does where one group holds every tensor.)"""
     if not option.compressed:
         return 0.0, 0.0
     compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
     units = units_of(profile)
     fused = fused_units(units)
+    if len(fused) == len(units):  # one tensor per dtype: the two steps are the same step, nothing to split
+        return group_overhead(profile, option, layerwise_s, compressors), 0.0
     elements = max(1, sum(u.numel for u in units))
 
     def model(group_s: float, element_s: float) -> CostModel:

@@ -290,9 +290,18 @@ class CostModel:
         cluster: in a plan that compressed the embeddings, each small dense allreduce still had 3-6 ms
         to wait for at the step's end, where alone they cost well under a millisecond — compression
         on the training threads holds up the other ranks' part of them. A plan of flat dense groups
-        only is priced by the plain model."""
+        only is priced by the plain model (:meth:`plainly`)."""
+        return self._beside(True)
+
+    def plainly(self) -> CostModel:
+        """This model with flat dense groups priced as they run alone (the plain model)."""
+        return self._beside(False)
+
+    def _beside(self, beside: bool) -> CostModel:
+        if self.beside == beside:
+            return self
         other = copy.copy(self)
-        other._cache, other.beside = {}, True
+        other._cache, other.beside = {}, beside
         return other
 
     # -- the option space ------------------------------------------------------------------------
@@ -468,7 +477,8 @@ class CostModel:
             numel, shapes, ranks = -(-total // k), [None] * total.size, n // k
             across = self.across if scheme == "allreduce" else self.exchange_across
         # A flat dense group runs on dense allreduce's own path (CompressSync._dense_path): nothing
-        # per group beyond the 1/n copy that the profiled backward already holds.
+        # per group beyond the 1/n copy that the profiled backward already holds (and, beside
+        # compression, the cost calibrated for that, above).
         enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
         extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
         if comp is not None and comp.per_member and not option.hierarchical:

@@ -135,7 +135,7 @@ class Profile:
     steps: int = 0  # measured steps averaged
     lag_s: float = 0.0  # how much later than this rank the slowest one ended backward (median)
     widens: bool = False  # error feedback compresses bf16/fp16 gradients as float32 (Memory.widens)
-    families: dict[str, dict[str, float]] = field(default_factory=dict)  # per option family: cpu_s, cpu_per_element_s, lag_s
+    families: dict[str, dict[str, float]] = field(default_factory=dict)  # per option family: FAMILY_TERMS
 
     def family_terms(self, key: str) -> dict[str, float]:
         """What option family ``key`` (:func:`family`) was measured to cost: its own entry, else its

@@ -107,10 +107,14 @@ def per_unit_savings(units: list[Unit], options: list[Option], model: CostModel,
         if not option.compressed:
             saved.append(0.0)
             continue
-        dense = list(tasks)
-        dense[g] = model.task(unit, DENSE)
-        fixed = model.fixed_s([*options[:g], DENSE, *options[g + 1:]])
-        saved.append(iteration_time(dense, backward_end_s, optimizer_s + fixed) - planned)
+        swapped = [*options[:g], DENSE, *options[g + 1:]]
+        if all(o == DENSE for o in swapped):  # all dense now: priced as dense groups alone
+            plain = model.plainly()
+            dense = [plain.task(u, DENSE) for u in units]
+        else:
+            dense = list(tasks)
+            dense[g] = model.task(unit, DENSE)
+        saved.append(iteration_time(dense, backward_end_s, optimizer_s + model.fixed_s(swapped)) - planned)
     return saved
 
 

@@ -341,8 +341,23 @@ def test_each_family_of_calibrate_families_is_calibrated_in_turn_before_the_conf
     assert profile.compressors["default"].calibration["groups"] == 2 * len(SHAPES)
 
 
+def _calibrated_fused(rank, world, run_dir, families):
+    """_calibrated with calibrate_fused, and the families whose cost was split from two steps."""
+    from ddlscale.sync.compressed import planned as planned_module
+
+    split, real = [], planned_module.family_overheads
+
+    def recording(profile, option, *args, **kwargs):
+        split.append(option.family)
+        return real(profile, option, *args, **kwargs)
+
+    planned_module.family_overheads = recording
+    return (*_calibrated(rank, world, run_dir, 1, families, True), split)
+
+
 def test_a_fused_calibration_follows_each_familys_layer_wise_one_and_splits_its_cost(tmp_path):
-    (ops, planned, _), _ = run_workers(_calibrated, 2, str(tmp_path), 1, ["alltoall"], True)
+    (ops, planned, _, split), _ = run_workers(_calibrated_fused, 2, str(tmp_path), ["alltoall"])
+    assert sorted(split) == ["default/allgather", "default/alltoall"]  # each from its layer-wise and fused steps
     assert ops[:2] == [["allreduce"]] * 2
     # alltoall layer-wise (2 settling, 2 timed), then fused: one group (every tensor is float32).
     assert ops[2:6] == [["all_to_all"] * len(SHAPES) + ["allgather_uneven"] * len(SHAPES)] * 4

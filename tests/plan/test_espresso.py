@@ -582,12 +582,22 @@ def test_dense_groups_beside_compression_are_charged_and_the_dense_plan_is_still
         return plan_time(units, options, m.beside_compression() if beside else m, p.backward_end_s, p.rest_s)
 
     measured = time_of(charged, mixed)
-    assert measured >= time_of(profile, mixed) + per_group  # paid after backward, per dense group
+    # Paid by each of the other (dense) units after its allreduce, on the training thread: at least
+    # once past the step's critical path, at most once per dense unit.
+    assert time_of(profile, mixed) + per_group - 1e-12 <= measured
+    assert measured <= time_of(profile, mixed) + (len(units) - 1) * per_group + 1e-12
     assert beside_overhead(profile, option, measured) == pytest.approx(per_group, abs=1e-6)
     assert beside_overhead(profile, option, 0.5 * time_of(profile, mixed)) == 0.0
-    # Plans that run only dense allreduce's own path are priced without it.
-    dense = [DENSE] * len(units)
-    assert time_of(charged, dense, beside=False) == time_of(profile, dense, beside=False)
+    # A unit's saving is against the plan with it dense: where that leaves only dense groups, they
+    # are priced as they run alone.
+    from ddlscale.plan.result import per_unit_savings
+
+    model = cost_model(charged).beside_compression()
+    saved = per_unit_savings(units, mixed, model, profile.backward_end_s, profile.rest_s)
+    alone = time_of(profile, [DENSE] * len(units), beside=False)
+    assert saved[mixed.index(option)] == pytest.approx(alone - measured)
+    plain = model.plainly()
+    assert plain.beside is False and plain.plainly() is plain and model.beside_compression() is model
 
 
 @pytest.mark.parametrize("seed", [2, 5])
@@ -610,9 +620,20 @@ def test_espresso_prices_dense_groups_beside_compression_and_keeps_the_all_dense
             assert plan.iteration_s < dense.iteration_s
             if per_group == 10.0:
                 assert DENSE not in plan.options
-    if seed == 2:  # here one hierarchical dense group beside flat ones saved least: all dense wins
-        assert all(o == DENSE for o in espresso(units, cost_model(profile.with_family(
-            DENSE.family, beside_compression_s=2e-3)), b, rest).options)
+    kept = {per_group: espresso(units, cost_model(profile.with_family(DENSE.family, beside_compression_s=per_group)),
+                                b, rest).options for per_group in (2e-3, 10.0)}
+    if seed == 2:  # one hierarchical dense group beside flat ones saved least: all dense wins
+        assert all(o == DENSE for o in kept[2e-3]) and all(o == DENSE for o in kept[10.0])
+    else:  # compressing most units is worth the dense groups' cost, and every unit when they are dear
+        assert DENSE in kept[2e-3] and any(o.compressed for o in kept[2e-3])
+        assert all(o.compressed for o in kept[10.0])
+    # One tensor each (sync.fuse=false): the all-dense candidate is per tensor too.
+    charged = profile.with_family(DENSE.family, beside_compression_s=10.0 if seed == 2 else 2e-3)
+    alone = espresso(units, cost_model(charged), b, rest, fuse=False)
+    assert alone.fusion == "per tensor" and len(alone.options) == len(units)
+    # Without dense among the options, no all-dense plan is offered.
+    compressed_only = [o for o in cost_model(charged).options() if o != DENSE]
+    assert DENSE not in espresso(units, cost_model(charged), b, rest, options=compressed_only).options
 
 
 def _mixed_calibration(rank, world, run_dir):
@@ -621,20 +642,23 @@ def _mixed_calibration(rank, world, run_dir):
                         calibrate_steps=2, settle_steps=2, network_bandwidth="10mbit", run_dir=run_dir,
                         calibrate_mixed=True)
     sync.setup(params)
-    ops = []
+    ops, mixed_choices = [], None
     for step in range(1 + 1 + 4 * 2):
         g = torch.Generator().manual_seed(100 * rank + step)
         for name, p in reversed(params):
             p.grad = torch.randn(SHAPES[name], generator=g)
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
-    return ops, sync.computed is not None
+        if step == 2:  # in the mixed step's settling
+            mixed_choices = {name: (c.compressor, c.scheme) for name, c in sync.compressed.choices.tensors.items()}
+    return ops, sync.computed is not None, mixed_choices
 
 
 @pytest.mark.multiprocess
 def test_a_mixed_calibration_step_runs_the_largest_tensor_compressed_and_the_rest_dense(tmp_path):
-    (ops, planned), _ = run_workers(_mixed_calibration, 2, str(tmp_path))
+    (ops, planned, choices), _ = run_workers(_mixed_calibration, 2, str(tmp_path))
     assert planned
+    assert choices == {"d": ("default", "allgather")}  # the largest, as the model's mixed_options picks it
     assert ops[:2] == [["allreduce"]] * 2
     # Mixed (2 settling, 2 timed): "d" (the largest) under allgather, the other three dense alone.
     assert all(sorted(step) == sorted(["allgather_uneven"] + ["allreduce"] * 3) for step in ops[2:6])

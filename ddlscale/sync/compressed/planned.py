@@ -9,6 +9,9 @@
    other ranks' work — on emulated machines sharing a host's cores several times what the same
    calls cost in a benchmark loop. (Timed inside dense steps instead, it is worse still: there it
    competes with the dense allreduce's reductions and traffic, which compressed steps do not have.)
+   The other families of ``calibrate_families`` are settled and timed the same way first; with
+   ``calibrate_fused`` each family is timed fused too (each dtype's tensors in one group), and with
+   Espresso's ``calibrate_mixed`` a mixed step is (the largest tensor compressed, the rest dense).
 2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
    which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
    measures the configured compressor's encode/decode cost on its device at the same time (as they
@@ -309,8 +312,9 @@ class PlannedSync(GradSync):
 
     # -- calibration -----------------------------------------------------------------------------
     def _start_calibration(self) -> None:
-        """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn, the
-        configured option last, its work timed (CompressSync.work)."""
+        """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn (and
+        fused, mixed: ``calibrate_fused``, ``calibrate_mixed``), the configured option's layer-wise
+        steps last, its work timed (CompressSync.work)."""
         configured = (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
         for scheme, hier in self.calibrate_families:
             if hier and not self._hierarchical_possible():
@@ -386,8 +390,8 @@ class PlannedSync(GradSync):
     def calibrate_groups(self, profile: Profile, lag: float | None = None) -> Profile:
         """``profile`` with what the calibration steps measured of the configured option's family
         (:attr:`Profile.families`): the slowest rank's ``lag`` under it (None: not measured), then
-        its per-group CPU that makes the model's layer-wise step take what those steps took (their
-        median period on this rank)."""
+        its CPU (per group; per element too where its fused steps were timed) that makes the model's
+        layer-wise step take what those steps took (their median period on this rank)."""
         periods = self.session.calibration_periods()
         if not periods or "default" not in profile.compressors:
             return profile
