@@ -164,6 +164,7 @@ class PlannedSync(GradSync):
 
     system = "?"
     schema = PlannedConfig  # its keys and their checks
+    calibrate_mixed = False  # Espresso's key (EspressoSync): a mixed calibration step
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather",
                  memory: Memory | str | None = None, memory_beta: float = 0.9, hierarchical: bool = False, profile_steps: int = 3,
@@ -315,18 +316,22 @@ class PlannedSync(GradSync):
         """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn (and
         fused, mixed: ``calibrate_fused``, ``calibrate_mixed``), the configured option's layer-wise
         steps last, its work timed (CompressSync.work)."""
-        configured = (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
+        configured = self._configured_family()
         for scheme, hier in self.calibrate_families:
             if hier and not self._hierarchical_possible():
                 raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
                                  f"ranks each (sync.gpus_per_machine / sync.local_size)")
         extra = [FUSED] if self.calibrate_fused else []
-        mixed = [MIXED] if getattr(self, "calibrate_mixed", False) else []
+        mixed = [MIXED] if self.calibrate_mixed else []
         self._families_left = ([(*f, layout) for f in self.calibrate_families if f != configured
                                 for layout in [ALONE, *extra]]
                                + [(*configured, layout) for layout in [*extra, *mixed, ALONE]])
         self._families_done = {}
         self._calibrate_next()
+
+    def _configured_family(self) -> tuple[str, bool]:
+        """The configured option's (scheme, hierarchical), as calibration runs it."""
+        return self.comm_scheme, self.hierarchical and self._hierarchical_possible()
 
     def _calibrate_next(self) -> None:
         """Settle and calibrate the next family of the queue: every tensor alone, each dtype's tensors
@@ -346,7 +351,7 @@ class PlannedSync(GradSync):
             for name, p in zip(self.names, self.params, strict=True):
                 by_dtype.setdefault(p.dtype, []).append(name)
             compressed.choices = Choices(default=choice, groups=list(by_dtype.values()) if layout == FUSED else None)
-        configured = (scheme, hierarchical) == (self.comm_scheme, self.hierarchical and self._hierarchical_possible())
+        configured = (scheme, hierarchical) == self._configured_family()
         compressed.check_choice(choice, "sync.comm" if configured else "sync.calibrate_families")
         self.on_setup()
 
@@ -356,7 +361,7 @@ class PlannedSync(GradSync):
         if not self._families_left:
             return True
         scheme, hierarchical, layout = self._calibrating
-        self._families_done[family("default", scheme, hierarchical) + ("" if layout == ALONE else layout)] = {
+        self._families_done[family("default", scheme, hierarchical) + layout] = {
             "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
             "option": Option("default", scheme, hierarchical), "layout": layout}
         self._calibrate_next()
