@@ -268,25 +268,34 @@ def fused_runs(result: Search, model: CostModel, backward_end_s: float, optimize
 
 
 def _beside_s(model: CostModel) -> float:
-    """What a flat dense group costs beside compressed ones, as calibrated (0: not measured)."""
+    """What an uncompressed group costs beside compressed ones, as calibrated (0: not measured)."""
     return model.profile.family_terms(DENSE.family).get("beside_compression_s", 0.0)
 
 
-def _all_dense_if_faster(best: Search, units: list[Unit], plain: CostModel, backward_end_s: float,
-                         optimizer_s: float, fuse: bool) -> Search:
-    """``best``, or the best plan of flat dense groups only, priced by the plain model, if faster:
-    dense fusion's optimum (``fuse``), else every tensor dense alone."""
+def _uncompressed_if_faster(best: Search, units: list[Unit], plain: CostModel, backward_end_s: float,
+                            optimizer_s: float, options: Sequence[Option], fuse: bool) -> Search:
+    """``best``, or the best plan that compresses nothing, priced by the plain model, if faster: dense
+    fusion's optimum (``fuse``; else every tensor dense alone) and, where hierarchical dense is among
+    ``options``, the search over the uncompressed options (with its fused runs)."""
     if fuse:
         dense = plan_fusion(units, plain, DENSE, backward_end_s, optimizer_s)
-        found, options, time_s, fusion = dense.units, dense.options, dense.iteration_s, "fused runs"
+        candidates = [Search(dense.units, dense.options, dense.iteration_s, "fused runs", [], 0)]
     else:
-        found, options, fusion = units, [DENSE] * len(units), "per tensor"
         time_s = iteration_time([plain.task(u, DENSE) for u in units], backward_end_s, optimizer_s)
-    if time_s >= best.iteration_s - _TOL:
+        candidates = [Search(list(units), [DENSE] * len(units), time_s, "per tensor", [], 0)]
+    uncompressed = [o for o in options if not o.compressed]
+    if len(uncompressed) > 1:
+        found = search(units, plain, backward_end_s, optimizer_s, uncompressed)
+        candidates.append(found)
+        fused = fused_runs(found, plain, backward_end_s, optimizer_s) if fuse else None
+        if fused is not None:
+            candidates.append(Search(fused.units, fused.options, fused.iteration_s, "fused runs", [], 0))
+    found = min(candidates, key=lambda c: c.iteration_s)
+    if found.iteration_s >= best.iteration_s - _TOL:
         return best
-    return Search(list(found), list(options), time_s, fusion,
-                  [*best.steps, f"dense groups priced beside compression: all dense is faster, {len(found)} "
-                                f"dense group(s) -> {time_s * 1e3:.3f} ms"], best.simulations)
+    return Search(list(found.units), list(found.options), found.iteration_s, found.fusion,
+                  [*best.steps, f"uncompressed groups priced beside compression: compressing nothing is faster, "
+                                f"{len(found.units)} group(s) -> {found.iteration_s * 1e3:.3f} ms"], best.simulations)
 
 
 def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, optimizer_s: float = 0.0,
@@ -299,9 +308,9 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
 
     Where calibration measured what a dense group costs beside compressed ones
     (:meth:`CostModel.beside_compression`), every candidate is priced so — exact for the plans with
-    a group off dense allreduce's own path, an overestimate for those of flat dense groups only — and
-    the best plan of flat dense groups only (dense fusion's optimum, priced plainly) is one more
-    candidate: the best of both is the optimum of each space."""
+    a compressed group, an overestimate for those that compress nothing — and the best plan that
+    compresses nothing (dense fusion's optimum and the search over the uncompressed options, priced
+    plainly) is one more candidate: the best of both is the optimum of each space."""
     started = clock.now()
     plain, model = model, model.beside_compression()
     best = search(units, model, backward_end_s, optimizer_s, options)
@@ -320,8 +329,9 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
             over.steps.insert(0, f"units: the {len(groups.groups)} Cupcake groups of {cupcake_option.label(names)}")
             candidates.append(over)
         best = min(candidates, key=lambda c: c.iteration_s)  # ties: the simpler, earlier candidate
-    if units and _beside_s(plain) > 0 and (options is None or DENSE in options):
-        best = _all_dense_if_faster(best, list(units), plain, backward_end_s, optimizer_s, fuse)
+    allowed = plain.options() if options is None else list(options)
+    if units and _beside_s(plain) > 0 and DENSE in allowed:
+        best = _uncompressed_if_faster(best, list(units), plain, backward_end_s, optimizer_s, allowed, fuse)
     if offload and best.units:
         ev = Evaluator(best.units, model, backward_end_s, optimizer_s + model.fixed_s(best.options))
         best.options, best.iteration_s, moved = algorithm2(ev, best.options, best.iteration_s)

@@ -146,10 +146,10 @@ def mixed_options(units: list[Unit], option: Option) -> list[Option]:
 
 def beside_overhead(profile: Profile, option: Option, measured_s: float,
                     compressors: dict[str, Compressor] | None = None) -> float:
-    """Seconds per flat dense group that make the model's mixed step (:func:`mixed_options`: the
+    """Seconds per uncompressed group that make the model's mixed step (:func:`mixed_options`: the
     largest tensor under ``option``, the rest dense alone) take ``measured_s``, measured in training
     after ``option``'s own family was calibrated; 0 where the model already says that much or more.
-    (:meth:`CostModel.beside_compression` charges it to every flat dense group of a plan that
+    (:meth:`CostModel.beside_compression` charges it to every uncompressed group of a plan that
     compresses.)"""
     if not option.compressed:
         return 0.0
@@ -286,7 +286,7 @@ def espresso_plan(profile: Profile, model: CostModel, cupcake_option: Option | N
     fusion = {"per tensor": "none (each tensor alone)",
               "fused runs": "runs of consecutive tensors with the same option fused (Cupcake's DP)",
               "cupcake groups": f"Cupcake's groups of {option_label(model, cupcake_option)} as units"}[result.fusion]
-    priced = model if all(o == DENSE for o in result.options) else model.beside_compression()
+    priced = model.beside_compression() if any(o.compressed for o in result.options) else model
     plan = CompressionPlan("espresso", result.units, result.options, result.iteration_s, fusion,
                            per_unit_savings(result.units, result.options, priced, profile.backward_end_s,
                                             profile.rest_s),

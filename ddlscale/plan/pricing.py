@@ -280,21 +280,22 @@ class CostModel:
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
         self.exchange, self.exchange_across = (replace(m, latency_s=exchange) for m in (self.network, self.across))
         self._cache: dict[tuple, tuple[float, float, float]] = {}
-        self.beside = False  # priced for a plan off the all-dense path: flat dense groups pay beside_compression_s
+        self.beside = False  # priced for a plan that compresses: uncompressed groups pay beside_compression_s
 
     def beside_compression(self) -> CostModel:
-        """This model for plans with any group off dense allreduce's own path (compressed, or
-        hierarchical): each flat dense group also pays what
-        calibration measured a dense group to cost beside compressed ones (``none/allreduce``'s
-        ``beside_compression_s``, after backward, on the training thread). Measured on the emulated
-        cluster: in a plan that compressed the embeddings, each small dense allreduce still had 3-6 ms
-        to wait for at the step's end, where alone they cost well under a millisecond — compression
-        on the training threads holds up the other ranks' part of them. A plan of flat dense groups
-        only is priced by the plain model (:meth:`plainly`)."""
+        """This model for plans that compress any group: each uncompressed group (flat or
+        hierarchical) also pays what calibration measured a dense group to cost beside compressed
+        ones (``none/allreduce``'s ``beside_compression_s``, after backward, on the training thread).
+        Measured on the emulated cluster: in a plan that compressed the embeddings, each small dense
+        allreduce still had 3-6 ms to wait for at the step's end, where alone they cost well under a
+        millisecond — compression on the training threads holds up the other ranks' part of them; a
+        hierarchical dense group waited about as long (its three collectives meet the same late
+        ranks once), so it pays the same per group. A plan that compresses nothing is priced by the
+        plain model (:meth:`plainly`)."""
         return self._beside(True)
 
     def plainly(self) -> CostModel:
-        """This model with flat dense groups priced as they run alone (the plain model)."""
+        """This model with uncompressed groups priced as they run alone (the plain model)."""
         return self._beside(False)
 
     def _beside(self, beside: bool) -> CostModel:
@@ -465,8 +466,8 @@ class CostModel:
         # compression takes from each other's training threads, in proportion to what they compress).
         encode = terms.get("cpu_s", 0.0) + terms.get("cpu_per_element_s", 0.0) * total
         decode = 0.0
-        if self.beside and comp is None and not option.hierarchical:
-            decode += self.profile.family_terms(option.family).get("beside_compression_s", 0.0)
+        if self.beside and comp is None:
+            decode += self.profile.family_terms(DENSE.family).get("beside_compression_s", 0.0)
         allreduce_net, allreduce_ranks = (self.across, n // k) if option.hierarchical else (net, n)
         if comp is not None and getattr(comp, "shared_scale", False):
             encode += float(allreduce_net.allreduce(4.0, allreduce_ranks))  # TernGrad's max of the ranks' scalars

@@ -108,9 +108,9 @@ def per_unit_savings(units: list[Unit], options: list[Option], model: CostModel,
             saved.append(0.0)
             continue
         swapped = [*options[:g], DENSE, *options[g + 1:]]
-        if all(o == DENSE for o in swapped):  # all dense now: priced as dense groups alone
+        if not any(o.compressed for o in swapped):  # nothing compressed now: priced as it runs alone
             plain = model.plainly()
-            dense = [plain.task(u, DENSE) for u in units]
+            dense = [plain.task(u, o) for u, o in zip(units, swapped, strict=True)]
         else:
             dense = list(tasks)
             dense[g] = model.task(unit, DENSE)

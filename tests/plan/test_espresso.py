@@ -598,11 +598,19 @@ def test_dense_groups_beside_compression_are_charged_and_the_dense_plan_is_still
     assert saved[mixed.index(option)] == pytest.approx(alone - measured)
     plain = model.plainly()
     assert plain.beside is False and plain.plainly() is plain and model.beside_compression() is model
+    # Every uncompressed group pays it, hierarchical ones too; compressed ones do not.
+    two = cost_model(dataclasses.replace(charged, network={**charged.network, "gpus_per_machine": 2}))
+    hier = Option("none", "allreduce", True)
+    assert two.allows(hier)
+    for o in (DENSE, hier):
+        assert two.beside_compression().costs(units[0], o)[2] == pytest.approx(two.costs(units[0], o)[2] + per_group)
+    assert model.costs(units[0], option) == plain.costs(units[0], option)
 
 
 @pytest.mark.parametrize("seed", [2, 5])
 def test_espresso_prices_dense_groups_beside_compression_and_keeps_the_all_dense_candidate(seed):
     from ddlscale.plan.cupcake import plan_fusion
+    from ddlscale.plan.result import plan_time
 
     profile = random_profile(random.Random(seed), 12, world_size=4)
     units = units_of(profile)
@@ -613,17 +621,19 @@ def test_espresso_prices_dense_groups_beside_compression_and_keeps_the_all_dense
         charged = profile.with_family(DENSE.family, beside_compression_s=per_group)
         plan = espresso(units, cost_model(charged), b, rest)
         assert plan.iteration_s >= plain.iteration_s - 1e-12  # nothing got cheaper
-        dense = plan_fusion(units, cost_model(profile), DENSE, b, rest)  # the best all-dense plan, priced plainly
-        if all(o == DENSE for o in plan.options):
-            assert plan.iteration_s == pytest.approx(dense.iteration_s)
-        else:  # it mixes: every flat dense group pays, so the plan has few of them, and it beats all-dense
+        dense = plan_fusion(units, cost_model(profile), DENSE, b, rest)  # the best flat dense plan, priced plainly
+        if not any(o.compressed for o in plan.options):  # the best plan that compresses nothing, priced plainly
+            assert plan.iteration_s <= dense.iteration_s + 1e-12
+            assert plan.iteration_s == pytest.approx(plan_time(plan.units, plan.options, cost_model(profile), b, rest))
+        else:  # it mixes: every uncompressed group pays, so the plan has few of them, and it beats all-dense
             assert plan.iteration_s < dense.iteration_s
             if per_group == 10.0:
-                assert DENSE not in plan.options
+                assert all(o.compressed for o in plan.options)
     kept = {per_group: espresso(units, cost_model(profile.with_family(DENSE.family, beside_compression_s=per_group)),
                                 b, rest).options for per_group in (2e-3, 10.0)}
-    if seed == 2:  # one hierarchical dense group beside flat ones saved least: all dense wins
-        assert all(o == DENSE for o in kept[2e-3]) and all(o == DENSE for o in kept[10.0])
+    if seed == 2:  # its hierarchical dense groups saved most: compressing nothing wins
+        assert not any(o.compressed for o in kept[2e-3] + kept[10.0])
+        assert any(o.hierarchical for o in kept[10.0])  # hierarchical dense among them: the search over uncompressed
     else:  # compressing most units is worth the dense groups' cost, and every unit when they are dear
         assert DENSE in kept[2e-3] and any(o.compressed for o in kept[2e-3])
         assert all(o.compressed for o in kept[10.0])

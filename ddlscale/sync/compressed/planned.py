@@ -708,8 +708,8 @@ class EspressoSync(PlannedSync):
     fuse: consider fused plans (equal-option runs, Cupcake groups of ``comm``); off: one tensor each.
     calibrate_mixed: also settle and time a mixed step before the configured family's layer-wise
         steps: the largest tensor under the configured option, every other one dense alone. What
-        its dense groups cost beyond the model is charged to every flat dense group of a plan that
-        compresses (:func:`~ddlscale.plan.planner.beside_overhead`,
+        its dense groups cost beyond the model is charged to every uncompressed group (flat or
+        hierarchical) of a plan that compresses (:func:`~ddlscale.plan.planner.beside_overhead`,
         :meth:`~ddlscale.plan.pricing.CostModel.beside_compression`); without it such groups are
         priced as if they ran alone.
     """
@@ -809,7 +809,7 @@ def _calibration_note(profile: Profile) -> str:
         if "lag_s" in terms:
             parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
         if terms.get("beside_compression_s"):
-            parts.append(f"each flat dense group {terms['beside_compression_s'] * 1e3:.3f} ms more beside compressed "
+            parts.append(f"each uncompressed group {terms['beside_compression_s'] * 1e3:.3f} ms more beside compressed "
                          "ones (a mixed step)")
         if terms.get("cpu_per_element_s") and not key.endswith("/*"):
             parts.append(f"under {key} {terms['cpu_s'] * 1e3:.3f} ms per group and "
