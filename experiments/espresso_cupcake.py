@@ -1,7 +1,7 @@
 """Espresso and Cupcake against no compression and layer-wise compression on the emulated cluster.
 
     python -m experiments.espresso_cupcake [--nodes 4] [--bandwidths 1gbit,5gbit] [--workloads cnn,lstm,gpt]
-        [--compressors dgc,efsignsgd,randomk] [--reps 4] [--steps 61] [--warmup-steps 6]
+        [--compressors dgc,efsignsgd,randomk] [--reps 4] [--steps 97] [--warmup-steps 6]
 
 Per (bandwidth, workload) the methods alternate, rotating which goes first: dense allreduce
 (``sync=dense``), and per compressor layer-wise compression of every tensor (``sync=compress``),
@@ -57,11 +57,14 @@ METHODS = ("dense", "layerwise", *PLANNED)
 WARMUP_STEPS, PROFILE_STEPS = 6, 6
 SETTLE_STEPS, CALIBRATE_STEPS = 3, 3  # then layer-wise: 3 settling steps, 3 timing the compressor in training (median), then the plan
 # Espresso also settles and calibrates every other scheme it may choose (sync.calibrate_families), at most
-# all but the configured one, before it: so each option family is priced on its own CPU and lag.
+# all but the configured one, before it: so each option family is priced on its own CPU and lag. Both
+# planners time each family layer-wise and then fused (sync.calibrate_fused: per group and per element
+# apart), and Espresso a mixed step (sync.calibrate_mixed: what a dense group costs beside compression).
 MAX_FAMILIES = len(SCHEMES) - 1
 # Skip the first planned step too (it rebuilds the groups), and every method alike skips as many steps as
 # the longest calibration takes.
-AFTER_WARMUP = PROFILE_STEPS + (1 + MAX_FAMILIES) * (SETTLE_STEPS + CALIBRATE_STEPS) + 1
+AFTER_WARMUP = PROFILE_STEPS + (2 * (1 + MAX_FAMILIES) + 1) * (SETTLE_STEPS + CALIBRATE_STEPS) + 1
+DEFAULT_STEPS = WARMUP_STEPS + AFTER_WARMUP + 18  # 18 measured steps
 PROJECT_TO = 64
 PROBE_PORT, PROBE_SECONDS = 29611, 1.5
 
@@ -157,9 +160,9 @@ def overrides_of(method: str, compressor: str | None, bandwidth: str, args: argp
                 f"sync.settle_steps={SETTLE_STEPS}", f"sync.calibrate_steps={CALIBRATE_STEPS}",
                 "sync.gpus_per_machine=1"]
     if method in PLANNED:  # each planner's own plan, from its model alone (their default adds a trial)
-        out.append("sync.trial_steps=0")
+        out += ["sync.trial_steps=0", "sync.calibrate_fused=true"]
     if method == "espresso":
-        out.append(f"sync.calibrate_families=[{','.join(other_families(compressor))}]")
+        out += [f"sync.calibrate_families=[{','.join(other_families(compressor))}]", "sync.calibrate_mixed=true"]
     return out
 
 
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--compressors", default=",".join(COMPRESSORS))
     parser.add_argument("--reps", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=61)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS,
                         help="the planned syncs' dense steps before the profiled ones")
     parser.add_argument("--overrides", default="", help="extra train.py overrides, space-separated")
@@ -479,8 +482,8 @@ def main(argv: list[str] | None = None) -> None:
     notes = f"""
 {args.nodes} emulated machines, one worker each, {args.steps} steps per run; "measured" is rank 0's median
 step period (a step's end to the next one's: its batch and the loop's time between batches) over steps {first}..{args.steps - 1} (the planned syncs run dense for {args.warmup_steps} warm-up + {PROFILE_STEPS}
-profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps, then plan, with no trial (sync.trial_steps=0: the model's plan runs); Espresso first settles and
-calibrates each other scheme it may choose ({"; ".join(f"{c}: {', '.join(other_families(c))}" for c in compressors)}), and every
+profiled steps, then layer-wise for {SETTLE_STEPS} settling + {CALIBRATE_STEPS} calibration steps and fused for as many (sync.calibrate_fused), then plan, with no trial (sync.trial_steps=0: the model's plan runs); Espresso first settles and
+calibrates each other scheme it may choose, layer-wise and fused ({"; ".join(f"{c}: {', '.join(other_families(c))}" for c in compressors)}), and a mixed step (sync.calibrate_mixed: the largest tensor compressed, the rest dense alone), and every
 method's window skips as many steps as that takes; the first planned step rebuilds the groups), median (min-max) over {args.reps}
 alternating repetitions. Schemes: {", ".join(f"{c} {s}" for c, s in schemes.items())}; error feedback:
 each compressor's default; settings: {"; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items() if c in compressors) or "none"}. Layer-wise = sync=compress (every tensor

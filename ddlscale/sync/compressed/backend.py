@@ -362,10 +362,14 @@ class CompressSync(DenseAllreduce):
         """:meth:`merge_carried`, then that state laid out per tensor (from the saved groups), to wait
         there until this sync builds groups: a planned sync resumed at another size profiles first."""
         self.merge_carried(states, world_size)
-        self._restored_groups = None  # the saved groups are the old plan's
-        saved = {"+".join(self.names[i] for i in group): GroupLayout(tuple((self.names[i], self.params[i].numel())
-                                                                           for i in group))
-                 for group in states[0]["groups"]}
+        self.wait_per_tensor({"+".join(self.names[i] for i in group):
+                              GroupLayout(tuple((self.names[i], self.params[i].numel()) for i in group))
+                              for group in states[0]["groups"]})
+
+    def wait_per_tensor(self, saved: dict[str, GroupLayout]) -> None:
+        """The loaded state, laid out in the groups ``saved``, re-laid out per tensor to wait there until
+        this sync builds groups (the saved groups were another plan's, or calibration's)."""
+        self._restored_groups = None
         self.state_layouts = self.per_tensor_layouts()
         regroup(self._group_states(), saved, self.state_layouts)
 

@@ -89,6 +89,7 @@ from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.base import GradSync
 from ddlscale.sync.compressed.backend import CompressSync
 from ddlscale.sync.compressed.config import TRIAL_STEPS, EspressoConfig, PlannedConfig
+from ddlscale.sync.compressed.regroup import layouts_of, layouts_state
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
 from ddlscale.sync.dense import DenseAllreduce
@@ -656,12 +657,18 @@ class PlannedSync(GradSync):
         trial = self.session.trial
         return {**super().state_dict(), **self.compressed.carried_state(),
                 "groups": [list(b.members) for b in self.executor.buckets],
+                "state_layouts": layouts_state(self.compressed.state_layouts),
                 "planned": None if self.computed is None else self.computed.to_dict(),
                 "trial": None if trial is None else trial.state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_plan(state)
         self.compressed.load_carried(state)
+        if self.computed is None and "state_layouts" in state:
+            # Saved before a plan (warm-up, profiling, calibration): this run goes through those phases
+            # again, so the state waits per tensor, as after a resharded resume, not in the groups of
+            # a calibration layout that may not come back (a fused one's residuals would be orphaned).
+            self.compressed.wait_per_tensor(layouts_of(state["state_layouts"]))
         super().load_state_dict(state)
 
     def load_resharded(self, states: list[dict[str, Any]], rank: int, world_size: int) -> None:

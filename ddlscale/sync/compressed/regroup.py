@@ -58,6 +58,21 @@ class GroupLayout:
         return min(math.ceil(self.numel / k), self.numel - self.chunk_start)
 
 
+def layouts_state(layouts: dict[str, GroupLayout]) -> dict[str, Any]:
+    """``layouts`` as plain lists and numbers, for a checkpoint."""
+    return {key: {"members": [[name, n] for name, n in g.members],
+                  "machine": None if g.machine is None else list(g.machine), "leader": g.leader}
+            for key, g in layouts.items()}
+
+
+def layouts_of(state: dict[str, Any]) -> dict[str, GroupLayout]:
+    """:func:`layouts_state` back."""
+    return {key: GroupLayout(tuple((str(name), int(n)) for name, n in g["members"]),
+                             None if g["machine"] is None else (int(g["machine"][0]), int(g["machine"][1])),
+                             bool(g["leader"]))
+            for key, g in state.items()}
+
+
 MachineSum = Callable[[torch.Tensor], None]  # sums a tensor over the machine's ranks, in place
 
 

@@ -14,11 +14,11 @@ SHAPES = {"a": (37, 5), "b": (101,), "c": (8, 8), "d": (64, 40)}
 PLAN_STEPS = 3  # steps run on the kept plan, so that its residuals are not the first step's
 
 
-def _sync(calibrate_steps=0):
+def _sync(calibrate_steps=0, **keys):
     params = [(name, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64))) for name, shape in SHAPES.items()]
     sync = CupcakeSync(TopK(ratio=0.1), trial_steps=0, comm="allgather", memory="residual", profile_steps=1,
                        calibrate_steps=calibrate_steps, settle_steps=1, network_bandwidth="10mbit", run_dir=None,
-                       bench_budget_s=0.002)
+                       bench_budget_s=0.002, **keys)
     sync.setup(params)
     return sync, params
 
@@ -142,3 +142,51 @@ def _hierarchical_saved(rank, world, make):
 def test_a_hierarchical_groups_chunks_are_refused_not_summed(make):
     (said,) = run_workers(_hierarchical_saved, 1, make)
     assert said is not None and "b@machine" in said and "resume at 2 workers" in said
+
+
+def _resumed_mid_calibration(rank, world, families, saved_steps):
+    """Saved in a calibration layout other than the first one (``saved_steps`` in), resumed at the same
+    size: the phases before the plan run again from the first layout, and the saved residuals are
+    carried into it, neither lost nor orphaned."""
+    def zeros():
+        return {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
+
+    def make():
+        sync, params = _sync(calibrate_steps=2, calibrate_fused=True, calibrate_families=families,
+                             gpus_per_machine=2 if families else 1)
+        return sync, params
+
+    sync, params = make()
+    saved_phases = [_step(sync, params, rank, step, zeros(), zeros()) for step in range(saved_steps)]
+    saved_layout = sorted(sync.compressed.state_layouts)
+    state = sync.state_dict()
+    carried, _ = _residuals(sync)
+    resumed, resumed_params = make()
+    resumed.load_state_dict(state)
+    sent, true = zeros(), zeros()
+    layouts = 2 * (1 + len(families))  # each family layer-wise and fused
+    phases = [_step(resumed, resumed_params, rank, 10 + step, sent, true) for step in range(2 + 3 * layouts + PLAN_STEPS)]
+    for tensor in true.values():
+        dist.all_reduce(tensor)
+    residual, orphans = _residuals(resumed)
+    return saved_phases, saved_layout, carried, phases, sent, true, residual, orphans
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world,families,saved_layout", [
+    (2, (), sorted(SHAPES)),  # the configured family fused first, then every tensor alone: saved alone
+    (4, ("allgather/hier",), ["d+c+b+a@machine"]),  # a hierarchical family alone, then fused: saved fused
+])
+def test_a_planned_sync_resumed_mid_calibration_carries_its_error_feedback_into_the_next_layout(
+        world, families, saved_layout):
+    calibration = ["settle", "calibrate", "calibrate"] * 2 * (1 + len(families))
+    for rank, (saved_phases, saved, carried, phases, sent, true, residual, orphans) in enumerate(
+            run_workers(_resumed_mid_calibration, world, families, 7)):
+        assert saved_phases == ["warmup", "profile", *calibration[:5]], rank
+        assert saved == saved_layout, rank  # the second layout of the queue, not the one a resume builds first
+        assert any(t.abs().max() > 0 for t in carried.values())  # there is error feedback to carry
+        assert phases == ["warmup", "profile", *calibration] + ["plan"] * PLAN_STEPS, rank
+        assert orphans == [], rank
+        for name in SHAPES:
+            torch.testing.assert_close(sent[name] + residual[name], true[name] + carried[name], rtol=0, atol=1e-9,
+                                       msg=lambda m, name=name: f"{name}: {m}")
