@@ -365,6 +365,7 @@ def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespac
         command=f"python -m experiments.sparse_allreduce --nodes {args.nodes} --bandwidths {args.bandwidths} "
                 f"--densities {args.densities} --rows {args.rows} --width {args.width} --reps {args.reps} "
                 f"--sweep {args.sweep}" + (f" --dilation {args.dilation}" if args.dilation != "auto" else "")
+                + (f" --methods {args.methods}" if args.methods != ",".join(("torch", *SYNCS)) else "")
                 + (f" --name {args.name}" if args.name != "sparse_allreduce" else ""),
     )
     cells = sorted({(k[0], k[1], k[3]) for k in groups if k[2] == args.rows})
