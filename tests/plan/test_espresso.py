@@ -681,6 +681,16 @@ def test_a_mixed_calibration_step_runs_the_largest_tensor_compressed_and_the_res
 def test_calibrate_mixed_is_espressos_and_checked():
     with pytest.raises(ValueError, match="sync.calibrate_mixed"):
         EspressoSync(TopK(), calibrate_mixed="yes")
+    # Without calibration steps, or with nothing to compress, the calibration keys are refused, not ignored.
+    from ddlscale.compress import NoCompression
+
+    with pytest.raises(ValueError, match="sync.calibrate_mixed needs calibration steps.*calibrate_steps=0"):
+        EspressoSync(TopK(), calibrate_mixed=True, calibrate_steps=0)
+    with pytest.raises(ValueError, match="sync.calibrate_fused needs calibration steps.*compressor=none"):
+        EspressoSync(NoCompression(), calibrate_fused=True, calibrate_mixed=True)
+    with pytest.raises(ValueError, match="sync.calibrate_families needs"):
+        EspressoSync(TopK(), calibrate_families=["zen"], calibrate_steps=0)
+    EspressoSync(TopK(), calibrate_mixed=True)  # the default calibration steps
     from ddlscale.sync.compressed import CupcakeSync
     with pytest.raises(TypeError):
         CupcakeSync(TopK(), calibrate_mixed=True)

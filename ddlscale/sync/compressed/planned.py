@@ -141,6 +141,8 @@ class PlannedSync(GradSync):
         family's before them: its layer-wise steps stay last). The two steps split the family's cost
         into per group and per element (:func:`~ddlscale.plan.planner.family_overheads`), where one
         layer-wise step charges it all per group and so under-prices plans of a few large groups.
+        These keys (and Espresso's ``calibrate_mixed``) are refused with ``calibrate_steps=0`` or
+        ``compressor=none``, where no calibration runs.
     settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
         run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
         layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
@@ -192,6 +194,13 @@ class PlannedSync(GradSync):
         for scheme, _ in self.calibrate_families if compressor is not None else ():
             self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
         self.calibrate_fused = bool(calibrate_fused)
+        asked = [key for key, on in (("calibrate_families", bool(self.calibrate_families)),
+                                     ("calibrate_fused", self.calibrate_fused),
+                                     ("calibrate_mixed", self.calibrate_mixed)) if on]
+        if asked and (not calibrate_steps or compressor is None or compressor.name == "none"):
+            # Calibration runs only for a compressor, on calibration steps: refuse rather than ignore.
+            why = "sync.calibrate_steps=0" if not calibrate_steps else "compressor=none (nothing to calibrate)"
+            raise ValueError(f"sync.{asked[0]} needs calibration steps with a compressor; got {why}")
         # Calibration's queue of (scheme, hierarchical, layout: alone, fused or mixed), the configured
         # family's layer-wise steps last.
         self._families_left: list[tuple[str, bool, str]] = []
