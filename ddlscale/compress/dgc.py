@@ -57,7 +57,9 @@ class DGC(SparseCompressor):
     ``compressor=dgc`` (conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
     correction with the optimizer's momentum (``model.momentum``; the trainer then runs the optimizer
     without it, :func:`ddlscale.trainer.app.move_momentum`), masking, clipping at 5 / sqrt(ranks)
-    per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection.
+    per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection. Under
+    a planned sync (Espresso, Cupcake), which sends some tensors dense, the optimizer keeps its
+    momentum and the correction (and so masking) is off: a simplification of the paper's DGC there.
 
     Payload: ``[values (kept), indices (kept, int32)]``; kept varies with the data.
     """

@@ -152,14 +152,25 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
 def move_momentum(sync: Any, model: Any) -> bool:
     """DGC's momentum correction applies the optimizer's momentum on each rank before compressing
     (compressor.momentum, tied to model.momentum by conf/compressor/dgc.yaml): the optimizer then runs
-    plain SGD, or momentum would apply twice. Returns whether it moved it."""
-    executor = getattr(sync, "compressed", sync)  # a planned sync's compressing executor, or the sync
+    plain SGD, or momentum would apply twice. Returns whether it moved it.
+
+    A planned sync (Espresso, Cupcake) runs tensors that DGC does not see — every tensor while it
+    profiles, the groups its plan keeps dense — and those would train without momentum. There the
+    optimizer keeps its momentum, for every tensor alike, and DGC's correction is turned off (its
+    clipping, warm-up and error feedback stay); said on stdout."""
+    planned = hasattr(sync, "compressed")  # a planned sync's compressing executor, or the sync itself
+    executor = sync.compressed if planned else sync
     compressor = getattr(executor, "compressors", {}).get("default")
-    moves = (getattr(compressor, "name", None) == "dgc" and compressor.momentum > 0
-             and getattr(model, "optimizer_name", None) == "sgd" and getattr(model, "momentum", 0) == compressor.momentum)
-    if moves:
+    tied = (getattr(compressor, "name", None) == "dgc" and compressor.momentum > 0
+            and getattr(model, "optimizer_name", None) == "sgd" and getattr(model, "momentum", 0) == compressor.momentum)
+    if tied and planned:
+        compressor.momentum = 0.0
+        print(f"ddlscale: compressor=dgc under sync={getattr(sync, 'system', 'planned')}: momentum correction off, "
+              f"the optimizer keeps its momentum ({model.momentum}) so that tensors sent dense have it too", flush=True)
+        return False
+    if tied:
         model.momentum = 0.0
-    return moves
+    return tied
 
 
 def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
