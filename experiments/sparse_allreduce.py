@@ -49,6 +49,7 @@ PORT = 29541
 ZIPF = 1.1
 SYNCS = ("dense", "gloo_sparse", "agsparse", "sparse_ps", "omnireduce", "sparcml", "zen")
 SPARSE_SYNCS = tuple(s for s in SYNCS if s != "dense")
+ALL_METHODS = ",".join(("torch", *SYNCS))  # --methods' default
 WARMUP = 4  # untimed steps per method: backward-order learning and the sparse syncs' profiling
 SWEEP_ZEN = "zen+sync.pull=coo"  # the table-size sweep's Zen: the pull whose cost must not grow with the table
 
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sweep", type=int, default=10, help="rows multiplier of the table-size sweep (0: none)")
-    parser.add_argument("--methods", default=",".join(("torch", *SYNCS)))
+    parser.add_argument("--methods", default=ALL_METHODS)
     parser.add_argument("--name", default="sparse_allreduce")
     parser.add_argument("--dilation", default="auto", help="time dilation k of every cluster (auto, or a number >= 1)")
     parser.add_argument("--resume", action="store_true",
@@ -365,7 +366,7 @@ def report(results: Results, rows: list[dict[str, Any]], args: argparse.Namespac
         command=f"python -m experiments.sparse_allreduce --nodes {args.nodes} --bandwidths {args.bandwidths} "
                 f"--densities {args.densities} --rows {args.rows} --width {args.width} --reps {args.reps} "
                 f"--sweep {args.sweep}" + (f" --dilation {args.dilation}" if args.dilation != "auto" else "")
-                + (f" --methods {args.methods}" if args.methods != ",".join(("torch", *SYNCS)) else "")
+                + (f" --methods {args.methods}" if args.methods != ALL_METHODS else "")
                 + (f" --name {args.name}" if args.name != "sparse_allreduce" else ""),
     )
     cells = sorted({(k[0], k[1], k[3]) for k in groups if k[2] == args.rows})
