@@ -278,12 +278,17 @@ def cupcake_plan(profile: Profile, model: CostModel, option: Option) -> Compress
 
 
 def espresso_plan(profile: Profile, model: CostModel, cupcake_option: Option | None = None,
-                  offload: bool = False, fuse: bool = True, options: list[Option] | None = None) -> CompressionPlan:
+                  offload: bool = False, fuse: bool = True, options: list[Option] | None = None,
+                  first_bytes: float = 1 << 20, bucket_bytes: float = 25 << 20) -> CompressionPlan:
     """Espresso over the model's option space (or ``options``); ``cupcake_option`` adds the search
-    over Cupcake's groups of that option as a candidate."""
-    result = espresso(units_of(profile), model, profile.backward_end_s, profile.rest_s, options=options,
-                      offload=offload, fuse=fuse, cupcake_option=cupcake_option)
+    over Cupcake's groups of that option as a candidate. With ``fuse``, a plan that compresses
+    nothing runs in the profiled dense steps' buckets (:func:`ddp_buckets` of these sizes)."""
+    units = units_of(profile)
+    result = espresso(units, model, profile.backward_end_s, profile.rest_s, options=options, offload=offload,
+                      fuse=fuse, cupcake_option=cupcake_option,
+                      dense_groups=ddp_buckets(units, first_bytes, bucket_bytes) if fuse else None)
     fusion = {"per tensor": "none (each tensor alone)",
+              "dense buckets": "none: compresses nothing, in the profiled dense steps' buckets (DDP's rule)",
               "fused runs": "runs of consecutive tensors with the same option fused (Cupcake's DP)",
               "cupcake groups": f"Cupcake's groups of {option_label(model, cupcake_option)} as units"}[result.fusion]
     priced = model.beside_compression() if any(o.compressed for o in result.options) else model

@@ -646,6 +646,40 @@ def test_espresso_prices_dense_groups_beside_compression_and_keeps_the_all_dense
     assert DENSE not in espresso(units, cost_model(charged), b, rest, options=compressed_only).options
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_a_plan_that_compresses_nothing_runs_in_the_profiled_dense_buckets(seed):
+    """Espresso's plans that compress nothing are the profiled dense steps' buckets (the one dense
+    layout calibration fits the model to), flat or hierarchical per bucket, never dense fusion's
+    optimum, whose overlap with backward the model extrapolates."""
+    from ddlscale.plan.cupcake import plan_fusion
+    from ddlscale.plan.planner import ddp_buckets, dense_plan
+
+    profile = random_profile(random.Random(seed), 14, world_size=4, max_exp=20)
+    units, model = units_of(profile), cost_model(profile)
+    b, rest = profile.backward_end_s, profile.rest_s
+    buckets = ddp_buckets(units, 64 << 10, 256 << 10)  # several buckets on these sizes
+    assert len(buckets) > 1
+    flat_only = [DENSE]
+    # Dense alone offered: the per-tensor search and its fused runs compress nothing, so the plan
+    # is the buckets, priced as dense_plan prices them, whatever dense fusion's optimum says.
+    plan = espresso_plan(profile, model, options=flat_only, first_bytes=64 << 10, bucket_bytes=256 << 10)
+    assert [u.names for u in plan.units] == [u.names for u in buckets] and plan.options == [DENSE] * len(buckets)
+    assert plan.fusion.startswith("none: compresses nothing")
+    assert plan.iteration_s == pytest.approx(dense_plan(profile, model, 64 << 10, 256 << 10).iteration_s)
+    unbound = espresso(units, model, b, rest, options=flat_only)  # no buckets given: fusion's runs, as before
+    assert unbound.iteration_s == pytest.approx(plan_fusion(units, model, DENSE, b, rest).iteration_s)
+    # Beside a calibrated charge, with every option: compressing nothing means the buckets, hierarchical
+    # dense allowed per bucket; a plan that compresses is priced with the charge and kept only if faster.
+    for per_group in (1e-4, 10.0):
+        charged = cost_model(profile.with_family(DENSE.family, beside_compression_s=per_group))
+        plan = espresso_plan(profile, charged, first_bytes=64 << 10, bucket_bytes=256 << 10)
+        if not any(o.compressed for o in plan.options):
+            assert [u.names for u in plan.units] == [u.names for u in buckets]
+            assert plan.iteration_s <= dense_plan(profile, charged, 64 << 10, 256 << 10).iteration_s + 1e-12
+        else:
+            assert plan.iteration_s < dense_plan(profile, charged, 64 << 10, 256 << 10).iteration_s
+
+
 def _mixed_calibration(rank, world, run_dir):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=0.5), trial_steps=0, comm="allgather", memory="residual", profile_steps=1,

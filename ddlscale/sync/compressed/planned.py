@@ -740,7 +740,8 @@ class EspressoSync(PlannedSync):
 
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         option = configured_option(model, self.comm_scheme, self.hierarchical)
-        return espresso_plan(profile, model, cupcake_option=option, offload=self.offload, fuse=self.fuse)
+        return espresso_plan(profile, model, cupcake_option=option, offload=self.offload, fuse=self.fuse,
+                             first_bytes=self.dense.first_bucket_bytes, bucket_bytes=self.dense.bucket_bytes)
 
     def candidate_plans(self, profile: Profile, model: CostModel) -> list[CompressionPlan]:
         """Espresso's plan, then the others it must never lose to: Cupcake's groups of the configured
