@@ -156,6 +156,14 @@ class Compressor:
         ``ranks``: how many ranks' tensors the scheme will combine. May return ``tensor`` itself."""
         return tensor
 
+    def warmup_steps_left(self) -> int:
+        """Steps of a schedule over the first steps (DGC's sparsity warm-up) still to run; 0 here."""
+        return 0
+
+    def synced_dense(self, steps: int) -> None:
+        """``steps`` training steps were synced dense before this compressor's next one (a planned
+        sync's profiling): a schedule over steps counts them, as they sent everything; nothing here."""
+
     def sent(self, name: str, decoded: torch.Tensor) -> None:
         """The first stage of ``name`` sent ``decoded`` (this rank's own payload decompressed), for state
         that depends on what was sent (DGC's momentum factor masking); nothing here."""

@@ -52,7 +52,8 @@ class DGC(SparseCompressor):
       has about norm clip_norm — so one rank's outlier does not sit in the accumulation for steps.
     - ``warmup_steps`` (0: off): the kept fraction starts at 25% and falls by a quarter in each of 4
       equal stages of ``warmup_steps`` steps in all (25%, 6.25%, 1.56%, 0.39%: the paper's epochs),
-      never below ``ratio``, then stays at ``ratio``.
+      never below ``ratio``, then stays at ``ratio``. Steps synced dense before (a planned sync's
+      profiling: :meth:`synced_dense`) count as warm-up steps: they sent everything.
 
     ``compressor=dgc`` (conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
     correction with the optimizer's momentum (``model.momentum``; the trainer then runs the optimizer
@@ -84,13 +85,14 @@ class DGC(SparseCompressor):
         self.warmup_steps = check_int(warmup_steps, "compressor.warmup_steps", 0)
         self._velocity: dict[str, torch.Tensor] = {}  # u per group (momentum correction)
         self._rounds: dict[str, int] = {}  # preconditioned steps per group: the warm-up's clock
+        self._dense = 0  # steps synced dense before the next compressed one (synced_dense): on the clock too
         self._clock = 0
 
     # -- the paper's techniques ----------------------------------------------------------------
     def precondition(self, tensor: torch.Tensor, name: str, segments: Sequence[int | Segment] | None = None,
                      ranks: int = 1) -> torch.Tensor:
         self._rounds[name] = self._rounds.get(name, 0) + 1
-        self._clock = max(self._rounds.values()) - 1  # this step, counted from 0, whatever the grouping
+        self._clock = self._dense + max(self._rounds.values()) - 1  # this step from 0, whatever the grouping
         if self.clip_norm is None and not self.momentum:
             return tensor
         g = wide(tensor.reshape(-1))
@@ -114,6 +116,12 @@ class DGC(SparseCompressor):
         velocity = self._velocity.get(name)
         if self.momentum_masking and velocity is not None:
             velocity[decoded.reshape(-1).to(velocity.device) != 0] = 0
+
+    def warmup_steps_left(self) -> int:
+        return max(0, self.warmup_steps - (self._dense + max(self._rounds.values(), default=0)))
+
+    def synced_dense(self, steps: int) -> None:
+        self._dense += check_int(steps, "steps", 0)
 
     def density(self) -> float:
         """The fraction to keep at this step: ``ratio``, or the warm-up's higher one."""
@@ -157,10 +165,11 @@ class DGC(SparseCompressor):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "velocity": {k: v.clone() for k, v in self._velocity.items()},
-                "rounds": dict(self._rounds), "clock": self._clock}
+                "rounds": dict(self._rounds), "clock": self._clock, "dense_steps": self._dense}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._velocity = {k: v.clone() for k, v in state.get("velocity", {}).items()}
         self._rounds = {str(k): int(v) for k, v in state.get("rounds", {}).items()}
         self._clock = int(state.get("clock", 0))
+        self._dense = int(state.get("dense_steps", 0))

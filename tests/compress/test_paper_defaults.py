@@ -61,6 +61,57 @@ def test_dgc_warm_up_keeps_more_first():
     assert kept_first >= 0.25 * 4096  # the warm-up's first stage: 25% kept, not the configured 1%
 
 
+def test_dgc_counts_steps_synced_dense_as_warm_up_steps():
+    from ddlscale.compress.dgc import DGC
+
+    dgc = DGC(ratio=0.01, warmup_steps=12)
+    assert dgc.warmup_steps_left() == 12 and dgc.density() == 0.25
+    dgc.synced_dense(8)  # a planned sync's dense steps: they sent everything
+    assert dgc.warmup_steps_left() == 4
+    dgc.precondition(torch.randn(64), "w")  # step 8 of the schedule: its third stage
+    assert dgc.density() == pytest.approx(0.25 / 16) and dgc.warmup_steps_left() == 3
+    restored = DGC(ratio=0.01, warmup_steps=12)
+    restored.load_state_dict(dgc.state_dict())
+    assert restored.warmup_steps_left() == 3 and restored.density() == dgc.density()
+    dgc.synced_dense(4)
+    dgc.precondition(torch.randn(64), "w")
+    assert dgc.density() == 0.01 and dgc.warmup_steps_left() == 0
+    with pytest.raises(ValueError, match="steps"):
+        dgc.synced_dense(-1)
+
+
+def _planned_dgc(rank, world, warmup):
+    from ddlscale.compress.dgc import DGC
+    from ddlscale.sync.compressed import CupcakeSync
+
+    params = [(f"p{i}", torch.nn.Parameter(torch.zeros(256))) for i in range(3)]
+    sync = CupcakeSync(DGC(ratio=0.01, warmup_steps=warmup), trial_steps=0, profile_steps=2, warmup_steps=1,
+                       calibrate_steps=1, settle_steps=1, network_bandwidth="1gbit", network_latency="100us")
+    sync.setup(params)
+    densities, ops = [], []
+    for step in range(sync.session.warmup_steps + 2 + 3):
+        for _, p in reversed(params):
+            p.grad = torch.randn(256, generator=torch.Generator().manual_seed(10 * rank + step))
+            sync.grad_ready(p)
+        ops.append(sorted({r.op for r in sync.finish_step().collectives}))
+        densities.append(sync.compressed.compressors["default"].density())
+    return sync.session.warmup_steps, ops, densities
+
+
+@pytest.mark.multiprocess
+def test_a_planned_sync_runs_dgcs_warm_up_dense_and_calibrates_it_as_the_plan_runs_it():
+    """DGC's warm-up longer than the planned sync's dense steps: the sync's dense warm-up grows to cover
+    it (with the profiled steps), so the first compressed step (calibration's) keeps DGC's ratio."""
+    (warmup, ops, densities), _ = run_workers(_planned_dgc, 2, 9)
+    assert warmup == 9 - 2  # the profiled steps count too
+    dense = warmup + 2
+    assert all(step == ["allreduce"] for step in ops[:dense])
+    assert all("allreduce" not in step for step in ops[dense:dense + 2])  # calibration: compressed alone
+    assert densities[dense:] == [0.01] * (len(ops) - dense)
+    (warmup, _, _), _ = run_workers(_planned_dgc, 2, 0)  # no warm-up: the sync's own
+    assert warmup == 1
+
+
 # -- PowerSGD: one shared Q, a rank-r sum -----------------------------------------------------------
 def _powersgd(rank, world):
     torch.manual_seed(10 + rank)  # every rank its own full-rank gradient

@@ -128,7 +128,9 @@ class PlannedSync(GradSync):
         Espresso's layer-wise baseline and the option of its Cupcake candidate.
     profile_steps: dense steps measured before planning.
     warmup_steps: dense steps run before those and not measured (the first allocates; on a busy host
-        the first second of a run is often slower than the rest: start-up work of the other ranks).
+        the first second of a run is often slower than the rest: start-up work of the other ranks);
+        with the profiled ones, at least the compressor's own warm-up (DGC's ``warmup_steps``), whose
+        steps the dense ones stand in for, so calibration measures the compressor as the plan runs it.
     calibrate_steps: layer-wise compressed steps (after the settling ones) whose compressor work scales
         the benchmarked costs and whose length, with the profiled dense steps', fits the model's
         allreduce factor and per-group overhead (0: trust the benchmark and the network model).
@@ -189,7 +191,13 @@ class PlannedSync(GradSync):
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         check_plannable(compressor, f"sync={self.system}")
-        self.session = PlanningSession(warmup_steps, profile_steps, settle_steps, calibrate_steps, trial_steps)
+        # A compressor's warm-up (DGC's sparsity schedule) runs as dense steps, which it counts
+        # (Compressor.synced_dense): calibration then measures it as the plan will run it. Calibrated
+        # inside the warm-up, lstm's DGC groups cost 2-4x what they did after it (espresso_cupcake:
+        # Cupcake predicted 232-259 ms for a plan that ran 61-65 ms).
+        compressor_warmup = compressor.warmup_steps_left() if compressor is not None else 0
+        self.session = PlanningSession(max(warmup_steps, compressor_warmup - profile_steps), profile_steps,
+                                       settle_steps, calibrate_steps, trial_steps)
         self.calibrate_families = _families(calibrate_families)
         for scheme, _ in self.calibrate_families if compressor is not None else ():
             self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
@@ -275,6 +283,8 @@ class PlannedSync(GradSync):
             self.dense.finish()
             session.recorder.step_end()
             if session.profiled():
+                for compressor in self.compressed.compressors.values():
+                    compressor.synced_dense(len(session.recorder.steps))
                 if session.calibrate_steps and self.world_size > 1 and self.compressed.compressors["default"].name != "none":
                     self._start_calibration()
                 else:
