@@ -273,11 +273,12 @@ def _beside_s(model: CostModel) -> float:
 
 
 def _uncompressed_if_faster(best: Search, dense_groups: list[Unit], plain: CostModel, backward_end_s: float,
-                            optimizer_s: float, options: Sequence[Option], fusion: str, binding: bool) -> Search:
+                            optimizer_s: float, options: Sequence[Option], binding: bool) -> Search:
     """``best``, or the best plan that compresses nothing, priced by the plain model, if faster (or
-    ``binding`` and ``best`` compresses nothing): every one of ``dense_groups`` under flat dense
-    allreduce and, where hierarchical dense is among ``options``, the search over the uncompressed
-    options on those groups."""
+    ``binding``, the dense buckets, and ``best`` compresses nothing): every one of ``dense_groups``
+    under flat dense allreduce and, where hierarchical dense is among ``options``, the search over
+    the uncompressed options on those groups."""
+    fusion = "dense buckets" if binding else "per tensor"
     time_s = iteration_time([plain.task(u, DENSE) for u in dense_groups], backward_end_s, optimizer_s)
     candidates = [Search(list(dense_groups), [DENSE] * len(dense_groups), time_s, fusion, [], 0)]
     uncompressed = [o for o in options if not o.compressed]
@@ -336,8 +337,8 @@ def espresso(units: Sequence[Unit], model: CostModel, backward_end_s: float, opt
         best = min(candidates, key=lambda c: c.iteration_s)  # ties: the simpler, earlier candidate
     allowed = plain.options() if options is None else list(options)
     if units and DENSE in allowed and (dense_groups is not None or _beside_s(plain) > 0):
-        groups, fusion = (list(units), "per tensor") if dense_groups is None else (list(dense_groups), "dense buckets")
-        best = _uncompressed_if_faster(best, groups, plain, backward_end_s, optimizer_s, allowed, fusion,
+        groups = list(units if dense_groups is None else dense_groups)
+        best = _uncompressed_if_faster(best, groups, plain, backward_end_s, optimizer_s, allowed,
                                        binding=dense_groups is not None)
     if offload and best.units:
         ev = Evaluator(best.units, model, backward_end_s, optimizer_s + model.fixed_s(best.options))
