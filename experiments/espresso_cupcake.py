@@ -42,7 +42,7 @@ from typing import Any
 
 from ddlscale.sync.compressed.schemes import SCHEMES, scheme
 from ddlscale.units import parse_time
-from experiments.harness import Results, alternating, machine, spread, train
+from experiments.harness import Results, alternating, machine, read_summary, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
 COMPRESSORS = ("dgc", "efsignsgd", "randomk")
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
                     run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
                     started = time.perf_counter()
                     if args.reuse and (run_dir / "summary.json").exists():
-                        summary = json.loads((run_dir / "summary.json").read_text())
+                        summary = read_summary(run_dir)
                         timed = run_dir / "wall.json"  # absent in runs kept before it was written
                         wall = json.loads(timed.read_text())["wall_s"] if timed.exists() else float("nan")
                     else:

@@ -83,10 +83,21 @@ def train(overrides: Sequence[str], timeout: float = 900, run_dir: Path | None =
         result = run_child(cmd, timeout)
         if result.returncode != 0:
             raise RuntimeError(f"train.py {' '.join(overrides)} failed:\n{result.stderr[-4000:]}")
-        summary = json.loads((out / "summary.json").read_text())
-        if "dilation" in summary:
-            DILATIONS.add(summary["dilation"])
-        return summary
+        return read_summary(out)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """A finished run's summary.json, its dilation noted in DILATIONS: a run an experiment reads back
+    (resuming) counts in the report's dilation as the runs it trains do."""
+    summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    if "dilation" in summary:
+        note_dilation(summary["dilation"])
+    return summary
+
+
+def note_dilation(k: float) -> None:
+    """Count a run's time-dilation factor in the report's, whether the run was trained or read back."""
+    DILATIONS.add(float(k))
 
 
 def run_child(cmd: Sequence[str], timeout: float, grace_s: float = 60.0) -> subprocess.CompletedProcess:
@@ -161,7 +172,8 @@ class Results:
     def write_csv(self, rows: list[dict[str, Any]], filename: str = "results.csv") -> Path:
         path = self.dir / filename
         with path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            # Every row's columns, in first-seen order: rows kept from an older run may lack newer ones.
+            writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for row in rows for k in row)))
             writer.writeheader()
             writer.writerows(rows)
         return path

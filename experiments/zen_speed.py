@@ -28,7 +28,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from experiments.harness import Results, alternating, spread, train
+from experiments.harness import Results, alternating, note_dilation, spread, train
 
 SYNCS = ("dense", "agsparse", "gloo_sparse", "sparse_ps", "omnireduce", "sparcml", "zen")
 ROUTES = ("auto", "sparse")
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
                         timeout=3600)
         done += 1
         row = {"bandwidth": bandwidth, "model": model, "sync": sync, "route": route, "rep": rep, "rerun": True,
+               "dilation": summary.get("dilation", 1.0),
                **{k: summary[k] for k in ("step_time_s", "sync_time_s", "samples_per_s", "bytes_sent_per_step",
                                           "bytes_recv_per_step", "imbalance", "final_loss", "param_sha256",
                                           "encode_time_s", "comm_time_s", "decode_time_s")},
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         if (bandwidth, model) in kept:
             for row in kept[bandwidth, model]:
                 rows.append(row)
+                if row.get("dilation"):  # a kept run counts in the report's dilation (rows before it had none)
+                    note_dilation(row["dilation"])
                 by_cell[(bandwidth, model, row["sync"] if row["route"] == "-" else f"{row['sync']}/{row['route']}")].append(row)
             continue
         automatic = [label for label, (_, route) in zip(labels, methods, strict=True) if route in ("-", "auto")]
@@ -219,7 +222,7 @@ def read_rows(path) -> list[dict]:
     text = {"bandwidth", "model", "sync", "route", "param_sha256", "sparse", "forced"}
     with open(path, newline="") as f:
         return [{k: v if k in text else int(v) if k == "rep" else v == "True" if k == "rerun" else float(v)
-                 for k, v in r.items()} for r in csv.DictReader(f)]
+                 for k, v in r.items() if v != "" or k in text} for r in csv.DictReader(f)]
 
 
 def kept_cells(rows: list[dict], cells: list, labels: list[str], methods: list, reps: int) -> dict:

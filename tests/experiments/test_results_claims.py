@@ -171,6 +171,27 @@ def test_each_run_is_judged_kept_in_runs_csv_and_listed(tmp_path, monkeypatch):
     assert ", dilation 4 (8 machines), 1 (2 machines); the run took" in (other.dir / "results.md").read_text()
 
 
+def test_a_resumed_experiment_reports_the_dilation_of_the_runs_it_reads_back(tmp_path, monkeypatch):
+    """A resumed experiment trains only part of its runs: the ones it reads back count in its dilation,
+    and rows kept from an older results.csv without a newer column are written and read back whole."""
+    from experiments import harness, zen_speed
+
+    monkeypatch.setattr(harness, "DILATIONS", set())
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"dilation": 2.0, "steps": 3}')
+    assert harness.read_summary(run)["steps"] == 3 and harness.DILATIONS == {2.0}
+    assert harness.Results("demo").dilation_text() == "2"
+
+    demo = harness.Results("demo")
+    kept = {"bandwidth": "1gbit", "model": "lstm", "sync": "dense", "route": "-", "rep": 0, "rerun": True,
+            "step_time_s": 0.5, "sparse": ""}
+    path = demo.write_csv([kept, {**kept, "rep": 1, "dilation": 4.0}])
+    rows = zen_speed.read_rows(path)
+    assert rows == [kept, {**kept, "rep": 1, "dilation": 4.0}]
+
+
 def test_make_experiments_reads_the_commands_from_the_table():
     from experiments import harness
 
