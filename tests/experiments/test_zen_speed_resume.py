@@ -50,3 +50,31 @@ def test_the_time_estimate_says_when_a_folder_holds_a_resumed_run(tmp_path, monk
         monkeypatch.setattr(harness, "claimed_commands", lambda names=names: [(n, f"python -m x.{n}") for n in names])
         harness.run_all(["--dry-run"])
         assert expected in capsys.readouterr().out
+
+
+def test_the_targets_ask_1_2x_where_zen_sends_a_quarter_fewer_bytes_and_count_its_collectives(tmp_path, monkeypatch):
+    from experiments import harness
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    # (step s, bytes per step, collectives per step) per sync; Zen sends 0.7x agsparse's bytes, the fastest other's
+    figures = {"dense": (0.50, 9e6, 2), "agsparse": (0.22, 1e6, 4), "sparse_ps": (0.30, 2e6, 6), "zen": (0.20, 7e5, 6)}
+
+    def fake_train(overrides, timeout):
+        sync = next(o.split("=")[1] for o in overrides if o.startswith("sync="))
+        step, sent, collectives = figures[sync]
+        return {"step_time_s": step, "sync_time_s": step / 2, "samples_per_s": 1.0, "bytes_sent_per_step": sent,
+                "bytes_recv_per_step": sent, "imbalance": 1.0, "final_loss": 1.0, "param_sha256": "ab",
+                "encode_time_s": 0.0, "comm_time_s": step / 4, "decode_time_s": 0.0,
+                "collectives_per_step": collectives, "comm_overlap": 0.5, "dilation": 4.0, "routing": {}}
+
+    monkeypatch.setattr(zen_speed, "train", fake_train)
+    zen_speed.main(["--bandwidths", "1gbit", "--models", "lstm", "--routes", "auto", "--reps", "2",
+                    "--syncs", "dense,agsparse,sparse_ps,zen", "--name", "zs"])
+    text = (tmp_path / "zs" / "results.md").read_text()
+    # 0.22 / 0.20 = 1.10x beats agsparse, but not by the 1.2x its 0.70x bytes ask for
+    assert "| 1.10x vs agsparse/auto | yes |" in text
+    assert "where it sends 0.70x its bytes, lstm at 1gbit | >= 1.2x | 1.10x vs agsparse/auto | no |" in text
+    # dense's two allreduces do not count: the fewest other sparse sync issues 4, and Zen's 6 is over 4 + 1
+    assert "| <= the fewest other sparse sync's + 1 (4 + 1) | 6 | no |" in text
+    rows = list(csv.DictReader((tmp_path / "zs" / "results.csv").open()))
+    assert {r["collectives_per_step"] for r in rows if r["sync"] == "zen"} == {"6"}
