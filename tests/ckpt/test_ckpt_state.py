@@ -91,6 +91,27 @@ def test_keep_prunes_old_versions_and_their_files(tmp_path):
     assert sorted(p.name.split(".")[0] for p in tmp_path.iterdir()) == ["step_000000004"] * 2 + ["step_000000005"] * 2
 
 
+def test_prune_leaves_this_runs_version_in_flight_and_removes_the_rest(tmp_path):
+    # Rank 0 prunes after committing step 4 while another rank already writes step 6 (same run token).
+    from ddlscale.ckpt.version.manifest import write_manifest
+
+    for name in ("step_000000004.run1", "step_000000006.run1", "step_000000002.run1", "step_000000006.old0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"x")
+    write_manifest(tmp_path, Manifest(step=4, world_size=1, shards=(ShardRecord(0, "step_000000004.run1/__0_0.distcp",
+                                                                                1, "0" * 64),)))
+    checkpointer = DiskCheckpointer(every=2, dir=str(tmp_path), keep=1)
+    checkpointer._token = "run1"
+    checkpointer.prune()
+    # kept: the committed version and this run's step 6 in flight; gone: an unnamed older one of this run,
+    # and another run's leftover past the newest manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004.manifest.json", "step_000000004.run1",
+                                                         "step_000000006.run1"]
+    checkpointer._token = None  # a prune outside a run (the drain) keeps nothing no manifest names
+    checkpointer.prune()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000000004.manifest.json", "step_000000004.run1"]
+
+
 def test_position_loader_skips_batches_once_and_sets_the_epoch():
     loader = DataLoader(list(range(10)), batch_size=2)
     position_loader(loader, DataPosition.after_batch(epoch=0, batch_idx=2, num_batches=5))

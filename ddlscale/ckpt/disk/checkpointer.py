@@ -18,6 +18,7 @@ at another world size is resumed there too (:mod:`~ddlscale.ckpt.state.reshard`)
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -240,9 +241,13 @@ class DiskCheckpointer(Checkpointer):
         return loaded
 
     def prune(self) -> None:
-        """Keep the newest ``keep`` versions; delete older ones and files no manifest names."""
+        """Keep the newest ``keep`` versions; delete older ones and files no manifest names, except this
+        run's version past the newest manifest: another rank may already be writing it (rank 0 prunes
+        after committing step N, when a rank that finished its part of N can be saving the next)."""
         directory = self._directory()
         manifests = list_manifests(directory)
+        newest = step_of(manifests[0]) if manifests else -1
+        in_flight = re.compile(rf"step_(\d{{9}})\.{re.escape(self._token)}\b") if self._token else None
         for old in manifests[self.keep:]:
             old.unlink(missing_ok=True)  # the version ceases to exist before its files go
         named: set[str] = set()
@@ -254,6 +259,8 @@ class DiskCheckpointer(Checkpointer):
         for entry in directory.iterdir():
             ours = entry.name.startswith("step_") or entry.name.startswith(".step_")
             if not ours or entry.name.endswith(REJECTED_SUFFIX) or step_of(entry) is not None or entry.name in named:
+                continue
+            if in_flight and (match := in_flight.match(entry.name.lstrip("."))) and int(match.group(1)) > newest:
                 continue
             if entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
