@@ -179,8 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Sparse sync in training on {args.nodes} emulated machines",
         ["NIC", "model", "bound by (dense's step)", "sync/routing", "step ms (min-max)", "sync ms", "comm ms",
          "encode+decode ms", "MiB sent/step (max rank)", "imbalance", "collectives/step", "comm overlap",
-         "step speed-up vs dense",
-         "sync speed-up vs dense", "tensors synced sparse"],
+         "step speed-up vs dense", "sync speed-up vs dense", "tensors synced sparse"],
         table,
         notes=f"One worker per emulated machine, {args.steps} steps per run (first excluded), {args.reps} "
               "alternating repetitions, medians (step: min-max). 'sync ms': the training thread's time in "
