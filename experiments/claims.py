@@ -76,9 +76,10 @@ row: the command's ``--reps``); ``target``: the target the row was judged agains
 sha256 of the row before it (``row_text``: its cells as one CSV line, its own ``prev_sha256`` included;
 the first row's is GENESIS), and results.md's Runs section ends with the hash of the last row, so
 rewriting or deleting a row breaks the chain and fails the claims test. The newest row per claim is what
-the table shows, its target included. Rows written before runs.csv held targets and hashes (before
-2026-12-07) were migrated: their cells kept, their target the one README.md gave that claim on
-2026-12-07, their ``run`` their own date, the chain computed over the migrated rows.
+the table shows, its target included. Rows written before runs.csv held targets and hashes (up to
+2026-12-07) were migrated: their cells kept (their ``reps`` the command's ``--reps``), their target the
+one README.md gave that claim at commit 7641419 (a target reworded since then is in the re-judged rows),
+their ``run`` their own date, the chain computed over the migrated rows.
 """
 
 from __future__ import annotations
