@@ -208,8 +208,9 @@ class Results:
         return path
 
     def record_run(self, command: str, date: str) -> None:
-        """Judge every claims-table row naming this folder on the CSVs as written now, append one runs.csv
-        row per claim (claim ``-`` where none names it) and list every run at the end of results.md."""
+        """Judge every claims-table row naming this folder on the CSVs as written now (a run on a dirty tree
+        is not counted), append one runs.csv row per claim with its target (claim ``-`` where none names it)
+        and list every run at the end of results.md."""
         try:
             rows = [r for r in claims.claims(README) if claims.code(r["folder"]) == self.name]
         except Exception as e:  # an unreadable table must not cost the run its record
@@ -217,16 +218,17 @@ class Results:
             rows = []
         command = command or (claims.code(rows[0]["command"]) if rows else "")
         reps = claims.reps_of(command)  # the module wrote the command: its --reps is a number
-        run = {"date": date, "commit": self.commit, "dilation": self.dilation_text(),
-               "reps": "-" if reps is None else str(reps)}
-        judged = [{**run, "claim": "-", "figure": "-", "verdict": "-"}] if not rows else []
+        run = {"date": date, "commit": self.commit, "dilation": self.dilation_text(), "run": date}
+        judged = [{**run, "reps": "-" if reps is None else str(reps), "claim": "-", "target": "-", "figure": "-",
+                   "verdict": "-"}] if not rows else []
         for row in rows:
             try:
-                figure, verdict = claims.judge_run(row, self.dir, command)
+                figure, verdict, counted = claims.judge_run(row, self.dir, claims.is_dirty(self.commit))
             except Exception as e:  # e.g. a --quick run without the cells the check reads
                 print(f"[{self.name}] claim {row['id']} not judged: {type(e).__name__}: {e}", flush=True)
-                figure, verdict = "-", "not judged"
-            judged.append({**run, "claim": row["id"], "figure": figure, "verdict": verdict})
+                figure, verdict, counted = "-", "not judged", "-"
+            judged.append({**run, "reps": counted, "claim": row["id"], "target": row["target"], "figure": figure,
+                           "verdict": verdict})
         claims.append_runs(self.dir, judged)
         with (self.dir / "results.md").open("a") as f:
             f.write("\n" + claims.runs_section(claims.read_runs(self.dir)))

@@ -69,8 +69,9 @@ def test_per_group_figures_and_spreads(tmp_path):
     """With ``per``, a group's figure or spread is one value: the row's figure spans their medians, the
     verdict weighs their ranges."""
     (tmp_path / "r.csv").write_text("g,t\na,1\na,2\na,9\nb,4\nb,5\nb,6\n")
-    figure, values = c.measure("r.csv per g: spread(col('t'))", tmp_path)
+    figure, values, reps, pooled = c.measure("r.csv per g: spread(col('t'))", tmp_path)
     assert figure == (3.5, 2.0, 5.0) and values == [(2.0, 1.0, 9.0), (5.0, 4.0, 6.0)]
+    assert reps is None and not pooled  # no rep column: not repeated runs
     assert c.measure("r.csv per g: figure(med('t'), 0, 10)", tmp_path)[0] == (3.5, 2.0, 5.0)
     assert c.judge(("every", ">=", 1.5), figure, values) == "within noise"  # a's median passes, its low does not
     assert c.judge(("every", ">=", 3), figure, values) == "MISSED"
@@ -93,11 +94,77 @@ def test_median_and_every_rules():
             c.rule(bad)
 
 
-def test_too_few_repetitions_is_not_counted():
-    met = c.Figure(1.0, 1.0, 1.0)
-    assert c.verdict_of("`median <= 2` x", "python -m experiments.x --reps 3", met, [met]) == "not counted"
-    assert c.verdict_of("`median <= 2` x", "python -m experiments.x --reps=4", met, [met]) == "met"
-    assert c.verdict_of("`median <= 2` x", "python -m experiments.x", met, [met]) == "met"
+def _reps_csv(folder: Path, reps: int) -> None:
+    """A per-run CSV: methods a and b, side by side in each of ``reps`` repetitions, a slower in rep 0."""
+    rows = [f"{m},{r},{t}" for r in range(reps) for m, t in (("a", 2.0 if r else 0.5), ("b", 1.0))]
+    (folder / "r.csv").write_text("method,rep,t\n" + "\n".join(rows) + "\n")
+
+
+def test_the_repetitions_are_counted_in_the_csv_not_read_off_the_command(tmp_path):
+    target, three, four = "`median >= 1` a over b", tmp_path / "three", tmp_path / "four"
+    for folder, reps in ((three, 3), (four, 4)):
+        folder.mkdir()
+        _reps_csv(folder, reps)
+    measured = c.measure('r.csv: paired("t", "method", "a", "b")', three)
+    assert measured.reps == 3 and c.verdict_of(target, measured) == "not counted"
+    assert c.exclusion(measured, dirty=False) == "3 repetitions (< 4)"
+    measured = c.measure('r.csv: paired("t", "method", "a", "b")', four)
+    assert measured.reps == 4 and c.verdict_of(target, measured) == "within noise"  # rep 0's pair is under 1
+    # the repetitions the check reads: a filter keeping three of four counts three
+    assert c.measure('r.csv where rep<=2: paired("t", "method", "a", "b")', four).reps == 3
+    # a table of medians says in its runs column how many runs each row pools
+    (tmp_path / "m.csv").write_text("case,median_s,runs\nx,1.0,3\ny,2.0,5\n")
+    assert c.measure("m.csv: med('median_s')", tmp_path).reps == 3
+    # not repeated runs (bytes, a model): no repetition rule
+    (tmp_path / "b.csv").write_text("n,bytes\n2,10\n4,20\n")
+    assert c.measure("b.csv: med('bytes')", tmp_path).reps is None
+    assert c.reps_of("python -m experiments.x --reps=4") == 4 and c.reps_of("python -m experiments.x") is None
+
+
+def test_a_value_folded_from_several_repetitions_is_never_met(tmp_path):
+    """A ratio of medians hides its spread: at most within noise. Per repetition, the same runs say more."""
+    _reps_csv(tmp_path, 5)
+    median_rule = ("median", ">=", 1)
+    medians = c.measure('r.csv: med("t", method="a") / med("t", method="b")', tmp_path)
+    assert medians.figure == (2.0, 2.0, 2.0) and medians.pooled
+    assert c.judge(median_rule, *medians[:2], medians.pooled) == "within noise"
+    paired = c.measure('r.csv: paired("t", "method", "a", "b")', tmp_path)
+    assert paired.figure == (2.0, 0.5, 2.0) and not paired.pooled
+    assert c.judge(median_rule, *paired[:2], paired.pooled) == "within noise"  # rep 0 is under 1
+    assert c.judge(("median", ">", 0.4), *paired[:2], paired.pooled) == "met"
+    # one value per repetition (per rep, one row each side) or a spread keeps the repetitions apart
+    for check in ('r.csv per rep: v("t", method="a") / v("t", method="b")', 'r.csv: spread(col("t", method="a"))'):
+        assert not c.measure(check, tmp_path).pooled, check
+    assert c.measure('r.csv: [med("t", method="a"), 1]', tmp_path).pooled
+    # a MISSED stays MISSED
+    assert c.judge(("median", ">=", 3), *medians[:2], medians.pooled) == "MISSED"
+    # a row of a table of medians pools its runs
+    (tmp_path / "m.csv").write_text("case,median_s,runs\nx,1.0,4\n")
+    assert c.measure("m.csv: v('median_s')", tmp_path).pooled
+
+
+def test_pairs_take_one_run_per_repetition_and_each_side_its_own_filters(tmp_path):
+    (tmp_path / "r.csv").write_text("method,route,rep,t\ntorch,auto,0,4\nzen,auto,0,2\nzen,sparse,0,1\n"
+                                    "torch,auto,1,6\nzen,auto,1,3\nzen,sparse,1,2\n")
+    assert c.evaluate('r.csv: pair("t", {"method": "torch"}, {"method": "zen", "route": "sparse"})',
+                      tmp_path) == (3.5, 3.0, 4.0)
+    with pytest.raises(AssertionError, match="several rows per rep"):  # zen has two rows per rep
+        c.evaluate('r.csv: paired("t", "method", "torch", "zen")', tmp_path)
+    assert c.evaluate('r.csv: paired("t", "method", "torch", "zen", route="auto")', tmp_path) == (2.0, 2.0, 2.0)
+    best = 'lowest("t", {"method": "torch"}, {"method": "zen", "route": "auto"})'
+    assert c.evaluate(f'r.csv: pair("t", {best}, {{"method": "zen", "route": "sparse"}})', tmp_path) == (
+        1.75, 1.5, 2.0)
+    (tmp_path / "p.csv").write_text("plan,rep,t\nnone/allreducex1,0,5\ndefault/zenx1 none/allreducex1,1,7\n")
+    assert c.evaluate("p.csv where plan~default/: col('t')", tmp_path)[0] == 7
+    assert c.evaluate("p.csv where plan!~default/: col('t')", tmp_path)[0] == 5
+
+
+def test_a_run_on_a_dirty_tree_is_not_counted():
+    met = c.Measurement(c.Figure(1, 1, 1), [c.Figure(1, 1, 1)], 4, False)
+    assert c.verdict_of("`median <= 2` x", met) == "met"
+    assert c.verdict_of("`median <= 2` x", met, dirty=True) == "not counted"
+    assert c.exclusion(met, dirty=True) == c.DIRTY_REASON
+    assert c.is_dirty("78850a5+dirty") and not c.is_dirty("78850a5")
 
 
 def test_verdict_cells_and_their_causes():
@@ -126,48 +193,59 @@ SUMMARY = {"Compared": "t", "Emulation": "none", "Bound by": "n/a", "Repetitions
 
 def test_each_run_is_judged_kept_in_runs_csv_and_listed(tmp_path, monkeypatch):
     """harness.Results judges the README's rows naming its folder on the CSVs it just wrote, appends them to
-    runs.csv (never rewriting a row) and lists every run at the end of results.md."""
+    runs.csv with their target, chained (never rewriting a row), and lists every run at the end of results.md;
+    a run on a dirty tree is not counted."""
     from experiments import harness
 
     readme = tmp_path / "README.md"
+    target = "`median <= 2` t"
     readme.write_text("| " + " | ".join(c.COLUMNS) + " |\n|" + "---|" * len(c.COLUMNS) + "\n"
-                      "| fast | t is fast | `median <= 2` t | 1.5 (1.0-2.0) | met | `demo` | 2026-01-02 | "
+                      f"| fast | t is fast | {target} | 1.5 (1.0-2.0) | met | `demo` | 2026-01-02 | "
                       "`python -m experiments.demo --reps 4` | `results.csv: col(\"t\")` |\n")
     monkeypatch.setattr(harness, "README", readme)
     monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(harness, "DILATIONS", set())
     monkeypatch.setattr(harness, "machine", lambda: {"cpu": "x86_64", "date": "2026-01-02 03:04"})
+    monkeypatch.setattr(harness, "git_commit", lambda: "abc1234")
     command = "python -m experiments.demo --reps 4"
 
     demo = harness.Results("demo")
     demo.write_csv([{"t": 1.0}, {"t": 3.0}, {"t": 1.5}])
     demo.write_markdown("demo", ["a"], [[1]], command=command, summary=SUMMARY)
     first = c.read_runs(demo.dir)
-    assert [{k: r[k] for k in ("date", "dilation", "reps", "claim", "figure", "verdict")} for r in first] == [
-        {"date": "2026-01-02 03:04", "dilation": "1", "reps": "4", "claim": "fast", "figure": "1.5 (1.0-3.0)",
-         "verdict": "within noise"}]
-    assert first[0]["commit"] == demo.commit and demo.commit.startswith(harness.git_commit()[:7])
+    assert first == [{"date": "2026-01-02 03:04", "commit": "abc1234", "dilation": "1", "reps": "-", "claim": "fast",
+                      "target": target, "figure": "1.5 (1.0-3.0)", "verdict": "within noise",
+                      "run": "2026-01-02 03:04", "prev_sha256": c.GENESIS}]
     text = (demo.dir / "results.md").read_text()
-    assert f"date 2026-01-02 03:04, commit {demo.commit}; the run took" in text
-    assert "- **Dilation:** 1 " in text
+    assert "date 2026-01-02 03:04, commit abc1234; the run took" in text
+    assert "- **Dilation:** 1 " in text and f"`{c.row_hash(first[0])}`" in text
     assert not c.folder_problems(demo.dir)
 
-    # the next run appends: its dilation is what its train.py runs reported
+    # the next run appends, chained to the first: its dilation is what its train.py runs reported
     harness.DILATIONS.update({4.0, 1})
     demo.write_csv([{"t": 1.0}, {"t": 1.2}])
     demo.write_markdown("demo", ["a"], [[1]], command=command, summary=SUMMARY)
     second = c.read_runs(demo.dir)
-    assert second[0] == first[0] and len(second) == 2
+    assert second[0] == first[0] and len(second) == 2 and second[1]["prev_sha256"] == c.row_hash(first[0])
     assert (second[1]["dilation"], second[1]["figure"], second[1]["verdict"]) == ("1, 4", "1.1 (1.0-1.2)", "met")
+    assert not c.folder_problems(demo.dir)
+
+    # a run from a dirty tree: its figure is kept, its verdict not counted
+    monkeypatch.setattr(harness, "git_commit", lambda: "abc1234+dirty")
+    dirty = harness.Results("demo")
+    dirty.write_csv([{"t": 1.0}, {"t": 1.2}])
+    dirty.write_markdown("demo", ["a"], [[1]], command=command, summary=SUMMARY)
+    assert [(r["commit"], r["figure"], r["verdict"]) for r in c.read_runs(demo.dir)][-1] == (
+        "abc1234+dirty", "1.1 (1.0-1.2)", "not counted")
     assert not c.folder_problems(demo.dir)
 
     # an experiment that sets its dilation, in a folder no claim names: the run is kept all the same
     other = harness.Results("other")
     other.dilation = "4 (8 machines), 1 (2 machines)"
     other.write_csv([{"t": 1.0}])
-    other.write_markdown("other", ["a"], [[1]], command="python -m experiments.other")
-    assert [(r["claim"], r["reps"], r["dilation"]) for r in c.read_runs(other.dir)] == [
-        ("-", "-", "4 (8 machines), 1 (2 machines)")]
+    other.write_markdown("other", ["a"], [[1]], command="python -m experiments.other --reps 3")
+    assert [(r["claim"], r["reps"], r["dilation"], r["target"]) for r in c.read_runs(other.dir)] == [
+        ("-", "3", "4 (8 machines), 1 (2 machines)", "-")]
     assert ", dilation 4 (8 machines), 1 (2 machines); the run took" in (other.dir / "results.md").read_text()
 
 
@@ -236,14 +314,76 @@ def _slow_one_rep(root: Path) -> None:
         writer.writerows(rows)
 
 
+def _write_runs(folder: Path, rows: list[dict[str, str]]) -> None:
+    with (folder / "runs.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(c.RUNS_COLUMNS))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _edit_history(root: Path, folder: str, edit) -> None:
+    """runs.csv's rows edited by ``edit(rows)`` as a hand would: in runs.csv and in results.md's Runs table
+    together, the cells changed and the hashes left as they were."""
+    where = c.results_of(root) / folder
+    rows = c.read_runs(where)
+    edited = edit([dict(r) for r in rows])
+    _write_runs(where, edited)
+    section = c.runs_section(edited).replace(c.chain_head(edited), c.chain_head(rows))  # the old hash line stays
+    results_md = where / "results.md"
+    results_md.write_text(results_md.read_text().replace(c.runs_section(rows), section))
+
+
+def _missed_to_met(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """compression_hooks' first MISSED run, a history row (not the newest), turned met."""
+    i = next(i for i, r in enumerate(rows) if r["verdict"] == "MISSED")
+    assert i < len(rows) - 1
+    rows[i]["verdict"] = "met"
+    return rows
+
+
+def _ran_dirty(root: Path, folder: str) -> None:
+    """The folder's newest run marked as run on a dirty tree, chained and listed as the harness would have."""
+    where = c.results_of(root) / folder
+    rows = c.read_runs(where)
+    run = c.newest_run(rows)["date"]
+    rows = [{**r, "commit": r["commit"] + c.DIRTY if r["date"] == run else r["commit"]} for r in rows]
+    _write_runs(where, c.chained([{k: r[k] for k in c.RUNS_COLUMNS[:-1]} for r in rows], []))
+    results_md = where / "results.md"
+    results_md.write_text(c.with_runs(results_md.read_text(), c.read_runs(where)))
+
+
+def _drop_rep(root: Path, folder: str, rep: str) -> None:
+    """One repetition's rows taken out of the folder's results.csv."""
+    path = c.results_of(root) / folder / "results.csv"
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(r for r in rows if r["rep"] != rep)
+
+
 MUTATIONS = {
     "met-to-missed": (lambda root: _set_cell(root, "zen-vs-allgather-gpt", "verdict", "MISSED: by hand"),
                       "zen-vs-allgather-gpt"),
     "missed-to-met": (lambda root: _set_cell(root, "zen-vs-allgather-lstm", "verdict", "met"), "zen-vs-allgather-lstm"),
     "target-raised": (lambda root: _set_cell(root, "zen-vs-allgather-gpt", "target",
                                              "`median >= 5` allgather's median sync / Zen's"), "zen-vs-allgather-gpt"),
+    "target-reworded": (lambda root: _set_cell(root, "zen-vs-allgather-gpt", "target",
+                                               "`median >= 1.5` allgather's sync / Zen's, by hand"),
+                        "zen-vs-allgather-gpt: runs.csv's newest target"),
     "csv-value": (_slow_one_rep, "overhead-lstm"),
     "runs-csv-deleted": (lambda root: (c.results_of(root) / "zen_volume" / "runs.csv").unlink(), "zen_volume"),
+    "history-row-rewritten": (lambda root: _edit_history(root, "compression_hooks", _missed_to_met),
+                              "compression_hooks/runs.csv line"),
+    "history-row-deleted": (lambda root: _edit_history(root, "overhead", lambda rows: rows[:3] + rows[4:]),
+                            "overhead/runs.csv line"),
+    "newest-row-deleted": (lambda root: _edit_history(root, "zen_volume", lambda rows: rows[:-1]),
+                           "zen_volume/results.md's Runs section"),
+    "ran-dirty": (lambda root: _ran_dirty(root, "compression_schemes"),
+                  "zen-vs-allgather-gpt: the only verdict is 'not counted: ran on a dirty tree"),
+    "three-reps-in-the-csv": (lambda root: _drop_rep(root, "dcp_async", "3"),
+                              "dcp-async-stall: the only verdict is 'not counted: 3 repetitions"),
 }
 
 
