@@ -66,6 +66,9 @@ such as ``~1%`` are fine): they name what was measured, results.md holds it. Whe
 changed across its runs.csv rows, the word is followed by ``(flipped: WORD on DATE)``, the newest earlier
 row with another verdict, e.g. ``met (flipped: MISSED on 2026-12-03)``.
 
+**Starved runs**: a CSV row whose ``starved`` column is true (its emulated machines got less CPU than
+their share, :mod:`ddlscale.cluster.cpuload`) stays in the CSV and is left out of every check.
+
 **runs.csv**: every folder under experiments/results keeps one, appended to and never rewritten, with
 the columns RUNS_COLUMNS: ``date, commit, dilation, reps, claim, target, figure, verdict, run,
 prev_sha256``. Each run appends one row per claim id (claim ``-`` where a run judged no claim), its
@@ -239,9 +242,17 @@ class Table:
         return {**own, **builtins}
 
 
+STARVED = "starved"  # a run whose machines got less CPU than their share (ddlscale.cluster.cpuload)
+
+
+def counted(row: dict[str, str]) -> bool:
+    """Whether a run counts: one whose emulated machines were starved of CPU stays in its CSV, uncounted."""
+    return str(row.get(STARVED, "")).strip().lower() not in ("true", "1")
+
+
 def read_csv(path: Path, reads: Reads | None = None) -> Table:
     with path.open(newline="") as f:
-        return Table(list(csv.DictReader(f)), path.parent, reads)
+        return Table([row for row in csv.DictReader(f) if counted(row)], path.parent, reads)
 
 
 _FILTER = re.compile(r"^([\w.]+)(!~|!=|>=|<=|=|~)(.+)$")

@@ -131,25 +131,25 @@ def dilated_here(k: float, ranks: int) -> Iterator[str]:
     ``$DDLSCALE_DILATION`` and :func:`ddlscale.clock.dilated`. For experiments on one machine (no
     NIC to shape): each rank gets one emulated core of its own and the host keeps the rest for the
     kernel and the launcher, as a machine with spare cores would. Yields the cap in words."""
-    from ddlscale.cluster.cpucap import CpuCaps, find_controller, own_group
+    from ddlscale.cluster.cpucap import CpuShares, find_controller, own_group
 
     k = parse_factor(k, "dilation")
     controller = find_controller() if k > 1 else None
     if k > 1 and controller is None:
         raise RuntimeError("dilation on one machine needs a writable cgroup CPU controller (root, cgroups)")
-    caps = CpuCaps(controller, f"ddlh{os.getpid() % 100000}", 1, ranks / k) if controller else None
+    shares = CpuShares(controller, f"ddlh{os.getpid() % 100000}", 1, ranks, k) if controller else None
     home = own_group(controller) if controller else None
     saved = os.environ.get(clock.ENV)
     os.environ[clock.ENV] = f"{k:g}"
     try:
-        if caps is not None:
-            (caps.groups[0] / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        if shares is not None:
+            (shares.groups[0] / "cgroup.procs").write_text(f"{os.getpid()}\n")
         with clock.dilated(k):
-            yield f"{ranks}/{k:g} core of this host" if caps else "not capped (k = 1)"
+            yield f"{ranks}/{k:g} core of this host" if shares else "not capped (k = 1)"
     finally:
-        if caps is not None:  # back where it was, then the empty group can go
+        if shares is not None:  # back where it was, then the empty group can go
             (home / "cgroup.procs").write_text(f"{os.getpid()}\n")
-            caps.remove()
+            shares.remove()
         if saved is None:
             os.environ.pop(clock.ENV, None)
         else:

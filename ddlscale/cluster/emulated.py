@@ -34,7 +34,8 @@ from typing import Any
 
 from ddlscale.clock import ENV as DILATION_ENV
 from ddlscale.clock import parse_factor
-from ddlscale.cluster.cpucap import CpuCaps, find_controller
+from ddlscale.cluster.cpucap import CpuShares, find_controller
+from ddlscale.cluster.cpuload import CpuLedger
 from ddlscale.cluster.stop import start_time
 from ddlscale.comm.network import NetworkModel
 from ddlscale.units import parse_bandwidth, parse_time
@@ -43,6 +44,11 @@ from ddlscale.units import parse_bandwidth, parse_time
 # shaped rate counts frames, so payload moves at this fraction of the NIC's bandwidth.
 TCP_PAYLOAD_FRACTION = 1448 / 1514
 ALPHA = "100us"  # per message step across veth + bridge + TCP, as measured on this host
+# cluster.latency=auto: one machine's one-way delay to another in a datacenter, NIC to NIC through a
+# top-of-rack switch and the kernel's TCP on both ends: round trips of 20-50 us are typical there (the
+# papers' clusters: 25-400 Gbit/s in one or two racks). Only where the kernel has netem.
+DATACENTER_LATENCY = "25us"
+AUTO_LATENCY = "auto"
 
 PREFIX = "ddl"  # every namespace this module creates starts with it
 SUBNET = "10.213.0"  # machine i has SUBNET.(i+1)/24, inside its namespace only
@@ -118,6 +124,32 @@ def _has_qdisc(ns: str, kind: str) -> bool:
     return tried.returncode == 0
 
 
+_NETEM: bool | None = None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has tc's netem qdisc (the only way here to delay a link), tried once."""
+    global _NETEM
+    if _NETEM is None:
+        if unavailable_reason() is not None:
+            return False
+        probe = f"{PREFIX}probe{os.getpid()}"
+        _sh("ip", "netns", "add", probe)
+        try:
+            _NETEM = _has_qdisc(probe, "netem")
+        finally:
+            subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return _NETEM
+
+
+def resolve_latency(latency: str | float) -> float:
+    """``cluster.latency`` in seconds: a time, or ``auto`` (:data:`DATACENTER_LATENCY` where the kernel
+    can delay a link, else 0: this emulation cannot add a delay it has no qdisc for)."""
+    if isinstance(latency, str) and latency.strip().lower() == AUTO_LATENCY:
+        return parse_time(DATACENTER_LATENCY) if netem_available() else 0.0
+    return parse_time(latency)
+
+
 def list_namespaces(prefix: str = PREFIX) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
@@ -156,21 +188,26 @@ class EmulatedCluster:
 
     ``dilation`` (k >= 1) slows the whole emulation by k (:mod:`ddlscale.clock`): the NICs are
     shaped to bandwidth / k with k times the delay, every process started on a machine learns k
-    (``$DDLSCALE_DILATION``) and, for k > 1, joins its machine's CPU cap of ``ranks_per_machine / k``
-    cores (:mod:`ddlscale.cluster.cpucap`). ``bandwidth`` and ``latency`` stay the emulated cluster's
-    own: they are what the cost model and every reported figure refer to.
+    (``$DDLSCALE_DILATION``) and joins its machine's cgroup, which gives it ``ranks_per_machine / k``
+    cores of this host (``cpu``: "shares" by weight, "quota" by CFS quota; :mod:`ddlscale.cluster.cpucap`;
+    ``cap_cpus=False``: the machines share the host's cores as they come). ``bandwidth`` and
+    ``latency`` stay the emulated cluster's own: they are what the cost model and every reported
+    figure refer to. ``latency`` is one machine's one-way delay to another (half on each of the two
+    links a message crosses); ``"auto"`` is :data:`DATACENTER_LATENCY` where the kernel has netem,
+    else 0 (:func:`resolve_latency`).
 
     Use as a context manager (``with EmulatedCluster(4, "1gbit") as cluster: ...``) or call
     :meth:`up` / :meth:`down`. ``keep=True`` leaves it up when the owner exits (the CLI's ``up``).
     """
 
     def __init__(self, nodes: int, bandwidth: str = "1gbit", latency: str = "0ms", name: str | None = None,
-                 keep: bool = False, dilation: float = 1.0, ranks_per_machine: int = 1, cap_cpus: bool | None = None):
+                 keep: bool = False, dilation: float = 1.0, ranks_per_machine: int = 1, cap_cpus: bool = True,
+                 cpu: str = "shares"):
         if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
             raise ValueError(f"cluster.nodes must be an integer in [1, {MAX_NODES}], got {nodes!r}")
         self.nodes = nodes
         self.bandwidth_bps = parse_bandwidth(bandwidth)
-        self.latency_s = parse_time(latency)
+        self.latency_s = resolve_latency(latency)
         self.dilation = parse_factor(dilation, "cluster.dilation")
         self.ranks_per_machine = ranks_per_machine
         self.name = name or f"{PREFIX}{uuid.uuid4().hex[:6]}"
@@ -178,9 +215,9 @@ class EmulatedCluster:
             raise ValueError(f"cluster name must start with {PREFIX!r} and have at most 12 characters: {self.name!r}")
         self.keep = keep
         self.is_up = False
-        self.cap_cpus = self.dilation > 1 if cap_cpus is None else cap_cpus
-        self.cpu_caps: CpuCaps | None = None
-        self.cpu_cap_missing: str | None = None  # why k > 1 runs without CPU caps, if it does
+        self.cap_cpus, self.cpu_mode = cap_cpus, cpu
+        self.cpu_shares: CpuShares | None = None
+        self.cpu_cap_missing: str | None = None  # why the machines run without their CPU shares, if they do
 
     # -- names and addresses ---------------------------------------------------------------
     @property
@@ -257,8 +294,8 @@ class EmulatedCluster:
         # and wake the receiver per packet, which costs the capped machine CPU the real NIC's would not.
         burst = max(int(self.bandwidth_bps / 8 / 1000), 64 * 1024)
         tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", f"{100 * self.dilation:.0f}ms"]
-        if self.latency_s > 0:
-            delay = f"{self.latency_s * self.dilation * 1e6:.0f}us"
+        if self.latency_s > 0:  # a message crosses two links: its sender's upload, its receiver's download
+            delay = f"{self.latency_s / 2 * self.dilation * 1e6:.0f}us"
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", "handle", "1:", "netem",
                 "delay", delay)
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "parent", "1:", "handle", "2:", *tbf)
@@ -266,15 +303,17 @@ class EmulatedCluster:
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", verb, "dev", dev, "root", *tbf)
 
     def _cap_cpus(self) -> None:
-        """Under dilation, cap every machine at ranks / k cores (see :mod:`ddlscale.cluster.cpucap`)."""
+        """Give every machine ranks / k cores of this host (see :mod:`ddlscale.cluster.cpucap`)."""
         if not self.cap_cpus:
             return
         controller = find_controller()
         if controller is None:
             self.cpu_cap_missing = "no writable cgroup CPU controller on this host: CPU work is not slowed by k"
-            warnings.warn(f"cluster.dilation={self.dilation:g}: {self.cpu_cap_missing}", stacklevel=3)
+            if self.dilation > 1:
+                warnings.warn(f"cluster.dilation={self.dilation:g}: {self.cpu_cap_missing}", stacklevel=3)
             return
-        self.cpu_caps = CpuCaps(controller, self.name, self.nodes, self.ranks_per_machine / self.dilation)
+        self.cpu_shares = CpuShares(controller, self.name, self.nodes, self.ranks_per_machine, self.dilation,
+                                    self.cpu_mode)
 
     def set_dilation(self, dilation: float) -> None:
         """Re-shape a running cluster to another k (the processes already started keep the k they were given)."""
@@ -282,22 +321,28 @@ class EmulatedCluster:
         for i in range(self.nodes):
             self._shape(self.namespace(i), "eth0", "replace")
             self._shape(self.switch, f"v{i}", "replace")
-        if self.cpu_caps is not None:
-            self.cpu_caps.set_cores(self.ranks_per_machine / self.dilation)
+        if self.cpu_shares is not None:
+            self.cpu_shares.set_dilation(self.dilation)
 
     def cpu_cap(self) -> str:
-        """What bounds each machine's CPU, in words (for printouts and summaries)."""
-        if self.cpu_caps is not None:
-            return (f"{self.ranks_per_machine}/{self.dilation:g} core of this host per machine "
-                    f"(cgroup v{self.cpu_caps.controller.version})")
+        """What gives each machine its CPU, in words (for printouts and summaries)."""
+        if self.cpu_shares is not None:
+            return self.cpu_shares.describe()
         return self.cpu_cap_missing or "not capped: the machines share the host's cores"
+
+    def cpu_ledger(self) -> CpuLedger:
+        """An account of the CPU each machine receives from now on (:mod:`ddlscale.cluster.cpuload`)."""
+        shares = self.cpu_shares
+        machines = shares.accounting if shares is not None else [None] * self.nodes
+        own = [shares.reserve_accounting] if shares is not None else []
+        return CpuLedger(machines, own, self.ranks_per_machine, self.dilation)
 
     def down(self, grace_s: float = 0.0) -> None:
         """Remove the cluster; ``grace_s``: first let its processes stop on SIGTERM for up to that long."""
         remove_namespaces([ns for ns in self.namespaces if ns in set(list_namespaces(self.name))], grace_s)
-        if self.cpu_caps is not None:
-            self.cpu_caps.remove()
-            self.cpu_caps = None
+        if self.cpu_shares is not None:
+            self.cpu_shares.remove()
+            self.cpu_shares = None
         forget_owner(self.name)
         self.is_up = False
 
@@ -312,8 +357,8 @@ class EmulatedCluster:
         """Start ``argv`` inside machine ``machine``'s namespace (and CPU cap), told the cluster's k."""
         full_env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", DILATION_ENV: f"{self.dilation:g}", **(env or {})}
         command = ["ip", "netns", "exec", self.namespace(machine), *argv]
-        if self.cpu_caps is not None:
-            command = self.cpu_caps.wrap(machine, command)
+        if self.cpu_shares is not None:
+            command = self.cpu_shares.wrap(machine, command)
         return subprocess.Popen(command, env=full_env, **kwargs)
 
     def kill_machine(self, machine: int) -> None:

@@ -19,11 +19,11 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from ddlscale.cluster import dilation, stop
+from ddlscale.cluster import cpuload, dilation, stop
 from ddlscale.cluster.context import Launch, Services, no_services
-from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster
+from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, netem_available, resolve_latency
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
-from ddlscale.units import parse_bandwidth, parse_time
+from ddlscale.units import parse_bandwidth
 
 ServicesOf = Callable[[Launch], AbstractContextManager[Services]]
 
@@ -69,14 +69,17 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
     """
     nodes, devices, output_dir = launch.machines, launch.devices, launch.run_dir
     worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
+    latency_s = resolve_latency(cluster_cfg.get("latency", "0ms"))
     choice = dilation.choose(dilation.parse(cluster_cfg.get("dilation", 1)), nodes, devices,
-                             parse_bandwidth(cluster_cfg.bandwidth), parse_time(cluster_cfg.latency))
-    with EmulatedCluster(nodes, str(cluster_cfg.bandwidth), str(cluster_cfg.latency), dilation=choice.k,
-                         ranks_per_machine=devices) as cluster:
+                             parse_bandwidth(cluster_cfg.bandwidth), latency_s)
+    with EmulatedCluster(nodes, str(cluster_cfg.bandwidth), f"{latency_s}s", dilation=choice.k,
+                         ranks_per_machine=devices, cpu=str(cluster_cfg.get("cpu", "shares"))) as cluster:
         cpu_cap = cluster.cpu_cap()
         print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
-              f"{cluster_cfg.bandwidth} NICs, {choice.describe()}; CPU: {cpu_cap}; every time "
-              f"reported is wall time / {choice.k:g}", flush=True)
+              f"{cluster_cfg.bandwidth} NICs, {describe_latency(latency_s)}, {choice.describe()}; CPU: {cpu_cap}; "
+              f"every time reported is wall time / {choice.k:g}", flush=True)
+        ledger = cluster.cpu_ledger()
+        ledger.start()
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cluster_cfg.port)
@@ -92,6 +95,7 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                           for i in range(nodes)]
                 try:
                     codes = _wait_all_or_first_failure(agents)
+                    cpu_load = ledger.finish()  # before teardown: the machines' cgroups go with the cluster
                 except BaseException:
                     # The workers first (SIGTERM: they write what they have); the services' own processes
                     # (Gemini's agents hold what goes to disk on the way out) stop as the services end.
@@ -108,6 +112,10 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
     summary["cluster_bandwidth_bps"] = cluster.bandwidth_bps
     summary.update(choice.summary())
     summary["cpu_cap"] = cpu_cap
+    summary["cluster_latency_s"] = latency_s
+    summary["cpu_load"] = cpu_load
+    summary["starved"] = cpu_load["starved"]
+    print(cpuload.describe(cpu_load), flush=True)
     world = summary["world_size"]
     if summary.get("bytes_sent_per_step") and world > 1:
         # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
@@ -117,6 +125,13 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
             f"{n} workers {t * 1e3:.0f} ms" for n, t in summary["projected_step_time_s"].items()), flush=True)
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def describe_latency(latency_s: float) -> str:
+    if latency_s > 0:
+        return f"{latency_s * 1e6:g} us one-way delay"
+    why = "" if netem_available() else " (this kernel has no netem: the links' own, measured per run)"
+    return f"no added delay{why}"
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:

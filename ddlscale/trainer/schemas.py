@@ -33,7 +33,8 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from ddlscale.cluster import dilation
-from ddlscale.cluster.emulated import MAX_NODES
+from ddlscale.cluster.cpucap import MODES as CPU_MODES
+from ddlscale.cluster.emulated import AUTO_LATENCY, MAX_NODES
 from ddlscale.schema import Schema, boolean, choice, integer, is_int, quantity
 from ddlscale.units import parse_bandwidth, parse_time
 
@@ -93,8 +94,9 @@ class EmulatedClusterConfig(ClusterConfig):
     kind: str = "emulated"
     nodes: int = 2
     bandwidth: str = "1gbit"
-    latency: str = "0ms"
+    latency: str = "auto"
     dilation: Any = "auto"
+    cpu: str = "shares"
     port: int = 29400
     fallback: str = "loopback"
 
@@ -104,8 +106,10 @@ class EmulatedClusterConfig(ClusterConfig):
         integer(self.key("port"), self.port, 1, 65535)
         integer(self.key("max_restarts"), self.max_restarts, least=0)
         quantity(self.key("bandwidth"), self.bandwidth, parse_bandwidth)
-        quantity(self.key("latency"), self.latency, parse_time)
+        if str(self.latency).strip().lower() != AUTO_LATENCY:
+            quantity(self.key("latency"), self.latency, parse_time)
         quantity(self.key("dilation"), self.dilation, dilation.parse)
+        choice(self.key("cpu"), self.cpu, CPU_MODES)
         choice(self.key("fallback"), self.fallback, FALLBACKS)
 
 

@@ -1,6 +1,7 @@
 """Time dilation: the clock every figure uses, the CPU caps, and how cluster.dilation=auto picks k."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -144,24 +145,52 @@ def _fake_cgroups(tmp_path, version):
 
 
 @pytest.mark.parametrize("version", [1, 2])
-def test_cpu_caps_give_each_machine_its_cores_in_either_cgroup_version(tmp_path, version):
+def test_cpu_shares_weigh_each_machine_by_its_ranks_with_no_quota_in_either_cgroup_version(tmp_path, version, monkeypatch):
     root, mounts = _fake_cgroups(tmp_path, version)
     controller = cpucap.find_controller(mounts)
-    assert controller == cpucap.Controller(root, version)
-    caps = cpucap.CpuCaps(controller, "ddltest", 2, 0.25)
+    assert controller.root == root and controller.version == version
+    started = []
+    monkeypatch.setattr(cpucap.CpuShares, "_start_reserve", lambda self: started.append(self.k))
+    shares = cpucap.CpuShares(controller, "ddltest", 2, 2, 4, cores=2)
     group = root / "ddlscale" / "ddltest-m1"
     if version == 1:
-        assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
-        assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+        assert (group / "cpu.cfs_quota_us").read_text().strip() == "-1"  # nothing is ever throttled
+        assert (group / "cpu.shares").read_text().strip() == "2048"  # two ranks
     else:
-        assert (group / "cpu.max").read_text().strip() == "2500 10000"
+        assert (group / "cpu.max").read_text().strip() == "max"
+        assert (group / "cpu.weight").read_text().strip() == "200"
         assert "+cpu" in (root / "cgroup.subtree_control").read_text()
-    caps.set_cores(1 / 32)  # the kernel's smallest quota is 1 ms: a longer period instead
-    quota, period = ((group / "cpu.max").read_text().split() if version == 2 else
-                     [(group / f).read_text() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us")])
+    # 4 ranks on 2 cores at k = 4: each core holds 2 ranks and a reserve of 2, so a busy rank gets 1/4.
+    reserve = root / "ddlscale" / "ddltest-rsv" / ("cpu.shares" if version == 1 else "cpu.weight")
+    assert started == [4]
+    assert int(reserve.read_text()) == round(cpucap.reserve_units(4, 4, 2) * (1024 if version == 1 else 100))
+    wrapped = shares.wrap(1, ["ip", "netns", "exec", "x", "true"])
+    assert wrapped[:2] == ["sh", "-c"] and str(group / "cgroup.procs") in wrapped and wrapped[-5] == "ip"
+
+
+def test_the_reserve_leaves_each_busy_rank_one_kth_of_a_core():
+    for k, ranks, cores in ((4, 8, 2), (8, 8, 2), (4, 2, 2), (4, 1, 2), (2, 16, 2)):
+        per_core = cpucap.reserve_units(k, ranks, cores) / cores
+        if ranks > cores * k:  # k below the CPU share: no reserve, the host is oversubscribed
+            assert per_core == 0
+        else:
+            assert 1 / (max(1, ranks / cores) + per_core) == pytest.approx(1 / k)
+    assert cpucap.reserve_units(1, 2, 2) == 0  # k = 1: nothing held back
+
+
+def test_quota_mode_keeps_cfs_bandwidth_limits(tmp_path):
+    root, mounts = _fake_cgroups(tmp_path, 1)
+    controller = cpucap.find_controller(mounts)
+    cpucap.CpuShares(controller, "ddltest", 2, 1, 4, mode="quota")
+    group = root / "ddlscale" / "ddltest-m0"
+    assert (group / "cpu.cfs_quota_us").read_text().strip() == "2500"
+    assert (group / "cpu.cfs_period_us").read_text().strip() == "10000"
+    shares = cpucap.CpuShares(controller, "ddltest", 2, 1, 32, mode="quota")  # the smallest quota is 1 ms
+    assert shares.reserve == []
+    quota, period = ((group / f).read_text() for f in ("cpu.cfs_quota_us", "cpu.cfs_period_us"))
     assert int(quota) >= cpucap.MIN_QUOTA_US and int(quota) / int(period) == pytest.approx(1 / 32, rel=0.01)
-    wrapped = caps.wrap(1, ["ip", "netns", "exec", "x", "true"])
-    assert wrapped[:2] == ["sh", "-c"] and str(group / "cgroup.procs") in wrapped and wrapped[-5:][0] == "ip"
+    with pytest.raises(ValueError, match="cluster.cpu"):
+        cpucap.CpuShares(controller, "ddltest", 2, 1, 4, mode="caps")
 
 
 def test_no_cgroup_controller_means_no_caps(tmp_path):
@@ -176,7 +205,7 @@ def test_a_dilated_link_runs_k_times_slower_with_k_times_the_delay(monkeypatch):
     commands = []
     monkeypatch.setattr(emulated, "_sh", lambda *argv: commands.append(" ".join(argv)))
     EmulatedCluster(2, "1gbit", "1ms", dilation=4)._shape("ns", "eth0")
-    assert "netem delay 4000us" in commands[0]
+    assert "netem delay 2000us" in commands[0]  # half the one-way delay on each of the two links
     assert "tbf rate 250000000bit" in commands[1] and "latency 400ms" in commands[1]
     EmulatedCluster(2, "1gbit", dilation=1)._shape("ns", "eth0")
     # The burst is the same bytes at every k: TCP's 64 KiB segments pass whole, as on the real NIC.
@@ -200,23 +229,32 @@ def test_a_dilated_cluster_stretches_the_rendezvous_timeouts_by_k(monkeypatch):
 
 @pytest.mark.multiprocess
 @needs_namespaces
-def test_a_dilated_cluster_shapes_its_links_slower_and_caps_its_machines():
+def test_a_dilated_cluster_shapes_its_links_slower_and_shares_its_machines_cpu():
     with EmulatedCluster(2, "100mbit", dilation=4) as cluster:
         for ns, dev in ((cluster.namespace(1), "eth0"), (cluster.switch, "v1")):
             shaping = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
                                      capture_output=True, text=True).stdout
             assert "rate 25Mbit" in shaping
-        code = "import os; from ddlscale import clock; print(clock.dilation(), open('/proc/self/cgroup').read())"
+        code = ("import os; from ddlscale import clock; print(clock.dilation(), open('/proc/self/cgroup').read()); "
+                "x = sum(range(3_000_000))")
+        ledger = cluster.cpu_ledger()
+        ledger.start()
         shown = cluster.popen(1, [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
         out = shown.communicate(timeout=60)[0]
+        load = ledger.finish()
         assert out.startswith("4.0")
-        if cluster.cpu_caps is not None:
-            assert f"{cluster.name}-m1" in out and "cgroup" in cluster.cpu_cap()
-            groups = list(cluster.cpu_caps.groups)
+        if cluster.cpu_shares is not None:
+            assert f"{cluster.name}-m1" in out and "weight" in cluster.cpu_cap()
+            assert len(cluster.cpu_shares.reserve) == os.cpu_count()  # k = 4 leaves the host spare cores
+            groups = list(cluster.cpu_shares.groups)
+            reserve = [p.pid for p in cluster.cpu_shares.reserve]
+            if load["accounted"]:  # machine 1 computed, machine 0 did nothing
+                assert load["machines"][1]["cpu_s"] > 0.05 and load["machines"][0]["cpu_s"] < 0.05
         else:
             assert "not slowed" in cluster.cpu_cap()
-            groups = []
+            groups, reserve = [], []
     assert list_namespaces(cluster.name) == [] and not any(g.exists() for g in groups)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in reserve)
 
 
 @pytest.mark.slow  # ~35 s: a whole dilated training run

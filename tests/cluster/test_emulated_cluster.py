@@ -108,7 +108,11 @@ def test_train_on_emulated_cluster(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cluster"] == "emulated" and summary["world_size"] == 2 and summary["cluster_nodes"] == 2
-    assert summary["dilation"] == 1 and summary["cpu_cap"].startswith("not capped")  # today's emulation
+    assert summary["dilation"] == 1 and "by weight" in summary["cpu_cap"] and "reserve" not in summary["cpu_cap"]
+    load = summary["cpu_load"]  # what each machine received of its share, and what else ran on the host
+    assert len(load["machines"]) == 2 and summary["starved"] == load["starved"]
+    if load["accounted"]:
+        assert all(m["cpu_s"] > 0 for m in load["machines"])
     payload_bps = 1e9 * 1448 / 1514  # TCP payload per Ethernet frame
     assert summary["wire_time_per_step_s"] == pytest.approx(summary["bytes_sent_per_step"] * 8 / payload_bps)
     projected = summary["projected_step_time_s"]

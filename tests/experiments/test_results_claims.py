@@ -398,3 +398,12 @@ def test_judging_a_mutated_copy_fails(tmp_path, name):
     mutate(root)
     problems = c.all_problems(root)
     assert any(where in p for p in problems), f"{name} not caught: {problems}"
+
+
+def test_a_starved_run_stays_in_its_csv_but_no_check_counts_it(tmp_path):
+    from experiments import claims
+
+    path = tmp_path / "results.csv"
+    path.write_text("method,rep,step_s,starved\nzen,0,1.0,False\nzen,1,9.0,True\nzen,2,3.0,\n")
+    kept = claims.read_csv(path)
+    assert [r["rep"] for r in kept.rows] == ["0", "2"] and "9.0" in path.read_text()
