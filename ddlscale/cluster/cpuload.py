@@ -118,7 +118,7 @@ class CpuLedger:
         wall = max(now.wall - then.wall, 1e-9)
         share = self.ranks_per_machine / self.k
         machines = []
-        for used1, used0, waited1, waited0 in zip(now.used, then.used, now.waited, then.waited):
+        for used1, used0, waited1, waited0 in zip(now.used, then.used, now.waited, then.waited, strict=True):
             used, waited = used1 - used0, waited1 - waited0
             wanted = used + waited
             received = used / wanted / share if wanted > 0 else None
