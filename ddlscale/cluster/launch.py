@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from ddlscale.cluster import dilation, stop
+from ddlscale.cluster import dilation, stop, storage
 from ddlscale.cluster.context import Launch, Services, no_services
 from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
@@ -63,20 +63,28 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                             services: ServicesOf = no_services) -> dict[str, Any]:
     """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
 
-    ``cluster_cfg``: the ``cluster`` group (bandwidth, latency, dilation, port, max_restarts). Every
-    agent gets the same overrides, plus the machine count and this run's directory, so all ranks write
-    one run's outputs; the summary gains the cost model's view of the network.
+    ``cluster_cfg``: the ``cluster`` group (bandwidth, latency, dilation, port, max_restarts, storage).
+    Every agent gets the same overrides, plus the machine count and this run's directory, so all ranks
+    write one run's outputs; the summary gains the cost model's view of the network. With a storage
+    machine (``cluster.storage.bandwidth``), it serves before any agent starts and every agent gets its
+    endpoint and credentials in its environment (never in the summary or the logs).
     """
     nodes, devices, output_dir = launch.machines, launch.devices, launch.run_dir
     worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
     choice = dilation.choose(dilation.parse(cluster_cfg.get("dilation", 1)), nodes, devices,
                              parse_bandwidth(cluster_cfg.bandwidth), parse_time(cluster_cfg.latency))
+    storage_bandwidth, storage_root = storage.check_config(_plain(cluster_cfg.get("storage")))
     with EmulatedCluster(nodes, str(cluster_cfg.bandwidth), str(cluster_cfg.latency), dilation=choice.k,
-                         ranks_per_machine=devices) as cluster:
+                         ranks_per_machine=devices, storage_bandwidth=storage_bandwidth,
+                         storage_root=storage_root or output_dir / "storage") as cluster:
         cpu_cap = cluster.cpu_cap()
         print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
               f"{cluster_cfg.bandwidth} NICs, {choice.describe()}; CPU: {cpu_cap}; every time "
               f"reported is wall time / {choice.k:g}", flush=True)
+        if cluster.storage is not None:
+            print(f"storage machine: {storage_bandwidth} shared by all machines, WebDAV (nginx) serving "
+                  f"{cluster.storage.root}; the persistent tier's storage://", flush=True)
+        storage_env = cluster.storage_endpoint.env() if cluster.storage_endpoint is not None else {}
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
         threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // (nodes * devices)))}
         port = int(cluster_cfg.port)
@@ -86,7 +94,7 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                 if provided.rendezvous is None:
                     on_cluster.rendezvous_store()
                 agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port,
-                                           env={**threads, **provided.env.get(i, {})},
+                                           env={**threads, **storage_env, **provided.env.get(i, {})},
                                            max_restarts=int(cluster_cfg.get("max_restarts", 0)),
                                            etcd=provided.rendezvous, run_id=launch.job)
                           for i in range(nodes)]
@@ -108,6 +116,9 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
     summary["cluster_bandwidth_bps"] = cluster.bandwidth_bps
     summary.update(choice.summary())
     summary["cpu_cap"] = cpu_cap
+    if storage_bandwidth is not None:
+        summary["storage_bandwidth_bps"] = parse_bandwidth(storage_bandwidth)
+        summary["storage_root"] = str(cluster.storage.root)
     world = summary["world_size"]
     if summary.get("bytes_sent_per_step") and world > 1:
         # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
@@ -117,6 +128,13 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
             f"{n} workers {t * 1e3:.0f} ms" for n, t in summary["projected_step_time_s"].items()), flush=True)
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain values (what the checks take)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:

@@ -32,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from ddlscale.cluster import dilation
+from ddlscale.cluster import dilation, storage
 from ddlscale.cluster.emulated import MAX_NODES
 from ddlscale.schema import Schema, boolean, choice, integer, is_int, quantity
 from ddlscale.units import parse_bandwidth, parse_time
@@ -97,6 +97,7 @@ class EmulatedClusterConfig(ClusterConfig):
     dilation: Any = "auto"
     port: int = 29400
     fallback: str = "loopback"
+    storage: Any = None  # {bandwidth, root}: the storage machine (ddlscale.cluster.storage); null bandwidth: none
 
     def check(self) -> None:
         super().check()
@@ -107,6 +108,7 @@ class EmulatedClusterConfig(ClusterConfig):
         quantity(self.key("latency"), self.latency, parse_time)
         quantity(self.key("dilation"), self.dilation, dilation.parse)
         choice(self.key("fallback"), self.fallback, FALLBACKS)
+        storage.check_config(self.storage, self.key("storage"))
 
 
 def derived(cls: type) -> type[Schema]:
