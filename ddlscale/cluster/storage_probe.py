@@ -19,12 +19,14 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION, EmulatedCluster
 from ddlscale.cluster.storage_client import PutStream, StorageEndpoint
 from ddlscale.units import parse_bandwidth
 
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the writers import this same ddlscale
 START_LEAD_S = 2.0  # wall seconds between launching the writers and their common start
 
 
@@ -66,7 +68,8 @@ def probe(nodes: int, storage_bandwidth: str, bandwidth: str = "10gbit", dilatio
         start_at = time.time() + START_LEAD_S * dilation
         env = cluster.storage_endpoint.env()
         writers = [cluster.popen(i, [sys.executable, "-m", __name__, "--write", str(share), "--start-at", str(start_at),
-                                     "--object", f"probe/m{i}"], env=env, stdout=subprocess.PIPE, text=True)
+                                     "--object", f"probe/m{i}"], env=env, stdout=subprocess.PIPE, text=True,
+                                    cwd=PACKAGE_PARENT)
                    for i in range(nodes)]
         reports = []
         for i, writer in enumerate(writers):

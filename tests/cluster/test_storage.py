@@ -42,6 +42,7 @@ def test_storage_machine_is_shaped_at_bandwidth_over_k_and_goes_with_the_cluster
         assert "rate 50Mbit" in _qdisc(st.namespace, "eth0") and "rate 50Mbit" in _qdisc(cluster.switch, "vst")
         assert "rate 500Mbit" in _qdisc(cluster.namespace(0), "eth0")  # the machines keep their own NICs
         assert st.server.poll() is None and (st.config_dir / "htpasswd").exists()
+        assert list(_pids_with(str(st.config_dir)))  # the server, found by its config
         assert cluster.storage_endpoint.password not in (st.config_dir / "htpasswd").read_text()
         assert "password=<hidden>" in repr(cluster.storage_endpoint)
         cluster.set_dilation(4)
@@ -49,6 +50,17 @@ def test_storage_machine_is_shaped_at_bandwidth_over_k_and_goes_with_the_cluster
         server, config = st.server, st.config_dir
     assert list_namespaces(cluster.name) == []
     assert server.poll() is not None and not config.exists()
+    assert not [pid for pid in _pids_with(str(config))], "a storage server process outlived its cluster"
+
+
+def _pids_with(text):
+    """Processes whose command line mentions ``text`` (nginx's master and worker name their config)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                yield int(entry.name)
+        except OSError:
+            continue
 
 
 _CREDENTIALS = """
@@ -67,16 +79,30 @@ for label, endpoint in (("wrong", StorageEndpoint(good.url, good.user, "not-" + 
         outcome[label] = "ok"
     except PermissionError as exc:
         outcome[label] = "refused: " + str(exc)
+fs = good.filesystem()
+stream = PutStream(fs, "half")  # an object is seen whole or not at all: never while it is being sent
+stream.write(b"y" * 3_000_000)
+outcome["seen_mid_put"] = fs.exists("half")
+stream.close()
+outcome["seen_after"] = fs.exists("half") and fs.cat_file("half") == b"y" * 3_000_000
+try:
+    with PutStream(fs, "aborted") as stream:
+        stream.write(b"z" * 3_000_000)
+        raise RuntimeError("the writer failed")
+except RuntimeError:
+    pass
+outcome["aborted_kept"] = fs.exists("aborted")
 print(json.dumps(outcome))
 """
 
 
 @pytest.mark.multiprocess
 @needs_storage
-def test_wrong_or_missing_credentials_are_refused(tmp_path):
+def test_wrong_credentials_are_refused_and_objects_appear_whole_or_not_at_all(tmp_path):
     with EmulatedCluster(1, "1gbit", storage_bandwidth="1gbit", storage_root=tmp_path) as cluster:
         outcome = _on_machine(cluster, _CREDENTIALS)
         assert outcome["right"] == "ok" and (tmp_path / "right").read_bytes() == b"x" * 100000
+        assert not outcome["seen_mid_put"] and outcome["seen_after"] and not outcome["aborted_kept"]
         for label in ("wrong", "none"):
             assert outcome[label].startswith("refused") and "401" in outcome[label]
             assert not (tmp_path / label).exists()
@@ -86,25 +112,12 @@ def test_wrong_or_missing_credentials_are_refused(tmp_path):
 
 
 _TRAIN = """
-import json, warnings
+import json, sys
+sys.path[:0] = ["tests", "tests/ckpt/disk"]
 import pytorch_lightning as pl, torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from test_ckpt_dcp import Regression  # the tier's own restore tests' model
 from ddlscale.ckpt import DiskCheckpointer, load_version
 from ddlscale.ckpt.version.manifest import list_manifests
-
-class Regression(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return ((self.net(x) - y) ** 2).mean()
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
-    def train_dataloader(self):
-        g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(24, 8, generator=g), torch.randn(24, 1, generator=g)), batch_size=8)
 
 pl.seed_everything(3, verbose=False)
 model = Regression()
