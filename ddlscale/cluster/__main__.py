@@ -5,6 +5,7 @@
     python -m ddlscale.cluster down --name ddl1a2b3c
     python -m ddlscale.cluster down --all     # every cluster whose owning process is gone
     python -m ddlscale.cluster dilation --nodes 8 --bandwidth 1gbit --fresh   # probe cluster.dilation=auto's k
+    python -m ddlscale.cluster storage-probe --nodes 8 --storage-bandwidth 2gbit --dilation 4  # the storage link's write rate
 A cluster made with `up` stays until `down --name`; train.py's `cluster=emulated` makes and removes
 its own. `down --all` never touches a cluster whose owner still runs (someone else's run on this
 host), one kept by `up`, nor namespaces that recorded no owner: remove those by name.
@@ -16,7 +17,7 @@ import argparse
 import subprocess
 import sys
 
-from ddlscale.cluster import dilation
+from ddlscale.cluster import dilation, storage
 from ddlscale.cluster.cpucap import find_controller, remove_groups
 from ddlscale.cluster.emulated import (
     PREFIX,
@@ -67,6 +68,7 @@ def _down_all() -> None:
         if removable:
             remove_namespaces(list_namespaces(name if name.startswith(PROBE) else f"{name}-"))
             remove_groups(find_controller(), name)
+            storage.forget_config(name)
             forget_owner(name)
             removed += 1
         print(f"{name}: {'removed' if removable else 'left up'} ({owner})")
@@ -100,6 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--bandwidth", default="1gbit")
     probe.add_argument("--latency", default="0ms")
     probe.add_argument("--fresh", action="store_true", help="probe again instead of reading the cache")
+    writes = sub.add_parser("storage-probe", help="every machine writes to the storage machine at once: the rate")
+    writes.add_argument("--nodes", type=int, required=True)
+    writes.add_argument("--storage-bandwidth", required=True, help="the storage machine's NIC, e.g. 2gbit")
+    writes.add_argument("--bandwidth", default="10gbit", help="each machine's NIC (default: faster than its share)")
+    writes.add_argument("--dilation", type=float, default=1.0, help="time dilation k (a number >= 1)")
+    writes.add_argument("--seconds", type=float, default=4.0, help="the storage link's seconds of traffic written")
+    writes.add_argument("--reps", type=int, default=1)
     args = parser.parse_args(argv)
 
     if args.command == "up":
@@ -111,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         choice = dilation.choose(dilation.AUTO, args.nodes, args.ranks, parse_bandwidth(args.bandwidth),
                                  parse_time(args.latency), fresh=args.fresh)
         print(choice.describe())
+        return 0
+    if args.command == "storage-probe":
+        from ddlscale.cluster.storage_probe import probe as storage_probe
+
+        for _ in range(args.reps):
+            print(storage_probe(args.nodes, args.storage_bandwidth, args.bandwidth, args.dilation, args.seconds).describe(),
+                  flush=True)
         return 0
     clusters = _clusters()
     if args.command == "list":
@@ -126,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         names = list_namespaces(f"{args.name}-")
         remove_namespaces(names)
         remove_groups(find_controller(), args.name)
+        storage.forget_config(args.name)
         forget_owner(args.name)
         print(f"removed {len(names)} namespaces")
         return 0

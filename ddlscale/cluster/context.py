@@ -50,6 +50,7 @@ class Launch:
         cluster: the :class:`~ddlscale.cluster.emulated.EmulatedCluster`, once it is up.
         rendezvous_store: on the emulated cluster, starts the launcher's TCPStore on machine 0 (on its
             first call) and returns its address; torchrun's rendezvous, and a tier's keys if it likes.
+        storage: the emulated cluster has a storage machine (``cluster.storage.bandwidth`` set).
     """
 
     mode: str
@@ -59,6 +60,7 @@ class Launch:
     run_dir: Path | None = None
     cluster: Any = None
     rendezvous_store: Callable[[], str] | None = None
+    storage: bool = False
 
     @property
     def is_worker(self) -> bool:

@@ -37,6 +37,7 @@ from ddlscale.clock import parse_factor
 from ddlscale.cluster.cpucap import CpuShares, find_controller
 from ddlscale.cluster.cpuload import CpuLedger
 from ddlscale.cluster.stop import start_time
+from ddlscale.cluster.storage import StorageMachine
 from ddlscale.comm.network import NetworkModel
 from ddlscale.units import parse_bandwidth, parse_time
 
@@ -198,11 +199,14 @@ class EmulatedCluster:
 
     Use as a context manager (``with EmulatedCluster(4, "1gbit") as cluster: ...``) or call
     :meth:`up` / :meth:`down`. ``keep=True`` leaves it up when the owner exits (the CLI's ``up``).
+
+    ``storage_bandwidth`` adds a storage machine (:mod:`ddlscale.cluster.storage`): a WebDAV server
+    over the host directory ``storage_root``, behind one link of that bandwidth shared by every machine.
     """
 
     def __init__(self, nodes: int, bandwidth: str = "1gbit", latency: str = "0ms", name: str | None = None,
                  keep: bool = False, dilation: float = 1.0, ranks_per_machine: int = 1, cap_cpus: bool = True,
-                 cpu: str = "shares"):
+                 cpu: str = "shares", storage_bandwidth: str | None = None, storage_root: str | Path | None = None):
         if not isinstance(nodes, int) or nodes < 1 or nodes > MAX_NODES:
             raise ValueError(f"cluster.nodes must be an integer in [1, {MAX_NODES}], got {nodes!r}")
         self.nodes = nodes
@@ -218,6 +222,9 @@ class EmulatedCluster:
         self.cap_cpus, self.cpu_mode = cap_cpus, cpu
         self.cpu_shares: CpuShares | None = None
         self.cpu_cap_missing: str | None = None  # why the machines run without their CPU shares, if they do
+        # -- storage machine (ddlscale.cluster.storage) --
+        self.storage = None if storage_bandwidth is None else StorageMachine(self, storage_bandwidth, storage_root)
+        self.storage_endpoint = None  # set once it serves: what the workers get
 
     # -- names and addresses ---------------------------------------------------------------
     @property
@@ -232,7 +239,8 @@ class EmulatedCluster:
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.namespace(i) for i in range(self.nodes)] + [self.switch]
+        storage = [self.storage.namespace] if self.storage is not None else []  # storage machine
+        return [self.namespace(i) for i in range(self.nodes)] + storage + [self.switch]
 
     def network_model(self, gpus_per_machine: int = 1) -> NetworkModel:
         """The cost model of this cluster: payload bandwidth of its NICs, its message latency. The
@@ -284,15 +292,19 @@ class EmulatedCluster:
             _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
             self._shape(ns, "eth0")  # the machine's upload
             self._shape(sw, port)  # its download: the switch port's egress toward it
+        if self.storage is not None:  # storage machine: one more namespace on the bridge, and its server
+            self.storage_endpoint = self.storage.build()
 
-    def _shape(self, ns: str, dev: str, verb: str = "add") -> None:
-        """Shape one direction of a link to the dilated rate and delay (``verb`` "replace": re-shape)."""
-        rate = f"{int(self.bandwidth_bps / self.dilation)}bit"
+    def _shape(self, ns: str, dev: str, verb: str = "add", bandwidth_bps: float | None = None) -> None:
+        """Shape one direction of a link to the dilated rate and delay (``verb`` "replace": re-shape;
+        ``bandwidth_bps``: a link of another bandwidth than the machines', the storage machine's)."""
+        bandwidth_bps = self.bandwidth_bps if bandwidth_bps is None else bandwidth_bps
+        rate = f"{int(bandwidth_bps / self.dilation)}bit"
         # A burst of ~1 ms of the NIC's traffic (at least 64 KiB) keeps tbf accurate without starving
         # TCP; its queue holds 100 ms. Both in bytes, the same at every k (in emulated time: 1 ms and
         # 100 ms): a burst sized to the dilated rate would split the 64 KiB segments TCP hands down
         # and wake the receiver per packet, which costs the capped machine CPU the real NIC's would not.
-        burst = max(int(self.bandwidth_bps / 8 / 1000), 64 * 1024)
+        burst = max(int(bandwidth_bps / 8 / 1000), 64 * 1024)
         tbf = ["tbf", "rate", rate, "burst", str(burst), "latency", f"{100 * self.dilation:.0f}ms"]
         if self.latency_s > 0:  # a message crosses two links: its sender's upload, its receiver's download
             delay = f"{self.latency_s / 2 * self.dilation * 1e6:.0f}us"
@@ -321,6 +333,8 @@ class EmulatedCluster:
         for i in range(self.nodes):
             self._shape(self.namespace(i), "eth0", "replace")
             self._shape(self.switch, f"v{i}", "replace")
+        if self.storage is not None:  # storage machine
+            self.storage.shape("replace")
         if self.cpu_shares is not None:
             self.cpu_shares.set_dilation(self.dilation)
 
@@ -343,6 +357,9 @@ class EmulatedCluster:
         if self.cpu_shares is not None:
             self.cpu_shares.remove()
             self.cpu_shares = None
+        if self.storage is not None:  # storage machine: its server went with its namespace
+            self.storage.forget()
+            self.storage_endpoint = None
         forget_owner(self.name)
         self.is_up = False
 

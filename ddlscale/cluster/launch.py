@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
-from ddlscale.cluster import cpuload, dilation, stop
+from ddlscale.cluster import cpuload, dilation, stop, storage
 from ddlscale.cluster.context import Launch, Services, no_services
 from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, netem_available, resolve_latency
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
@@ -63,21 +63,30 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                             services: ServicesOf = no_services) -> dict[str, Any]:
     """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
 
-    ``cluster_cfg``: the ``cluster`` group (bandwidth, latency, dilation, port, max_restarts). Every
-    agent gets the same overrides, plus the machine count and this run's directory, so all ranks write
-    one run's outputs; the summary gains the cost model's view of the network.
+    ``cluster_cfg``: the ``cluster`` group (bandwidth, latency, dilation, port, max_restarts, storage).
+    Every agent gets the same overrides, plus the machine count and this run's directory, so all ranks
+    write one run's outputs; the summary gains the cost model's view of the network. With a storage
+    machine (``cluster.storage.bandwidth``), it serves before any agent starts and every agent gets its
+    endpoint and credentials in its environment (never in the summary or the logs).
     """
     nodes, devices, output_dir = launch.machines, launch.devices, launch.run_dir
     worker_args = [*overrides, f"trainer.num_nodes={nodes}", f"hydra.run.dir={output_dir}"]
     latency_s = resolve_latency(cluster_cfg.get("latency", "0ms"))
     choice = dilation.choose(dilation.parse(cluster_cfg.get("dilation", 1)), nodes, devices,
                              parse_bandwidth(cluster_cfg.bandwidth), latency_s)
+    storage_bandwidth, storage_root = storage.check_config(_plain(cluster_cfg.get("storage")))
     with EmulatedCluster(nodes, str(cluster_cfg.bandwidth), f"{latency_s}s", dilation=choice.k,
-                         ranks_per_machine=devices, cpu=str(cluster_cfg.get("cpu", "shares"))) as cluster:
+                         ranks_per_machine=devices, cpu=str(cluster_cfg.get("cpu", "shares")),
+                         storage_bandwidth=storage_bandwidth,
+                         storage_root=storage_root or output_dir / "storage") as cluster:
         cpu_cap = cluster.cpu_cap()
         print(f"emulated cluster {cluster.name}: {nodes} machines x {devices} workers, "
               f"{cluster_cfg.bandwidth} NICs, {describe_latency(latency_s)}, {choice.describe()}; CPU: {cpu_cap}; "
               f"every time reported is wall time / {choice.k:g}", flush=True)
+        if cluster.storage is not None:
+            print(f"storage machine: {storage_bandwidth} shared by all machines, WebDAV (nginx) serving "
+                  f"{cluster.storage.root}; the persistent tier's storage://", flush=True)
+        storage_env = cluster.storage_endpoint.env() if cluster.storage_endpoint is not None else {}
         ledger = cluster.cpu_ledger()
         ledger.start()
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.
@@ -89,7 +98,7 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
                 if provided.rendezvous is None:
                     on_cluster.rendezvous_store()
                 agents = [cluster.torchrun(i, worker_args, nproc_per_node=devices, port=port,
-                                           env={**threads, **provided.env.get(i, {})},
+                                           env={**threads, **storage_env, **provided.env.get(i, {})},
                                            max_restarts=int(cluster_cfg.get("max_restarts", 0)),
                                            etcd=provided.rendezvous, run_id=launch.job)
                           for i in range(nodes)]
@@ -116,6 +125,9 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
     summary["cpu_load"] = cpu_load
     summary["starved"] = cpu_load["starved"]
     print(cpuload.describe(cpu_load), flush=True)
+    if storage_bandwidth is not None:
+        summary["storage_bandwidth_bps"] = parse_bandwidth(storage_bandwidth)
+        summary["storage_root"] = str(cluster.storage.root)
     world = summary["world_size"]
     if summary.get("bytes_sent_per_step") and world > 1:
         # A ring laid out machine by machine crosses each NIC once: one rank's volume per NIC.
@@ -132,6 +144,13 @@ def describe_latency(latency_s: float) -> str:
         return f"{latency_s * 1e6:g} us one-way delay"
     why = "" if netem_available() else " (this kernel has no netem: the links' own, measured per run)"
     return f"no added delay{why}"
+
+
+def _plain(node: Any) -> Any:
+    """A config node as plain values (what the checks take)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def project_step_time(summary: dict[str, Any], network: NetworkModel) -> dict[str, float]:

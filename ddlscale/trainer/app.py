@@ -69,8 +69,9 @@ def launch_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Launch
     # Read as configured, checked by check_config: a bad value is reported there, naming its key.
     machines = OmegaConf.select(cfg, "cluster.nodes", default=1) if kind == "emulated" else (
         OmegaConf.select(cfg, "trainer.num_nodes"))
+    storage = kind == "emulated" and OmegaConf.select(cfg, "cluster.storage.bandwidth", default=None) is not None
     return Launch(mode, kind, machines, OmegaConf.select(cfg, "trainer.devices"),
-                  Path(run_dir) if run_dir is not None else None)
+                  Path(run_dir) if run_dir is not None else None, storage=storage)
 
 
 def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:

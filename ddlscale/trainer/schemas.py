@@ -32,7 +32,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from ddlscale.cluster import dilation
+from ddlscale.cluster import dilation, storage
 from ddlscale.cluster.cpucap import MODES as CPU_MODES
 from ddlscale.cluster.emulated import AUTO_LATENCY, MAX_NODES
 from ddlscale.schema import Schema, boolean, choice, integer, is_int, quantity
@@ -99,6 +99,7 @@ class EmulatedClusterConfig(ClusterConfig):
     cpu: str = "shares"
     port: int = 29400
     fallback: str = "loopback"
+    storage: Any = None  # {bandwidth, root}: the storage machine (ddlscale.cluster.storage); null bandwidth: none
 
     def check(self) -> None:
         super().check()
@@ -111,6 +112,7 @@ class EmulatedClusterConfig(ClusterConfig):
         quantity(self.key("dilation"), self.dilation, dilation.parse)
         choice(self.key("cpu"), self.cpu, CPU_MODES)
         choice(self.key("fallback"), self.fallback, FALLBACKS)
+        storage.check_config(self.storage, self.key("storage"))
 
 
 def derived(cls: type) -> type[Schema]:

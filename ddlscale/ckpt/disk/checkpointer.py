@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import uuid
 import warnings
 from pathlib import Path
@@ -45,11 +44,14 @@ from ddlscale.ckpt.version.manifest import (
     SUFFIX,
     Manifest,
     ManifestError,
-    list_manifests,
+    manifest_names,
     read_manifest,
     step_of,
     verify,
 )
+from ddlscale.ckpt.version.store import SCHEME, Store, locate, open_store
+from ddlscale.cluster.context import Launch
+from ddlscale.cluster.storage_client import StorageEndpoint
 
 DEFAULT_SUBDIR = "checkpoints"
 # A DCP collective waiting longer than this for a peer fails the save instead of holding the process
@@ -60,24 +62,26 @@ DCP_TIMEOUT_S = 300
 STALL_NOTE_S = 5.0
 
 
-def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> Path | None:
-    """The newest manifest in ``directory`` whose version verifies, or None.
+def find_resumable(directory: Path | Store, world_size: int, set_aside: bool = True) -> Path | str | None:
+    """The newest manifest in ``directory`` whose version verifies (its path, or ``storage://`` name), or None.
 
     Versions that fail (unreadable manifest, missing or corrupt file) are warned about by file name
     and, with ``set_aside``, their manifests renamed so no later run considers them again. A version
     of another world size than ``world_size`` counts (it is resharded on loading), said once.
     """
-    for path in list_manifests(directory):
+    store = open_store(directory)
+    for name in manifest_names(store):
+        path = store.locator(name)
         try:
             manifest = read_manifest(path)
-            verify(directory, manifest)
+            verify(store, manifest)
         except ManifestError as exc:
-            warnings.warn(f"ckpt: skipping checkpoint step {step_of(path)}: {exc}", stacklevel=2)
+            warnings.warn(f"ckpt: skipping checkpoint step {step_of(name)}: {exc}", stacklevel=2)
             if set_aside:
-                path.replace(path.with_name(path.name + REJECTED_SUFFIX))
+                store.rename(name, name + REJECTED_SUFFIX)
             continue
         if manifest.world_size != world_size and os.environ.get("RANK", "0") == "0":
-            print(f"ckpt: {path.name} was saved by {manifest.world_size} workers; resuming on {world_size} "
+            print(f"ckpt: {name} was saved by {manifest.world_size} workers; resuming on {world_size} "
                   "(parameters and optimizer state as saved, data from the same global sample, sync state merged)",
                   flush=True)
         return path
@@ -85,13 +89,17 @@ def find_resumable(directory: Path, world_size: int, set_aside: bool = True) -> 
 
 
 class DiskCheckpointer(Checkpointer):
-    """Atomic, checksummed, sharded checkpoints to a directory (local disk or a mounted store).
+    """Atomic, checksummed, sharded checkpoints to a directory: of this machine, or on the emulated
+    cluster's storage machine (:mod:`ddlscale.cluster.storage`), written there over the network.
 
     Args:
         every: optimizer steps between checkpoints, or ``"highfreq"`` (K = ceil(t_ckpt / T_iter)).
-        dir: checkpoint directory; None means ``<run dir>/checkpoints``.
+        dir: checkpoint directory: a path, or ``storage://<path>`` on the storage machine. None means
+            ``<run dir>/checkpoints``, or ``storage://checkpoints`` where a storage machine serves the
+            run (``cluster=emulated cluster.storage.bandwidth=<rate>``).
         keep: complete versions to keep (older ones are deleted after each commit).
-        bandwidth: write rate per rank to emulate remote storage, e.g. ``"200mbit"``; None: full speed.
+        bandwidth: write rate per rank to emulate remote storage on a local directory, e.g. ``"200mbit"``;
+            None: full speed. Refused with the storage machine, whose own link sets the rate.
         async_save: write with DCP's ``async_save`` off the training thread (True), or with ``dcp.save``
             on it (False).
         resume: None (fresh; refused if ``dir`` already holds checkpoints), ``"auto"`` (newest verified
@@ -111,10 +119,15 @@ class DiskCheckpointer(Checkpointer):
         self.keep = keep
         self.async_save = async_save
         self.bandwidth_bps = write_rate(bandwidth)
-        if dir is None and run_dir is None:
-            self.dir: Path | None = None  # only validating a config: no run yet
+        self.dir: Path | str | None
+        if dir is not None:
+            self.dir = dir if str(dir).startswith(SCHEME) else Path(dir)
+        elif StorageEndpoint.from_env() is not None:  # a worker the launcher handed a storage machine
+            self.dir = SCHEME + DEFAULT_SUBDIR
         else:
-            self.dir = Path(dir) if dir is not None else Path(run_dir) / DEFAULT_SUBDIR
+            self.dir = Path(run_dir) / DEFAULT_SUBDIR if run_dir is not None else None  # None: no run yet
+        self._store: Store | None = None
+        self._dir_given = dir
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.bytes_written: list[int] = []  # rank 0: each committed version's bytes
@@ -128,10 +141,10 @@ class DiskCheckpointer(Checkpointer):
     def resume_path(self, world_size: int) -> str | None:
         directory = self._directory()
         if self.resume is None:
-            existing = list_manifests(directory)
+            existing = manifest_names(directory)
             if existing:
                 raise ValueError(
-                    f"ckpt.dir {directory} already holds checkpoints (newest: {existing[0].name}); set "
+                    f"ckpt.dir {directory} already holds checkpoints (newest: {existing[0]}); set "
                     "ckpt.resume=auto to continue from them, or choose another ckpt.dir or run directory"
                 )
             return None
@@ -141,32 +154,52 @@ class DiskCheckpointer(Checkpointer):
             if found is None:
                 print(f"ckpt: no complete checkpoint in {directory}; starting from scratch", flush=True)
             return str(found) if found is not None else None
-        return str(self._check_explicit(Path(self.resume), world_size))
+        return str(self._check_explicit(self.resume, world_size))
 
-    def _check_explicit(self, path: Path, world_size: int) -> Path:
+    def _check_explicit(self, path: str, world_size: int) -> Path | str:
         try:
-            manifest = read_manifest(path)
-            verify(path.parent, manifest)
+            store, name = locate(path)
+        except ValueError as exc:
+            raise ValueError(f"ckpt.resume: {exc}") from None
+        try:
+            manifest = read_manifest(store.locator(name))
+            verify(store, manifest)
         except ManifestError as exc:
             raise ValueError(f"ckpt.resume: {exc}") from None
-        if path.parent.resolve() == self._directory().resolve():
-            newer = [p for p in list_manifests(path.parent) if (step_of(p) or 0) > manifest.step]
+        if store.same(self._directory()):
+            newer = [n for n in manifest_names(store) if (step_of(n) or 0) > manifest.step]
             if newer:
                 raise ValueError(
-                    f"ckpt.resume: {path.name} is older than {newer[0].name} in the same ckpt.dir; continuing "
+                    f"ckpt.resume: {name} is older than {newer[0]} in the same ckpt.dir; continuing "
                     "from it would overwrite that history: set ckpt.dir to another directory"
                 )
-        return path
+        return store.locator(name)
 
-    def _directory(self) -> Path:
-        if self.dir is None:
-            raise ValueError("ckpt.dir: no directory (set ckpt.dir, or pass run_dir)")
-        return self.dir
+    def _directory(self) -> Store:
+        """The checkpoint directory's store (opened once: on the storage machine, a client)."""
+        if self._store is None:
+            if self.dir is None:
+                raise ValueError("ckpt.dir: no directory (set ckpt.dir, or pass run_dir)")
+            self._store = open_store(self.dir)
+            if self._store.remote and self.bandwidth_bps:
+                raise ValueError(f"ckpt.bandwidth paces writes to a local directory; ckpt.dir={self.dir} is written "
+                                 "over the storage machine's own link (cluster.storage.bandwidth): set ckpt.bandwidth=null")
+        return self._store
+
+    def validate_launch(self, launch: Launch) -> None:
+        """``storage://`` needs the emulated cluster's storage machine; its link, not ckpt.bandwidth, paces it."""
+        remote = str(self._dir_given).startswith(SCHEME) if self._dir_given is not None else launch.storage
+        if remote and not launch.storage:
+            raise ValueError(f"ckpt.dir={self._dir_given}: a directory on the emulated cluster's storage machine, "
+                             "which this launch has none of (cluster=emulated cluster.storage.bandwidth=<rate>)")
+        if remote and self.bandwidth_bps:
+            raise ValueError("ckpt.bandwidth paces writes to a local directory; the storage machine's own link "
+                             "(cluster.storage.bandwidth) paces the persistent tier there: set ckpt.bandwidth=null")
 
     # -- in the workers ------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        self._directory().mkdir(parents=True, exist_ok=True)
+        self._directory().make()
         # One token per run, the same on every rank: this run's version directories never collide with
         # ones an existing manifest names.
         self._token = trainer.strategy.broadcast(uuid.uuid4().hex[:8], src=0)
@@ -236,7 +269,7 @@ class DiskCheckpointer(Checkpointer):
         if not path.endswith(SUFFIX):
             return None
         start = clock.now()
-        loaded = load_version(Path(path), self._rank, self.bandwidth_bps, self._world_size)
+        loaded = load_version(path, self._rank, self.bandwidth_bps, self._world_size)
         self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
         return loaded
 
@@ -244,28 +277,25 @@ class DiskCheckpointer(Checkpointer):
         """Keep the newest ``keep`` versions; delete older ones and files no manifest names, except this
         run's version past the newest manifest: another rank may already be writing it (rank 0 prunes
         after committing step N, when a rank that finished its part of N can be saving the next)."""
-        directory = self._directory()
-        manifests = list_manifests(directory)
+        store = self._directory()
+        manifests = manifest_names(store)
         newest = step_of(manifests[0]) if manifests else -1
         in_flight = re.compile(rf"step_(\d{{9}})\.{re.escape(self._token)}\b") if self._token else None
         for old in manifests[self.keep:]:
-            old.unlink(missing_ok=True)  # the version ceases to exist before its files go
+            store.remove(old)  # the version ceases to exist before its files go
         named: set[str] = set()
-        for path in manifests[: self.keep]:
+        for name in manifests[: self.keep]:
             try:
-                named.update(r.file.split("/")[0] for r in read_manifest(path).shards)
+                named.update(r.file.split("/")[0] for r in read_manifest(store.locator(name)).shards)
             except ManifestError:
                 continue
-        for entry in directory.iterdir():
-            ours = entry.name.startswith("step_") or entry.name.startswith(".step_")
-            if not ours or entry.name.endswith(REJECTED_SUFFIX) or step_of(entry) is not None or entry.name in named:
+        for entry in store.names():
+            ours = entry.startswith("step_") or entry.startswith(".step_")
+            if not ours or entry.endswith(REJECTED_SUFFIX) or step_of(entry) is not None or entry in named:
                 continue
-            if in_flight and (match := in_flight.match(entry.name.lstrip("."))) and int(match.group(1)) > newest:
+            if in_flight and (match := in_flight.match(entry.lstrip("."))) and int(match.group(1)) > newest:
                 continue
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+            store.remove(entry)
 
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         written = sorted(t["written_s"] for t in self.write_timings if "written_s" in t)

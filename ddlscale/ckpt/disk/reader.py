@@ -24,6 +24,7 @@ from typing import Any
 from ddlscale.ckpt.disk.layout import SKELETON_FORMAT, skeleton_item
 from ddlscale.ckpt.state.snapshot import rebuild_skeleton
 from ddlscale.ckpt.version.manifest import Manifest, ManifestError, read_shard
+from ddlscale.ckpt.version.store import Store, open_store
 
 
 def _storage_bytes(blob: bytes, where: str) -> bytearray:
@@ -49,10 +50,10 @@ def _storage_bytes(blob: bytes, where: str) -> bytearray:
 class DcpVersion:
     """A committed DCP version, read rank by rank; every file's hash is checked before it is parsed."""
 
-    def __init__(self, directory: Path, manifest: Manifest) -> None:
+    def __init__(self, directory: Path | Store, manifest: Manifest) -> None:
         if manifest.layout != "dcp":
             raise ValueError("not a DCP version")
-        self.directory = Path(directory)
+        self.store = open_store(directory)
         self.manifest = manifest
         self._files: dict[str, bytes] = {}
         self.bytes_read = 0
@@ -62,7 +63,7 @@ class DcpVersion:
             record = next((r for r in self.manifest.shards if r.file.rpartition("/")[2] == name), None)
             if record is None:
                 raise ManifestError(f"step {self.manifest.step}: the index names {name!r}, which no shard record covers")
-            self._files[name] = read_shard(self.directory, record)  # size and sha256 checked
+            self._files[name] = read_shard(self.store, record)  # size and sha256 checked
             self.bytes_read += record.bytes
         return self._files[name]
 

@@ -31,9 +31,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from ddlscale import clock
 from ddlscale.ckpt.disk.layout import DATA_FILE, METADATA_FILE, state_items
 from ddlscale.ckpt.state.data import DataPosition
-from ddlscale.ckpt.version.checksum import Checksum
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, write_manifest
-from ddlscale.ckpt.version.storage import fsync_dir
+from ddlscale.ckpt.version.store import Store, open_store
 from ddlscale.comm.groups import weak_group
 
 
@@ -135,6 +134,14 @@ def save_ranks(path: Path, ranks: int, items_of: Callable[[int], dict[str, torch
     return metadata
 
 
+def storage_writer(store: Store, version_dir: str, bandwidth_bps: float | None = None) -> Any:
+    """DCP's writer for one version in ``store``: :func:`file_system_writer` in a local directory, DCP's
+    ``FsspecWriter`` on the storage machine (:meth:`~ddlscale.ckpt.version.remote.RemoteStore.dcp_writer`)."""
+    if store.remote:
+        return store.dcp_writer(version_dir)
+    return file_system_writer(store.path / version_dir, bandwidth_bps)
+
+
 def _file_rank(name: str) -> int:
     match = DATA_FILE.fullmatch(name)
     if match is None:
@@ -142,10 +149,11 @@ def _file_rank(name: str) -> int:
     return int(match.group(1))
 
 
-def commit(directory: Path, version_dir: str, step: int, world_size: int, position: DataPosition,
+def commit(directory: Path | Store, version_dir: str, step: int, world_size: int, position: DataPosition,
            metadata: Any) -> Manifest:
-    """Hash the version's files, check DCP's index against them, publish the manifest (rank 0)."""
-    root = directory / version_dir
+    """Hash the version's files (on the storage machine: take the hashes their writers left), check DCP's
+    index against them, publish the manifest (rank 0)."""
+    store = open_store(directory)
     index: dict[str, list[Any]] = {}
     for key, info in metadata.storage_data.items():
         if getattr(info, "transform_descriptors", None):
@@ -154,7 +162,7 @@ def commit(directory: Path, version_dir: str, step: int, world_size: int, positi
     sizes: dict[str, int] = {}
     records = []
     for name in sorted({entry[0] for entry in index.values()}):
-        record = _record(root, f"{version_dir}/{name}", _file_rank(name))
+        record = _record(store, f"{version_dir}/{name}", _file_rank(name))
         sizes[name] = record.bytes
         records.append(record)
     for item, (name, offset, length) in index.items():
@@ -162,13 +170,13 @@ def commit(directory: Path, version_dir: str, step: int, world_size: int, positi
             raise RuntimeError(f"DCP item {item} lies outside {name}")
     if sorted(r.rank for r in records) != list(range(world_size)):
         raise RuntimeError(f"DCP wrote files for ranks {[r.rank for r in records]}, expected one per rank")
-    meta = _record(root, f"{version_dir}/{METADATA_FILE}", -1)
-    fsync_dir(root)  # the files' names are on disk before the manifest names them
+    meta = _record(store, f"{version_dir}/{METADATA_FILE}", -1)
+    store.sync(version_dir)  # the files' names are on disk before the manifest names them
     manifest = Manifest(step=step, world_size=world_size, shards=tuple(records), epoch=position.epoch,
                         batch=position.batch, layout="dcp",
                         dcp={"metadata": {"file": meta.file, "bytes": meta.bytes, "checksum": meta.checksum},
                              "index": index})
-    write_manifest(directory, manifest)
+    write_manifest(store, manifest)
     return manifest
 
 
@@ -182,20 +190,17 @@ def write_version(directory: Path, version_dir: str, step: int, ranks: int,
     return commit(directory, version_dir, step, ranks, position, metadata)
 
 
-def _record(root: Path, file: str, rank: int) -> ShardRecord:
-    summer, size = Checksum("sha256"), 0
-    with open(root.parent / file, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            summer.update(chunk)
-            size += len(chunk)
-    return ShardRecord(rank, file, size, summer.text())
+def _record(store: Store, file: str, rank: int) -> ShardRecord:
+    size, checksum = store.digest(file)
+    return ShardRecord(rank, file, size, checksum)
 
 
 class DcpWriter:
     """Writes versions of one rank's state into ``directory`` with DCP; rank 0 commits them.
 
     Args:
-        directory: the checkpoint directory (versions are subdirectories, manifests beside them).
+        directory: the checkpoint directory (versions are subdirectories, manifests beside them): a path,
+            or a :class:`~ddlscale.ckpt.version.store.Store` (the storage machine's).
         rank, world_size: this process's place in the job.
         asynchronous: ``dcp.async_save`` with staging in the background (True), or ``dcp.save`` on the
             calling thread (False: the synchronous baseline).
@@ -205,9 +210,9 @@ class DcpWriter:
         on_commit: called on rank 0 with each committed manifest (in the committing thread).
     """
 
-    def __init__(self, directory: Path, rank: int, world_size: int, asynchronous: bool = True,
+    def __init__(self, directory: Path | Store, rank: int, world_size: int, asynchronous: bool = True,
                  bandwidth_bps: float | None = None, process_group: Any = None, on_commit: Any = None) -> None:
-        self.directory = Path(directory)
+        self.store = open_store(directory)
         self.rank, self.world_size = rank, world_size
         self.asynchronous = asynchronous
         self.bandwidth_bps = bandwidth_bps
@@ -236,8 +241,8 @@ class DcpWriter:
             return lambda _: timing.__setitem__(key, clock.now() - start)
         items = state_items(payload, self.rank, live)
         self.item_bytes.append(sum(t.numel() * t.element_size() for t in items.values()))
-        path = self.directory / version_dir
-        kwargs = {"storage_writer": file_system_writer(path, self.bandwidth_bps), "process_group": self._process_group(),
+        kwargs = {"storage_writer": storage_writer(self.store, version_dir, self.bandwidth_bps),
+                  "process_group": self._process_group(),
                   "no_dist": self.no_dist}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
@@ -265,7 +270,7 @@ class DcpWriter:
     def _commit(self, step: int, version_dir: str, position: DataPosition, metadata: Any) -> None:
         if self.rank != 0:
             return
-        manifest = commit(self.directory, version_dir, step, self.world_size, position, metadata)
+        manifest = commit(self.store, version_dir, step, self.world_size, position, metadata)
         if self.on_commit is not None:
             self.on_commit(manifest)
 

@@ -22,20 +22,21 @@ from ddlscale.ckpt.state.reshard import assemble_resharded
 from ddlscale.ckpt.state.shard import assemble, decode
 from ddlscale.ckpt.version.manifest import SUFFIX, read_manifest, read_shard
 from ddlscale.ckpt.version.storage import pace
+from ddlscale.ckpt.version.store import locate
 
 
-def load_version(manifest_path: Path, rank: int, bandwidth_bps: float | None = None,
+def load_version(manifest_path: Path | str, rank: int, bandwidth_bps: float | None = None,
                  world_size: int | None = None) -> dict[str, Any]:
-    """Rank ``rank``'s restorable checkpoint dict from the version ``manifest_path`` commits, read at
-    most at ``bandwidth_bps`` when given (emulated remote storage). ``world_size`` (default: the
-    version's) other than the version's resumes at that size (:mod:`~ddlscale.ckpt.state.reshard`)."""
+    """Rank ``rank``'s restorable checkpoint dict from the version ``manifest_path`` commits (a path, or a
+    ``storage://`` name on the storage machine), read at most at ``bandwidth_bps`` when given (emulated
+    remote storage on a local disk). ``world_size`` (default: the version's) other than the version's
+    resumes at that size (:mod:`~ddlscale.ckpt.state.reshard`)."""
     start = clock.now()
-    manifest_path = Path(manifest_path)
     manifest = read_manifest(manifest_path)
     world = manifest.world_size if world_size is None else world_size
     if not 0 <= rank < world:
         raise RuntimeError(f"{manifest_path}: rank {rank} is not one of {world} ranks")
-    directory = manifest_path.parent
+    directory, _ = locate(manifest_path)
     if manifest.layout == "dcp":
         version = DcpVersion(directory, manifest)
         payload_of, bytes_read = version.payload, lambda: version.bytes_read
@@ -45,7 +46,7 @@ def load_version(manifest_path: Path, rank: int, bandwidth_bps: float | None = N
         def payload_of(r: int) -> dict[str, Any]:
             record = manifest.shard(r)
             read.append(record.bytes)
-            return decode(read_shard(directory, record), where=str(directory / record.file))  # read_shard verified it
+            return decode(read_shard(directory, record), where=str(directory.locator(record.file)))  # verified
 
         def bytes_read() -> int:
             return sum(read)
@@ -80,7 +81,7 @@ class ManifestCheckpointIO(CheckpointIO):
         if self.loader is not None and (loaded := self.loader(str(path))) is not None:
             return loaded
         if str(path).endswith(SUFFIX):
-            return load_version(Path(path), self.rank, world_size=self.world_size)
+            return load_version(str(path), self.rank, world_size=self.world_size)
         kwargs = {} if map_location is None else {"map_location": map_location}
         return self.inner.load_checkpoint(path, weights_only=weights_only, **kwargs)
 

@@ -16,6 +16,9 @@ the old one.
 
 The same record (with ``tier`` and ``placement`` set) describes a version held in peers' memory.
 
+The directory is a :class:`~ddlscale.ckpt.version.store.Store`: a path of this machine (functions
+given a ``Path`` use it as one) or a directory on the emulated cluster's storage machine.
+
 ``layout`` says how a version's files hold the state: ``snapshot`` (one snapshot stream per rank, as
 above: versions written before the persistent tier and Gemini's drain moved to DCP, still read) or
 ``dcp`` (a torch.distributed.checkpoint directory, see :mod:`ddlscale.ckpt.disk.layout`): there ``shards`` are
@@ -33,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ddlscale.ckpt.version.checksum import matches
-from ddlscale.ckpt.version.storage import write_atomic
+from ddlscale.ckpt.version.store import Store, locate, open_store
 
 FORMAT = "ddlscale-ckpt-manifest/1"
 SUFFIX = ".manifest.json"
@@ -132,39 +135,46 @@ def manifest_name(step: int) -> str:
     return f"step_{step:09d}{SUFFIX}"
 
 
-def step_of(path: Path) -> int | None:
-    match = _NAME.fullmatch(path.name)  # never a temporary or set-aside file
+def step_of(path: Path | str) -> int | None:
+    name = path.name if isinstance(path, Path) else str(path).rpartition("/")[2]
+    match = _NAME.fullmatch(name)  # never a temporary or set-aside file
     return int(match.group(1)) if match else None
 
 
-def list_manifests(directory: Path) -> list[Path]:
-    """Manifest files in ``directory``, newest step first."""
-    if not directory.is_dir():
-        return []
-    found = [(step, p) for p in directory.iterdir() if (step := step_of(p)) is not None]
-    return [p for _, p in sorted(found, reverse=True)]
+def manifest_names(directory: Path | Store) -> list[str]:
+    """Names of the manifests in ``directory``, newest step first."""
+    found = [(step, name) for name in open_store(directory).names() if (step := step_of(name)) is not None]
+    return [name for _, name in sorted(found, reverse=True)]
 
 
-def read_manifest(path: Path) -> Manifest:
+def list_manifests(directory: Path | Store) -> list[Any]:
+    """Manifests in ``directory``, newest step first: paths (a store on the storage machine: ``storage://`` names)."""
+    store = open_store(directory)
+    return [store.locator(name) for name in manifest_names(store)]
+
+
+def read_manifest(path: Path | str) -> Manifest:
+    store, name = locate(path)
     try:
-        text = Path(path).read_text()
-    except OSError as exc:
+        text = store.read(name).decode()
+    except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: cannot read ({exc})") from exc
     return Manifest.from_json(text, where=str(path))
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> Path:
-    """Publish ``manifest`` atomically: from here on the version exists."""
-    path = Path(directory) / manifest.name
-    write_atomic(path, manifest.to_json().encode())
-    return path
+def write_manifest(directory: Path | Store, manifest: Manifest) -> Any:
+    """Publish ``manifest`` atomically: from here on the version exists. Its path (or ``storage://`` name)."""
+    store = open_store(directory)
+    store.publish(manifest.name, manifest.to_json().encode())
+    return store.locator(manifest.name)
 
 
-def read_shard(directory: Path, record: ShardRecord) -> bytes:
+def read_shard(directory: Path | Store, record: ShardRecord) -> bytes:
     """A shard's bytes, checked against its record; ManifestError naming the file otherwise."""
-    path = Path(directory) / record.file
+    store = open_store(directory)
+    path = store.locator(record.file)
     try:
-        data = path.read_bytes()
+        data = store.read(record.file)
     except OSError as exc:
         raise ManifestError(f"{path}: cannot read shard ({exc})") from exc
     if len(data) != record.bytes:
@@ -174,7 +184,7 @@ def read_shard(directory: Path, record: ShardRecord) -> bytes:
     return data
 
 
-def verify(directory: Path, manifest: Manifest) -> None:
+def verify(directory: Path | Store, manifest: Manifest) -> None:
     """Read and hash every file of ``manifest``; raise ManifestError naming the first bad file."""
     for record in manifest.files:
         read_shard(directory, record)
