@@ -49,7 +49,10 @@ PROBE_REPS = 5
 MAX_BLOCK_BYTES = 16 << 20
 PROBE_PORT = 29519
 CACHE_ENV = "DDLSCALE_CACHE_DIR"
-PROBE_VERSION = 2  # the probe and the shaping it measures: a cached answer of another version is not used
+PROBE_VERSION = 3  # the probe and the shaping it measures: a cached answer of another version is not used
+ROUND_BYTES = 64  # a small message: its serialization is nothing beside its round
+ROUNDS = 200  # rounds timed per pattern
+ROUND_SLACK, ROUND_SLACK_S = 0.25, 50e-6  # a round within the link's delay plus max(25%, 50 us) of it
 
 
 def parse(value: object, key: str = "cluster.dilation") -> float | str:
@@ -83,11 +86,13 @@ class Choice:
         if self.how != AUTO:
             return f"time dilation k={k} (configured)"
         tried = ", ".join(f"{p['ratio']:.2f}x at k={p['k']:g}" for p in self.probes)
+        rounds = ", ".join(f"{p['round_us']:.0f} us at k={p['k']:g}" for p in self.probes if "round_us" in p)
         gloo = next((p.get("gloo_ratio") for p in self.probes if p["k"] == self.k), None)
         library = f"; gloo's all_to_all of the same blocks {gloo:.2f}x at k={k}" if gloo else ""
         source = f"; cached {self.cached}" if self.cached else ""
         return (f"time dilation k={k} (auto: the CPU share needs k >= {self.cpu_share:g}; every rank sending to every "
-                f"other at once over sockets took {tried} its wire time; k={k}: {self.why}{library}{source})")
+                f"other at once over sockets took {tried} its wire time; a round of small messages {rounds}; "
+                f"k={k}: {self.why}{library}{source})")
 
     def summary(self) -> dict[str, Any]:
         return {"dilation": self.k, "dilation_choice": asdict(self)}
@@ -157,33 +162,47 @@ def dilated_here(k: float, ranks: int) -> Iterator[str]:
 
 
 # -- the search -------------------------------------------------------------------------------------
-def search(probe: Any, start: float) -> tuple[float, list[dict[str, float]], str]:
-    """The smallest k from ``start`` (doubling) at which the host no longer limits the exchange.
+def round_target(latency_s: float) -> float:
+    """What a small message's round may cost in reported time: the configured one-way delay plus
+    max(25%, 50 us) of it (a datacenter round costs 10-100 us; serialization of a small message is
+    nothing at these rates)."""
+    return latency_s + max(ROUND_SLACK * latency_s, ROUND_SLACK_S)
 
-    ``probe(k)`` gives the sockets' exchange time over its wire time (and any other ratios, kept).
-    The host limits it while slowing the emulation further still speeds the exchange up; it does not
-    once the exchange is within :data:`TOLERANCE` of its wire time, or within :data:`KNEE` of its
-    time at twice the k. The second case is the emulated network's own floor: TCP's many flows
-    through shaped links, measured 1.2-1.3x on this host at any k. Returns (k, every probe, why).
+
+def search(probe: Any, start: float, round_target_s: float) -> tuple[float, list[dict[str, float]], str]:
+    """The smallest k from ``start`` (doubling) at which the host no longer limits the emulated network.
+
+    ``probe(k)`` gives the sockets' exchange time over its wire time (``sockets``, any other ratios kept
+    beside it) and the reported seconds of a concurrent n-way round of small messages (``round_s``).
+    The host limits the bytes while the exchange is beyond :data:`TOLERANCE` of its wire time, and the
+    rounds while a round costs more than ``round_target_s`` (the host's per-packet work and thread
+    wake-ups, which shrink as k leaves each machine more of the host between its messages); it stops
+    limiting one once that holds, or once doubling k no longer speeds it beyond :data:`KNEE` (what
+    remains is the emulated network's own: TCP's many flows through shaped links run 1.2-1.3x their
+    wire time on this host at any k). k doubles until both hold. Returns (k, every probe, why).
     """
     def tried_at(k: float) -> dict[str, float]:
-        ratios = probe(k)
-        return {"k": k, "ratio": round(ratios["sockets"], 4),
-                **{f"{kind}_ratio": round(r, 4) for kind, r in ratios.items() if kind != "sockets"}}
+        measured = probe(k)
+        return {"k": k, "ratio": round(measured["sockets"], 4), "round_us": round(measured["round_s"] * 1e6, 1),
+                **{f"{kind}_ratio": round(r, 4) for kind, r in measured.items() if kind not in ("sockets", "round_s")}}
 
     k = float(max(1, math.ceil(start)))
     tried = [tried_at(k)]
     current = tried[-1]
+    target_us = round_target_s * 1e6
     while True:
-        if current["ratio"] <= TOLERANCE:
-            return k, tried, f"within {TOLERANCE:g}x of its wire time"
+        bytes_ok, rounds_ok = current["ratio"] <= TOLERANCE, current["round_us"] <= target_us
+        if bytes_ok and rounds_ok:
+            return k, tried, f"within {TOLERANCE:g}x of its wire time and rounds within {target_us:.0f} us"
         if k * 2 > MAX_DILATION:
             return k, tried, f"the largest k tried (the cap is {MAX_DILATION})"
         tried.append(tried_at(k * 2))
         doubled = tried[-1]
-        if current["ratio"] <= KNEE * doubled["ratio"]:
-            return k, tried, (f"within {KNEE:g}x of its time at k={k * 2:g}: what remains is the emulated "
-                              "network's own, not the host's")
+        bytes_done = bytes_ok or current["ratio"] <= KNEE * doubled["ratio"]
+        rounds_done = rounds_ok or current["round_us"] <= KNEE * doubled["round_us"]
+        if bytes_done and rounds_done:
+            return k, tried, (f"k={k * 2:g} was within {KNEE:g}x of it in bytes and rounds: what remains is the "
+                              "emulated network's own, not the host's")
         k, current = k * 2, doubled
 
 
@@ -206,49 +225,96 @@ def choose(setting: float | str, machines: int, ranks_per_machine: int, bandwidt
     return Choice(k, AUTO, share, tried, why)
 
 
+class ProbeCluster:
+    """An emulated cluster of probe workers (:func:`_worker`), one per rank, re-set to each k tried.
+
+    ``exchange(block, reps)``: wall seconds of every rank sending ``block`` bytes to every other at
+    once, over sockets and through gloo; ``rounds(n)``: wall seconds per message round of each
+    pattern of :func:`_rounds`. The workers keep their connections across k: only the links' shaping
+    and the machines' CPU shares change.
+    """
+
+    def __init__(self, machines: int, ranks_per_machine: int, bandwidth_bps: float, latency_s: float, k: float,
+                 cpu: str = "shares"):
+        from ddlscale.cluster.emulated import EmulatedCluster
+
+        self.machines, self.ranks_per_machine = machines, ranks_per_machine
+        self.world = machines * ranks_per_machine
+        self.cluster = EmulatedCluster(machines, f"{bandwidth_bps:g}bit", f"{latency_s:g}s", dilation=k,
+                                       ranks_per_machine=ranks_per_machine, cpu=cpu)
+        self.workers: list[subprocess.Popen] = []
+
+    def __enter__(self) -> ProbeCluster:
+        cluster = self.cluster.up()
+        try:
+            addresses = ",".join(cluster.address(m) for m in range(self.machines))
+            self.workers = [cluster.popen(m, [sys.executable, "-m", "ddlscale.cluster.dilation", "--worker",
+                                              str(m * self.ranks_per_machine + r), str(self.world),
+                                              str(self.ranks_per_machine), addresses],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                            for m in range(self.machines) for r in range(self.ranks_per_machine)]
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for worker in self.workers:
+            if worker.stdin:
+                worker.stdin.close()
+        for worker in self.workers:
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+        self.cluster.down()
+
+    @property
+    def k(self) -> float:
+        return self.cluster.dilation
+
+    def set_dilation(self, k: float) -> None:
+        self.cluster.set_dilation(k)
+
+    def _ask(self, command: str) -> Any:
+        for worker in self.workers:
+            worker.stdin.write(command + "\n")
+            worker.stdin.flush()
+        replies = [worker.stdout.readline() for worker in self.workers]
+        if not replies[0].startswith("RESULT "):
+            raise RuntimeError(f"the dilation probe's workers failed: {replies[0]!r}")
+        return json.loads(replies[0][len("RESULT "):])
+
+    def exchange(self, block: int, reps: int) -> dict[str, list[float]]:
+        return self._ask(f"{block} {reps}")
+
+    def rounds(self, count: int = ROUNDS) -> dict[str, float]:
+        return self._ask(f"ROUNDS {count}")
+
+
 def probe_cluster(machines: int, ranks_per_machine: int, bandwidth_bps: float, latency_s: float,
                   start: float, log: Any = print) -> tuple[float, list[dict[str, float]], str]:
     """:func:`search` on a cluster of this shape, with one set of probe workers whose NICs and CPU
-    caps are re-set for each k tried. Each probe also times gloo's all-to-all of the same
+    shares are re-set for each k tried. Each probe also times gloo's all-to-all of the same
     blocks, reported beside it: the collective library's own excess, which no k removes."""
-    from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION, EmulatedCluster
+    from ddlscale.cluster.emulated import TCP_PAYLOAD_FRACTION
 
     world = machines * ranks_per_machine
     nic_bytes = PROBE_WIRE_S * bandwidth_bps * TCP_PAYLOAD_FRACTION / 8
     block = int(min(MAX_BLOCK_BYTES, max(1 << 16, nic_bytes / (ranks_per_machine * (world - ranks_per_machine)))))
     wire_s = ranks_per_machine * (world - ranks_per_machine) * block * 8 / (bandwidth_bps * TCP_PAYLOAD_FRACTION)
-    with EmulatedCluster(machines, f"{bandwidth_bps:g}bit", f"{latency_s:g}s", dilation=max(1.0, math.ceil(start)),
-                         ranks_per_machine=ranks_per_machine, cap_cpus=True) as cluster:
-        addresses = ",".join(cluster.address(m) for m in range(machines))
-        workers = [cluster.popen(m, [sys.executable, "-m", "ddlscale.cluster.dilation", "--worker",
-                                     str(m * ranks_per_machine + r), str(world), str(ranks_per_machine), addresses],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                   for m in range(machines) for r in range(ranks_per_machine)]
-        try:
-            def probe(k: float) -> dict[str, float]:
-                cluster.set_dilation(k)
-                for worker in workers:
-                    worker.stdin.write(f"{block} {PROBE_REPS}\n")
-                    worker.stdin.flush()
-                replies = [worker.stdout.readline() for worker in workers]
-                if not replies[0].startswith("RESULT "):
-                    raise RuntimeError(f"the dilation probe's workers failed: {replies[0]!r}")
-                walls = json.loads(replies[0][len("RESULT "):])
-                ratios = {kind: statistics.median(times) / k / wire_s for kind, times in walls.items()}
-                log(f"  k={k:g}: {block / 2**20:.2f} MiB to every peer at once: sockets {ratios['sockets']:.2f}x "
-                    f"their wire time, gloo's all_to_all {ratios['gloo']:.2f}x")
-                return ratios
+    with ProbeCluster(machines, ranks_per_machine, bandwidth_bps, latency_s, max(1.0, math.ceil(start))) as probes:
+        def probe(k: float) -> dict[str, float]:
+            probes.set_dilation(k)
+            walls = probes.exchange(block, PROBE_REPS)
+            measured = {kind: statistics.median(times) / k / wire_s for kind, times in walls.items()}
+            measured["round_s"] = probes.rounds()["exchange"] / k
+            log(f"  k={k:g}: {block / 2**20:.2f} MiB to every peer at once: sockets {measured['sockets']:.2f}x "
+                f"their wire time, gloo's all_to_all {measured['gloo']:.2f}x; a round of small messages to every "
+                f"peer {measured['round_s'] * 1e6:.0f} us")
+            return measured
 
-            return search(probe, start)
-        finally:
-            for worker in workers:
-                if worker.stdin:
-                    worker.stdin.close()
-            for worker in workers:
-                try:
-                    worker.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    worker.kill()
+        return search(probe, start, round_target(latency_s))
 
 
 def _exchange(peers: dict[int, Any], block: int) -> None:
@@ -293,13 +359,78 @@ def _connect(rank: int, world: int, ranks_per_machine: int, addresses: list[str]
         sock, _ = listener.accept()
         peers[int.from_bytes(sock.recv(4, socket.MSG_WAITALL), "big")] = sock
     listener.close()
+    for sock in peers.values():  # a small message leaves at once: rounds are timed, not Nagle's waits
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return peers
 
 
+def _recv_exactly(sock: Any, into: memoryview) -> None:
+    got = 0
+    while got < len(into):
+        n = sock.recv_into(into[got:])
+        if n == 0:
+            raise ConnectionError("a probe peer closed its socket")
+        got += n
+
+
+def _rounds(rank: int, world: int, peers: dict[int, Any], rounds: int) -> dict[str, float]:
+    """This rank's wall seconds per message round, each pattern ``rounds`` times back to back.
+
+    ``pingpong``: rank 0 and rank 1 bounce a small message (one-way: half a round trip; the others
+    wait). ``exchange``: every rank sends a small message to every other, then reads one from each
+    (a concurrent n-way exchange round: what a sparse sync's push or a compressed exchange costs
+    besides its bytes). ``gloo``: the same round as gloo's ``all_to_all_single`` of one float per peer
+    (the collective library's own round). Per pattern: total / rounds, and ``<pattern>_cpu``: the CPU
+    seconds this process used per round (its syscalls, and the kernel's forwarding of what it sends,
+    which runs in its context) — what one round costs a machine with a core of its own.
+    """
+    import torch
+    import torch.distributed as dist
+
+    message = bytes(ROUND_BYTES)
+    into = memoryview(bytearray(ROUND_BYTES))
+    took: dict[str, float] = {}
+
+    def timed(name: str, one_round: Any) -> None:
+        one_round()  # warm
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for _ in range(rounds):
+            one_round()
+        took[name] = (time.perf_counter() - start) / rounds
+        took[f"{name}_cpu"] = (time.process_time() - cpu) / rounds  # this process's own CPU: not dilated
+
+    def pingpong() -> None:
+        if rank < 2:
+            peer = peers[1 - rank]
+            if rank == 0:
+                peer.sendall(message)
+            _recv_exactly(peer, into)
+            if rank == 1:
+                peer.sendall(message)
+
+    def exchange() -> None:
+        for sock in peers.values():
+            sock.sendall(message)
+        for sock in peers.values():
+            _recv_exactly(sock, into)
+
+    send, recv = torch.zeros(world), torch.zeros(world)
+    timed("pingpong", pingpong)
+    took["pingpong"] /= 2  # one way
+    took["pingpong_cpu"] /= 2
+    timed("exchange", exchange)
+    timed("gloo", lambda: dist.all_to_all_single(recv, send))
+    return took
+
+
 def _worker(rank: int, world: int, ranks_per_machine: int, addresses: list[str]) -> None:
-    """One probe rank: for each ``BLOCK REPS`` line on stdin, time REPS exchanges of BLOCK bytes with
-    every peer over plain sockets and as many gloo all-to-alls (each the slowest rank's wall time);
-    rank 0 prints them."""
+    """One probe rank. Each line on stdin is a command, answered on rank 0's stdout:
+
+    ``BLOCK REPS``: time REPS exchanges of BLOCK bytes with every peer over plain sockets and as many
+    gloo all-to-alls (each the slowest rank's wall time). ``ROUNDS N``: time N message rounds of each
+    pattern of :func:`_rounds` (the slowest rank's seconds per round).
+    """
     import torch
     import torch.distributed as dist
 
@@ -307,24 +438,31 @@ def _worker(rank: int, world: int, ranks_per_machine: int, addresses: list[str])
     dist.init_process_group("gloo", init_method=f"tcp://{addresses[0]}:{PROBE_PORT}", rank=rank, world_size=world)
     peers = _connect(rank, world, ranks_per_machine, addresses)
 
-    def slowest(call: Any) -> float:
-        dist.barrier()
-        start = time.perf_counter()  # wall time: the launcher divides by the k it set
-        call()
-        took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    def slowest(values: dict[str, float]) -> dict[str, float]:
+        names = sorted(values)
+        took = torch.tensor([values[n] for n in names], dtype=torch.float64)
         dist.all_reduce(took, op=dist.ReduceOp.MAX)
-        return float(took)
+        return dict(zip(names, took.tolist(), strict=True))
 
     for line in sys.stdin:
-        block, reps = (int(x) for x in line.split())
-        send = torch.zeros(world * block, dtype=torch.uint8)
-        recv = torch.empty_like(send)
-        calls = {"sockets": partial(_exchange, peers, block), "gloo": partial(dist.all_to_all_single, recv, send)}
-        times: dict[str, list[float]] = {}
-        for kind, call in calls.items():
-            call()  # warm: the shaping just changed
-            times[kind] = [slowest(call) for _ in range(reps)]
-        print("RESULT " + json.dumps(times) if rank == 0 else "done", flush=True)
+        command, *numbers = line.split()
+        if command == "ROUNDS":
+            result: Any = slowest(_rounds(rank, world, peers, int(numbers[0])))
+        else:
+            block, reps = int(command), int(numbers[0])
+            send = torch.zeros(world * block, dtype=torch.uint8)
+            recv = torch.empty_like(send)
+            calls = {"sockets": partial(_exchange, peers, block), "gloo": partial(dist.all_to_all_single, recv, send)}
+            result = {}
+            for kind, call in calls.items():
+                call()  # warm: the shaping just changed
+                result[kind] = []
+                for _ in range(reps):
+                    dist.barrier()
+                    start = time.perf_counter()  # wall time: the launcher divides by the k it set
+                    call()
+                    result[kind].append(slowest({"t": time.perf_counter() - start})["t"])
+        print("RESULT " + json.dumps(result) if rank == 0 else "done", flush=True)
     for sock in peers.values():
         sock.close()
     dist.destroy_process_group()

@@ -70,35 +70,49 @@ def test_a_bad_dilation_is_refused_before_any_worker_starts():
 
 
 # -- the search behind auto ---------------------------------------------------------------------------
-def _probe(ratios):
+TARGET = dilation.round_target(0.0)  # 50 us: links with no added delay
+
+
+def _probe(ratios, rounds_us=None):
     asked = []
 
     def probe(k):
         asked.append(k)
-        return {"sockets": ratios[k], "gloo": 1.5}
+        return {"sockets": ratios[k], "gloo": 1.5, "round_s": (rounds_us or {}).get(k, 20.0) * 1e-6}
 
     return probe, asked
 
 
 def test_auto_stops_where_the_exchange_is_near_its_wire_time():
     probe, asked = _probe({1.0: 1.04})
-    k, tried, why = dilation.search(probe, 0.7)
+    k, tried, why = dilation.search(probe, 0.7, TARGET)
     assert (k, asked) == (1.0, [1.0]) and "wire time" in why
-    assert tried == [{"k": 1.0, "ratio": 1.04, "gloo_ratio": 1.5}]
+    assert tried == [{"k": 1.0, "ratio": 1.04, "round_us": 20.0, "gloo_ratio": 1.5}]
 
 
 def test_auto_stops_where_slowing_further_buys_nothing():
     # The CPU share starts it at 4; doubling to 8 does not help: the rest is the network's own.
     probe, asked = _probe({4.0: 1.21, 8.0: 1.27})
-    assert dilation.search(probe, 4)[0] == 4.0 and asked == [4.0, 8.0]
+    assert dilation.search(probe, 4, TARGET)[0] == 4.0 and asked == [4.0, 8.0]
     # While doubling still helps, it goes on.
     probe, asked = _probe({4.0: 1.68, 8.0: 1.40, 16.0: 1.30})
-    assert dilation.search(probe, 3.2)[0] == 8.0 and asked == [4.0, 8.0, 16.0]
+    assert dilation.search(probe, 3.2, TARGET)[0] == 8.0 and asked == [4.0, 8.0, 16.0]
+
+
+def test_auto_slows_further_while_a_round_costs_more_than_the_links_delay_allows():
+    # Bytes are at their wire time from k = 4, but a round of small messages costs the host's 90 us
+    # there: k doubles until the round is within the target (50 us here), or doubling stops helping.
+    probe, asked = _probe({4.0: 1.1, 8.0: 1.1, 16.0: 1.1}, {4.0: 90, 8.0: 60, 16.0: 45})
+    k, tried, why = dilation.search(probe, 4, TARGET)
+    assert k == 16.0 and asked == [4.0, 8.0, 16.0] and "rounds within 50 us" in why
+    probe, asked = _probe({4.0: 1.1, 8.0: 1.1, 16.0: 1.1}, {4.0: 90, 8.0: 85, 16.0: 80})
+    assert dilation.search(probe, 4, TARGET)[0] == 4.0 and asked == [4.0, 8.0]
+    assert dilation.round_target(100e-6) == pytest.approx(150e-6) and dilation.round_target(1e-3) == pytest.approx(1.25e-3)
 
 
 def test_auto_never_exceeds_its_cap():
     probe, asked = _probe({k: 1 + 64 / k for k in (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)})
-    k, _, why = dilation.search(probe, 1)
+    k, _, why = dilation.search(probe, 1, TARGET)
     assert k == dilation.MAX_DILATION and asked[-1] == dilation.MAX_DILATION and "largest" in why
 
 
