@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> None:
             summary = run(nodes, settings[k], sync, args.steps, args.bandwidth, args.model)
             row = {"part": part, "nodes": nodes, "setting": k, "k": summary["dilation"], "sync": sync, "rep": rep,
                    **{key: summary.get(key) for key in ("step_time_s", "sync_time_s", "comm_time_s", "cpu_s_per_step",
-                                                        "wire_time_per_step_s", "bytes_sent_per_step", "wall_s")}}
+                                                        "wire_time_per_step_s", "bytes_sent_per_step", "wall_s",
+                                                        "starved")},
+                   "cpu_received_min": (summary.get("cpu_load") or {}).get("received_min")}
             row["cpu_use"] = cpu_use(row, nodes)
             row["comm_over_wire"] = (row["comm_time_s"] / row["wire_time_per_step_s"]
                                      if row["wire_time_per_step_s"] else None)
@@ -119,8 +121,8 @@ def main(argv: list[str] | None = None) -> None:
 
     table = []
     for sync in syncs if args.nodes else ():
-        base_step, base_sync = med("step_time_s", part="invariance", sync=sync, setting="1"), \
-            med("sync_time_s", part="invariance", sync=sync, setting="1")
+        base_step, base_sync = med("step_time_s", part="invariance", sync=sync, setting=ks[0]), \
+            med("sync_time_s", part="invariance", sync=sync, setting=ks[0])
         for k in ks:
             steps = [r["step_time_s"] for r in rows if (r["part"], r["sync"], r["setting"]) == ("invariance", sync, k)]
             step, lo, hi = spread(steps)
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{statistics.median(r['comm_over_wire'] for r in dense):.2f}x its wire time")
     answers = []
     if worst is not None:
-        answers.append(f"at {args.nodes} machines the medians at k = {', '.join(ks[1:])} differ from k = 1's by at "
+        answers.append(f"at {args.nodes} machines the medians at k = {', '.join(ks[1:])} differ from k = {ks[0]}'s by at "
                        f"most {worst:.1%} (step and sync, every sync)")
     for sync in big_syncs:
         moved = [abs(r["step_time_s"] / a["step_time_s"] - 1) for a in rows for r in rows
