@@ -45,7 +45,9 @@ def measure(nodes: int, k: float, cpu: str, bandwidth_bps: float, latency_s: flo
     """One fresh cluster's rounds: reported seconds per round and CPU seconds per round, per pattern."""
     with dilation.ProbeCluster(nodes, 1, bandwidth_bps, latency_s, k, cpu=cpu) as probes:
         walls = probes.rounds(rounds)
-    return {name: (value if name.endswith("_cpu") else value / k) for name, value in walls.items()}
+    starved = walls.pop("starved")
+    return {**{name: (value if name.endswith("_cpu") else value / k) for name, value in walls.items()},
+            "starved": starved}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
                 round_s, cpu_s = measured[pattern], measured[f"{pattern}_cpu"]
                 rows.append({"nodes": nodes, "k": k, "cpu": cpu, "rep": rep, "pattern": pattern,
                              "round_us": round(round_s * 1e6, 2), "cpu_us": round(cpu_s * 1e6, 2),
-                             "target_us": round(target_s * 1e6, 2), "within": round(round_s / target_s, 4)})
+                             "target_us": round(target_s * 1e6, 2), "within": round(round_s / target_s, 4),
+                             "starved": measured["starved"]})
             results.progress(done, total, f"{nodes} machines, k={k:g}, {cpu}, rep {rep}: " + ", ".join(
                 f"{p} {measured[p] * 1e6:.0f} us (CPU {measured[p + '_cpu'] * 1e6:.0f})" for p in PATTERNS))
     results.write_csv(rows)

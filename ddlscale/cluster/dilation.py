@@ -277,13 +277,17 @@ class ProbeCluster:
         self.cluster.set_dilation(k)
 
     def _ask(self, command: str) -> Any:
+        """The workers' answer to ``command``, with ``starved``: whether a machine got less CPU than its
+        share meanwhile (:mod:`ddlscale.cluster.cpuload`: then the answer is the host's, not the cluster's)."""
+        ledger = self.cluster.cpu_ledger()
+        ledger.start()
         for worker in self.workers:
             worker.stdin.write(command + "\n")
             worker.stdin.flush()
         replies = [worker.stdout.readline() for worker in self.workers]
         if not replies[0].startswith("RESULT "):
             raise RuntimeError(f"the dilation probe's workers failed: {replies[0]!r}")
-        return json.loads(replies[0][len("RESULT "):])
+        return {**json.loads(replies[0][len("RESULT "):]), "starved": ledger.finish()["starved"]}
 
     def exchange(self, block: int, reps: int) -> dict[str, list[float]]:
         return self._ask(f"{block} {reps}")
@@ -307,8 +311,13 @@ def probe_cluster(machines: int, ranks_per_machine: int, bandwidth_bps: float, l
         def probe(k: float) -> dict[str, float]:
             probes.set_dilation(k)
             walls = probes.exchange(block, PROBE_REPS)
+            starved = walls.pop("starved")
             measured = {kind: statistics.median(times) / k / wire_s for kind, times in walls.items()}
-            measured["round_s"] = probes.rounds()["exchange"] / k
+            rounds = probes.rounds()
+            measured["round_s"] = rounds["exchange"] / k
+            if starved or rounds["starved"]:
+                log(f"  k={k:g}: a probe machine got less CPU than its share (another process was busy): "
+                    "this k is the host's answer under load; probe again on a quiet host (--fresh)")
             log(f"  k={k:g}: {block / 2**20:.2f} MiB to every peer at once: sockets {measured['sockets']:.2f}x "
                 f"their wire time, gloo's all_to_all {measured['gloo']:.2f}x; a round of small messages to every "
                 f"peer {measured['round_s'] * 1e6:.0f} us")

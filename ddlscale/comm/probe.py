@@ -19,40 +19,67 @@ from ddlscale.comm.collectives import Communicator
 from ddlscale.comm.network import NetworkModel
 
 MEASURED = "measured"  # sync.network_latency: probe the sync group instead of assuming an alpha
-PROBE_CALLS = 20
+PROBE_CALLS = 30
+
+
+def _median_call(call: Any, group: Any, calls: int) -> float:
+    """The median seconds of ``calls`` calls, each started together on every rank (a barrier before
+    each: a call is timed as one round, not pipelined behind the previous one). A median, so that one
+    call the host delayed moves nothing."""
+    call()  # warm
+    times = []
+    for _ in range(calls):
+        dist.barrier(group=group)
+        start = clock.now()
+        call()
+        times.append(clock.now() - start)
+    return statistics.median(times)
 
 
 def probe_latency(group: Any, world_size: int, bandwidth_bps: float, calls: int = PROBE_CALLS) -> dict[str, Any]:
     """The alphas that make the cost model predict small collectives as they run on ``group`` (every rank calls).
 
-    Times ``calls`` back-to-back allreduces and allgathers of one float — a small dense bucket, and a
-    compressed group's size exchange or small payload — and divides each by its message steps in the
-    model (2(n-1) for the ring allreduce, (n-1) for the ring allgather): ``allreduce_alpha_s`` and
-    ``exchange_alpha_s`` (for allgather and the other exchanges; gloo runs a tiny allgather several
-    times slower than a tiny allreduce). On a real cluster that is the wire latency plus the library's
-    per-message overhead; on emulated machines sharing a host it also holds the scheduling of their
-    processes, which no configured alpha knows.
+    Times three patterns, each ``calls`` times (:func:`_median_call`):
+
+    * ``exchange_round_s``: one concurrent n-way exchange round, every rank sending one float to every
+      other at once through :class:`~ddlscale.comm.collectives.Communicator` (the path of a push, a pull
+      or a compressed exchange). The model prices an all-to-all as n-1 message steps, so
+      ``exchange_alpha_s`` is the round / (n-1) (a ring allgather's steps run one after another, each
+      paying its own wake-ups: divided the same way it overstated the round; measured as a round it
+      is the pattern the syncs run).
+    * ``swap_s``: one pairwise swap with one peer (rank xor 1), a recursive-doubling step.
+    * ``allreduce_s``: an allreduce of one float (a small dense bucket); ``allreduce_alpha_s`` is it
+      over the ring's 2(n-1) steps.
+    * ``allgather_s``: a ring allgather of one float (a compressed group's size exchange or small
+      payload); ``allgather_alpha_s`` is it over the ring's n-1 steps: what the planned syncs price
+      their allgathers with (gloo runs a tiny allgather several times slower than a tiny allreduce).
+
+    On a real cluster that is the wire latency plus the library's per-message overhead; on emulated
+    machines it also holds what the host adds, which :mod:`ddlscale.cluster.cpucap` keeps small.
     """
     if world_size < 2:
-        return {"allreduce_alpha_s": 0.0, "exchange_alpha_s": 0.0, "allgather_s": 0.0, "allreduce_s": 0.0,
-                "calls": 0}
-    one = torch.zeros(1)
-    gathered = [torch.zeros(1) for _ in range(world_size)]
-    timed = {}
-    for name, call in (("allgather", lambda: dist.all_gather(gathered, one, group=group)),
-                       ("allreduce", lambda: dist.all_reduce(one, group=group))):
-        call()  # warm
-        dist.barrier(group=group)
-        start = clock.now()
-        for _ in range(calls):
-            call()
-        timed[name] = (clock.now() - start) / calls
-    predict = {"allgather": lambda m: m.allgather(4, world_size, "ring"), "allreduce": lambda m: m.allreduce(4, world_size)}
+        return {"allreduce_alpha_s": 0.0, "exchange_alpha_s": 0.0, "allgather_alpha_s": 0.0, "exchange_round_s": 0.0,
+                "swap_s": 0.0, "allreduce_s": 0.0, "allgather_s": 0.0, "calls": 0}
+    comm = Communicator(group)
+    rank = dist.get_rank(group)
+    one, gathered = torch.zeros(world_size), torch.zeros(world_size)
+    mine, theirs = torch.zeros(1), torch.zeros(1)
+    pieces = [torch.zeros(1) for _ in range(world_size)]
+    partner = rank ^ 1 if (rank ^ 1) < world_size else rank  # odd n: the last rank swaps with itself
+    timed = {
+        "exchange": _median_call(lambda: comm.all_to_all(gathered, one).wait(), group, calls),
+        "swap": _median_call(lambda: comm.sendrecv(mine, theirs, partner).wait() if partner != rank else None,
+                             group, calls),
+        "allreduce": _median_call(lambda: dist.all_reduce(mine, group=group), group, calls),
+        "allgather": _median_call(lambda: dist.all_gather(pieces, mine, group=group), group, calls),
+    }
     zero, unit = (NetworkModel(bandwidth_bps, alpha, 1) for alpha in (0.0, 1.0))  # unit: per message step
-    alpha = {k: max(0.0, (timed[k] - predict[k](zero)) / (predict[k](unit) - predict[k](zero))) for k in timed}
-    return {"allreduce_alpha_s": alpha["allreduce"], "exchange_alpha_s": alpha["allgather"],
-            "allgather_s": timed["allgather"],
-            "allreduce_s": timed["allreduce"], "calls": calls}
+    steps = {"exchange": lambda m: m.all_to_all(4.0, world_size), "allreduce": lambda m: m.allreduce(4, world_size),
+             "allgather": lambda m: m.allgather(4, world_size, "ring")}
+    alpha = {k: max(0.0, (timed[k] - f(zero)) / (f(unit) - f(zero))) for k, f in steps.items()}
+    return {"allreduce_alpha_s": alpha["allreduce"], "exchange_alpha_s": alpha["exchange"],
+            "allgather_alpha_s": alpha["allgather"], "exchange_round_s": timed["exchange"], "swap_s": timed["swap"],
+            "allreduce_s": timed["allreduce"], "allgather_s": timed["allgather"], "calls": calls}
 
 
 PROBE_TOTALS = (8 << 20, 32 << 20)  # bytes each rank sends in the two timed exchanges (its input, itself included)

@@ -446,10 +446,10 @@ def test_measured_latency_goes_into_the_profile_and_the_plan_stays_exact():
     probe = network["latency_probe"]
     assert probe["calls"] > 0 and probe["allgather_s"] > 0 and probe["allreduce_s"] > 0
     assert parse_time(network["latency"]) == pytest.approx(probe["allreduce_alpha_s"], rel=1e-3, abs=1e-7)
-    assert parse_time(network["exchange_latency"]) == pytest.approx(probe["exchange_alpha_s"], rel=1e-3, abs=1e-7)
+    assert parse_time(network["exchange_latency"]) == pytest.approx(probe["allgather_alpha_s"], rel=1e-3, abs=1e-7)
     # Each alpha makes the model reproduce its collective's measured time.
     reduce = NetworkModel(parse_bandwidth("1gbit"), probe["allreduce_alpha_s"], 1)
-    exchange = NetworkModel(parse_bandwidth("1gbit"), probe["exchange_alpha_s"], 1)
+    exchange = NetworkModel(parse_bandwidth("1gbit"), probe["allgather_alpha_s"], 1)
     assert reduce.allreduce(4, 2) == pytest.approx(probe["allreduce_s"], rel=1e-6)
     assert exchange.allgather(4, 2, "ring") == pytest.approx(probe["allgather_s"], rel=1e-6)
 

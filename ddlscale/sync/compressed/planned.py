@@ -587,7 +587,7 @@ class PlannedSync(GradSync):
         """Every rank: time small collectives; rank 0's figures go into the profile's network."""
         probe = probe_latency(self.comm.group, self.world_size, parse_bandwidth(self.network_config["bandwidth"]))
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
-                                   exchange_latency=f"{probe['exchange_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
+                                   exchange_latency=f"{probe['allgather_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
     def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None, dict[str, float]]:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled

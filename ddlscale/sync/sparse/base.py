@@ -133,6 +133,7 @@ class SparseSync(DenseAllreduce):
         self.reprofile_drift = reprofile_drift
         self.overlap = overlap
         self.routes: list[TensorRoute] = []  # per parameter: its figures and its path (from set-up)
+        self.measured_rounds: dict[str, float] | None = None  # the probed rounds behind a measured alpha
         self.profiles = 0  # profiling rounds run (1 + re-profiles)
         self._profile_left = profile_steps  # profiling steps still to run in this round
         self._samples = 0  # steps averaged into the current round's profile
@@ -383,7 +384,8 @@ class SparseSync(DenseAllreduce):
 
     def summary_fields(self) -> dict[str, Any]:
         return {**super().summary_fields(), "collectives_priced": self.collectives_per_step(),
-                "latency_s": self.network.latency_s, "bandwidth_bps": self.network.bandwidth_bps}
+                "latency_s": self.network.latency_s, "bandwidth_bps": self.network.bandwidth_bps,
+                "measured_rounds": self.measured_rounds}
 
     def prefers_sparse(self, index: int) -> bool:
         """The cost model's verdict for one profiled tensor."""
@@ -506,7 +508,9 @@ class SparseSync(DenseAllreduce):
         latency, bandwidth = self.network.latency_s, self.network.bandwidth_bps
         if self.measure_latency:
             probe = probe_latency(self.comm.group, self.world_size, self.network.bandwidth_bps)
-            latency, = self.agreed([probe["exchange_alpha_s"]])
+            latency, round_s, swap_s = self.agreed([probe["exchange_alpha_s"], probe["exchange_round_s"],
+                                                    probe["swap_s"]])
+            self.measured_rounds = {"exchange_round_s": round_s, "swap_s": swap_s, "calls": probe["calls"]}
         if self.measure_bandwidth:
             bandwidth, = self.agreed([probe_bandwidth(self.comm.group, self.world_size)])
         self.network = dataclasses.replace(self.network, latency_s=latency, bandwidth_bps=bandwidth)
