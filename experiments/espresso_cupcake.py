@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> None:
                            "sync_ms": window_median(steps, "sync_time_s", first) * 1e3,
                            "bytes_sent_per_step": window_median(steps, "bytes_sent", first),
                            "summary_step_ms": summary["step_time_s"] * 1e3, "final_loss": summary["final_loss"],
+                           "starved": summary.get("starved"),
                            "measured_steps": len(steps) - first, "wall_s": round(wall, 1),
                            "predicted_ms": "", "plan_kept": "", "plan_fusion": "", "plan_units": "", "plan_options": "",
                            "profile_dense_step_ms": "", "planner_alpha_us": "",

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
                "ckpt_bytes": summary.get("ckpt_bytes"), "ckpt_complete_s": summary.get("ckpt_complete_s"),
                "ckpt_stall_s": summary.get("ckpt_stall_s"), "committed": summary.get("ckpt_committed"),
                "planned_chunks": summary.get("ckpt_interleave_planned_chunks"),
-               "idle_s": summary.get("ckpt_interleave_idle_s"), "chunk_s": summary.get("ckpt_interleave_chunk_s")}
+               "idle_s": summary.get("ckpt_interleave_idle_s"), "chunk_s": summary.get("ckpt_interleave_chunk_s"),
+               "starved": summary.get("starved")}
         rows.append(row)
         extra[variant].append(row)
         results.progress(done, total, f"rep {rep} {variant}: {step * 1e3:.1f} ms/step")

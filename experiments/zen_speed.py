@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                                           "encode_time_s", "comm_time_s", "decode_time_s", "collectives_per_step",
                                           "comm_overlap")},
                "sparse": " ".join(sparse_set(summary.get("routing"))),
-               "forced": " ".join(forced_set(summary.get("routing")))}
+               "forced": " ".join(forced_set(summary.get("routing"))), "starved": summary.get("starved")}
         rows.append(row)
         by_cell[(bandwidth, model, label)].append(row)
         results.progress(done, planned, f"{bandwidth} {model} {label} rep {rep}: step {row['step_time_s'] * 1e3:.0f} ms, "
