@@ -1,6 +1,6 @@
 """How long Espresso and Cupcake take to plan, against the number of tensors (target: 300 in < 1 s).
 
-    python -m experiments.espresso_planning [--counts 50,100,200,300] [--seeds 5] [--reps 3]
+    python -m experiments.espresso_planning [--counts 50,100,200,300] [--seeds 4] [--reps 4]
 
 Instances: random profiles (:mod:`ddlscale.plan.synthetic`: log-uniform sizes, random compression
 fits and clusters) at each tensor count, once with one rank per machine (4-5 options per tensor)
@@ -13,7 +13,9 @@ Timed per instance, alternating the methods (BENCHMARKS.md): Cupcake's DP; Espre
 (the exact per-tensor DP over every option, then Algorithm 2: the paper's "search"); and the full Espresso
 plan (the search, the fusion of its equal-option runs and the search over Cupcake's groups — two
 more exact DPs). Reported: medians with min-max over repetitions and seeds, simulations run, and
-the predicted iteration time against dense allreduce and layer-wise compression.
+the predicted iteration time against dense allreduce and layer-wise compression. trials.csv keeps every
+timed repetition (one row per instance, method and ``rep``: the claims count repetitions there);
+results.csv each case's median, min and max over them.
 """
 
 from __future__ import annotations
@@ -118,12 +120,16 @@ def run_method(method: str, profile: Profile) -> dict:
             "dense_s": dense, "layer_wise_s": plan_dense}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--counts", default="50,100,200,300")
     parser.add_argument("--seeds", type=int, default=4)
-    parser.add_argument("--reps", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--reps", type=int, default=4)  # the claims count 4 or more
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     counts = [int(c) for c in args.counts.split(",")]
     results = Results("espresso_planning")
 
@@ -138,11 +144,12 @@ def main() -> None:
     samples: dict[tuple[str, int, int, str], list[dict]] = {}
     total, done = len(instances) * args.reps * len(METHODS), 0
     for index, (kind, count, seed, profile) in enumerate(instances):
-        for _, method in alternating(METHODS, args.reps):
-            samples.setdefault((kind, count, seed, method), []).append(run_method(method, profile))
+        for rep, method in alternating(METHODS, args.reps):
+            samples.setdefault((kind, count, seed, method), []).append({"rep": rep, **run_method(method, profile)})
             done += 1
         results.progress(done, total, f"{kind} x{count} ({index + 1}/{len(instances)})")
 
+    results.write_csv(trial_rows(samples), "trials.csv")
     rows = []
     for (kind, count, seed, method), runs in samples.items():
         median, low, high = spread([r["seconds"] for r in runs])
@@ -158,6 +165,23 @@ def main() -> None:
     plot(rows, results.figure_path())
     write_table(rows, results, args)
     print(f"wrote {results.dir}")
+
+
+def trial_rows(samples: dict[tuple[str, int, int, str], list[dict]]) -> list[dict]:
+    """One row per timed repetition (its ``rep``: the methods of one repetition ran back to back on the
+    instance), what the claims read: every run, not only each case's median."""
+    return [{"instance": kind, "tensors": count, "seed": seed, "method": method, "rep": run["rep"],
+             "seconds": run["seconds"], "options_per_tensor": run["options"],
+             "simulations": "" if run["simulations"] is None else run["simulations"],
+             "predicted_ms": run["predicted_s"] * 1e3,
+             "dense_ms": run["dense_s"] * 1e3 if run["dense_s"] else "",
+             "layer_wise_ms": run["layer_wise_s"] * 1e3 if run["layer_wise_s"] else ""}
+            for (kind, count, seed, method), runs in samples.items() for run in runs]
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command results.md and the claims table give: every flag, so that it reproduces the run."""
+    return f"python -m experiments.espresso_planning --counts {args.counts} --seeds {args.seeds} --reps {args.reps}"
 
 
 def _group(rows: list[dict]) -> dict[tuple[str, int, str], list[dict]]:
@@ -188,7 +212,8 @@ def write_table(rows: list[dict], results: Results, args) -> None:
                       f"{statistics.median(s[0] for s in speedups):.2f}x / {statistics.median(s[1] for s in speedups):.2f}x"])
     notes = f"""
 Seconds of planning, median over {args.reps} alternating repetitions and {args.seeds} random profiles
-per row (min-max in parentheses), pure Python on one core of a shared 2-core machine.
+per row (min-max in parentheses: single runs), pure Python on one core of a shared 2-core machine; every
+repetition is in trials.csv.
 *espresso search* is the per-tensor search the paper times (start from the best uniform plans,
 Algorithm 1 with Properties 1-2, pair moves, Algorithm 2 offload); *espresso full* adds the two
 exact fusion DPs (runs of equal options, and the search over Cupcake's groups) and is the plan
@@ -214,7 +239,7 @@ against a GPU-like backward (90 ms), so its speed-ups say little about a GPU clu
                    f"{row[0]}, {row[1]} tensors: {row[5]}" for row in table
                    if row[1] == largest or not row[0].startswith("random")) + " (target at 300 tensors: 1 s)."}
     results.write_markdown("Espresso and Cupcake planning time", header, table, notes=notes,
-                           command="python -m experiments.espresso_planning", summary=summary)
+                           command=command_of(args), summary=summary)
 
 
 def plot(rows: list[dict], path) -> None:

@@ -1,7 +1,7 @@
 """Does training under ``sync=cupcake`` and ``sync=espresso`` converge like its compressor does layer-wise?
 
     python -m experiments.planned_convergence [--workloads cnn,lstm] [--compressors dgc,efsignsgd,randomk]
-        [--steps 150] [--bandwidth 100mbit] [--seeds 0,1,2]
+        [--steps 150] [--bandwidth 100mbit] [--seeds 0,1,2] [--dilation k]
 
 Per seed, the same workload, initialization and data for every run, 2 workers on this host; only
 the synchronization differs:
@@ -13,6 +13,20 @@ trivially. Reported: the final loss (mean of the last 10% of steps), its gap to 
 layer-wise run of the same compressor, and what the plan compressed. Gaps are paired: taken within a
 seed, then summarized (mean and min-max) over seeds, so they can be told apart from the spread that
 a different initialization and data order alone produce.
+
+The plans depend on measured times: the planners profile dense steps, time the compressor and the
+compressed steps, measure the per-message latency on their sync group, and Cupcake's trial keeps the
+fastest of its plan, the same option layer-wise and dense, measured on the wire. On this host the 2
+workers share its cores with everything else, over loopback, while the planners are told
+``--bandwidth``: the trial then compares the methods on a wire the plan was not made for.
+``--dilation k`` runs every job on the emulated cluster instead: 2 machines of one worker each (a world
+of 2 workers, as on this host), their NICs at ``--bandwidth``, at time dilation k
+(``cluster=emulated cluster.dilation=k``: each worker one emulated core, every time in emulated
+seconds). Then every measured input of the plans is of the network they are told (the NIC's TCP
+payload rate, as experiments/espresso_cupcake tells its planners), dense and layer-wise cross the same
+links, and each run records whether its machines got their CPU share (``starved``: such a run stays in
+results.csv and is left out of the claim's check). ``--dilation 1`` is that cluster without dilation;
+without the option the runs are 2 workers on this host, as before. Needs root (network namespaces).
 """
 
 from __future__ import annotations
@@ -23,22 +37,61 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from ddlscale.clock import parse_factor
 from experiments.compression_accuracy import _smooth, loss_curve
-from experiments.espresso_cupcake import SETTINGS, scheme_of
+from experiments.espresso_cupcake import SETTINGS, planner_network, scheme_of
 from experiments.harness import Results, train
 
 METHODS = ("layerwise", "cupcake", "espresso")
 
 
-def overrides_of(method: str, compressor: str, bandwidth: str) -> list[str]:
+def overrides_of(method: str, compressor: str, bandwidth: str, emulated: bool = False) -> list[str]:
     out = [f"sync={'compress' if method == 'layerwise' else method}", f"compressor={compressor}",
            f"sync.comm={scheme_of(compressor)}",
            *SETTINGS.get(compressor, [])]
     if method != "layerwise":
-        out += [f"sync.network_bandwidth={bandwidth}", "sync.profile_steps=3"]
+        told = planner_network(bandwidth)[0] if emulated else bandwidth  # on the cluster: what its NICs carry
+        out += [f"sync.network_bandwidth={told}", "sync.profile_steps=3"]
     if method == "espresso":
         out.append("sync.trial_steps=0")
     return out
+
+
+def cluster_of(dilation: float | None, bandwidth: str) -> list[str]:
+    """Where the runs go: 2 workers on this host (None), or 2 emulated machines of one worker each, NICs at
+    ``bandwidth``, at time dilation ``dilation`` (never loopback in their stead: that would be another
+    experiment)."""
+    if dilation is None:
+        return []
+    return ["cluster=emulated", "cluster.nodes=2", "trainer.devices=1", f"cluster.bandwidth={bandwidth}",
+            f"cluster.dilation={dilation:g}", "cluster.fallback=error"]
+
+
+def row_of(seed: int, workload: str, method: str, compressor: str | None, curve: list[float], summary: dict,
+           plan: str) -> dict:
+    """One run's row: its final loss, and the dilation and CPU share its summary.json recorded (``starved``:
+    written by emulated-cluster runs, empty elsewhere)."""
+    return {"seed": seed, "workload": workload, "method": method, "compressor": compressor or "none",
+            "final_loss": statistics.fmean(curve[-max(1, len(curve) // 10):]), "steps": len(curve), "plan": plan,
+            "dilation": summary.get("dilation", 1), "starved": summary.get("starved")}
+
+
+def emulation_of(args: argparse.Namespace, told: str) -> str:
+    if args.dilation is None:
+        return f"2 workers on this host; the planners are told {told}. Losses only, no timing."
+    return (f"the emulated cluster: 2 machines of one worker each, NICs at {args.bandwidth}, time dilation "
+            f"k = {args.dilation:g} (each worker one emulated core; the plans' measured inputs in emulated seconds); "
+            f"the planners are told {told}. Losses only, no timing.")
+
+
+def starved_note(rows: list[dict], emulated: bool) -> str:
+    """The runs whose machines got less CPU than their share: kept in the table and results.csv, left out of
+    the claim's check (experiments/claims.py)."""
+    if not emulated:
+        return ""
+    starved = [f"seed {r['seed']} {r['workload']} {r['method']} {r['compressor']}" for r in rows if r["starved"]]
+    return (" Runs whose machines got less CPU than their share (starved; in the table, not in the claim): "
+            + ("; ".join(starved) if starved else "none") + ".")
 
 
 def compressed_share(run_dir: Path) -> str:
@@ -50,14 +103,28 @@ def compressed_share(run_dir: Path) -> str:
     return f"{len(compressed)}/{len(units)} units, {sum(u['numel'] for u in compressed) / total:.0%} of elements"
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="cnn,lstm")
     parser.add_argument("--compressors", default="dgc,efsignsgd,randomk")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--bandwidth", default="100mbit", help="the network the planners are told")
+    parser.add_argument("--bandwidth", default="100mbit",
+                        help="the network the planners are told (with --dilation, the emulated NICs' rate too)")
     parser.add_argument("--seeds", default="0,1,2", help="one run per seed of every case; gaps are paired by seed")
-    args = parser.parse_args(argv)
+    parser.add_argument("--dilation", type=lambda v: parse_factor(v, "--dilation"), default=None,
+                        help="run on the emulated cluster (2 machines, NICs at --bandwidth) at this time dilation")
+    return parser
+
+
+def command_of(args: argparse.Namespace, seeds: list[int]) -> str:
+    """The command results.md and the claims table give: it reproduces the run, its cluster included."""
+    return (f"python -m experiments.planned_convergence --workloads {args.workloads} --compressors "
+            f"{args.compressors} --steps {args.steps} --bandwidth {args.bandwidth} --seeds {','.join(map(str, seeds))}"
+            + (f" --dilation {args.dilation:g}" if args.dilation is not None else ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     workloads, compressors = args.workloads.split(","), args.compressors.split(",")
     seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))  # a repeated seed would repeat a run
 
@@ -70,18 +137,22 @@ def main(argv: list[str] | None = None) -> None:
     cases = [(w, "dense", None) for w in workloads] + [(w, m, c) for w in workloads for c in compressors for m in METHODS]
     runs = [(seed, *case) for seed in seeds for case in cases]
     curves, rows = {}, []
+    cluster, emulated = cluster_of(args.dilation, args.bandwidth), args.dilation is not None
+    told = f"{planner_network(args.bandwidth)[0]} bit/s (the NICs' TCP payload rate)" if emulated else args.bandwidth
     with tempfile.TemporaryDirectory() as scratch:
         for k, (seed, workload, method, compressor) in enumerate(runs):
             run_dir = Path(scratch) / f"{workload}-{method}-{compressor}-{seed}"
-            sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth)
-            train([f"model={workload}", *sync, f"trainer.max_steps={args.steps}", f"seed={seed}", "logger=csv",
-                   "trainer.log_every_n_steps=1"], run_dir=run_dir)
+            sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth, emulated)
+            ran = train([f"model={workload}", *sync, *cluster, f"trainer.max_steps={args.steps}", f"seed={seed}",
+                         "logger=csv", "trainer.log_every_n_steps=1"], run_dir=run_dir,
+                        timeout=3600 if emulated else 900)  # dense lstm at 100 Mbit/s, dilated: many minutes
             curve = curves[(seed, workload, method, compressor)] = loss_curve(run_dir)
-            rows.append({"seed": seed, "workload": workload, "method": method, "compressor": compressor or "none",
-                         "final_loss": statistics.fmean(curve[-max(1, len(curve) // 10):]), "steps": len(curve),
-                         "plan": compressed_share(run_dir) if method in ("cupcake", "espresso") else ""})
+            rows.append(row_of(seed, workload, method, compressor, curve, ran,
+                               compressed_share(run_dir) if method in ("cupcake", "espresso") else ""))
             results.progress(k + 1, len(runs), f"seed {seed} {workload} {method} {compressor or ''}: final loss "
-                                               f"{rows[-1]['final_loss']:.4f} {rows[-1]['plan']}")
+                                               f"{rows[-1]['final_loss']:.4f} {rows[-1]['plan']}"
+                                               + (" (starved: its machines got less than their CPU share)"
+                                                  if rows[-1]["starved"] else ""))
     results.write_csv(rows)
 
     def final(seed: int, workload: str, method: str, compressor: str) -> float:
@@ -115,20 +186,19 @@ def main(argv: list[str] | None = None) -> None:
         notes=f"2 workers, {args.steps} steps, seeds {','.join(map(str, seeds))} (each seeds initialization and data; every "
               "method of a seed sees the same). Error feedback: each compressor's default; settings: "
               + "; ".join(f"{c}: {' '.join(v)}" for c, v in SETTINGS.items())
-              + f". Planners told {args.bandwidth} (profile 3 dense steps first; Espresso without its "
+              + f". Planners told {told} (profile 3 dense steps first; Espresso without its "
                 "trial, so the model's plan runs). The dense and layer-wise rows' own spread over seeds says how "
-                "far apart two runs land without any change of method.",
+                "far apart two runs land without any change of method." + starved_note(rows, emulated),
         summary={"Compared": "final loss under Cupcake and Espresso plans against the same compressor layer-wise "
                              f"and dense: {args.compressors} on {args.workloads}.",
-                 "Emulation": f"2 workers on this host; the planners are told {args.bandwidth}. Losses only, no timing.",
+                 "Emulation": emulation_of(args, told),
                  "Bound by": "not measured: losses, not time.",
                  "Repetitions": f"{len(seeds)} seed(s) per case, gaps paired by seed.",
                  "Answer": ("mean gap to layer-wise over layer-wise's own spread over seeds: "
                             f"{statistics.median(in_spread):+.2f} ({min(in_spread):+.2f} to {max(in_spread):+.2f}); "
                             + ("every plan within that spread." if max(in_spread) < 1 else "NOT every plan within it.")
                             if in_spread else "one seed: no spread over seeds to compare the gaps with.")},
-        command=f"python -m experiments.planned_convergence --workloads {args.workloads} --compressors "
-                f"{args.compressors} --steps {args.steps} --bandwidth {args.bandwidth} --seeds {','.join(map(str, seeds))}")
+        command=command_of(args, seeds))
 
     def mean_curve(workload: str, method: str, compressor: str | None) -> list[float]:
         per_seed = [curves[(s, workload, method, compressor)] for s in seeds]
