@@ -227,6 +227,11 @@ class EmulatedCluster:
         self.storage_endpoint = None  # set once it serves: what the workers get
 
     # -- names and addresses ---------------------------------------------------------------
+    def storage_env(self) -> dict[str, str]:
+        """What a process on a machine needs to reach the storage machine (its endpoint and credentials,
+        handed through the environment); empty without one."""
+        return self.storage_endpoint.env() if self.storage_endpoint is not None else {}
+
     @property
     def switch(self) -> str:
         return f"{self.name}-sw"

@@ -86,7 +86,7 @@ def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[st
         if cluster.storage is not None:
             print(f"storage machine: {storage_bandwidth} shared by all machines, WebDAV (nginx) serving "
                   f"{cluster.storage.root}; the persistent tier's storage://", flush=True)
-        storage_env = cluster.storage_endpoint.env() if cluster.storage_endpoint is not None else {}
+        storage_env = cluster.storage_env()
         ledger = cluster.cpu_ledger()
         ledger.start()
         # All emulated machines share this host's cores: split them, or OpenMP pools oversubscribe.

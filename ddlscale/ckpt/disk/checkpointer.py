@@ -49,7 +49,7 @@ from ddlscale.ckpt.version.manifest import (
     step_of,
     verify,
 )
-from ddlscale.ckpt.version.store import SCHEME, Store, locate, open_store
+from ddlscale.ckpt.version.store import SCHEME, Store, locate, open_store, storage_root
 from ddlscale.cluster.context import Launch
 from ddlscale.cluster.storage_client import StorageEndpoint
 
@@ -62,7 +62,40 @@ DCP_TIMEOUT_S = 300
 STALL_NOTE_S = 5.0
 
 
-def find_resumable(directory: Path | Store, world_size: int, set_aside: bool = True) -> Path | str | None:
+def checkpoint_dir(given: str | Path | None, run_dir: str | Path | None, on_storage: str = DEFAULT_SUBDIR,
+                   storage: bool | None = None) -> Path | str | None:
+    """Where a tier's versions go: ``given`` (a path; a ``storage://<path>`` stays a string, which a Path
+    would fold to ``storage:/``); else ``storage://<on_storage>`` where a storage machine serves the run
+    (``storage``; None: whether the launcher handed this process its endpoint — a launching process has
+    none in its environment and says so through ``storage``), else ``<run dir>/checkpoints`` (None
+    without a run directory)."""
+    if given is not None:
+        return str(given) if str(given).startswith(SCHEME) else Path(given)
+    if storage is None:
+        storage = StorageEndpoint.from_env() is not None
+    if storage:
+        return SCHEME + on_storage
+    return Path(run_dir) / DEFAULT_SUBDIR if run_dir is not None else None
+
+
+def check_storage(given: str | Path | None, bandwidth_bps: float | None, launch: Launch, dir_key: str = "ckpt.dir",
+                  bandwidth_key: str = "ckpt.bandwidth") -> None:
+    """Before any worker starts: a ``storage://`` directory (``given``, or the default where the launch has
+    a storage machine) needs the emulated cluster's storage machine, a path under its root, and no
+    emulated write rate: the storage link sets the rate there. Errors name ``dir_key`` / ``bandwidth_key``."""
+    directory = checkpoint_dir(given, None, storage=launch.storage)
+    if not isinstance(directory, str):
+        return
+    if not launch.storage:
+        raise ValueError(f"{dir_key}={given}: a directory on the emulated cluster's storage machine, "
+                         "which this launch has none of (cluster=emulated cluster.storage.bandwidth=<rate>)")
+    storage_root(directory, dir_key)
+    if bandwidth_bps:
+        raise ValueError(f"{bandwidth_key} paces writes to a local directory; the storage machine's own link "
+                         f"(cluster.storage.bandwidth) paces the persistent tier there: set {bandwidth_key}=null")
+
+
+def find_resumable(directory: Path | str | Store, world_size: int, set_aside: bool = True) -> Path | str | None:
     """The newest manifest in ``directory`` whose version verifies (its path, or ``storage://`` name), or None.
 
     Versions that fail (unreadable manifest, missing or corrupt file) are warned about by file name
@@ -119,13 +152,7 @@ class DiskCheckpointer(Checkpointer):
         self.keep = keep
         self.async_save = async_save
         self.bandwidth_bps = write_rate(bandwidth)
-        self.dir: Path | str | None
-        if dir is not None:
-            self.dir = dir if str(dir).startswith(SCHEME) else Path(dir)
-        elif StorageEndpoint.from_env() is not None:  # a worker the launcher handed a storage machine
-            self.dir = SCHEME + DEFAULT_SUBDIR
-        else:
-            self.dir = Path(run_dir) / DEFAULT_SUBDIR if run_dir is not None else None  # None: no run yet
+        self.dir = checkpoint_dir(dir, run_dir)  # None: no run yet
         self._store: Store | None = None
         self._dir_given = dir
         if run_dir is not None:
@@ -188,13 +215,7 @@ class DiskCheckpointer(Checkpointer):
 
     def validate_launch(self, launch: Launch) -> None:
         """``storage://`` needs the emulated cluster's storage machine; its link, not ckpt.bandwidth, paces it."""
-        remote = str(self._dir_given).startswith(SCHEME) if self._dir_given is not None else launch.storage
-        if remote and not launch.storage:
-            raise ValueError(f"ckpt.dir={self._dir_given}: a directory on the emulated cluster's storage machine, "
-                             "which this launch has none of (cluster=emulated cluster.storage.bandwidth=<rate>)")
-        if remote and self.bandwidth_bps:
-            raise ValueError("ckpt.bandwidth paces writes to a local directory; the storage machine's own link "
-                             "(cluster.storage.bandwidth) paces the persistent tier there: set ckpt.bandwidth=null")
+        check_storage(self._dir_given, self.bandwidth_bps, launch)
 
     # -- in the workers ------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -98,10 +98,19 @@ def file_system_writer(path: Path, bandwidth_bps: float | None = None) -> dcp.Fi
     return writer
 
 
-def save_ranks(path: Path, ranks: int, items_of: Callable[[int], dict[str, torch.Tensor]]) -> Any:
-    """What ``dcp.save`` writes when ``ranks`` processes each save their state dict (``items_of(r)``),
-    written by one process holding one rank's state at a time; DCP's ``Metadata``, as ``dcp.save``
-    returns it.
+def storage_writer(store: Store, version_dir: str, bandwidth_bps: float | None = None) -> Any:
+    """DCP's writer for one version in ``store``: :func:`file_system_writer` in a local directory, DCP's
+    ``FsspecWriter`` on the storage machine (:meth:`~ddlscale.ckpt.version.remote.RemoteStore.dcp_writer`)."""
+    if store.remote:
+        return store.dcp_writer(version_dir)
+    return file_system_writer(store.path / version_dir, bandwidth_bps)
+
+
+def save_ranks(store: Store, version_dir: str, ranks: int, items_of: Callable[[int], dict[str, torch.Tensor]]) -> Any:
+    """What ``dcp.save`` writes into ``version_dir`` of ``store`` when ``ranks`` processes each save their
+    state dict (``items_of(r)``), written by one process holding one rank's state at a time, through the
+    writer a rank of the tier would use (:func:`storage_writer`: on the storage machine, each file hashed
+    as it is sent); DCP's ``Metadata``, as ``dcp.save`` returns it.
 
     For a launcher that holds every rank's state once the ranks are gone (:mod:`~ddlscale.ckpt.gemini.drain`).
     DCP's save is collective: each rank plans its items, the coordinator merges the plans, each rank
@@ -114,7 +123,7 @@ def save_ranks(path: Path, ranks: int, items_of: Callable[[int], dict[str, torch
     per rank, not per job, is in memory at once.
     """
     planners = [DefaultSavePlanner() for _ in range(ranks)]
-    writers = [file_system_writer(path) for _ in range(ranks)]
+    writers = [storage_writer(store, version_dir) for _ in range(ranks)]
     plans = []
     for rank, (planner, writer) in enumerate(zip(planners, writers, strict=True)):
         shapes = {k: torch.empty_like(v, device="meta") for k, v in items_of(rank).items()}
@@ -132,14 +141,6 @@ def save_ranks(path: Path, ranks: int, items_of: Callable[[int], dict[str, torch
         planner.state_dict = {}  # this rank's bytes are on disk
     writers[0].finish(metadata=metadata, results=results)
     return metadata
-
-
-def storage_writer(store: Store, version_dir: str, bandwidth_bps: float | None = None) -> Any:
-    """DCP's writer for one version in ``store``: :func:`file_system_writer` in a local directory, DCP's
-    ``FsspecWriter`` on the storage machine (:meth:`~ddlscale.ckpt.version.remote.RemoteStore.dcp_writer`)."""
-    if store.remote:
-        return store.dcp_writer(version_dir)
-    return file_system_writer(store.path / version_dir, bandwidth_bps)
 
 
 def _file_rank(name: str) -> int:
@@ -180,14 +181,15 @@ def commit(directory: Path | Store, version_dir: str, step: int, world_size: int
     return manifest
 
 
-def write_version(directory: Path, version_dir: str, step: int, ranks: int,
+def write_version(directory: Path | str | Store, version_dir: str, step: int, ranks: int,
                   payload_of: Callable[[int], dict[str, Any]], position: DataPosition) -> Manifest:
     """Version ``step`` of ``ranks`` ranks (``payload_of(r)``: rank r's payload, the rank-shared state in
     rank 0's alone), written and committed by one process (:func:`save_ranks`, one rank at a time):
-    the files the ranks' own :class:`DcpWriter` would have written."""
-    directory = Path(directory)
-    metadata = save_ranks(directory / version_dir, ranks, lambda rank: state_items(payload_of(rank), rank, live=None))
-    return commit(directory, version_dir, step, ranks, position, metadata)
+    the files the ranks' own :class:`DcpWriter` would have written, in a local directory or on the
+    storage machine, and the manifest last."""
+    store = open_store(directory)
+    metadata = save_ranks(store, version_dir, ranks, lambda rank: state_items(payload_of(rank), rank, live=None))
+    return commit(store, version_dir, step, ranks, position, metadata)
 
 
 def _record(store: Store, file: str, rank: int) -> ShardRecord:

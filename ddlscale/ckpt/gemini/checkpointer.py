@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.disk.checkpointer import DEFAULT_SUBDIR, DiskCheckpointer, write_rate
+from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer, checkpoint_dir, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.config import GeminiConfig
 from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
@@ -59,6 +59,7 @@ from ddlscale.cluster.context import Launch, Services, job_name
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
 OUTCOME_SLACK_S = 10.0
 NO_SPACE_OUTCOME = "no_space"  # a version's outcome when some holder had no room for it
+PERSIST_ON_STORAGE = "gemini"  # ckpt.persist_dir's default on a storage machine: storage://gemini
 
 
 def buffers_per_agent(replicas: int, ranks_per_machine: int) -> int:
@@ -103,8 +104,11 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             by the sender and checked by every holder at END and by every reader.
         profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
         persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
-        persist_dir, persist_bandwidth: the persistent tier's directory (default ``<run dir>/checkpoints``,
-            also where a launch's last committed version is written when it ends) and write-rate emulation.
+        persist_dir, persist_bandwidth: the persistent tier's directory, also where a launch's last committed
+            version is written when it ends: a path, or ``storage://<path>`` on the emulated cluster's storage
+            machine (default ``<run dir>/checkpoints``, ``storage://gemini`` where a storage machine serves the
+            run); and write-rate emulation for a local directory (refused on the storage machine, whose
+            link sets the rate).
         store: ``HOST:PORT`` of the job's TCPStore; null: ``$DDLSCALE_STORE`` (set by the launchers).
         commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
         on_no_space: a version an agent's shared memory cannot hold: ``stop`` (the run ends, saying so) or
@@ -139,8 +143,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.run_dir = run_dir
         self.on_no_space = on_no_space
         self.persistent: DiskCheckpointer | None = None
-        self.persist_dir = Path(persist_dir) if persist_dir is not None else (
-            Path(run_dir) / DEFAULT_SUBDIR if run_dir else None)
+        self.persist_given = persist_dir  # as configured: the launcher resolves it for its launch (persist_target)
+        self.persist_dir = self.persist_target()  # a Path, or a storage:// string (on the storage machine)
         # Parsed here so that a bad value is reported under this key, not the disk tier's ckpt.bandwidth.
         self.persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
         if persist_every is not None:
@@ -169,6 +173,12 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self._iteration_start: float | None = None
 
     # -- the launching process: before and around the workers --------------------------------------
+    def persist_target(self, storage: bool | None = None) -> Path | str | None:
+        """``ckpt.persist_dir`` resolved as the disk tier resolves ``ckpt.dir``, ``storage://gemini`` by
+        default on a storage machine. ``storage``: whether the launch has one (the launching process must
+        say: only its workers are handed the endpoint); None asks this process's environment."""
+        return checkpoint_dir(self.persist_given, self.run_dir, PERSIST_ON_STORAGE, storage)
+
     def validate_launch(self, launch: Launch) -> None:
         check_launch(self, launch)
 
@@ -435,6 +445,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         figures.update({f"ckpt_interleave_{k}": v for k, v in self.wire.summary.items()})
         if self.persistent is not None:
             figures["ckpt_persistent_count"] = len(self.persistent.bytes_written)
+        figures["ckpt_persist_dir"] = str(self.persist_dir) if self.persist_dir is not None else None
         if trainer.is_global_zero and self.store is not None:
             figures["ckpt_store_refused"] = self.store.refused  # values that failed their signature, read here
             figures["ckpt_agent_refused"] = self._agent_refusals()

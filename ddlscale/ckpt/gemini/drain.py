@@ -12,13 +12,18 @@ the same command again in the same run directory then resumes from it instead of
 a normal end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is
 SIGKILLed.
 
+The directory is a path, or ``storage://<path>`` on the emulated cluster's storage machine (its endpoint
+and credentials in the environment, as the launcher hands them to the workers): written there as the
+persistent tier writes, through DCP's fsspec writer, each file's sha256 taken as it is sent and the
+manifest published last, in one PUT.
+
     python -m ddlscale.ckpt.gemini.drain --store HOST:PORT --job JOB --dir RUN/checkpoints   # $DDLSCALE_SECRET_FILE
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import contextlib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +38,8 @@ from ddlscale.ckpt.gemini.store import JobStore, connect
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import decode
 from ddlscale.ckpt.version.checksum import matches
-from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, list_manifests, step_of
+from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, manifest_names, step_of
+from ddlscale.ckpt.version.store import open_store
 
 KEEP = 2  # persistent versions kept, as the persistent tier keeps them
 DEADLINE_S = 60.0  # the most a drain may take by default: the launch is ending
@@ -47,24 +53,27 @@ class DrainError(RuntimeError):
 class Drained:
     """What a drain did: ``path``, the written version's manifest, or ``why`` nothing was written."""
 
-    path: Path | None
+    path: Path | str | None  # a local path, or a storage:// name on the storage machine
     why: str = ""
     step: int | None = None
 
 
-def persist_committed(store: JobStore, directory: Path, deadline_s: float = DEADLINE_S) -> Drained:
-    """Write the committed version to ``directory``, one rank's replica at a time (each fetched from a
-    live holder and checked against its MAC), within ``deadline_s`` seconds; nothing is written when
-    ``directory`` already holds that step or a newer one, or when some rank has no intact replica."""
+def persist_committed(store: JobStore, directory: Path | str, deadline_s: float = DEADLINE_S) -> Drained:
+    """Write the committed version to ``directory`` (a path or ``storage://<path>``), one rank's replica at
+    a time (each fetched from a live holder and checked against its MAC), within ``deadline_s`` seconds;
+    nothing is written when ``directory`` already holds that step or a newer one, or when some rank has
+    no intact replica."""
     deadline = clock.now() + deadline_s
     manifest = store.manifest()
     if not isinstance(manifest, Manifest):
         why = ("no version was committed in memory" if manifest is None
                else "the job went back to a persistent version and committed none since")
         return Drained(None, why)
-    existing = list_manifests(directory)
+    target = open_store(directory, "ckpt.persist_dir")
+    existing = manifest_names(target)
     if existing and (step_of(existing[0]) or 0) >= manifest.step:
-        return Drained(existing[0], f"{existing[0].name} already holds step {step_of(existing[0])}", manifest.step)
+        return Drained(target.locator(existing[0]), f"{existing[0]} already holds step {step_of(existing[0])}",
+                       manifest.step)
     incarnation = int(store.get(store.keys.incarnation, 0))
     alive = store.get(store.keys.alive, list(range(manifest.placement["machines"])))
 
@@ -82,15 +91,16 @@ def persist_committed(store: JobStore, directory: Path, deadline_s: float = DEAD
     position = DataPosition.from_dict(payload_of(manifest.shared_rank)["local"]["data"])
     version_dir = f"step_{manifest.step:09d}.{uuid.uuid4().hex[:8]}"
     try:
-        written = write_version(directory, version_dir, manifest.step, manifest.world_size, payload_of, position)
+        written = write_version(target, version_dir, manifest.step, manifest.world_size, payload_of, position)
     except BaseException:
-        shutil.rmtree(directory / version_dir, ignore_errors=True)  # never committed: nothing names it
+        with contextlib.suppress(OSError):  # the write's own error says what went wrong, not the cleanup's
+            target.remove(version_dir)  # never committed: nothing names it
         raise
     DiskCheckpointer(dir=str(directory), keep=KEEP).prune()
-    return Drained(directory / written.name, step=manifest.step)
+    return Drained(target.locator(written.name), step=manifest.step)
 
 
-def drain_and_report(store: JobStore, directory: Path, deadline_s: float = DEADLINE_S) -> Drained:
+def drain_and_report(store: JobStore, directory: Path | str, deadline_s: float = DEADLINE_S) -> Drained:
     """:func:`persist_committed`, its outcome printed for the user in one line: what was written and
     that the same command continues from it, or why nothing was (never a traceback: the launch is
     ending anyway)."""
@@ -139,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", required=True)
     args = parser.parse_args(argv)
     store = JobStore(connect(args.store), args.job, JobKeys.from_env(args.job))
-    drain_and_report(store, Path(args.dir))
+    drain_and_report(store, args.dir)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ddlscale.ckpt.disk.checkpointer import check_storage
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.gemini.drain import drain_and_report
@@ -59,13 +60,16 @@ ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum
 def check_launch(gemini: GeminiCheckpointer, launch: Launch) -> None:
     """Refuse, naming the key, what cannot work in this launch: m replicas need m machines — emulated
     machines, nodes, or (one machine) one per worker, as the workers count them
-    (:func:`~ddlscale.ckpt.gemini.env.machine_layout`); and ``ckpt.store=etcd`` needs etcd where the
-    launcher starts the members (cluster=local, emulated), elsewhere their address."""
+    (:func:`~ddlscale.ckpt.gemini.env.machine_layout`); a ``storage://`` persistent directory needs the
+    storage machine and no ``ckpt.persist_bandwidth`` (the disk tier's check, under Gemini's keys); and
+    ``ckpt.store=etcd`` needs etcd where the launcher starts the members (cluster=local, emulated),
+    elsewhere their address."""
     machines = machine_count(launch.world_size if launch.kind == "local" else launch.machines)
     try:
         PlacementPlan(int(machines), gemini.replicas, gemini.placement)
     except ValueError as exc:
         raise ValueError(f"ckpt.replicas / ckpt.placement: {exc}") from None
+    check_storage(gemini.persist_given, gemini.persist_bps, launch, "ckpt.persist_dir", "ckpt.persist_bandwidth")
     if gemini.store_address != ETCD:
         return
     if launch.is_worker or launch.kind not in ("local", "emulated"):
@@ -104,8 +108,9 @@ def _on_this_machine(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Ser
 def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
     """Store (the launcher's rendezvous store on machine 0, or etcd members on the first three machines,
     which then hold torchrun's rendezvous too) and one agent per machine. When the launch ends the
-    committed version is written to ``persist_dir`` from inside machine 0, then the machines go down and
-    with them the agents, whose shared memory is removed last."""
+    committed version is written to ``persist_dir`` from inside machine 0 (``storage://gemini`` by default
+    where a storage machine serves the run: over its link), then the machines go down and with them the
+    agents, whose shared memory is removed last."""
     cluster, job = launch.cluster, launch.job
     with job_secret() as secret, contextlib.ExitStack() as spared:
         rendezvous = None
@@ -123,7 +128,7 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
         try:
             yield Services(env=env, rendezvous=rendezvous)
         finally:  # the same command in this run directory then continues from it
-            persist_emulated(cluster, store, job, secret, gemini.persist_dir)
+            persist_emulated(cluster, store, job, secret, gemini.persist_target(launch.storage))
             cluster.down()
             remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
 
@@ -158,7 +163,7 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
+def local_gemini(machines: int, job: str, persist_dir: Path | str | None = None,
                  etcd_dir: Path | None = None) -> Iterator[dict[str, str]]:
     """Secret, store and ``machines`` agents on loopback for one launch; yields (and exports) their
     environment. On the way out the committed version goes to ``persist_dir`` when given. With
@@ -191,7 +196,7 @@ def local_gemini(machines: int, job: str, persist_dir: Path | None = None,
             yield env
         finally:
             if persist_dir is not None and agents:
-                drain_and_report(JobStore(connect(address), job, JobKeys(read_secret(secret), job)), Path(persist_dir),
+                drain_and_report(JobStore(connect(address), job, JobKeys(read_secret(secret), job)), persist_dir,
                                  deadline_s=DRAIN_DEADLINE_S)
             stop_agents(agents)
             remove_replicas(job)
@@ -244,12 +249,14 @@ def start_emulated_agent(cluster: Any, machine: int, store: str, job: str, secre
     return process
 
 
-def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path) -> None:
+def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path | str) -> None:
     """Write the committed version to ``directory`` from inside machine 0 (the store is reachable only
-    from the emulated machines); a failure is reported, not raised: the launch is ending anyway."""
+    from the emulated machines); a failure is reported, not raised: the launch is ending anyway. A
+    ``storage://`` directory is written over machine 0's link to the storage machine, with the endpoint
+    and credentials the workers get (in the environment: never on a command line, which others can read)."""
     argv = [sys.executable, "-m", "ddlscale.ckpt.gemini.drain", "--store", store, "--job", job, "--dir", str(directory)]
-    done = cluster.popen(0, argv, env={SECRET_ENV: str(secret)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True)
+    done = cluster.popen(0, argv, env={SECRET_ENV: str(secret), **cluster.storage_env()}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
     try:
         output, _ = done.communicate(timeout=300)
     except subprocess.TimeoutExpired:

@@ -1,4 +1,5 @@
-"""Recovery of a Gemini job: the committed version back from peers' memory, else from disk.
+"""Recovery of a Gemini job: the committed version back from peers' memory, else from the persistent tier
+(a directory, or the emulated cluster's storage machine).
 
 ``resume=auto``, decided before workers start: the committed manifest in the store names the version
 (:meth:`~GeminiRecovery.resume_path`). Then every rank fetches its own replica — from its machine's
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +34,8 @@ class GeminiRecovery:
     """The recovery half of :class:`~ddlscale.ckpt.gemini.checkpointer.GeminiCheckpointer`, kept apart
     from capture and commit. It reads the checkpointer's store and agents (``_connect``, ``_agent``,
     ``committed_manifest``, ``store``, ``auth``, ``machine``, ``device``) and its persistent tier
-    (``persist_dir``, ``persist_bps``), and sets ``recovery`` for the summary.
+    (``persist_dir``: a path, or ``storage://`` on the storage machine; ``persist_bps``), and sets
+    ``recovery`` for the summary.
     """
 
     # -- before workers start -----------------------------------------------------------------------
@@ -46,12 +47,14 @@ class GeminiRecovery:
             return f"{PATH_PREFIX}{manifest.step}"
         found = self._persistent_path(world_size)
         if found is not None and os.environ.get("RANK", "0") == "0":
-            print(f"ckpt=gemini: resuming from step {step_of(Path(found))}, the newest version in {self.persist_dir} "
+            print(f"ckpt=gemini: resuming from step {step_of(found)}, the newest version in {self.persist_dir} "
                   "(no committed version in memory)", flush=True)
         return found
 
     def _persistent_path(self, world_size: int) -> str | None:
-        if self.persist_dir is None or not self.persist_dir.exists():
+        """The newest persistent version that verifies: its manifest's path, or its ``storage://`` name on
+        the storage machine (read over its link; a missing directory holds none)."""
+        if self.persist_dir is None:
             return None
         found = find_resumable(self.persist_dir, world_size, set_aside=False)
         return str(found) if found is not None else None
@@ -60,7 +63,8 @@ class GeminiRecovery:
     def load_path(self, path: str) -> dict[str, Any] | None:
         if path.endswith(SUFFIX):  # a persistent version resume_path chose: read at the tier's rate, timed
             start = clock.now()
-            loaded = load_version(Path(path), dist.get_rank() if dist.is_initialized() else 0, self.persist_bps,
+            # The name as given: a storage:// name through Path would lose its "//".
+            loaded = load_version(path, dist.get_rank() if dist.is_initialized() else 0, self.persist_bps,
                                   dist.get_world_size() if dist.is_initialized() else 1)
             self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}
             return loaded
@@ -129,7 +133,7 @@ class GeminiRecovery:
             )
         warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
         try:
-            loaded = load_version(Path(choice[0]), rank, self.persist_bps, world)
+            loaded = load_version(choice[0], rank, self.persist_bps, world)
         except ManifestError as exc:
             raise RuntimeError(f"gemini: persistent fallback failed: {exc}") from None
         self.recovery = {"source": "persistent", "retrieve_s": clock.now() - start, "tier": "disk"}

@@ -32,7 +32,7 @@ from typing import Any
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
 from ddlscale.ckpt.version.checksum import checksum
-from ddlscale.ckpt.version.store import SCHEME, Store
+from ddlscale.ckpt.version.store import Store, storage_root
 from ddlscale.cluster.storage_client import PutStream, StorageEndpoint, as_oserror
 
 DIGEST_SUFFIX = ".sha256"  # beside each file a writer hashed: {"bytes": n, "checksum": "sha256:<hex>"}
@@ -49,9 +49,7 @@ class RemoteStore(Store):
     @classmethod
     def on_storage_machine(cls, spec: str, key: str = "ckpt.dir") -> RemoteStore:
         """``storage://<path>`` on the endpoint the launcher handed this process."""
-        root = spec[len(SCHEME):].strip("/")
-        if any(part in ("..", ".") for part in root.split("/")):
-            raise ValueError(f"{key}={spec}: a path under the storage machine's root, without '.' or '..'")
+        root = storage_root(spec, key)
         endpoint = StorageEndpoint.from_env()
         if endpoint is None:
             raise ValueError(f"{key}={spec}: no storage machine serves this process; it is the emulated cluster's "

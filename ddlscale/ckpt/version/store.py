@@ -119,6 +119,15 @@ class LocalStore(Store):
         return str(self.path)
 
 
+def storage_root(spec: str, key: str = "ckpt.dir") -> str:
+    """The path under the storage machine's root that ``storage://<path>`` names; refused, naming ``key``,
+    when it would climb out of that root (checked at launch too, before any worker starts)."""
+    root = spec[len(SCHEME):].strip("/")
+    if any(part in ("..", ".") for part in root.split("/")):
+        raise ValueError(f"{key}={spec}: a path under the storage machine's root, without '.' or '..'")
+    return root
+
+
 def open_store(directory: str | Path | Store, key: str = "ckpt.dir") -> Store:
     """The store ``directory`` names (``storage://<path>``: on the emulated cluster's storage machine,
     whose endpoint the launcher put in this process's environment); a bad one names ``key``."""

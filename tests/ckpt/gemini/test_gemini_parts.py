@@ -559,7 +559,7 @@ def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, t
     persistent = tmp_path / "step-9.manifest.json"
     monkeypatch.setattr(recovery, "find_resumable", lambda directory, world, set_aside: persistent)
     monkeypatch.setattr(recovery, "load_version", lambda path, rank, bps, world: {"from": path})
-    assert checkpointer._fall_back(0, time.perf_counter()) == {"from": persistent}
+    assert checkpointer._fall_back(0, time.perf_counter()) == {"from": str(persistent)}  # its name, as resolved
     assert checkpointer.committed_manifest() is None and job.store.manifest() == kvstore.CLEARED
 
 
