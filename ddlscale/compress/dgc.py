@@ -62,6 +62,12 @@ class DGC(SparseCompressor):
     a planned sync (Espresso, Cupcake), which sends some tensors dense, the optimizer keeps its
     momentum and the correction (and so masking) is off: a simplification of the paper's DGC there.
 
+    Fusion: like top-k, DGC selects over the whole group (the threshold is sampled from the group and
+    k..2k kept of it: the operator Cupcake and Espresso fuse tensors for; per member it would be the
+    layer-wise selection again). Its techniques do not change with fusion: momentum and masking are
+    elementwise and clipping is per member (``segments``), so a fused group is preconditioned bit for
+    bit as its members alone.
+
     Payload: ``[values (kept), indices (kept, int32)]``; kept varies with the data.
     """
 

@@ -267,7 +267,7 @@ class CompressSync(DenseAllreduce):
             job = Job(comm, compressor, compensated.reshape(-1), key, segments, work=work,
                       feedback=self.memory.name != "none")
             chosen = scheme(choice.scheme)
-            with compressor.agreed(job.tensor, comm):
+            with compressor.agreed(job.tensor, comm, segments):
                 chosen.start(job)
         return _Flight(job, chosen, compensated, key, layout, work=work)
 
