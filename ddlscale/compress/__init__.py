@@ -9,6 +9,7 @@ The interface a backend relies on
 ``Compressor`` (``base.py``)::
 
     precondition(tensor, name, segments=None, ranks=1) -> Tensor  # once per step and group, first
+    precondition_dense(tensor, name) -> Tensor            # instead, for a group a planned sync sends dense
     compress(tensor: Tensor, name: str = "", segments: Sequence[int | Segment] | None = None) -> Compressed
     decompress(compressed: Compressed) -> Tensor          # original shape and dtype
     decompress_sum(items: Sequence[Compressed]) -> Tensor  # decompress each, add in order
@@ -63,8 +64,10 @@ Rules:
 10. ``precondition`` runs once per step on each group's gradient, before error feedback (DGC's
    momentum correction and clipping, Signum's momentum), and ``sent`` after the step with what
    this rank's first compression sent; a scheme's second compression (an owner's re-encoding of a
-   sum) goes through ``compress`` alone. ``agreed`` (TernGrad's shared scales) wraps each group's
-   first-stage compressions, given the group's segments.
+   sum) goes through ``compress`` alone. A group a planned sync sends uncompressed (its dense
+   steps, a plan's dense groups) goes through the configured compressor's ``precondition_dense``
+   instead (DGC: the optimizer's momentum it took over), and ``agreed`` (TernGrad's shared scales)
+   wraps each group's first-stage compressions, given the group's segments.
 
 ``Memory`` (``memory.py``)::
 

@@ -161,6 +161,18 @@ class Compressor:
         ``ranks``: how many ranks' tensors the scheme will combine. May return ``tensor`` itself."""
         return tensor
 
+    @property
+    def prepares_dense(self) -> bool:
+        """Whether :meth:`precondition_dense` changes anything (a sync skips it otherwise)."""
+        return False
+
+    def precondition_dense(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """What this rank's gradient of a group that a planned sync sends dense (uncompressed: its dense
+        steps and the groups a plan keeps dense) becomes, before error feedback: the identity here.
+        DGC, which took over the optimizer's momentum, applies that momentum as the optimizer would.
+        May return ``tensor`` itself."""
+        return tensor
+
     def warmup_steps_left(self) -> int:
         """Steps of a schedule over the first steps (DGC's sparsity warm-up) still to run; 0 here."""
         return 0
