@@ -69,7 +69,10 @@ class QSGD(Compressor):
         members = segments or (Segment(flat.numel()),)
         s = self.levels
         buckets, where = self._spread(flat, members)
-        norms = torch.linalg.vector_norm(buckets, dim=1, keepdim=True)
+        # Each member's norms in a call of its own: a reduction's order may depend on how many rows it
+        # has (a GPU kernel splits rows differently), so the same rows as alone give the same bits.
+        rows = [math.ceil(m.numel / self.bucket_size) for m in members]
+        norms = torch.cat([torch.linalg.vector_norm(b, dim=1, keepdim=True) for b in buckets.split(rows)])
         r = buckets.abs().mul_(s / torch.where(norms > 0, norms, 1))  # in [0, s]
         # One draw per element; the padding draws 0, so it rounds to level 0.
         u, _ = self._spread(self.uniform(name, flat), members)
