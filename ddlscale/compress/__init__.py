@@ -9,6 +9,7 @@ The interface a backend relies on
 ``Compressor`` (``base.py``)::
 
     precondition(tensor, name, segments=None, ranks=1) -> Tensor  # once per step and group, first
+    precondition_dense(tensor, name) -> Tensor            # instead, for a group a planned sync sends dense
     compress(tensor: Tensor, name: str = "", segments: Sequence[int | Segment] | None = None) -> Compressed
     decompress(compressed: Compressed) -> Tensor          # original shape and dtype
     decompress_sum(items: Sequence[Compressed]) -> Tensor  # decompress each, add in order
@@ -50,17 +51,23 @@ Rules:
    allreduce-compatible path (two in-place allreduces of the factors).
 8. A fused group's flat buffer comes with ``segments``, its members (:class:`Segment`: size, and
    the row length of the member's matrix view), or the pieces of them a partition holds. A
-   per-member compressor treats each as if compressed alone — the scaled signs keep one scale per
-   member, onebit two means per column, PowerSGD factors per matrix; randomk draws each member's
-   own k positions — and records them in the Context, so the group decodes exactly as its members
-   compressed alone would. The payload grows by at most ``member_bytes`` per extra member (onebit:
-   per extra column). Every other compressor ignores them.
+   per-member compressor keeps its per-tensor statistics per member — int8's and the scaled signs'
+   scale, QSGD's buckets, TernGrad's sigma and s (shared over ranks member by member), the unscaled
+   signs' zero-row bits, onebit's column means, PowerSGD's factors; randomk draws each member's own
+   k positions — and records them in the Context, so the group decodes bit for bit as its members
+   compressed alone would (a stochastic one: given the same draws, :meth:`Compressor.uniform`). The
+   payload grows by at most ``member_bytes`` per extra member (onebit: per extra column; unscaled
+   signs: a bit per row). Every other compressor ignores them: elementwise ones (casts, threshold)
+   are unchanged by fusion anyway, and top-k and DGC select over the whole group by design.
 9. Parameters are checked at construction; a bad one raises ValueError naming its config key
    (``compressor.ratio must be in (0, 1], got 1.5``).
 10. ``precondition`` runs once per step on each group's gradient, before error feedback (DGC's
    momentum correction and clipping, Signum's momentum), and ``sent`` after the step with what
    this rank's first compression sent; a scheme's second compression (an owner's re-encoding of a
-   sum) goes through ``compress`` alone.
+   sum) goes through ``compress`` alone. A group a planned sync sends uncompressed (its dense
+   steps, a plan's dense groups) goes through the configured compressor's ``precondition_dense``
+   instead (DGC: the optimizer's momentum it took over), and ``agreed`` (TernGrad's shared scales)
+   wraps each group's first-stage compressions, given the group's segments.
 
 ``Memory`` (``memory.py``)::
 

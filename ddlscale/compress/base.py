@@ -118,11 +118,16 @@ class Compressor:
     ``summable`` — payloads of different ranks may be summed elementwise (allreduce) and decoded;
     ``fixed_size`` — payload shapes depend only on the tensor's shape and dtype, so a receiver can
     size its buffers from its own payload; otherwise sizes must be exchanged first;
-    ``per_member`` — given the members of a fused buffer (``compress(..., segments=)``), it treats
-    each as if compressed alone: one scale per member instead of one per buffer, so fusing does not
-    let a large tensor set a small one's scale (randomk: draws k per member; onebit: two means per
-    column of each member; PowerSGD: factors per member matrix); each member past the first adds
-    up to ``member_bytes`` to the payload;
+    ``per_member`` — given the members of a fused buffer (``compress(..., segments=)``), it keeps
+    its per-tensor statistics per member, so fusing does not let a large tensor set a small one's
+    scale: int8's scale, QSGD's buckets and norms, TernGrad's sigma and scale, the scaled signs'
+    scale and the unscaled signs' zero rows, onebit's column means and PowerSGD's factors, each
+    member's own (given the same random draws, a fused buffer decodes bit for bit as its members
+    compressed alone); randomk draws k per member. Each member past the first adds up to
+    ``member_bytes`` to the payload (its statistic; onebit: per column, unscaled signs: a bit per
+    row). A compressor that is not per-member ignores segments: its operator on a fused buffer is
+    defined by its own docstring (an elementwise one is unchanged by fusion; top-k and DGC select
+    over the whole group);
     ``needs_matrices`` — it compresses matrices (PowerSGD): a scheme that would hand it flat pieces
     cutting through rows refuses it;
     ``unbiased`` — E[D(C(g))] = g: it runs without error feedback by default (:attr:`default_memory`).
@@ -156,6 +161,18 @@ class Compressor:
         ``ranks``: how many ranks' tensors the scheme will combine. May return ``tensor`` itself."""
         return tensor
 
+    @property
+    def prepares_dense(self) -> bool:
+        """Whether :meth:`precondition_dense` changes anything (a sync skips it otherwise)."""
+        return False
+
+    def precondition_dense(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """What this rank's gradient of a group that a planned sync sends dense (uncompressed: its dense
+        steps and the groups a plan keeps dense) becomes, before error feedback: the identity here.
+        DGC, which took over the optimizer's momentum, applies that momentum as the optimizer would.
+        May return ``tensor`` itself."""
+        return tensor
+
     def warmup_steps_left(self) -> int:
         """Steps of a schedule over the first steps (DGC's sparsity warm-up) still to run; 0 here."""
         return 0
@@ -169,9 +186,12 @@ class Compressor:
         that depends on what was sent (DGC's momentum factor masking); nothing here."""
 
     @contextlib.contextmanager
-    def agreed(self, tensor: torch.Tensor, comm: Any) -> Iterator[None]:
+    def agreed(self, tensor: torch.Tensor, comm: Any, segments: Sequence[int | Segment] | None = None
+               ) -> Iterator[None]:
         """Around the first-stage compression of one group on ``comm`` (the ranks of its scheme):
-        a compressor whose ranks must share a value first (TernGrad's scalar) agrees on it here.
+        a compressor whose ranks must share a value first (TernGrad's scale per member) agrees on it
+        here. ``segments``: the group's members, as :meth:`compress` takes them. The compressions
+        inside cover ``tensor`` once, in order (a divisible scheme's partitions one after another).
         Nothing by default: no exchange."""
         yield
 
@@ -270,6 +290,12 @@ class Compressor:
         self._steps = {str(k): int(v) for k, v in state["steps"].items()}
 
     # -- helpers for subclasses ----------------------------------------------------------------
+    def uniform(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """Uniform draws in [0, 1), one per element of ``like`` (its shape, device and dtype), from
+        ``name``'s stream at this step (:meth:`generator`): a stochastic quantizer's rounding."""
+        return torch.rand(like.shape, generator=self.generator(name, like.device), device=like.device,
+                          dtype=like.dtype)
+
     def generator(self, name: str, device: torch.device, shared: bool = False) -> torch.Generator:
         """A fresh generator for this tensor's current step.
 
@@ -292,6 +318,30 @@ def _rank() -> int:
     """This process's global rank (0 outside torch.distributed): stochastic rounding and local
     sampling must differ across ranks, or their errors would be correlated instead of averaging out."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def sizes_of(members: Sequence[Segment] | None, numel: int) -> list[int]:
+    """The members' element counts (one member of ``numel`` when None)."""
+    return [numel] if members is None else [m.numel for m in members]
+
+
+def member_max(magnitude: torch.Tensor, members: Sequence[Segment] | None) -> torch.Tensor:
+    """The largest entry of each member of a flat non-negative tensor (0 for an empty one), as a
+    1-D tensor. A maximum is exact, so one segmented pass equals each member's own ``max``."""
+    sizes = sizes_of(members, magnitude.numel())
+    if len(sizes) == 1:
+        return (magnitude.max() if magnitude.numel() else magnitude.new_zeros(())).reshape(1)
+    lengths = torch.tensor(sizes, device=magnitude.device)
+    return torch.segment_reduce(magnitude, "max", lengths=lengths, unsafe=True, initial=0)
+
+
+def per_element(values: torch.Tensor, members: Sequence[Segment] | None, numel: int) -> torch.Tensor:
+    """One value per member, repeated over the member's elements (a single member's value as it is:
+    it broadcasts, and the products are the same)."""
+    sizes = sizes_of(members, numel)
+    if len(sizes) == 1:
+        return values
+    return torch.repeat_interleave(values, torch.tensor(sizes, device=values.device), output_size=numel)
 
 
 def numel_of(shape: Shape) -> int:

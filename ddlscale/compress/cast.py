@@ -13,7 +13,9 @@ from ddlscale.compress.base import Compressor, Context, Shape, numel_of
 
 
 class Cast(Compressor):
-    """Payload: ``[tensor.reshape(-1).to(wire_dtype)]``."""
+    """Elementwise, no statistic: a fused buffer is cast bit for bit as its members alone would be.
+
+    Payload: ``[tensor.reshape(-1).to(wire_dtype)]``."""
 
     wire_dtype: torch.dtype = torch.float16
     summable = True

@@ -58,9 +58,25 @@ class DGC(SparseCompressor):
     ``compressor=dgc`` (conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
     correction with the optimizer's momentum (``model.momentum``; the trainer then runs the optimizer
     without it, :func:`ddlscale.trainer.app.move_momentum`), masking, clipping at 5 / sqrt(ranks)
-    per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection. Under
-    a planned sync (Espresso, Cupcake), which sends some tensors dense, the optimizer keeps its
-    momentum and the correction (and so masking) is off: a simplification of the paper's DGC there.
+    per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection.
+
+    Under a planned sync (Espresso, Cupcake), which sends some tensors dense, the four stay on: the
+    groups it compresses get the correction, masking and clipping; the tensors it sends dense (its
+    dense steps, the groups a plan keeps dense) get the optimizer's momentum from
+    :meth:`precondition_dense` — u_t = momentum u_{t-1} + g_t on each rank, sent whole, no masking,
+    no clipping. Momentum is linear, so the ranks' u sum to the momentum of the averaged gradient:
+    what the optimizer's own buffer would hold. Both kinds of group keep u in the same per-rank
+    state, laid out like the group, which a re-plan splits by member and joins again with the
+    residuals (:mod:`ddlscale.sync.compressed.regroup`, keeping its sum over ranks): a tensor moving
+    from dense to compressed starts its correction from its momentum, and one moving to dense keeps
+    its velocity as its momentum (its accumulated residual is sent in its first dense step). The
+    warm-up's steps run dense there (:meth:`synced_dense`).
+
+    Fusion: like top-k, DGC selects over the whole group (the threshold is sampled from the group and
+    k..2k kept of it: the operator Cupcake and Espresso fuse tensors for; per member it would be the
+    layer-wise selection again). Its techniques do not change with fusion: momentum and masking are
+    elementwise and clipping is per member (``segments``), so a fused group is preconditioned bit for
+    bit as its members alone.
 
     Payload: ``[values (kept), indices (kept, int32)]``; kept varies with the data.
     """
@@ -103,14 +119,31 @@ class DGC(SparseCompressor):
             factors = (limit / norms.clamp(min=torch.finfo(g.dtype).tiny)).clamp(max=1.0)
             g = g * torch.repeat_interleave(factors, torch.tensor(sizes, device=g.device))
         if self.momentum:
-            previous = self._velocity.get(name)
-            if previous is not None and previous.shape != g.shape:
-                raise ValueError(f"dgc: tensor {name!r} changed size from {previous.numel()} to {g.numel()}; "
-                                 "names must identify tensors")
-            # Its own tensor, never the caller's buffer: masking edits it in place after the step.
-            g = g.clone() if previous is None else self.momentum * previous.to(g.device) + g
-            self._velocity[name] = g
+            g = self._accelerated(g, name)
         return g.reshape(tensor.shape)
+
+    def _accelerated(self, g: torch.Tensor, name: str) -> torch.Tensor:
+        """u = momentum u + g, kept under ``name``: its own tensor, never the caller's buffer (masking
+        edits it in place after the step)."""
+        previous = self._velocity.get(name)
+        if previous is not None and previous.shape != g.shape:
+            raise ValueError(f"dgc: tensor {name!r} changed size from {previous.numel()} to {g.numel()}; "
+                             "names must identify tensors")
+        u = g.clone() if previous is None else self.momentum * previous.to(g.device) + g
+        self._velocity[name] = u
+        return u
+
+    @property
+    def prepares_dense(self) -> bool:
+        return self.momentum > 0
+
+    def precondition_dense(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The optimizer's momentum for a group sent dense: u = momentum u + g (float32 or wider), kept
+        under ``name`` as the correction's velocity is; no clipping, and no masking (everything is
+        sent, and masking would zero u each step: no momentum at all)."""
+        if not self.momentum:
+            return tensor
+        return self._accelerated(wide(tensor.reshape(-1)), name).reshape(tensor.shape)
 
     def sent(self, name: str, decoded: torch.Tensor) -> None:
         velocity = self._velocity.get(name)

@@ -1,10 +1,19 @@
-"""8-bit linear quantization with one scale per tensor."""
+"""8-bit linear quantization with one scale per tensor (per member of a fused buffer)."""
 
 from __future__ import annotations
 
 import torch
 
-from ddlscale.compress.base import Compressor, Context, Shape, numel_of, wide
+from ddlscale.compress.base import (
+    Compressor,
+    Context,
+    Segment,
+    Shape,
+    member_max,
+    numel_of,
+    per_element,
+    wide,
+)
 
 
 class Int8(Compressor):
@@ -12,22 +21,27 @@ class Int8(Compressor):
     zero stays exactly zero. Round-to-nearest (biased, error <= s / 2 per element): pair it with
     error feedback. Not summable — every rank has its own scale.
 
-    Payload: ``[q (int8, numel), s (float32, 1)]``.
+    Unchanged by fusion: a fused buffer given its members keeps one scale per member, so it decodes
+    bit for bit as each member compressed alone (one scale per group would round a 1e-3-scale layer
+    fused with a unit-scale one to zero). Each member past the first adds its 4-byte scale.
+
+    Payload: ``[q (int8, numel), s (float32, one per member)]``.
     """
 
     name = "int8"
+    per_member, member_bytes = True, 4
 
-    def encode(self, tensor: torch.Tensor, name: str) -> tuple[list[torch.Tensor], None]:
+    def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
+               ) -> tuple[list[torch.Tensor], None]:
         flat = wide(tensor.reshape(-1))
-        peak = flat.abs().max() if flat.numel() else flat.new_zeros(())
-        scale = (peak / 127).to(torch.float32)
-        safe = scale if scale > 0 else scale.new_ones(())  # all-zero tensor: any scale decodes to 0
-        q = torch.round(flat / safe).clamp_(-127, 127).to(torch.int8)
-        return [q, scale.reshape(1)], None
+        scale = (member_max(flat.abs(), segments) / 127).to(torch.float32)
+        safe = torch.where(scale > 0, scale, 1.0)  # an all-zero member: any scale decodes to 0
+        q = torch.round(flat / per_element(safe, segments, flat.numel())).clamp_(-127, 127).to(torch.int8)
+        return [q, scale], None
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
         q, scale = payload
-        return q.to(scale.dtype) * scale
+        return q.to(scale.dtype) * per_element(scale, ctx.members, ctx.numel)
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         return numel_of(shape) + 4

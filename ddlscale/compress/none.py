@@ -9,7 +9,7 @@ from ddlscale.compress.base import Compressor, Context, Shape, float_bytes, nume
 
 class NoCompression(Compressor):
     """Payload: ``[tensor.reshape(-1)]`` — a view of the input (no copy), so a backend that
-    allreduces it in place writes straight into the gradient."""
+    allreduces it in place writes straight into the gradient. Fused or not, the same bits."""
 
     name = "none"
     unbiased = True  # exact: nothing to feed back (default memory none)

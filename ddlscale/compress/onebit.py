@@ -16,7 +16,12 @@ class OneBit(Compressor):
     one pair of means per tensor lacks. Biased per element: 1-bit SGD runs with error feedback.
 
     Members of a fused buffer (and the pieces of them an alltoall partition holds) keep their own
-    columns: a fused group decodes as its members compressed alone would.
+    columns: a fused group decodes bit for bit as its members compressed alone would.
+
+    Zero: the bit cannot carry a third value (a second bit per element would double the payload). An
+    all-zero column decodes to 0 (both its means are 0); a zero element of another column joins its
+    non-negative side, whose mean keeps the column's sum exact, and error feedback (the default)
+    carries the difference to the next step.
 
     Payload: ``[bits (uint8, ceil(numel / 8); 1 = negative), means (float32, 2 per column:
     [non-negative, negative], 0 for an empty side)]``; a member or piece has

@@ -59,7 +59,8 @@ class PowerSGD(Compressor):
     ((n + m) r >= n m), pass uncompressed.
 
     A fused buffer given its members (:class:`Segment`, with their rows) compresses each member as its
-    own matrix, one pair of factors each (``name#k`` keys member k's warm start); a piece that is not
+    own matrix, one pair of factors each (``name#k`` keys member k's warm start and first Q: given the
+    same, bit for bit what that member compressed alone under ``name#k`` gives); a piece that is not
     whole rows of its member cannot be seen as a matrix and is refused (``needs_matrices``: an
     alltoall, which cuts groups into flat partitions, does not take PowerSGD).
 

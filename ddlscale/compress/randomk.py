@@ -103,7 +103,8 @@ class RandomK(SparseCompressor):
     A fused buffer given its ``segments`` draws k = ceil(ratio * n) positions in each member, as
     compressing each member alone would (and scales each by its own n / k): fusing changes what a
     step sends only by the rounding, never which tensors are sampled how densely. Each member past
-    the first may add one kept element (``member_bytes``).
+    the first may add one kept element (``member_bytes``). Unchanged by fusion in distribution, not
+    bit for bit: the group draws its positions from its own stream, in one pass for all members.
     """
 
     name = "randomk"

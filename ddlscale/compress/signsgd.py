@@ -22,7 +22,6 @@ from ddlscale.compress.base import (
     Segment,
     Shape,
     check_unit_interval,
-    numel_of,
     wide,
 )
 
@@ -33,10 +32,59 @@ def mean_abs(flat: torch.Tensor, members: tuple[Segment, ...]) -> torch.Tensor:
     return torch.stack([p.abs().mean() if p.numel() else p.new_zeros(()) for p in parts])
 
 
+def rows_of(member: Segment) -> int:
+    """How many rows of its member's matrix a piece touches (a vector member, or a piece of one: one
+    row, the whole of it; an empty piece: none)."""
+    if member.numel == 0:
+        return 0
+    if member.cols == 1:
+        return 1
+    return (member.start + member.numel - 1) // member.cols - member.start // member.cols + 1
+
+
+def row_lengths(members: tuple[Segment, ...], device: torch.device) -> torch.Tensor:
+    """The elements of each row the members touch, members in order (a piece's first and last rows
+    may be partial), built on the host and moved in one copy."""
+    out = []
+    for member in members:
+        rows = rows_of(member)
+        if member.cols == 1 or rows == 0:
+            out.append(torch.full((rows,), member.numel))
+            continue
+        lengths = torch.full((rows,), member.cols)
+        head = member.cols - member.start % member.cols  # what is left of the row the piece starts in
+        lengths[0] = min(head, member.numel)
+        if rows > 1:
+            lengths[-1] = member.numel - head - (rows - 2) * member.cols
+        out.append(lengths)
+    return torch.cat(out).to(device)
+
+
+def live_rows(flat: torch.Tensor, members: tuple[Segment, ...]) -> torch.Tensor:
+    """Per row of each member (:func:`rows_of`), whether it holds a non-zero: bool, members in order;
+    one segmented pass over the whole buffer."""
+    if len(members) == 1 and members[0].cols == 1:  # a vector: one row
+        return (flat != 0).any().reshape(1) if flat.numel() else flat.new_zeros(0, dtype=torch.bool)
+    nonzero = (flat != 0).to(torch.float32)
+    return torch.segment_reduce(nonzero, "max", lengths=row_lengths(members, flat.device), unsafe=True) > 0
+
+
 class SignSGD(Compressor):
-    """One bit per element (1 = negative; zero counts as positive), plus, when ``scaled``, one float32
-    scale per member of a fused buffer: mean |x| over the member, so ||D(C(x))||_1 = ||x||_1 member
-    by member and a fused group decodes as its members compressed alone would.
+    """One bit per element (1 = negative), plus, when ``scaled``, one float32 scale per member of a
+    fused buffer: mean |x| over the member, so ||D(C(x))||_1 = ||x||_1 member by member.
+
+    Zero. One bit per element cannot carry a third value (a second bit would double the payload), so
+    a zero element of a non-zero row is sent as +1. What the encodings can carry, they do:
+    - unscaled (``signsgd``, ``signum``): one more bit per row of each tensor's matrix (its first
+      dimension; a vector is one row) says whether the row holds any non-zero, and an all-zero row
+      is sent as 0 — this rank abstains from its vote instead of voting +1. An embedding row absent
+      from every rank's batch, or an unused tensor, then stays where it is instead of moving by lr
+      every step. The bits cost 1/cols of the signs (a vector: one bit).
+    - scaled (``efsignsgd``): an all-zero member has scale 0 and decodes to 0; a zero element of a
+      non-zero member decodes to +scale, which error feedback (its default) takes back next step.
+
+    Unchanged by fusion: a fused buffer given its members keeps each member's scale and each row's
+    bit, so it decodes bit for bit as its members compressed alone would.
 
     ``vote``: the ranks' decoded tensors are combined by a majority vote — the sign of their sum:
     +1, -1, or 0 where the votes tie (Bernstein et al.'s sign, as the server applies it) — instead of
@@ -49,7 +97,7 @@ class SignSGD(Compressor):
     each rank, checkpointed; use the optimizer without its own momentum.
 
     Payload: ``[signs (uint8, ceil(numel / 8), bit-packed)]``, then when scaled ``[scales (float32,
-    one per member)]``.
+    one per member)]``, else ``[live rows (uint8, one bit per row of each member, bit-packed)]``.
     """
 
     def __init__(self, scaled: bool = False, vote: bool = True, momentum: float = 0.0) -> None:
@@ -61,8 +109,8 @@ class SignSGD(Compressor):
         self.momentum = check_unit_interval(momentum, "compressor.momentum")
         # The name says which published algorithm the configuration is (labels, profiles).
         self.name = "signum" if self.momentum else "efsignsgd" if scaled and not vote else "signsgd"
-        self.per_member = scaled  # one scale per member of a fused buffer; unscaled signs have none
-        self.member_bytes = 4 if scaled else 0
+        self.per_member = True  # one scale, or one bit per row, per member of a fused buffer
+        self.member_bytes = 4 if scaled else 1  # unscaled: a bit per row, at most a byte per vector member
         self._momenta: dict[str, torch.Tensor] = {}
 
     @property
@@ -92,15 +140,22 @@ class SignSGD(Compressor):
     def encode(self, tensor: torch.Tensor, name: str, segments: tuple[Segment, ...] | None = None
                ) -> tuple[list[torch.Tensor], None]:
         flat = tensor.reshape(-1)
+        members = segments or (Segment(flat.numel()),)
         signs = bits.pack(flat < 0, 1)
         if not self.scaled:
-            return [signs], None
-        return [signs, mean_abs(wide(flat), segments).to(torch.float32)], None
+            return [signs, bits.pack(live_rows(flat, members), 1)], None
+        return [signs, mean_abs(wide(flat), members).to(torch.float32)], None
 
     def decode(self, payload: list[torch.Tensor], ctx: Context) -> torch.Tensor:
         packed = payload[0]
         if not self.scaled:
-            return bits.lookup(packed, 1, ctx.numel, torch.tensor([1.0, -1.0], device=packed.device))
+            out = bits.lookup(packed, 1, ctx.numel, torch.tensor([1.0, -1.0], device=packed.device))
+            members = ctx.members
+            live = bits.unpack(payload[1], 1, sum(rows_of(m) for m in members)).bool()
+            if not bool(live.all()):  # all-zero rows decode to 0
+                dead = torch.repeat_interleave(~live, row_lengths(members, live.device), output_size=ctx.numel)
+                out.masked_fill_(dead, 0.0)
+            return out
         scale = payload[1]
         if ctx.segments is None:
             return bits.lookup(packed, 1, ctx.numel, torch.cat([scale, -scale]))
@@ -112,7 +167,8 @@ class SignSGD(Compressor):
         return out
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
-        return bits.packed_bytes(numel_of(shape), 1) + (4 if self.scaled else 0)
+        member = Segment(shape) if isinstance(shape, int) else Segment.of(shape)
+        return bits.packed_bytes(member.numel, 1) + (4 if self.scaled else bits.packed_bytes(rows_of(member), 1))
 
     # -- checkpointed state --------------------------------------------------------------------
     def group_states(self) -> list[dict[str, torch.Tensor]]:

@@ -12,6 +12,9 @@ class Threshold(SparseCompressor):
     ranks and steps: a backend exchanges sizes before gathering. No selection pass beyond one
     comparison — the cheapest sparsifier, at the price of an unpredictable volume.
 
+    Elementwise (one absolute threshold, no statistic): a fused buffer keeps, bit for bit, the
+    elements its members keep alone.
+
     Payload: ``[values (kept), indices (kept, int32)]``.
     """
 

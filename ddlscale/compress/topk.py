@@ -12,6 +12,13 @@ class TopK(SparseCompressor):
     """Keeps exactly k = ceil(ratio * numel) elements (at least one): every kept magnitude >= every
     dropped one, ties broken towards lower positions. Biased — use error feedback.
 
+    Fusion: top-k of a fused buffer is top-k of the whole group, k = ceil(ratio * its numel) — the
+    operator Cupcake and Espresso fuse tensors for (one selection per merged tensor). A top-k per
+    member would be the layer-wise selection again, so ``segments`` are ignored: what fusion keeps is
+    the group's count and the rule (every kept magnitude >= every dropped one, across members). A
+    member with small magnitudes may then send nothing for a while; error feedback holds it back,
+    never drops it.
+
     Payload: ``[values (k), indices (k, int32)]``.
     """
 

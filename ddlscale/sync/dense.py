@@ -9,6 +9,8 @@ bucket is small, so communication starts early in backward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ddlscale import clock
@@ -81,6 +83,9 @@ class DenseAllreduce(GradSync):
         super().__init__()
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.first_bucket_bytes = int(first_bucket_mb * 2**20)
+        # What a sync this one serves does to a full bucket (each member's gradient over n) before its
+        # allreduce: a planned sync's momentum for DGC in its dense steps. None: nothing.
+        self.before_launch: Callable[[Bucket], None] | None = None
 
     def on_setup(self) -> None:
         if self._order_known:
@@ -140,6 +145,9 @@ class DenseAllreduce(GradSync):
             bucket = self.buckets[self._next_launch]
             if len(bucket.filled) < len(bucket.members):
                 return
+            if self.before_launch is not None:
+                with self.timed("encode"):
+                    self.before_launch(bucket)
             bucket.pending = self.comm.allreduce(bucket.buffer)
             self._next_launch += 1
 

@@ -155,20 +155,14 @@ def move_momentum(sync: Any, model: Any) -> bool:
     (compressor.momentum, tied to model.momentum by conf/compressor/dgc.yaml): the optimizer then runs
     plain SGD, or momentum would apply twice. Returns whether it moved it.
 
-    A planned sync (Espresso, Cupcake) runs tensors that DGC does not see — every tensor while it
-    profiles, the groups its plan keeps dense — and those would train without momentum. There the
-    optimizer keeps its momentum, for every tensor alike, and DGC's correction is turned off (its
-    clipping, warm-up and error feedback stay); said on stdout."""
-    planned = hasattr(sync, "compressed")  # a planned sync's compressing executor, or the sync itself
-    executor = sync.compressed if planned else sync
+    A planned sync (Espresso, Cupcake) sends some tensors dense (every one in its dense steps, the
+    groups its plan keeps dense): DGC gives those the optimizer's momentum itself
+    (:meth:`~ddlscale.compress.dgc.DGC.precondition_dense`), so the momentum moves there too and every
+    tensor has it, corrected where it is compressed."""
+    executor = getattr(sync, "compressed", sync)  # a planned sync's compressing executor, or the sync itself
     compressor = getattr(executor, "compressors", {}).get("default")
     tied = (getattr(compressor, "name", None) == "dgc" and compressor.momentum > 0
             and getattr(model, "optimizer_name", None) == "sgd" and getattr(model, "momentum", 0) == compressor.momentum)
-    if tied and planned:
-        compressor.momentum = 0.0
-        print(f"ddlscale: compressor=dgc under sync={getattr(sync, 'system', 'planned')}: momentum correction off, "
-              f"the optimizer keeps its momentum ({model.momentum}) so that tensors sent dense have it too", flush=True)
-        return False
     if tied:
         model.momentum = 0.0
     return tied

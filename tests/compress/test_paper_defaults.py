@@ -42,18 +42,6 @@ def test_the_optimizers_momentum_moves_into_dgc_so_it_applies_once():
     assert not move_momentum(CompressSync(build_compressor("dgc", momentum=0.0)), kept) and kept.momentum == 0.9
 
 
-def test_under_a_planned_sync_the_optimizer_keeps_its_momentum_and_dgc_corrects_none():
-    """Espresso and Cupcake send some tensors dense (profiling, dense groups): moving the momentum into
-    DGC would leave those without any; the optimizer keeps it and DGC's correction is off."""
-    from ddlscale.sync.compressed import CupcakeSync, EspressoSync
-
-    for planned in (EspressoSync, CupcakeSync):
-        sync = planned(build_compressor("dgc", momentum=0.9))
-        model = types.SimpleNamespace(optimizer_name="sgd", momentum=0.9)
-        assert not move_momentum(sync, model)
-        assert model.momentum == 0.9 and sync.compressed.compressors["default"].momentum == 0.0
-
-
 def test_dgc_warm_up_keeps_more_first():
     dgc = _from_yaml("dgc", {"momentum": 0.0})
     flat = torch.randn(4096)

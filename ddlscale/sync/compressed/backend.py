@@ -239,6 +239,9 @@ class CompressSync(DenseAllreduce):
         if work is not None:
             self.work.append(work)
         if self._dense_path(b, key):
+            if self.compressors["default"].prepares_dense:
+                with self.timed("encode"), timed_work(work, "encode"):
+                    bucket.buffer.copy_(self.dense_precondition(bucket.buffer, key))
             return _Flight(None, None, None, key, FLAT, self.comm.allreduce(bucket.buffer), work)
         compressor = self.compressors[choice.compressor]
         comm, tensor, segments = self.comm, bucket.buffer, self._segments(b)
@@ -262,14 +265,23 @@ class CompressSync(DenseAllreduce):
                     self.memory.update(key, self.memory.compensate(tensor[:0], key), tensor[:0])
                     return _Flight(None, None, None, key, layout, None, work)
             with timed_work(work, "encode"):  # the compressor's preparation and error feedback: part of encode
-                tensor = compressor.precondition(tensor, key, segments, comm.size)
+                if isinstance(compressor, NoCompression):
+                    tensor = self.dense_precondition(tensor, key)
+                else:
+                    tensor = compressor.precondition(tensor, key, segments, comm.size)
                 compensated = self.memory.compensate(tensor, key)
             job = Job(comm, compressor, compensated.reshape(-1), key, segments, work=work,
                       feedback=self.memory.name != "none")
             chosen = scheme(choice.scheme)
-            with compressor.agreed(job.tensor, comm):
+            with compressor.agreed(job.tensor, comm, segments):
                 chosen.start(job)
         return _Flight(job, chosen, compensated, key, layout, work=work)
+
+    def dense_precondition(self, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        """What a group sent uncompressed (a plan's dense group) gets before error feedback: the
+        configured compressor's :meth:`~ddlscale.compress.Compressor.precondition_dense` (DGC: the
+        optimizer's momentum it took over), so that such a tensor trains as it would uncompressed."""
+        return self.compressors["default"].precondition_dense(tensor, key)
 
     def finish(self) -> None:
         for bucket in self.buckets[self._next_launch:]:  # no gradient this step: zeros, on every rank

@@ -92,7 +92,7 @@ from ddlscale.sync.compressed.config import TRIAL_STEPS, EspressoConfig, Planned
 from ddlscale.sync.compressed.regroup import layouts_of, layouts_state
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
-from ddlscale.sync.dense import DenseAllreduce
+from ddlscale.sync.dense import Bucket, DenseAllreduce
 from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"
@@ -190,6 +190,8 @@ class PlannedSync(GradSync):
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
+        if compressor is not None and compressor.prepares_dense:
+            self.dense.before_launch = self._dense_precondition  # DGC's momentum in the dense steps too
         check_plannable(compressor, f"sync={self.system}")
         # A compressor's warm-up (DGC's sparsity schedule) runs as dense steps, which it counts
         # (Compressor.synced_dense): calibration then measures it as the plan will run it. Calibrated
@@ -262,13 +264,21 @@ class PlannedSync(GradSync):
                               f"ranks dividing them (got {compressed.local_size}): planning flat groups only",
                               UserWarning, stacklevel=2)
         if self.session.phase.dense:
-            # Dense buckets neither use nor name error feedback or compressor state: what state there
-            # is while they run (carried in by a resharded resume) waits per tensor, and is regrouped
-            # from there into the groups that follow (calibration's, a plan's) when they are built.
+            # Dense buckets use no error feedback, and keep compressor state (DGC's momentum) per
+            # tensor: what state there is while they run (that, and what a resharded resume carried
+            # in) waits per tensor, and is regrouped from there into the groups that follow
+            # (calibration's, a plan's) when they are built.
             self.dense.on_setup()
             self.compressed.state_layouts = self.compressed.per_tensor_layouts()
         else:
             self.compressed.on_setup()
+
+    def _dense_precondition(self, bucket: Bucket) -> None:
+        """A dense step's bucket, each member as a plan's dense group sends it
+        (:meth:`CompressSync.dense_precondition`: DGC's momentum), its state kept per tensor, the
+        layout state waits in through the dense steps."""
+        for slot, i in enumerate(bucket.members):
+            bucket.views[slot].copy_(self.compressed.dense_precondition(bucket.views[slot], self.names[i]))
 
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         if self.session.phase.dense:
