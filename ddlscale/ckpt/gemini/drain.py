@@ -67,7 +67,7 @@ def persist_committed(store: JobStore, directory: Path | str, deadline_s: float 
     deadline = clock.now() + deadline_s
     # The agents' newest, not the store's alone: a record written back or deleted must not make the drain
     # write an older version, or none; nor an incarnation key set back make every agent refuse it as stale.
-    seen = consult_agents(store)
+    seen = consult_agents(store, timeout_s=min(5.0, deadline_s / 8))  # a dead machine's agent costs its timeout
     manifest = store.manifest()
     if not isinstance(manifest, Manifest):
         why = ("no version was committed in memory" if manifest is None

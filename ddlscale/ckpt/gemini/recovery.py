@@ -3,9 +3,9 @@
 
 ``resume=auto``, decided before workers start: the newest committed manifest names the version
 (:meth:`~GeminiRecovery.resume_path`) — the store's, or a newer one an agent has seen when the store
-went back (:func:`~ddlscale.ckpt.gemini.store.consult_agents`). Then every rank fetches its own replica — from its machine's
-agent (software failure), else from a live holder (machine failure, the replacement took the rank) —
-and checks its MAC. All ranks agree by one collective: if any rank found no intact replica (whole
+went back (:func:`~ddlscale.ckpt.gemini.store.consult_agents`). Then every rank fetches its own
+replica — from its machine's agent (software failure), else from a live holder (machine failure, the
+replacement took the rank) — and checks its MAC. All ranks agree by one collective: if any rank found no intact replica (whole
 group lost, MAC mismatch), everyone loads the newest persistent checkpoint instead. Restoring parses a
 snapshot stream (JSON and raw tensors): no unpickling.
 """
