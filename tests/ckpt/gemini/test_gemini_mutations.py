@@ -3,19 +3,21 @@ with each of them):
 
 1. **stale DATA accepted**: the agent skips the incarnation check for DATA chunks (``fence`` returns early
    for ``op == DATA``, or reads the incarnation with ``max_age_s=math.inf``) —
-   :func:`test_a_stale_trainers_data_chunk_is_refused_at_once_and_lands_nowhere`;
+   :func:`test_a_stale_trainers_data_chunk_is_refused_at_once_and_lands_nowhere` fails: no refusal comes,
+   the read of it times out (``TimeoutError``);
 2. **publishing with a plain set instead of compare-and-set**: ``JobStore._advance`` writes its record with
    ``raw.set`` and takes it as written —
-   :func:`test_a_publish_racing_a_newer_incarnation_never_overwrites_it`;
+   :func:`test_a_publish_racing_a_newer_incarnation_never_overwrites_it` fails: ``DID NOT RAISE
+   StaleRecord`` (incarnation 1's record went over incarnation 2's);
 3. **the drain skipping the MAC**: ``drain._replica`` returns a replica of the right length without
    ``matches`` (a corrupt replica written to disk under a fresh sha256) —
-   :func:`test_the_drain_never_writes_a_replica_that_fails_its_mac`;
+   :func:`test_the_drain_never_writes_a_replica_that_fails_its_mac` fails: the drain wrote the version;
 4. **END hashing the inbox instead of the copy**: ``Slot.copy_in`` passes ``source[start:end]`` to the
-   digest (or END hashes the inbox whole, then copies) —
-   :func:`test_end_checks_the_bytes_it_copied_not_the_inbox_a_trainer_can_still_write`.
+   digest, or END hashes the inbox whole and then copies it —
+   :func:`test_end_checks_the_bytes_it_copied_not_the_inbox_a_trainer_can_still_write` fails: END is
+   refused, "MAC mismatch", though the buffer holds the version as sent.
 
-Each was checked by applying the mutation to a clean tree, running its test (it failed, with the error
-named beside each test), and reverting.
+Each was checked by applying the mutation to the committed tree, running its test, and reverting.
 """
 
 import mmap
