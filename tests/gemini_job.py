@@ -3,12 +3,32 @@
 import socket
 
 import pytest
+import torch
 
 from ddlscale.ckpt.gemini import store as kvstore
 from ddlscale.ckpt.gemini.agent import Agent
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.gemini.protocol import AgentClient
+from ddlscale.ckpt.state.data import DataPosition
+from ddlscale.ckpt.state.rng import capture_rng
+from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT
+from ddlscale.ckpt.state.snapshot import to_bytes
+from ddlscale.ckpt.version.checksum import checksum
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+
+
+def payload(rank: int, world: int, step: int) -> dict:
+    """Rank ``rank``'s state after ``step`` as Gemini sends it (a model, its optimizer, RNG, data position):
+    what the drain writes to disk and a restart restores."""
+    torch.manual_seed(step)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    local = {"rank": rank, "world_size": world, "global_step": step, "rng": capture_rng(),
+             "data": DataPosition(0, step, 1000, step * 4 * world).to_dict(), "sync": {}}
+    shared = {"state_dict": model.state_dict(), "optimizer_states": [optimizer.state_dict()], "global_step": step}
+    return {"format": PAYLOAD_FORMAT, "local": local, "shared": shared}
 
 
 def free_port() -> int:
@@ -52,6 +72,26 @@ class Job:
         self.store.publish(Manifest(step=version, world_size=world, shards=shards, tier="memory",
                                     placement={"incarnation": self.incarnation, "machines": 1, "holders": {}}))
         self.decide(version, "committed")
+
+    def put_version(self, step: int, holders: list[list[Agent]]) -> tuple[Manifest, list[bytes]]:
+        """Rank r's state (:func:`payload`) of ``step`` to each agent of ``holders[r]`` as its trainer sends
+        it (BEGIN, DATA, END), then the manifest published and the version decided, as rank 0 does."""
+        world = len(holders)
+        streams = [to_bytes(payload(rank, world, step)) for rank in range(world)]
+        for rank, data in enumerate(streams):
+            for agent in holders[rank]:
+                with self.client(agent) as client:
+                    client.begin(step, rank, len(data))
+                    client.data(step, rank, 0, [memoryview(data)])
+                    client.end(step, rank, checksum(data, "hmac-sha256", self.auth.replica))
+        shards = tuple(ShardRecord(r, f"memory:rank{r}", len(d), checksum(d, "hmac-sha256", self.auth.replica))
+                       for r, d in enumerate(streams))
+        manifest = Manifest(step=step, world_size=world, shards=shards, batch=step, tier="memory",
+                            placement={"incarnation": self.incarnation, "machines": len(self.agents),
+                                       "holders": {str(r): [a.machine for a in h] for r, h in enumerate(holders)}})
+        self.store.publish(manifest)
+        self.decide(step, "committed")
+        return manifest, streams
 
     def close(self) -> None:
         for agent in self.agents:

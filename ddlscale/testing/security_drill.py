@@ -8,7 +8,8 @@ of incarnation 1 commits a version. Then it tries, printing one line per attempt
 refused and how: reading the replica without the secret, with a forged MAC, by replaying a recorded
 request; writing as a stale incarnation; the old fault-injection op; overwriting the committed
 version; allocations by length prefixes (a 1 TiB version, 1 GiB DATA prefixes with no payload, an
-oversized MAC text), with the agent's memory measured before and after; forged store records (a
+oversized MAC text), with the agent's memory measured before and after; 300 slow connections, then
+the job's own request; the commit record deleted from the store, then a BEGIN; forged store records (a
 manifest, an agent address, an acknowledgement); and restoring crafted bytes that would run code if
 anything unpickled them. It ends with the agent's refusal counters. Exit status 1 if any attempt
 was not refused.
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +46,7 @@ from ddlscale.ckpt.gemini.protocol import (
     HELLO,
     MAGIC,
     OK,
+    PROTOCOL,
     REPLY,
     REQUEST,
     AgentClient,
@@ -280,13 +283,45 @@ class Drill:
         raw.send(header + b"\0" * MAC_BYTES)
         return raw.outcome()
 
+    def slow_connections(self, count: int = 300) -> str:
+        """``count`` connections that each begin a request (one byte of its header) and go quiet, as one
+        byte every few seconds would; then the job's own request, while they are open."""
+        strangers = []
+        try:
+            for _ in range(count):
+                raw = Raw(self.address)
+                raw.send(MAGIC[:1])
+                strangers.append(raw)
+            with AgentClient(self.address, self.auth, 1, timeout_s=5) as client:
+                client.stat()
+            return f"refused: {count} slow connections held no slot; the job's own request was served"
+        finally:
+            for raw in strangers:
+                raw.sock.close()
+
+    def store_set_back(self) -> str:
+        """The commit record deleted from the store (anyone who reaches the store can), then a BEGIN: the
+        agent has seen the record, so it begins nothing until the job writes it again."""
+        deadline = time.monotonic() + 10
+        with AgentClient(self.address, self.auth, 1) as client:
+            while not client.stat()["seen"]["record"]:  # the agent reads it at every heartbeat
+                if time.monotonic() > deadline:
+                    return "error: the agent never saw the commit record"
+                time.sleep(0.1)
+            self.store.raw.delete_key(self.store.keys.manifest)
+            try:
+                client.begin(VERSION + 1, 0, len(self.data))
+                return "accepted"
+            finally:
+                self.store.restore(1)  # the job's writer puts its newest record back
+
     def oversized_reply(self) -> str:
         """A fake agent answering a client with a 1 TiB reply length."""
         listener = socket.create_server(("127.0.0.1", 0))
 
         def fake() -> None:
             conn, _ = listener.accept()
-            conn.sendall(HELLO.pack(MAGIC, 2, b"\0" * 16))
+            conn.sendall(HELLO.pack(MAGIC, PROTOCOL, b"\0" * 16))
             conn.recv(4096)
             conn.sendall(REPLY.pack(0, 1, 1 << 40) + b"\0" * MAC_BYTES)
             conn.close()
@@ -380,6 +415,8 @@ class Drill:
         self.attempt("two DATA prefixes of 1 GiB with no payload, signed", lambda: self.data_prefixes(self.auth),
                      lambda o: o.startswith("refused"))
         self.attempt("END announcing a 1 GiB MAC text", self.huge_mac_text)
+        self.attempt("300 connections each sending one byte of a request, then nothing", self.slow_connections)
+        self.attempt("the commit record deleted from the store, then BEGIN", self.store_set_back)
         self.check("a fake agent answering a trainer with a 1 TiB reply", self.oversized_reply)
         self.check("an unsigned manifest naming version 99 written into the store", self.forged_manifest)
         self.check("an unsigned agent address pointing the replicas elsewhere", self.forged_address)

@@ -32,7 +32,7 @@ def test_the_drill_fails_against_an_agent_without_the_data_bounds_check(tmp_path
     assert not ok
     missed = [what for what, refused, _ in drill.results if not refused]
     assert missed == ["two DATA prefixes of 1 GiB with no payload, signed"], out[-3000:]
-    assert "11 of 12 attempts on the agent refused by it" in out
+    assert "13 of 14 attempts on the agent refused by it" in out
 
 
 def test_a_dead_agent_refuses_nothing(tmp_path):

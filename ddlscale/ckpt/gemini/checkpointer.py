@@ -47,7 +47,7 @@ from ddlscale.ckpt.gemini.launch import check_launch, launch_services
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.gemini.recovery import GeminiRecovery
-from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect
+from ddlscale.ckpt.gemini.store import ETCD, JobStore, StoreWentBack, connect, consult_agents
 from ddlscale.ckpt.gemini.wire import TrainingWire
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
@@ -59,6 +59,7 @@ from ddlscale.cluster.context import Launch, Services, job_name
 # began waiting for the outcome: that rank waits this much beyond commit_timeout_s.
 OUTCOME_SLACK_S = 10.0
 NO_SPACE_OUTCOME = "no_space"  # a version's outcome when some holder had no room for it
+STORE_BEHIND_OUTCOME = "store_went_back"  # ... when the store's commit record went back: the run stops
 PERSIST_ON_STORAGE = "gemini"  # ckpt.persist_dir's default on a storage machine: storage://gemini
 
 
@@ -167,6 +168,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.committed: list[int] = []
         self._no_space_seen: set[int] = set()
         self.space_refusal: str | None = None
+        self.store_behind: str | None = None  # why rank 0 decided STORE_BEHIND_OUTCOME
         if run_dir is not None:
             self.progress_path = Path(run_dir) / PROGRESS_FILE
         self.wire = TrainingWire(None, self.profile_steps, self.mu)  # the sync backend is known in setup
@@ -241,16 +243,21 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             dist.all_gather_object(gathered, machine)
             self.machine_of = [int(m) for m in gathered]
         if rank == 0:  # a new incarnation: the agents refuse whatever the previous one's trainers still send
-            manifest = self.committed_manifest()
-            last = max(int(self.store.get(self.store.keys.incarnation, 0)),
-                       int(manifest.placement.get("incarnation", 0)) if manifest is not None else 0)
-            self.incarnation = last + 1
+            # Above any the store or an agent has seen: the store's keys may have been set back, the
+            # agents' memory cannot be (store.py, "the commit record").
+            seen = consult_agents(self.store, machines)
+            manifest = self.committed_manifest()  # the newest record the store or an agent holds
+            newest = self.store.newest_order or (0, 0)
+            self.incarnation = 1 + max(int(self.store.get(self.store.keys.incarnation, 0)), seen, newest[0])
             self.store.set(self.store.keys.incarnation, self.incarnation)
             if manifest is not None and manifest.world_size != world:
                 # Its replicas are per rank of another world size: never restorable here (resume_path went
                 # to the persistent tier), and the agents would keep its buffers for nothing.
                 self.store.clear_manifest(f"the job runs on {world} ranks now; step {manifest.step} was "
                                           f"committed on {manifest.world_size}", self.incarnation)
+            elif self.store.behind is not None:  # the agents refuse BEGIN until the newest is back
+                print(f"ckpt=gemini: {self.store.behind}; writing the newest again, as the agents saw it", flush=True)
+                self.store.restore(self.incarnation)
         self.incarnation = int(trainer.strategy.broadcast(self.incarnation, src=0))
         self.wire.sync = getattr(trainer.strategy, "sync", None)
         holders = list(self.plan.holders_of(machine))
@@ -290,7 +297,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                           stacklevel=2)
         self.store.set(self.store.keys.shard(self.incarnation, transfer.version, rank),
                        {"bytes": transfer.nbytes, "checksum": transfer.checksum, "verified": transfer.verified,
-                        "no_space": transfer.space_error})
+                        "no_space": transfer.space_error, "store_behind": transfer.store_behind})
         if rank == 0:
             self._commit(transfer)
 
@@ -313,9 +320,15 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
                                     placement={"kind": self.placement, "machines": self.plan.machines,
                                                "replicas": self.replicas, "machine_of": self.machine_of,
                                                "holders": holders, "incarnation": self.incarnation})
-                self.store.publish(manifest)  # one signed key: the version now exists
-                self.committed.append(version)
-                outcome = "committed"
+                try:
+                    self.store.publish(manifest)  # one signed key: the version now exists
+                    self.committed.append(version)
+                    outcome = "committed"
+                except StoreWentBack as exc:  # never numbered from a record written back: the run stops
+                    outcome, self.store_behind = STORE_BEHIND_OUTCOME, str(exc)
+            elif any(r and r.get("store_behind") for r in records):  # some agent refused BEGIN: likewise
+                outcome = STORE_BEHIND_OUTCOME
+                self.store_behind = next(r["store_behind"] for r in records if r and r.get("store_behind"))
             elif any(r and r.get("no_space") for r in records):  # every rank acts on it at the same step
                 outcome = NO_SPACE_OUTCOME
                 self.space_refusal = next(r["no_space"] for r in records if r and r.get("no_space"))
@@ -394,6 +407,13 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         # The version before the one just sent: its outcome is known to every rank by now (the last one's
         # BEGIN waited for it), so all ranks act at the same step.
         decided = self.transfers[-2] if len(self.transfers) >= 2 else None
+        if decided is not None and decided.outcome == STORE_BEHIND_OUTCOME:
+            why = self.store_behind or decided.store_behind or "an agent refused to begin a version"
+            raise RuntimeError(
+                f"ckpt=gemini: the job's store went back: {why}. Someone who reaches the store wrote an old commit "
+                f"record back or deleted it; stopping at step {trainer.global_step} rather than training on "
+                "unprotected. The newest committed version is still in the agents' memory: a restart "
+                "(cluster.max_restarts) resumes from it, and so does the launch's drain to ckpt.persist_dir")
         if decided is not None and decided.outcome == NO_SPACE_OUTCOME and decided.version not in self._no_space_seen:
             self._no_space_seen.add(decided.version)
             refusal = decided.space_error or f"an agent could not store version {decided.version}"

@@ -1,7 +1,8 @@
 """When a launch ends, its newest committed in-memory version goes to the persistent directory.
 
 The agents die with the launch that started them (``cluster=local``, ``cluster=emulated``), and with
-them the in-memory versions. So on the way out the launcher reads the committed manifest, fetches every
+them the in-memory versions. So on the way out the launcher reads the newest committed manifest (the
+store's, or a newer one an agent has seen: the store's key can be set back), fetches every
 rank's replica from a live holder, checks its MAC, parses it (a snapshot stream: JSON and raw tensors,
 nothing unpickled) and writes the version as the persistent tier writes its own, one rank at a time
 (a rank's replica is fetched, checked, written into its DCP file and dropped before the next one's
@@ -34,7 +35,7 @@ from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
 from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
-from ddlscale.ckpt.gemini.store import JobStore, connect
+from ddlscale.ckpt.gemini.store import JobStore, connect, consult_agents
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import decode
 from ddlscale.ckpt.version.checksum import matches
@@ -64,6 +65,9 @@ def persist_committed(store: JobStore, directory: Path | str, deadline_s: float 
     nothing is written when ``directory`` already holds that step or a newer one, or when some rank has
     no intact replica."""
     deadline = clock.now() + deadline_s
+    # The agents' newest, not the store's alone: a record written back or deleted must not make the drain
+    # write an older version, or none; nor an incarnation key set back make every agent refuse it as stale.
+    seen = consult_agents(store, timeout_s=min(5.0, deadline_s / 8))  # a dead machine's agent costs its timeout
     manifest = store.manifest()
     if not isinstance(manifest, Manifest):
         why = ("no version was committed in memory" if manifest is None
@@ -74,7 +78,7 @@ def persist_committed(store: JobStore, directory: Path | str, deadline_s: float 
     if existing and (step_of(existing[0]) or 0) >= manifest.step:
         return Drained(target.locator(existing[0]), f"{existing[0]} already holds step {step_of(existing[0])}",
                        manifest.step)
-    incarnation = int(store.get(store.keys.incarnation, 0))
+    incarnation = max(int(store.get(store.keys.incarnation, 0)), seen)
     alive = store.get(store.keys.alive, list(range(manifest.placement["machines"])))
 
     def payload_of(rank: int) -> dict[str, Any]:

@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from ddlscale import clock
-from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, ReplicaRefused, ReplicaSpaceError
+from ddlscale.ckpt.gemini.protocol import (
+    AgentClient,
+    ReplicaError,
+    ReplicaRefused,
+    ReplicaSpaceError,
+    ReplicaStoreBehind,
+)
 from ddlscale.ckpt.state.snapshot import Snapshot
 from ddlscale.ckpt.version.checksum import Checksum
 
@@ -107,6 +113,7 @@ class Transfer:
     checksum: str = ""  # the whole stream's MAC, "<algorithm>:<hex>"
     error: str | None = None
     space_error: str | None = None  # a holder could not reserve the version's buffer
+    store_behind: str | None = None  # a holder refused BEGIN: the job's store went back (the run must stop)
     outcome: str | None = None  # its commit's outcome, as the next version's BEGIN read it (every rank alike)
     verified: list[int] = field(default_factory=list)  # holders (machines) whose END check passed
     done: threading.Event = field(default_factory=threading.Event)  # sent and checked: state may change
@@ -268,6 +275,8 @@ class ReplicaSender:
                     transfer.error = str(exc)
         except ReplicaSpaceError as exc:
             transfer.error = transfer.space_error = f"sending version {transfer.version}: {exc}"
+        except ReplicaStoreBehind as exc:
+            transfer.error = transfer.store_behind = f"sending version {transfer.version}: {exc}"
         except Exception as exc:  # any failure fails this version only: training must not wait on it forever
             transfer.error = f"sending version {transfer.version}: {exc}"
         finally:

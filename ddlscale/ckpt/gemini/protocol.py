@@ -12,13 +12,18 @@ and any short text that follows; ``owner`` is the rank whose state the bytes are
 * ``DATA`` (``a`` = offset, ``b`` = length, then ``b`` bytes; no reply, so chunks stream);
 * ``END`` (text: the version's MAC under the replica key): the agent checks the bytes it holds;
   only then is the replica complete;
-* ``GET`` returns a complete replica; ``VERIFY`` checks one again; ``STAT`` lists what an agent holds
-  and what it refused.
+* ``GET`` returns a complete replica; ``VERIFY`` checks one again; ``STAT`` lists what an agent holds,
+  what it refused and the newest commit record and incarnation it has seen;
+* ``JOIN`` does nothing: every client sends it as it connects, so that its connection authenticates at
+  once and takes one of the agent's slots (a connection holds none until its first request
+  authenticates, :mod:`ddlscale.ckpt.gemini.agent.server`).
 
 What the framing guarantees: a header nobody with the job's secret wrote fails its MAC; ``seq`` counts
 up by one per request on a connection, so a recorded request replayed, dropped or reordered is
 refused, and the nonce makes a recording useless on any other connection; ``incarnation`` older than
-the job's current one marks a stale trainer. A refused request gets a reply saying why, then the
+the job's current one marks a stale trainer (``JOIN`` and ``STAT`` change nothing and are answered
+whatever their incarnation: the drain and a restart ask the agents which incarnation is current). A
+refused request gets a reply saying why, then the
 agent closes the connection (its framing can no longer be trusted). DATA's payload is not MACed chunk
 by chunk: it lands in a version that counts only once END has proved the MAC of the whole version,
 which also covers bytes a trainer wrote through shared memory, and nobody without the secret can send
@@ -46,13 +51,14 @@ from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import MAC_BYTES, JobKeys
 
 MAGIC = b"GMN2"
-BUSY = b"GBSY"  # HELLO's magic from an agent at its connection cap: it closes the connection
-PROTOCOL = 2
+PROTOCOL = 3
 HELLO = struct.Struct("<4sB16s")  # magic, protocol, nonce
 REQUEST = struct.Struct("<4sBQqqiqq")  # magic, op, seq, incarnation, version, owner, a, b
 REPLY = struct.Struct("<BQq")  # status, seq of the request answered, body length
-OK, FAILED, NO_SPACE, REFUSED = range(4)
+OK, FAILED, NO_SPACE, REFUSED, STORE_BEHIND = range(5)
 BEGIN, DATA, END, GET, VERIFY, STAT = range(1, 7)
+JOIN = 8  # (7 was a fault-injection op, long gone: the drills send it to see it refused)
+CONNECT_ATTEMPTS = 3  # a connection pushed out before its JOIN was answered (a flood of strangers) is retried
 NO_VERSION = -1
 MAX_TEXT = 128  # a MAC's text: "hmac-sha256:" + 64 hex digits fits
 MAX_SMALL_REPLY = 1 << 20  # every reply but GET's body
@@ -106,19 +112,36 @@ class ReplicaRefused(ReplicaError):
     connection."""
 
 
-def recv_exactly(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock`` (straight into the caller's memory: no intermediate copy)."""
+class ReplicaStoreBehind(ReplicaError):
+    """An agent refused BEGIN: the job's store holds an older commit record (or incarnation) than one the
+    agent has seen, or none at all. Someone wrote an old record back or deleted it; a version begun now
+    could overwrite the newest committed one, so the run must stop (:mod:`ddlscale.ckpt.gemini.store`)."""
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection before the message was whole."""
+
+
+def recv_exactly(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock`` (straight into the caller's memory: no intermediate copy). ``deadline``
+    (:func:`ddlscale.clock.now`): the whole message must be in by then — a socket timeout alone bounds each
+    recv, so a peer sending one byte at a time would hold the connection for as long as it likes."""
     while view:
+        if deadline is not None:
+            left = deadline - clock.now()
+            if left <= 0:
+                raise TimeoutError("the message's deadline passed")
+            sock.settimeout(clock.wall(left))
         got = sock.recv_into(view)
         if got == 0:
-            raise ConnectionError("connection closed mid-message")
+            raise ConnectionClosed("connection closed mid-message")
         view = view[got:]
 
 
-def recv_bytes(sock: socket.socket, n: int) -> bytearray:
+def recv_bytes(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
     """``n`` bytes; callers bound ``n`` before calling (it is allocated at once)."""
     out = bytearray(n)
-    recv_exactly(sock, memoryview(out))
+    recv_exactly(sock, memoryview(out), deadline)
     return out
 
 
@@ -145,19 +168,31 @@ class AgentClient:
         self._connect()
 
     def _connect(self) -> None:
-        try:
-            self.sock = socket.create_connection(parse_address(self.address), timeout=clock.wall(self.timeout_s))
-            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, protocol, self.nonce = HELLO.unpack(recv_bytes(self.sock, HELLO.size))
-        except OSError as exc:
-            raise ReplicaError(f"replica agent {self.address} unreachable: {exc}") from None
-        if magic == BUSY:
-            self.sock.close()
-            raise ReplicaError(f"replica agent {self.address} refused the connection: at its connection cap")
-        if magic != MAGIC or protocol != PROTOCOL:
-            self.sock.close()
-            raise ReplicaError(f"{self.address} is not a replica agent of protocol {PROTOCOL}")
-        self.seq = 0
+        """Connect and JOIN. A connection the agent closed before answering (pushed out by newer
+        unauthenticated ones: a flood) is tried again, at most ``CONNECT_ATTEMPTS`` times."""
+        for attempt in range(1, CONNECT_ATTEMPTS + 1):
+            try:
+                self.sock = socket.create_connection(parse_address(self.address), timeout=clock.wall(self.timeout_s))
+                self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                magic, protocol, self.nonce = HELLO.unpack(recv_bytes(self.sock, HELLO.size))
+            except OSError as exc:
+                raise ReplicaError(f"replica agent {self.address} unreachable: {exc}") from None
+            if magic != MAGIC or protocol != PROTOCOL:
+                self.sock.close()
+                raise ReplicaError(f"{self.address} is not a replica agent of protocol {PROTOCOL}")
+            self.seq = 0
+            try:
+                self._request(JOIN, NO_VERSION, -1)
+                self._reply()
+                return
+            except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
+                self.sock.close()
+                if attempt == CONNECT_ATTEMPTS:
+                    raise ReplicaError(f"replica agent {self.address} closed {attempt} connections before "
+                                       f"answering: {exc}") from None
+            except BaseException:
+                self.sock.close()
+                raise
 
     def reconnect(self) -> None:
         """A fresh connection. After a request failed part-way (a timeout mid-DATA, or before END's
@@ -186,7 +221,8 @@ class AgentClient:
             raise ConnectionError(f"agent {self.address}: a reply that fails its MAC")
         if status != OK:
             message = f"agent {self.address}: {body.decode(errors='replace')}"
-            raise {NO_SPACE: ReplicaSpaceError, REFUSED: ReplicaRefused}.get(status, ReplicaError)(message)
+            raise {NO_SPACE: ReplicaSpaceError, REFUSED: ReplicaRefused,
+                   STORE_BEHIND: ReplicaStoreBehind}.get(status, ReplicaError)(message)
         return body
 
     def begin(self, version: int, owner: int, nbytes: int, shared: bool = False) -> str:

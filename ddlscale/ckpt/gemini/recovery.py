@@ -1,10 +1,11 @@
 """Recovery of a Gemini job: the committed version back from peers' memory, else from the persistent tier
 (a directory, or the emulated cluster's storage machine).
 
-``resume=auto``, decided before workers start: the committed manifest in the store names the version
-(:meth:`~GeminiRecovery.resume_path`). Then every rank fetches its own replica — from its machine's
-agent (software failure), else from a live holder (machine failure, the replacement took the rank) —
-and checks its MAC. All ranks agree by one collective: if any rank found no intact replica (whole
+``resume=auto``, decided before workers start: the newest committed manifest names the version
+(:meth:`~GeminiRecovery.resume_path`) — the store's, or a newer one an agent has seen when the store
+went back (:func:`~ddlscale.ckpt.gemini.store.consult_agents`). Then every rank fetches its own
+replica — from its machine's agent (software failure), else from a live holder (machine failure, the
+replacement took the rank) — and checks its MAC. All ranks agree by one collective: if any rank found no intact replica (whole
 group lost, MAC mismatch), everyone loads the newest persistent checkpoint instead. Restoring parses a
 snapshot stream (JSON and raw tensors): no unpickling.
 """
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from ddlscale import clock
 from ddlscale.ckpt.disk.checkpointer import find_resumable
 from ddlscale.ckpt.gemini.protocol import ReplicaError
+from ddlscale.ckpt.gemini.store import consult_agents
 from ddlscale.ckpt.state.shard import assemble
 from ddlscale.ckpt.state.snapshot import rebuild
 from ddlscale.ckpt.version.checksum import matches
@@ -42,7 +44,9 @@ class GeminiRecovery:
     def resume_path(self, world_size: int) -> str | None:
         if self.resume is None:
             return None
-        manifest = self.committed_manifest(self._connect())
+        store = self._connect()
+        consult_agents(store)  # the newest committed version the agents know of, whatever the store says now
+        manifest = self.committed_manifest(store)
         if manifest is not None and manifest.world_size == world_size:
             return f"{PATH_PREFIX}{manifest.step}"
         found = self._persistent_path(world_size)
@@ -88,6 +92,9 @@ class GeminiRecovery:
     def _fetch(self, step: int, rank: int) -> tuple[bytearray | None, str]:
         """This rank's replica of ``step``, checksum-verified: own machine's agent first, then live holders."""
         manifest = self.committed_manifest()
+        if manifest is None or manifest.step != step:  # the store went back since resume_path: ask the agents
+            consult_agents(self.store)
+            manifest = self.committed_manifest()
         if manifest is None or manifest.step != step:
             warnings.warn(f"gemini: version {step} is no longer the committed one", stacklevel=2)
             return None, "none"
@@ -121,7 +128,7 @@ class GeminiRecovery:
             if choice[0] is not None:
                 # Training goes back to that version: the committed one in memory (unrestorable) is stale,
                 # and the agents would keep its buffers from the replayed steps.
-                self.store.clear_manifest(f"fell back to {choice[0]}")
+                self.store.clear_manifest(f"fell back to {choice[0]}", self.incarnation)
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
         if choice[1] is not None:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import JobKeys
-from ddlscale.ckpt.gemini.protocol import parse_address
+from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, parse_address
 from ddlscale.ckpt.version.manifest import Manifest, ManifestError
 from ddlscale.cluster.control_plane import EtcdAddress, EtcdKeyValue, missing
 
@@ -149,8 +149,10 @@ class JobStore:
     def __init__(self, store: KeyValue, job: str, auth: JobKeys) -> None:
         self.raw, self.keys, self.auth = store, Keys(job), auth
         self.refused = 0  # values read that failed their signature, or went back (replays)
-        self._newest: tuple[int, int] | None = None  # the newest commit record seen (see manifest)
+        self._newest: tuple[int, int] | None = None  # the newest commit record seen or written (see manifest)
         self._newest_value: Any = None
+        self._newest_raw: str | None = None
+        self.behind: str | None = None  # why the store's commit record was behind the newest, at the last read
 
     def set(self, key: str, value: Any) -> None:
         self.raw.set(key, self.signed(key, value))
@@ -190,26 +192,74 @@ class JobStore:
         self.raw.delete_key(key)
 
     # -- the commit record ------------------------------------------------------------------------
-    # A signed record can be written back later by anyone who reaches the store (a replay: its signature
-    # still holds). So each commit record carries where it stands, (incarnation, seq): seq counts the
-    # records written, each one by compare-and-set on the one it follows. A reader refuses a record
-    # older than the newest it has seen (``refused`` counts it), so the agents, which read it for as long
-    # as the job runs, are never moved back; and no record goes over one of a newer incarnation.
+    # Anyone who reaches the store can write an old signed record back (its signature still holds) or
+    # delete the key, and the store cannot tell. So a record's place is its own: (incarnation, seq), seq
+    # counting the records of its incarnation, signed with it. A writer numbers its next record from the
+    # newest it has seen or written itself, never from what the key holds, and writes it by compare-and-
+    # set on the record it follows. Anyone who has seen a newer record than the key holds (or one when
+    # the key holds none) knows the store went back: the agents then refuse BEGIN, and a writer refuses
+    # to write (:class:`StoreWentBack`); the run stops, and a restart or the drain takes the newest record
+    # from the agents (:func:`consult_agents`), who outlive the trainers. (etcd's revision would not do:
+    # a replay written back gets a new one.)
 
-    def manifest(self) -> Manifest | None | str:
-        """The committed manifest; None when there is none; ``CLEARED`` when the job declared that it
-        has none any more (it went back to a persistent version)."""
-        value = self.get(self.keys.manifest)
-        if not isinstance(value, dict):
+    def _read_record(self) -> tuple[bytes, dict[str, Any] | None]:
+        """The commit record's raw bytes (b"" when absent) and its value (None when absent or not signed)."""
+        key = self.keys.manifest
+        raw = bytes(self.raw.get(key)) if self.raw.check([key]) else b""
+        value = self.open(key, raw) if raw else None
+        return raw, value if isinstance(value, dict) else None
+
+    def _adopt(self, raw: bytes | str, value: dict[str, Any]) -> bool:
+        """Take ``value`` as the newest record when it is newer than the newest seen."""
+        if self._newest is not None and _order(value) <= self._newest:
+            return False
+        self._newest, self._newest_value = _order(value), value
+        self._newest_raw = raw.decode() if isinstance(raw, bytes) else raw
+        return True
+
+    def _went_back(self, value: dict[str, Any] | None) -> str | None:
+        """Why the store's record ``value`` is behind the newest seen here, or None when it is not."""
+        if self._newest is None:
             return None
-        order = _order(value)
-        if self._newest is not None and order < self._newest:
-            self.refused += 1
-            warnings.warn(f"gemini: store key {self.keys.manifest} went back to an older record {order} (newest "
-                          f"seen {self._newest}): a replay, ignored", stacklevel=2)
+        if value is None:
+            return f"store key {self.keys.manifest} lost its commit record (the newest seen is {self._newest})"
+        if _order(value) < self._newest:
+            return (f"store key {self.keys.manifest} went back to commit record {_order(value)} (the newest seen "
+                    f"is {self._newest}): an old record written back")
+        return None
+
+    @property
+    def newest_record(self) -> str | None:
+        """The newest commit record seen here, signed, as the store held it (what STAT reports)."""
+        return self._newest_raw
+
+    @property
+    def newest_order(self) -> tuple[int, int] | None:
+        return self._newest
+
+    def witness(self, raw: bytes | str) -> bool:
+        """Learn of a commit record from elsewhere (an agent's STAT): taken as the newest when its signature
+        holds and it is newer than any seen here."""
+        value = self.open(self.keys.manifest, raw)
+        return isinstance(value, dict) and self._adopt(raw, value)
+
+    def manifest(self, strict: bool = False) -> Manifest | None | str:
+        """The committed manifest; None when there is none; ``CLEARED`` when the job declared that it has
+        none any more (it went back to a persistent version). When the store went back (``behind`` says
+        why): ``strict`` raises :class:`StoreWentBack`; otherwise the newest record seen here counts."""
+        raw, value = self._read_record()
+        self.behind = self._went_back(value)
+        if self.behind is not None:
+            if value is not None:
+                self.refused += 1
+            if strict:
+                raise StoreWentBack(self.behind)
+            warnings.warn(f"gemini: {self.behind}; the newest is used", stacklevel=2)
             value = self._newest_value
-        else:
-            self._newest, self._newest_value = order, value
+        elif value is not None:
+            self._adopt(raw, value)
+        if value is None:
+            return None
         if value.get("cleared"):
             return CLEARED
         try:
@@ -222,35 +272,77 @@ class JobStore:
         """One signed key: from here on the version is committed (see :meth:`_advance`)."""
         self._advance({"manifest": manifest.to_dict()}, int(manifest.placement.get("incarnation", 0)))
 
-    def clear_manifest(self, reason: str, incarnation: int | None = None) -> None:
-        if incarnation is None:
-            incarnation = int(self.get(self.keys.incarnation, 0))
-        self._advance({"cleared": True, "reason": reason}, incarnation)
+    def clear_manifest(self, reason: str, incarnation: int) -> None:
+        """Declare that the job has no committed version in memory any more (it goes back to a persistent
+        one, or runs at another world size): over whatever record the key holds, older ones included."""
+        self._advance({"cleared": True, "reason": reason}, incarnation, over_older=True)
 
-    def _advance(self, value: dict[str, Any], incarnation: int, attempts: int = 5) -> None:
-        """Write the commit record ``value`` of ``incarnation`` by compare-and-set on the record there;
-        refused (:class:`StaleRecord`) when the job or the record there is of a newer incarnation (a
-        trainer left from before a restart must not publish over its successors)."""
+    def restore(self, incarnation: int) -> None:
+        """Write the newest record seen here again, as a record of ``incarnation``: the store went back
+        (``behind``) and the job, restarted, puts it forward (over whatever the key holds)."""
+        value = {k: v for k, v in self._newest_value.items() if k not in ("incarnation", "seq")}
+        self._advance(value, incarnation, over_older=True)
+
+    def _advance(self, value: dict[str, Any], incarnation: int, attempts: int = 5, over_older: bool = False) -> None:
+        """Write the commit record ``value`` of ``incarnation`` by compare-and-set on the record there.
+        Refused (:class:`StaleRecord`) when the job or the record there is of a newer incarnation (a trainer
+        left from before a restart must not publish over its successors), and (:class:`StoreWentBack`) when
+        the record there is older than the newest this writer has seen or written (unless ``over_older``):
+        it never numbers a record from one written back."""
         key = self.keys.manifest
         for _ in range(attempts):
             current = int(self.get(self.keys.incarnation, 0))
             if incarnation < current:
                 raise StaleRecord(f"a commit record of incarnation {incarnation}: the job is at {current}")
-            raw = self.raw.get(key) if self.raw.check([key]) else b""
-            there = self.open(key, raw) if raw else None
-            there_order = _order(there) if isinstance(there, dict) else (0, 0)
-            if there_order[0] > incarnation:
-                raise StaleRecord(f"the commit record there is of incarnation {there_order[0]}, newer than {incarnation}")
-            record = {**value, "incarnation": incarnation, "seq": there_order[1] + 1}
+            raw, there = self._read_record()
+            there_order = _order(there) if there is not None else (0, 0)
+            newest = max(there_order, self._newest or (0, 0))
+            if newest[0] > incarnation:
+                raise StaleRecord(f"a commit record of incarnation {newest[0]} exists, newer than {incarnation}")
+            went_back = self._went_back(there)
+            if went_back is not None and not over_older:
+                raise StoreWentBack(went_back)
+            record = {**value, "incarnation": incarnation, "seq": newest[1] + 1 if newest[0] == incarnation else 1}
             desired = self.signed(key, record)
-            if bytes(self.raw.compare_set(key, raw.decode() if raw else "", desired)) == desired.encode():
-                self._newest, self._newest_value = _order(record), record
+            if bytes(self.raw.compare_set(key, raw.decode(errors="replace"), desired)) == desired.encode():
+                self._adopt(desired, record)
+                self.behind = None
                 return
         raise RuntimeError(f"gemini: store key {key} kept changing under compare-and-set")
 
 
+def consult_agents(store: JobStore, machines: int | None = None, timeout_s: float = 5.0) -> int:
+    """Ask the agents of ``machines`` machines (None: 0, 1, ... as long as one is registered) for the newest
+    commit record each has seen; each one whose signature holds feeds ``store``'s newest
+    (:meth:`JobStore.witness`), so that :meth:`JobStore.manifest` answers the newest any of them saw, not
+    what the key holds now. An agent that is not registered or cannot be reached is passed over. Returns
+    the highest incarnation they have seen (0: none)."""
+    incarnation, machine = 0, 0
+    while machines is None or machine < machines:
+        address = store.get(store.keys.agent(machine))
+        machine += 1
+        if address is None:
+            if machines is None:
+                break
+            continue
+        try:
+            with AgentClient(address, store.auth, 0, timeout_s=timeout_s) as client:  # STAT: any incarnation
+                seen = client.stat().get("seen", {})
+        except (ReplicaError, OSError, ValueError):
+            continue
+        if seen.get("record"):
+            store.witness(seen["record"])
+        incarnation = max(incarnation, int(seen.get("incarnation", 0)))
+    return incarnation
+
+
 class StaleRecord(RuntimeError):
     """A commit record that would go over one of a newer incarnation."""
+
+
+class StoreWentBack(RuntimeError):
+    """The store holds an older commit record than one seen or written here, or none: someone wrote an old
+    one back, or deleted it."""
 
 
 def _order(value: dict[str, Any]) -> tuple[int, int]:

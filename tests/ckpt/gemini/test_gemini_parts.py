@@ -174,7 +174,7 @@ def test_the_committed_version_is_never_rewritten_not_even_by_its_own_number(job
         with pytest.raises(ReplicaError, match="version 10 of rank 0 is the committed one"):
             client.begin(10, 0, len(replayed))
         assert bytes(client.get(10, 0, 4000)) == committed  # intact, and the connection still in step
-    job.store.clear_manifest("fell back to disk")  # the job itself says nothing is committed any more
+    job.store.clear_manifest("fell back to disk", job.incarnation)  # the job itself says nothing is committed any more
     with job.client(agent) as client:
         _put(job, client, 10, replayed)
         assert bytes(client.get(10, 0, 4000)) == replayed

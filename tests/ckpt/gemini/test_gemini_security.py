@@ -19,7 +19,7 @@ from ddlscale.ckpt.base import PROGRESS_FILE
 from ddlscale.ckpt.gemini import store as kvstore
 from ddlscale.ckpt.gemini.interleave import ReplicaSender
 from ddlscale.ckpt.gemini.placement import PlacementPlan
-from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, ReplicaRefused
+from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, ReplicaRefused, ReplicaStoreBehind
 from ddlscale.ckpt.version.checksum import checksum
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
 
@@ -41,18 +41,18 @@ def _put(job, client, version, data, outcome="failed"):
 @pytest.mark.multiprocess
 def test_the_security_drill_refuses_every_hostile_attempt():
     """``python -m ddlscale.testing.drill security``: anonymous, forged, replayed and stale requests, the
-    old fault-injection op, overwriting the committed version, oversized lengths, forged store records,
-    pickled checkpoints — each refused, the committed version intact, the refusals counted."""
+    old fault-injection op, overwriting the committed version, oversized lengths, slow connections, the
+    commit record deleted, forged store records, pickled checkpoints — each refused, the committed version intact, the refusals counted."""
     result = subprocess.run([sys.executable, "-m", "ddlscale.testing.drill", "security"], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     lines = result.stdout.splitlines()
-    assert sum(line.startswith("[refused]") for line in lines) == 12  # by the agent itself, counted
+    assert sum(line.startswith("[refused]") for line in lines) == 14  # by the agent itself, counted
     assert sum(line.startswith("[held]") for line in lines) == 6  # store, client and restore checks
     assert not any("NOT REFUSED" in line or "EXECUTED" in line for line in lines)
     assert "committed version 1 intact after all attempts: True" in lines
     counters = next(line for line in lines if line.startswith("agent's refusal counters"))
-    for reason in ("unauthenticated", "replayed", "stale", "unknown_op", "fenced", "bounds"):
+    for reason in ("unauthenticated", "replayed", "stale", "unknown_op", "fenced", "bounds", "evicted", "store_behind"):
         assert f"'{reason}'" in counters
 
 
@@ -63,9 +63,8 @@ def test_requests_without_the_secret_or_from_a_stale_incarnation_are_refused_and
     with job.client(agent) as client:
         _put(job, client, 1, data, outcome="committed")
     stranger = SimpleNamespace(**{**vars(job), "auth": type(job.auth)(b"another secret!!", job.name)})
-    with AgentClient(agent.address, stranger.auth, 3) as client:
-        with pytest.raises(ConnectionError, match="a reply that fails its MAC"):  # nor can it trust the answer
-            client.get(1, 0, len(data))
+    with pytest.raises(ConnectionError, match="a reply that fails its MAC"):  # its JOIN; nor can it trust the answer
+        AgentClient(agent.address, stranger.auth, 3)
     with AgentClient(agent.address, job.auth, 2) as client:
         with pytest.raises(ReplicaRefused, match="incarnation 2 is not the job's current one \\(3\\)"):
             client.get(1, 0, len(data))
@@ -301,16 +300,25 @@ def test_a_newer_version_whose_commit_is_undecided_is_kept_until_decided(job, ag
 
 @pytest.mark.multiprocess
 def test_a_manifest_deleted_or_forged_by_a_stranger_does_not_unprotect_the_committed_version(job, agent):
+    """The agent has seen version 1 committed: while the store holds no record (deleted, or one that fails
+    its signature), no version begins there, and version 1 stays. Once the job writes its newest record
+    again (a restart does, from what the agents saw), versions go on, version 1 still kept."""
     with job.client(agent) as client:
         _put(job, client, 1, b"1" * 3000, outcome="committed")
-        _put(job, client, 2, b"2" * 3000)
+        _put(job, client, 2, b"2" * 3000)  # its BEGIN read the record of version 1
         job.store.raw.delete_key(job.keys.manifest)  # anyone who reaches the store can delete a key
-        _put(job, client, 3, b"3" * 3000)
+        with pytest.raises(ReplicaStoreBehind, match="lost its commit record"):
+            client.begin(3, 0, 3000)
         job.store.raw.set(job.keys.manifest, Manifest(step=3, world_size=1, shards=(
             ShardRecord(0, "m", 3000, "x"),)).to_json())  # or write one, unsigned
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _put(job, client, 4, b"4" * 3000)
+            with pytest.raises(ReplicaStoreBehind, match="lost its commit record"):
+                client.begin(3, 0, 3000)
+        assert agent.refusals["store_behind"] == 2
+        job.store.restore(job.incarnation)  # the job's own writer has seen version 1's record
+        _put(job, client, 3, b"3" * 3000)
+        _put(job, client, 4, b"4" * 3000)
         assert bytes(client.get(1, 0, 3000)) == b"1" * 3000  # still the committed one
 
 

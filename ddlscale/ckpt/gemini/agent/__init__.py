@@ -8,7 +8,8 @@ stale. Its parts:
 * :mod:`~ddlscale.ckpt.gemini.agent.slots` — two buffers per owner rank in shared memory, and the
   fencing rule for which one a new version may overwrite (decided from the job's signed records only);
 * :mod:`~ddlscale.ckpt.gemini.agent.server` — the authenticated replica server, one handler per op code,
-  every length bounded before anything is allocated; refusals counted by reason (``STAT``) and logged;
+  every length bounded before anything is allocated, connections admitted only once they authenticate,
+  every message under a deadline; refusals counted by reason (``STAT``) and logged;
 * :mod:`~ddlscale.ckpt.gemini.agent.membership` — heartbeats, failure detection and root election.
 
 Run one per machine (``$DDLSCALE_SECRET_FILE`` names the job's secret)::
@@ -54,7 +55,8 @@ class Agent:
         self.address = f"{host}:{self.server.server_address[1]}"
         self.stopped = threading.Event()
         self.membership = Membership(machine, machines, heartbeat_s, failure_timeout_s, self.stopped,
-                                     on_store_lost=self.stop)  # the job (and its store) is over
+                                     on_store_lost=self.stop,  # the job (and its store) is over
+                                     on_beat=self.view.observe)
         self.refusals: Counter[str] = Counter()
         self._count_lock = threading.Lock()
 
@@ -78,6 +80,7 @@ class Agent:
             refused = dict(self.refusals)
         # host and device: which agents share one shared memory (all of them, on cluster=local)
         return {"machine": self.machine, "holds": self.replicas.describe(), "refused": refused,
+                "seen": self.view.seen(),  # what a restart and the drain trust over the store's commit record
                 "shm": {"dir": str(shm_dir()), "free": usage.free, "total": usage.total,
                         "host": socket.gethostname(), "device": os.stat(shm_dir()).st_dev}}
 

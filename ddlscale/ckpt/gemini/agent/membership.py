@@ -27,13 +27,15 @@ class Membership:
         stopped: set when the agent stops (the loop ends).
         on_store_lost: called once the store has been unreachable for 10 x ``failure_timeout_s``: the
             job (and its store) is over.
+        on_beat: called after every heartbeat (the agent reads the commit record then).
     """
 
     def __init__(self, machine: int, machines: int, heartbeat_s: float, failure_timeout_s: float,
-                 stopped: threading.Event, on_store_lost: Callable[[], None]) -> None:
+                 stopped: threading.Event, on_store_lost: Callable[[], None],
+                 on_beat: Callable[[], None] = lambda: None) -> None:
         self.machine, self.machines = machine, machines
         self.heartbeat_s, self.failure_timeout_s = heartbeat_s, failure_timeout_s
-        self.stopped, self.on_store_lost = stopped, on_store_lost
+        self.stopped, self.on_store_lost, self.on_beat = stopped, on_store_lost, on_beat
         self.is_root = False
 
     def run(self, store: JobStore) -> None:
@@ -60,6 +62,7 @@ class Membership:
                     failed = {m for m in range(self.machines) if store.get(keys.failed(m)) is not None}
                 if self.is_root:
                     failed = self._watch(store, stale, failed)
+                self.on_beat()
                 lost_store_since = None
             except (RuntimeError, OSError, ConnectionError):
                 lost_store_since = lost_store_since or clock.now()

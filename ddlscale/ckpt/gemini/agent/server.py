@@ -7,6 +7,18 @@ is allocated: a version's size against ``--max-version-bytes`` (the shared memor
 slots' check), each DATA chunk against the version's announced size, a MAC text against
 ``MAX_TEXT``. A refusal is counted by reason and answered; those in
 :data:`~ddlscale.ckpt.gemini.agent.slots.CLOSING` close the connection.
+
+Limits (:class:`Admission`), so that strangers, however many and however slow, cannot keep the job's own
+clients out — the drain at a stop, a restart's recovery:
+
+* a connection takes one of the agent's ``MAX_CONNECTIONS`` slots only once its first request
+  authenticates; until then it is *pending*, and a newer pending connection pushes out the oldest one
+  of its own address when that address holds ``PENDING_PER_PEER``, else the oldest of all at
+  ``MAX_PENDING``. A client JOINs as it connects, so its connection is pending for one round trip;
+* deadlines on whole messages, not on each recv: the first request within ``FIRST_REQUEST_S`` of the
+  connection, every later one within ``MESSAGE_S`` of its first byte (its DATA payload included);
+* at the slots' cap, a connection of an older incarnation than the newcomer's (a trainer left from before
+  a restart) gives its slot up; else the newcomer is told so and closed (``connections``).
 """
 
 from __future__ import annotations
@@ -20,17 +32,18 @@ import socketserver
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
+from ddlscale import clock
 from ddlscale.ckpt.gemini.agent.slots import Refused, Slot
 from ddlscale.ckpt.gemini.auth import MAC_BYTES
 from ddlscale.ckpt.gemini.protocol import (
     BEGIN,
-    BUSY,
     DATA,
     END,
     GET,
     HELLO,
+    JOIN,
     MAGIC,
     MAX_TEXT,
     OK,
@@ -39,12 +52,14 @@ from ddlscale.ckpt.gemini.protocol import (
     REPLY,
     REQUEST,
     STAT,
+    STORE_BEHIND,
     VERIFY,
     recv_bytes,
     recv_exactly,
     reply_mac,
     request_mac,
 )
+from ddlscale.ckpt.gemini.store import StoreWentBack
 from ddlscale.ckpt.version.checksum import KEYED, Checksum, algorithm_of
 
 if TYPE_CHECKING:
@@ -53,11 +68,14 @@ if TYPE_CHECKING:
 MIN_VERSION_BYTES = 16  # a snapshot stream's header
 DATA_FENCE_S = 0.05  # how stale the incarnation a DATA chunk is checked against may be (one store read per
 # chunk would halve a fast link's chunk rate)
-TEXT_OPS = (END, VERIFY)
-MAX_CONNECTIONS = 256  # per agent: trainers hold one each per holder they send to, drills and readers a few
-FIRST_REQUEST_S = 10.0  # a new connection's first request must arrive within this
-MESSAGE_S = 30.0  # the rest of a message (header, MAC, text, DATA payload) once its first bytes came
-IDLE_S = 24 * 3600.0  # an authenticated connection between requests (a trainer between versions)  # requests followed by a short text (a MAC), covered by the request's MAC
+TEXT_OPS = (END, VERIFY)  # requests followed by a short text (a MAC), covered by the request's MAC
+UNFENCED = (JOIN, STAT)  # change nothing: answered whatever the incarnation (the drain asks STAT which is current)
+MAX_CONNECTIONS = 256  # authenticated, per agent: trainers hold one per holder they send to, drills and readers a few
+MAX_PENDING = 64  # not yet authenticated, per agent: a newer one pushes out the oldest
+PENDING_PER_PEER = 16  # ... of them from one address: one peer pushes out its own, not everyone else's
+FIRST_REQUEST_S = 10.0  # from a connection's HELLO to its first request, whole (emulated seconds)
+MESSAGE_S = 30.0  # any later message, whole (header, MAC, text, DATA payload), from its first byte
+IDLE_S = 24 * 3600.0  # an authenticated connection between requests (a trainer between versions)
 
 
 @dataclass(frozen=True)
@@ -73,6 +91,7 @@ class Request:
     a: int
     b: int
     text: bytes
+    deadline: float  # the whole message, DATA's payload included, by then (clock.now())
 
 
 class ReplicaHandler(socketserver.BaseRequestHandler):
@@ -82,30 +101,32 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = secrets.token_bytes(16)
-        agent = self.server.agent
-        if not self.server.admitted:  # at the cap: said plainly, then closed (the client names the cap)
-            agent.count("connections", f"{self.client_address[0]}: over {self.server.max_connections} connections")
-            with contextlib.suppress(OSError):
-                sock.settimeout(1.0)
-                sock.sendall(HELLO.pack(BUSY, PROTOCOL, bytes(16)))
-            return
+        agent, admission, peer = self.server.agent, self.server.admission, self.client_address[0]
+        pushed_out = admission.arrive(sock, peer)
+        if pushed_out is not None:
+            agent.count("evicted", f"{pushed_out}: an unauthenticated connection pushed out by a newer one")
         try:
             sock.sendall(HELLO.pack(MAGIC, PROTOCOL, nonce))
+            opened = clock.now()
             seq = 0
             while True:
                 try:
-                    # Until a request authenticates, a connection gets FIRST_REQUEST_S to send it; after
-                    # that a trainer may idle between versions, but a message once begun must keep coming.
-                    sock.settimeout(FIRST_REQUEST_S if seq == 0 else IDLE_S)
-                    magic = bytes(recv_bytes(sock, len(MAGIC)))
-                    sock.settimeout(MESSAGE_S)
+                    # The first request must be whole by FIRST_REQUEST_S after HELLO, however it trickles in.
+                    # After that a trainer may idle between versions, but a message once begun must be whole
+                    # within MESSAGE_S.
+                    deadline = opened + FIRST_REQUEST_S if seq == 0 else None
+                    sock.settimeout(clock.wall(IDLE_S))
+                    magic = bytes(recv_bytes(sock, 1, deadline))
+                    if deadline is None:
+                        deadline = clock.now() + MESSAGE_S
+                    magic += recv_bytes(sock, len(MAGIC) - 1, deadline)
                     if magic != MAGIC:  # answered at once: a stranger's protocol need not fill our header
-                        agent.count("unauthenticated", f"{self.client_address[0]}: not the replica protocol")
+                        agent.count("unauthenticated", f"{peer}: not the replica protocol")
                         self.reply(sock, nonce, REQUEST.pack(MAGIC, 0, 0, 0, 0, 0, 0, 0), REFUSED,
                                    b"not the replica protocol")
                         return
-                    raw = magic + recv_bytes(sock, REQUEST.size - len(MAGIC) + MAC_BYTES)
-                except (ConnectionError, TimeoutError):
+                    raw = magic + recv_bytes(sock, REQUEST.size - len(MAGIC) + MAC_BYTES, deadline)
+                except ConnectionError:
                     return
                 header, mac = bytes(raw[:REQUEST.size]), bytes(raw[REQUEST.size:])
                 _, op, rseq, incarnation, version, owner, a, b = REQUEST.unpack(header)
@@ -114,35 +135,55 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
                     if op in TEXT_OPS:
                         if not 0 < a <= MAX_TEXT:
                             raise Refused("bounds", f"a MAC text of {a} bytes (at most {MAX_TEXT})")
-                        text = bytes(recv_bytes(sock, a))
+                        text = bytes(recv_bytes(sock, a, deadline))
                     if not hmac.compare_digest(mac, request_mac(agent.auth, nonce, header, text)):
                         raise Refused("unauthenticated", "request not signed with this job's secret")
                     if rseq != seq + 1:
                         raise Refused("replayed", f"request {rseq} where {seq + 1} was due (replayed or reordered)")
+                    if seq == 0 and not admission.authenticated(sock, self.standing(incarnation)):
+                        raise Refused("connections", f"at its connection cap ({admission.slots} authenticated "
+                                                     "connections, none of an older incarnation)")
                     seq = rseq
-                    try:
-                        # Every request but a DATA chunk reads it afresh, and a chunk within DATA_FENCE_S
-                        # of the last read: a trainer left from an earlier incarnation is refused as soon
-                        # as the restart raised it, whatever it sends.
-                        current = agent.view.incarnation(at_least=incarnation,
-                                                         max_age_s=DATA_FENCE_S if op == DATA else 0.0)
-                    except (RuntimeError, OSError) as exc:  # the store is unreachable: nothing can be decided
-                        raise Refused(None, f"cannot read the job's incarnation from the store: {exc}") from None
-                    if incarnation != current:
-                        raise Refused("stale", f"incarnation {incarnation} is not the job's current one ({current})")
+                    if op not in UNFENCED:
+                        self.fence(op, incarnation)
                     handler = self.HANDLERS.get(op)
                     if handler is None:
                         raise Refused("unknown_op", f"unknown op {op}")
-                    handler(self, Request(sock, nonce, header, incarnation, version, owner, a, b, text))
+                    sock.settimeout(clock.wall(MESSAGE_S))  # the reply, likewise
+                    handler(self, Request(sock, nonce, header, incarnation, version, owner, a, b, text, deadline))
                 except Refused as refusal:
                     if refusal.reason is not None:
-                        agent.count(refusal.reason, f"{self.client_address[0]}: {refusal}")
+                        agent.count(refusal.reason, f"{peer}: {refusal}")
                     self.reply(sock, nonce, header, REFUSED if refusal.closes else refusal.status,
                                str(refusal).encode())
                     if refusal.closes:
                         return
+        except TimeoutError:  # a deadline passed: whatever it was sending, it was too slow (or silent)
+            agent.count("slow", f"{peer}: a message not whole by its deadline")
         except OSError:
             return  # the sender died: a partial version simply never completes
+        finally:
+            admission.leave(sock)
+
+    def standing(self, claimed: int) -> int:
+        """The incarnation a new connection's slot counts as: what it claims, at most the job's (a claim
+        above it must not push out the job's own trainers; JOIN itself is not fenced)."""
+        try:
+            return min(claimed, self.server.agent.view.incarnation(at_least=claimed, max_age_s=DATA_FENCE_S))
+        except (RuntimeError, OSError):  # the store is unreachable: the lowest standing
+            return 0
+
+    def fence(self, op: int, incarnation: int) -> None:
+        """Refuse a request of any but the job's current incarnation. Every request but a DATA chunk reads
+        it afresh, and a chunk within DATA_FENCE_S of the last read: a trainer left from an earlier
+        incarnation is refused as soon as the restart raised it, whatever it sends."""
+        try:
+            current = self.server.agent.view.incarnation(at_least=incarnation,
+                                                         max_age_s=DATA_FENCE_S if op == DATA else 0.0)
+        except (RuntimeError, OSError) as exc:  # the store is unreachable: nothing can be decided
+            raise Refused(None, f"cannot read the job's incarnation from the store: {exc}") from None
+        if incarnation != current:
+            raise Refused("stale", f"incarnation {incarnation} is not the job's current one ({current})")
 
     def reply(self, sock: socket.socket, nonce: bytes, request: bytes, status: int, body: bytes | memoryview = b"",
               body_mac: bool = True) -> None:
@@ -162,6 +203,9 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
                                     f"{agent.max_version_bytes or 'what its shared memory holds'})")
         try:
             committed = agent.view.committed(r.owner)
+        except StoreWentBack as exc:  # its buffers may hold the only copies of the newest committed version
+            raise Refused("store_behind", f"{exc}: no version begins here until the job puts it forward "
+                                          "(a restart does)", STORE_BEHIND) from None
         except (RuntimeError, OSError) as exc:
             raise Refused(None, f"cannot read the committed manifest from the store: {exc}") from None
         shared = r.b == 1
@@ -175,7 +219,7 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
             raise Refused("bounds", f"DATA [{r.a}, {r.a + r.b}) of version {r.version} of rank {r.owner}: " + (
                 "no such version in progress" if slot is None else "it is written through shared memory"
                 if slot.inbox is not None else f"it has {slot.nbytes} bytes"))
-        recv_exactly(r.sock, memoryview(slot.buf)[r.a:r.a + r.b])
+        recv_exactly(r.sock, memoryview(slot.buf)[r.a:r.a + r.b], r.deadline)
 
     def end(self, r: Request) -> None:
         """The replica counts once the bytes held have the version's MAC."""
@@ -205,8 +249,12 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
     def stat(self, r: Request) -> None:
         self.reply(r.sock, r.nonce, r.header, OK, json.dumps(self.server.agent.stat()).encode())
 
+    def join(self, r: Request) -> None:
+        """Nothing but the connection authenticated (its slot taken): the client's first request."""
+        self.reply(r.sock, r.nonce, r.header, OK)
+
     HANDLERS: ClassVar[dict[int, Callable[[ReplicaHandler, Request], None]]] = {
-        BEGIN: begin, DATA: data, END: end, GET: get, VERIFY: verify, STAT: stat,
+        BEGIN: begin, DATA: data, END: end, GET: get, VERIFY: verify, STAT: stat, JOIN: join,
     }
 
     def holds(self, slot: Slot, expected: str, inbox: Slot | None = None) -> bool:
@@ -230,33 +278,63 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
         return hmac.compare_digest(digest.text(), expected)
 
 
+class Admission:
+    """Who holds the agent's connections (see the module's docstring): ``pending`` ones, not authenticated
+    yet, oldest first, and ``held`` ones, each with the incarnation of its first request."""
+
+    def __init__(self, slots: int, pending: int, per_peer: int) -> None:
+        self.slots, self.max_pending, self.per_peer = slots, pending, per_peer
+        self.lock = threading.Lock()
+        self.pending: dict[socket.socket, str] = {}  # connection -> its peer's address (dicts keep order)
+        self.held: dict[socket.socket, int] = {}  # connection -> its incarnation
+
+    def arrive(self, sock: socket.socket, peer: str) -> str | None:
+        """A new connection, pending; returns the peer of the one it pushed out, if any."""
+        with self.lock:
+            own = [s for s, p in self.pending.items() if p == peer]
+            victim = own[0] if len(own) >= self.per_peer else (
+                next(iter(self.pending)) if len(self.pending) >= self.max_pending else None)
+            pushed = self.pending.pop(victim) if victim is not None else None
+            if victim is not None:
+                _close_under(victim)
+            self.pending[sock] = peer
+            return pushed
+
+    def authenticated(self, sock: socket.socket, incarnation: int) -> bool:
+        """Its first request authenticated: a slot, taken from a connection of an older incarnation at the
+        cap, or False (no slot)."""
+        with self.lock:
+            self.pending.pop(sock, None)
+            if len(self.held) >= self.slots:
+                older = min(self.held, key=self.held.get)
+                if self.held[older] >= incarnation:
+                    return False
+                del self.held[older]
+                _close_under(older)
+            self.held[sock] = incarnation
+            return True
+
+    def leave(self, sock: socket.socket) -> None:
+        with self.lock:
+            self.pending.pop(sock, None)
+            self.held.pop(sock, None)
+
+
+def _close_under(sock: socket.socket) -> None:
+    """End another thread's connection: its blocked recv returns at once and its handler ends (under the
+    admission's lock, so that the socket is still that thread's own: it leaves before it closes)."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 class ReplicaServer(socketserver.ThreadingTCPServer):
-    """A thread per connection, at most ``max_connections`` of them: one more is told so and closed,
-    so the agent's threads and open files stay bounded whoever connects."""
+    """A thread per connection; how many there are is :class:`Admission`'s to bound."""
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 128  # the listen backlog: a burst of strangers must not fill it before we accept
 
     def __init__(self, address: tuple[str, int], agent: Agent, max_connections: int = MAX_CONNECTIONS) -> None:
         self.agent = agent
-        self.max_connections = max_connections
-        self._open = 0
-        self._open_lock = threading.Lock()
-        self._local = threading.local()
+        self.admission = Admission(max_connections, MAX_PENDING, PENDING_PER_PEER)
         super().__init__(address, ReplicaHandler)
-
-    @property
-    def admitted(self) -> bool:
-        return self._local.admitted
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        with self._open_lock:
-            self._local.admitted = self._open < self.max_connections
-            if self._local.admitted:
-                self._open += 1
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            if self._local.admitted:
-                with self._open_lock:
-                    self._open -= 1

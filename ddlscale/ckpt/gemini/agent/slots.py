@@ -6,8 +6,8 @@ memory) — the newest complete replica and the one being written.
 **Fencing is the agent's alone.** Which buffer a new version may overwrite is decided from the job's
 signed records in the store (:class:`JobView`), never from anything a client sends: the buffer holding
 the committed version (the manifest) is never overwritten, nor is a complete newer version whose
-commit is still undecided in the current incarnation. A committed manifest that disappears from the
-store without the job clearing it stays protected.
+commit is still undecided in the current incarnation. While the store is behind what the agent has seen
+there (a committed manifest deleted, or an older one written back), no version begins at all.
 
 A buffer is a new file per version, made by the agent alone (see :class:`Slot`), reserved whole (``posix_fallocate``) or refused naming the free space: a full /dev/shm
 then fails one request instead of killing the trainer that writes through shared memory with SIGBUS.
@@ -24,6 +24,7 @@ version-sized file per own-machine rank while a version is in flight.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import mmap
@@ -38,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir, shm_usage
-from ddlscale.ckpt.gemini.store import CLEARED, JobStore
+from ddlscale.ckpt.gemini.store import JobStore, StoreWentBack
+from ddlscale.ckpt.version.manifest import Manifest
 
 
 def file_prefix(job: str, machine: int) -> str:
@@ -54,7 +56,7 @@ def remove_replicas(job: str) -> None:
 COPY_CHUNK = 1 << 20  # END copies an inbox in pieces this large, each hashed while it is in cache
 
 # Refusals after which the connection is closed: its framing, or its sender, cannot be trusted any more.
-CLOSING = {"unauthenticated", "replayed", "stale", "bounds", "unknown_op"}
+CLOSING = {"unauthenticated", "replayed", "stale", "bounds", "unknown_op", "connections"}
 
 
 class Refused(Exception):
@@ -269,13 +271,16 @@ class ReplicaStore:
 
 
 class JobView:
-    """What the agent decides from: the job's incarnation and committed manifest, read from the store."""
+    """What the agent decides from: the job's incarnation and committed manifest, read from the store, and
+    the newest of each it has seen there. The store can be made to go back (an old signed record written
+    back, a key deleted: :mod:`ddlscale.ckpt.gemini.store`); what the agent has seen cannot. So it refuses
+    BEGIN while the store is behind what it has seen (:meth:`committed` raises
+    :class:`~ddlscale.ckpt.gemini.store.StoreWentBack`), and tells anyone who asks (STAT: :meth:`seen`)."""
 
     def __init__(self, store: JobStore) -> None:
         self.store = store
         self.lock = threading.Lock()  # one store connection for every handler thread
-        self._incarnation = 0
-        self._committed: Any = None  # the last manifest seen: kept if the key disappears uncleared
+        self._incarnation = 0  # the highest the store has held
         self._read_at = -math.inf  # when the incarnation was last read from the store
 
     def incarnation(self, at_least: int, max_age_s: float = 0.0) -> int:
@@ -284,19 +289,35 @@ class JobView:
         with self.lock:
             now = time.monotonic()
             if at_least > self._incarnation or now - self._read_at >= max_age_s:
-                self._incarnation = max(self._incarnation, int(self.store.get(self.store.keys.incarnation, 0)))
+                self._incarnation = max(self._incarnation, self._read_incarnation())
                 self._read_at = now
             return self._incarnation
 
+    def _read_incarnation(self) -> int:
+        return int(self.store.get(self.store.keys.incarnation, 0))
+
     def committed(self, owner: int) -> int | None:
+        """The committed step, for BEGIN to keep its buffer; raises ``StoreWentBack`` when the store's
+        incarnation or commit record is behind the newest seen here: a version begun now could go over the
+        newest committed one, which only the agents still know of."""
         with self.lock:
-            manifest = self.store.manifest()
-            if manifest is CLEARED:
-                self._committed = None
-            elif manifest is not None:
-                self._committed = manifest
-            current = self._committed
-        return current.step if current is not None and 0 <= owner < current.world_size else None
+            there = self._read_incarnation()
+            if there < self._incarnation:
+                raise StoreWentBack(f"store key {self.store.keys.incarnation} went back to {there} (this agent "
+                                    f"has seen {self._incarnation})")
+            manifest = self.store.manifest(strict=True)
+        return manifest.step if isinstance(manifest, Manifest) and 0 <= owner < manifest.world_size else None
+
+    def observe(self) -> None:
+        """Read the commit record (the heartbeat does, every beat), so that the newest seen here includes a
+        version committed after the last BEGIN: the last one of a run, say."""
+        with self.lock, contextlib.suppress(StoreWentBack):  # behind: BEGIN says so, and refuses
+            self.store.manifest(strict=True)
+
+    def seen(self) -> dict[str, Any]:
+        """The highest incarnation and the newest commit record (signed, as the store held it) seen here."""
+        with self.lock:
+            return {"incarnation": self._incarnation, "record": self.store.newest_record}
 
     def undecided(self, incarnation: int, version: int) -> bool:
         with self.lock:
