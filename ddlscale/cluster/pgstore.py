@@ -6,12 +6,13 @@ are then reachable from every network the machine is on, and whoever reaches the
 rendezvous or read and write the job's keys. Here the listening socket is made first, bound to the
 one address the store is for, and handed to TCPStore (``master_listen_fd``): loopback for a run on
 one machine, the machine's own address on the emulated cluster (torchrun's ``--local-addr``, which
-becomes ``MASTER_ADDR``).
+becomes ``MASTER_ADDR``). A host name is left to torch (see :func:`init_process_group`).
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 from typing import Any
@@ -34,9 +35,15 @@ def listening_store(host: str, port: int, timeout: datetime.timedelta, world_siz
 def init_process_group(backend: str, rank: int, world_size: int, timeout: datetime.timedelta,
                        **kwargs: Any) -> None:
     """``torch.distributed.init_process_group`` as ``env://`` does it (``MASTER_ADDR``, ``MASTER_PORT``),
-    rank 0's store listening on ``MASTER_ADDR`` only. Under torchrun's shared agent store every rank is
-    its client, as torch does it (that store is torchrun's, not ours to bind)."""
+    rank 0's store listening on ``MASTER_ADDR`` only when that is an IP address: what ddlscale's launchers
+    set (127.0.0.1; torchrun's ``--local-addr`` on the emulated cluster). A host name (SLURM's, torchrun's
+    default) is left to torch: each machine resolves it for itself, and a host that maps its own name to
+    127.0.1.1 (Debian's /etc/hosts) would listen where no other machine connects. Under torchrun's shared
+    agent store every rank is its client, as torch does it (that store is torchrun's, not ours to bind)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if not _is_ip(host):
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        return
     if rank == 0 and os.environ.get(USE_AGENT_STORE) != "True":
         store = listening_store(host, port, timeout, world_size, wait_for_workers=True)
     else:
@@ -44,6 +51,14 @@ def init_process_group(backend: str, rank: int, world_size: int, timeout: dateti
     # torch's own env:// path keeps the group's keys under this prefix: the same keys as there.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world_size,
                             timeout=timeout, **kwargs)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def listening_addresses(port: int) -> list[str]:

@@ -64,6 +64,14 @@ def test_the_store_listens_on_the_machines_own_address_as_torchrun_names_it(mast
     dist.barrier()  # the group works over it
 
 
+def test_a_host_name_is_left_to_torch(master):
+    """SLURM's or torchrun's default MASTER_ADDR, a host name, is resolved by each machine for itself (one
+    that maps its own name to 127.0.1.1 would listen where no other connects): torch's own store then."""
+    port = master("localhost")
+    pgstore.init_process_group("gloo", 0, 1, datetime.timedelta(seconds=30))
+    assert set(pgstore.listening_addresses(port)) & EVERY_INTERFACE
+
+
 def test_local_restarts_run_torchrun_with_stores_on_loopback(tmp_path, monkeypatch):
     """cluster=local with restarts: torchrun's rendezvous store is the launcher's, on loopback, and each
     round's process-group store listens on --local-addr=127.0.0.1 (no --standalone, whose stores listen

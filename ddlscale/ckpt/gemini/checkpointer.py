@@ -117,7 +117,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             ``persist`` (from then on every step goes to the persistent tier, ``persist_every`` required).
         drain_deadline_s: how long the drain of a launch's last committed version may take (and the agents
             keep their replicas for it on a stop); null: from the version's size and the persistent tier's
-            rate (:func:`~ddlscale.ckpt.gemini.drain.deadline_for`).
+            rate (:func:`~ddlscale.ckpt.gemini.stopping.deadline_for`).
         resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
     """
 

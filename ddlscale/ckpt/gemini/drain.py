@@ -11,10 +11,10 @@ torch.distributed.checkpoint directory and a manifest with every file's sha256, 
 the same command again in the same run directory then resumes from it instead of from step 0 — after
 a normal end, a failure past ``cluster.max_restarts``, or any stop: a signal to the launcher, a signal
 to every process of the job at once (a scheduler's; the agents then keep their replicas until
-:func:`mark_drained` or the deadline, see :mod:`ddlscale.ckpt.gemini.agent`), SLURM's SIGUSR1; not after
+:func:`~ddlscale.ckpt.gemini.stopping.mark_drained` or the deadline, see :mod:`ddlscale.ckpt.gemini.agent`), SLURM's SIGUSR1; not after
 the launcher itself is SIGKILLed first. Agents a user started drain themselves: the root, given
 ``--persist-dir``, runs this. The deadline follows the version's size and the rate its bytes move at
-(:func:`deadline_for`), unless given.
+(:func:`~ddlscale.ckpt.gemini.stopping.deadline_for`), unless given.
 
 The directory is a path, or ``storage://<path>`` on the emulated cluster's storage machine (its endpoint
 and credentials in the environment, as the launcher hands them to the workers): written there as the
@@ -40,6 +40,7 @@ from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
 from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
+from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, deadline_for, mark_drained
 from ddlscale.ckpt.gemini.store import JobStore, connect
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import decode
@@ -48,14 +49,6 @@ from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, manifest_names
 from ddlscale.ckpt.version.store import open_store
 
 KEEP = 2  # persistent versions kept, as the persistent tier keeps them
-# A drain's deadline follows the version's size and the rate it can move at (deadline_for):
-FLOOR_S = 10.0  # what any drain takes whatever the size: connections, the manifest, DCP's plan, the commit
-SLACK = 2.0  # on top of the bytes at the rate: decoding, hashing, a link shared with what is still running
-DISK_RATE_BPS = 1e9  # a local persistent directory without ckpt.persist_bandwidth: as slow as a plain disk
-# Host seconds between a stop signal and the drain's start: the launcher stops the workers first (their
-# grace, stop.GRACE_S) and brings back a store the signal stopped. What the agents wait beyond the drain.
-STOP_MARGIN_S = 20.0
-POLL_S = 0.2  # how often an agent waiting for the drain looks for its end
 
 
 class DrainError(RuntimeError):
@@ -69,23 +62,6 @@ class Drained:
     path: Path | str | None  # a local path, or a storage:// name on the storage machine
     why: str = ""
     step: int | None = None
-
-
-def deadline_for(nbytes: int, rate_bps: float | None = None) -> float:
-    """Seconds (emulated, :mod:`ddlscale.clock`) a drain of a version of ``nbytes`` may take when its bytes
-    move at ``rate_bps`` bits/s, the slowest of the path from the holders to the persistent tier (default
-    :data:`DISK_RATE_BPS`): a 1.2 TB version at 20 Gbit/s gets about 16 minutes, 10 MB a few seconds over
-    :data:`FLOOR_S`."""
-    return FLOOR_S + SLACK * nbytes * 8 / (rate_bps or DISK_RATE_BPS)
-
-
-def series_rate(*rates_bps: float | None) -> float | None:
-    """The rate of links crossed one after the other (each replica fetched, then written): 1 / sum(1 / r);
-    links not given are not counted, None when none is."""
-    given = [r for r in rates_bps if r]
-    if len(given) <= 1:
-        return given[0] if given else None
-    return 1 / sum(1 / r for r in given)
 
 
 def persist_committed(store: JobStore, directory: Path | str, deadline_s: float | None = None,
@@ -167,24 +143,6 @@ def _report(drained: Drained, directory: Path | str) -> None:
         print(f"ckpt=gemini: nothing to write on the way out: {drained.why}", flush=True)
     else:
         print(f"ckpt=gemini: no version written to {directory} on the way out: {drained.why}", flush=True)
-
-
-# -- the end of a drain, for the agents that wait for it -------------------------------------------------
-# On a stop the agents keep serving their replicas until the drain has read them (or its deadline): the
-# drainer says it is done in a signed key of the job's incarnation, so no earlier launch's mark counts.
-def _drained_key(store: JobStore) -> str:
-    return f"{store.keys.prefix}/drained"
-
-
-def mark_drained(store: JobStore) -> None:
-    """The drain is over, whatever it wrote: the agents waiting for it may go."""
-    store.set(_drained_key(store), {"incarnation": int(store.get(store.keys.incarnation, 0))})
-
-
-def was_drained(store: JobStore, incarnation: int) -> bool:
-    """Whether a drain of incarnation ``incarnation`` (or a later one) is over."""
-    value = store.get(_drained_key(store))
-    return isinstance(value, dict) and int(value.get("incarnation", -1)) >= incarnation
 
 
 def _replica(store: JobStore, incarnation: int, step: int, rank: int, record: ShardRecord, holders: list[int],

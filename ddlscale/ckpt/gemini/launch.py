@@ -44,14 +44,10 @@ from typing import TYPE_CHECKING, Any
 from ddlscale.ckpt.disk.checkpointer import check_storage
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
-from ddlscale.ckpt.gemini.drain import (
-    DISK_RATE_BPS,
-    drain_and_report,
-    mark_drained,
-    series_rate,
-)
+from ddlscale.ckpt.gemini.drain import drain_and_report
 from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
 from ddlscale.ckpt.gemini.placement import PlacementPlan
+from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, mark_drained, series_rate
 from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
 from ddlscale.cluster import stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
@@ -151,7 +147,7 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
 @dataclass(frozen=True)
 class Drain:
     """How long the drain of a launch's last committed version may take: ``deadline_s`` seconds, or
-    (None) :func:`~ddlscale.ckpt.gemini.drain.deadline_for` the version's size at ``rate_bps``. The agents
+    (None) :func:`~ddlscale.ckpt.gemini.stopping.deadline_for` the version's size at ``rate_bps``. The agents
     are told too: on a stop they keep their replicas that long for the drain."""
 
     deadline_s: float | None = None

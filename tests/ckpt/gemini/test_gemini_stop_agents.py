@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from ddlscale.ckpt.gemini import drain
+from ddlscale.ckpt.gemini import stopping
 from ddlscale.ckpt.gemini.auth import SECRET_ENV
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
 from ddlscale.ckpt.state.data import DataPosition
@@ -57,12 +57,12 @@ def test_a_stopping_agent_serves_until_the_drain_of_its_incarnation_is_over(job,
     assert not gone.wait(1.0)  # nobody drained yet: it keeps serving
     with job.client(agent) as client:
         assert bytes(client.get(1, 0, max_bytes=len(data))) == data
-    drain.mark_drained(job.store)
+    stopping.mark_drained(job.store)
     assert gone.wait(5.0)
 
 
 def test_with_no_drain_a_stopping_agent_goes_at_its_deadline(job, monkeypatch):
-    monkeypatch.setattr(drain, "STOP_MARGIN_S", 0.0)
+    monkeypatch.setattr(stopping, "STOP_MARGIN_S", 0.0)
     agent = job.agent(drain_deadline_s=1.0)
     started = time.monotonic()
     agent.wind_down()
@@ -70,12 +70,12 @@ def test_with_no_drain_a_stopping_agent_goes_at_its_deadline(job, monkeypatch):
 
 
 def test_the_drains_deadline_follows_the_versions_size_and_the_rate():
-    assert drain.deadline_for(0) == drain.FLOOR_S
+    assert stopping.deadline_for(0) == stopping.FLOOR_S
     # The paper's regime: 1.2 TB through 20 Gbit/s of shared storage, twice the transfer time over the floor.
-    assert drain.deadline_for(1.2e12, 20e9) == pytest.approx(drain.FLOOR_S + 2 * 480)
-    assert drain.deadline_for(10**9) == pytest.approx(drain.FLOOR_S + 2 * 8e9 / drain.DISK_RATE_BPS)
-    assert drain.series_rate(10e9, 10e9) == pytest.approx(5e9)  # fetched over a NIC, then written: in series
-    assert drain.series_rate(None, 2e9) == pytest.approx(2e9) and drain.series_rate() is None
+    assert stopping.deadline_for(1.2e12, 20e9) == pytest.approx(stopping.FLOOR_S + 2 * 480)
+    assert stopping.deadline_for(10**9) == pytest.approx(stopping.FLOOR_S + 2 * 8e9 / stopping.DISK_RATE_BPS)
+    assert stopping.series_rate(10e9, 10e9) == pytest.approx(5e9)  # fetched over a NIC, then written: in series
+    assert stopping.series_rate(None, 2e9) == pytest.approx(2e9) and stopping.series_rate() is None
 
 
 # -- agents a user started: the root drains ---------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_a_launch_derives_the_drains_rate_and_tells_the_agents_and_the_drain(tmp
     on_storage = drain_rate_bps(GeminiCheckpointer(run_dir=run), emulated)
     assert on_storage == pytest.approx(1 / (1 / 10e9 + 1 / 2e9))
     local = SimpleNamespace(cluster=None, storage=False)
-    assert drain_rate_bps(GeminiCheckpointer(run_dir=run), local) == drain.DISK_RATE_BPS
+    assert drain_rate_bps(GeminiCheckpointer(run_dir=run), local) == stopping.DISK_RATE_BPS
     assert drain_rate_bps(GeminiCheckpointer(run_dir=run, persist_bandwidth="200mbit"), local) == pytest.approx(200e6)
     assert Drain(None, 2e9).agent_args() == ["--drain-rate", "2e+09"]
     assert Drain(45.0, 2e9).drain_args() == ["--deadline", "45", "--rate", "2e+09"]

@@ -20,9 +20,9 @@ Run one per machine (``$DDLSCALE_SECRET_FILE`` names the job's secret)::
 stopping the job signals every process at once, the agents with the launcher, and the newest committed
 version must still reach the persistent tier. The agent takes no new version from then on (BEGIN is
 refused, so nothing can overwrite what the drain reads), keeps serving the ones it holds, and goes once
-the drain says it is over (:func:`~ddlscale.ckpt.gemini.drain.mark_drained`) or the drain's deadline
-has passed (:data:`~ddlscale.ckpt.gemini.drain.STOP_MARGIN_S` plus the version's
-:func:`~ddlscale.ckpt.gemini.drain.deadline_for` at ``--drain-rate``, or ``--drain-deadline``); later
+the drain says it is over (:func:`~ddlscale.ckpt.gemini.stopping.mark_drained`) or the drain's deadline
+has passed (:data:`~ddlscale.ckpt.gemini.stopping.STOP_MARGIN_S` plus the version's
+:func:`~ddlscale.ckpt.gemini.stopping.deadline_for` at ``--drain-rate``, or ``--drain-deadline``); later
 signals change nothing (SLURM's SIGTERM after its SIGUSR1). The launcher drains for the agents it started;
 agents a user started drain themselves: the root agent, given ``--persist-dir``, writes the version there.
 """
@@ -40,6 +40,7 @@ from collections import Counter
 from typing import Any
 
 from ddlscale import clock
+from ddlscale.ckpt.gemini import stopping
 from ddlscale.ckpt.gemini.agent.membership import Membership
 from ddlscale.ckpt.gemini.agent.server import MAX_CONNECTIONS, ReplicaServer
 from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
@@ -111,11 +112,9 @@ class Agent:
         """After a stop signal: serve the replicas held until the drain is over or its deadline passed (the
         module doc says why); the root drains itself when given a persistent directory. The store may be
         gone for a while (the signal stops it too, and a launcher brings it back): asked again each poll."""
-        from ddlscale.ckpt.gemini import drain  # the persistent tier's writer: only needed now
-
         self.stopping.set()
         started = time.monotonic()
-        deadline = started + drain.STOP_MARGIN_S + clock.wall(self.drain_deadline_s or drain.FLOOR_S)
+        deadline = started + stopping.STOP_MARGIN_S + clock.wall(self.drain_deadline_s or stopping.FLOOR_S)
         print(f"gemini agent {self.machine}: stopping: no new versions; the ones held are served until the "
               "drain has read them", file=sys.stderr, flush=True)
         store, incarnation, drainer = None, 0, None
@@ -126,26 +125,26 @@ class Agent:
                     incarnation = int(store.get(store.keys.incarnation, 0))
                     manifest = store.manifest()
                     if isinstance(manifest, Manifest) and self.drain_deadline_s is None:  # its size sets the time
-                        drain_s = drain.deadline_for(sum(s.bytes for s in manifest.shards), self.drain_rate_bps)
-                        deadline = started + drain.STOP_MARGIN_S + clock.wall(drain_s)
+                        drain_s = stopping.deadline_for(sum(s.bytes for s in manifest.shards), self.drain_rate_bps)
+                        deadline = started + stopping.STOP_MARGIN_S + clock.wall(drain_s)
                     if drainer is None and self.persist_dir is not None and self.is_root:
                         drainer = threading.Thread(target=self._drain, daemon=True, name="drain")
                         drainer.start()
-                if drain.was_drained(store, incarnation) or (drainer is not None and not drainer.is_alive()):
+                if stopping.was_drained(store, incarnation) or (drainer is not None and not drainer.is_alive()):
                     return
             except (RuntimeError, OSError):
                 store = None  # unreachable, or its connection broke: connect again next time
-            self.stopped.wait(drain.POLL_S)
+            self.stopped.wait(stopping.POLL_S)
 
     def _drain(self) -> None:
         """The root's drain of the committed version to ``persist_dir``, then the mark that ends every
         agent's wait."""
-        from ddlscale.ckpt.gemini import drain
+        from ddlscale.ckpt.gemini.drain import drain_and_report  # the persistent tier's writer: only here
 
         try:
             store = self._job_store()  # a connection of this thread's own
-            drain.drain_and_report(store, self.persist_dir, self.drain_deadline_s, self.drain_rate_bps)
-            drain.mark_drained(store)
+            drain_and_report(store, self.persist_dir, self.drain_deadline_s, self.drain_rate_bps)
+            stopping.mark_drained(store)
         except (RuntimeError, OSError) as exc:
             print(f"gemini agent {self.machine}: the drain could not finish: {exc}", file=sys.stderr, flush=True)
 
