@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from ddlscale.ckpt.state.snapshot import to_bytes
 from ddlscale.ckpt.version.checksum import checksum
 from ddlscale.ckpt.version.io import load_version
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, list_manifests
+from ddlscale.cluster.stop import descendants
 
 pytestmark = pytest.mark.multiprocess
 
@@ -156,3 +158,41 @@ def test_a_launch_derives_the_drains_rate_and_tells_the_agents_and_the_drain(tmp
     assert Drain(None, 2e9).agent_args() == ["--drain-rate", "2e+09"]
     assert Drain(45.0, 2e9).drain_args() == ["--deadline", "45", "--rate", "2e+09"]
     assert GeminiCheckpointer(run_dir=run).persistent.interval == 100  # the default cadence
+
+
+def test_a_launchs_agents_signalled_with_the_whole_job_keep_the_version_for_its_drain(tmp_path):
+    """cluster=local's launch (local_gemini): a stop signal reaches its agents too, before the launcher's
+    drain runs. They keep their replicas; the drain on the way out writes the committed version; then
+    they go at once (the drain's mark), not at their deadline."""
+    from ddlscale.ckpt.gemini.auth import JobKeys, read_secret
+    from ddlscale.ckpt.gemini.launch import local_gemini
+    from ddlscale.ckpt.gemini.store import JobStore, connect
+
+    persist = tmp_path / "checkpoints"
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    payloads = [_payload(r, 2, 5, model, optimizer) for r in range(2)]
+    data = [to_bytes(p) for p in payloads]
+    with local_gemini(2, f"t{tmp_path.name}", persist_dir=persist) as env:
+        auth = JobKeys(read_secret(env[SECRET_ENV]), f"t{tmp_path.name}")
+        store = JobStore(connect(env["DDLSCALE_STORE"]), f"t{tmp_path.name}", auth)
+        job = type("Job", (), {"auth": auth})
+        for machine in range(2):
+            with AgentClient(store.get(store.keys.agent(machine)), auth, 0) as client:
+                for rank in range(2):
+                    _put(job, client, 5, data[rank], owner=rank)
+        shards = tuple(ShardRecord(r, f"memory:rank{r}", len(d), checksum(d, "hmac-sha256", auth.replica))
+                       for r, d in enumerate(data))
+        store.publish(Manifest(step=5, world_size=2, shards=shards, batch=5, tier="memory",
+                               placement={"incarnation": 0, "machines": 2, "holders": {"0": [0, 1], "1": [1, 0]}}))
+        agents = [pid for pid in descendants() if b"ddlscale.ckpt.gemini.agent" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(agents) == 2
+        for pid in agents:  # the job's stop reaches them first
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(1.0)
+        started = time.monotonic()
+    assert time.monotonic() - started < 10  # gone on the drain's mark, not at their deadline (30 s and more)
+    written = list_manifests(persist)
+    assert [m.name for m in written] == ["step_000000005.manifest.json"]
+    loaded = load_version(written[0], rank=1)
+    assert loaded[RANK_STATE_KEY]["data"] == payloads[1]["local"]["data"]
