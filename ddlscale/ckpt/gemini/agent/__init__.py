@@ -127,9 +127,9 @@ class Agent:
                     if isinstance(manifest, Manifest) and self.drain_deadline_s is None:  # its size sets the time
                         drain_s = stopping.deadline_for(sum(s.bytes for s in manifest.shards), self.drain_rate_bps)
                         deadline = started + stopping.STOP_MARGIN_S + clock.wall(drain_s)
-                    if drainer is None and self.persist_dir is not None and self.is_root:
-                        drainer = threading.Thread(target=self._drain, daemon=True, name="drain")
-                        drainer.start()
+                if drainer is None and self.persist_dir is not None and self.is_root:  # asked each time: roots change
+                    drainer = threading.Thread(target=self._drain, daemon=True, name="drain")
+                    drainer.start()
                 if stopping.was_drained(store, incarnation) or (drainer is not None and not drainer.is_alive()):
                     return
             except (RuntimeError, OSError):
