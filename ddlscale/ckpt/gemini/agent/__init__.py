@@ -115,10 +115,12 @@ class Agent:
         self.stopping.set()
         started = time.monotonic()
         deadline = started + stopping.STOP_MARGIN_S + clock.wall(self.drain_deadline_s or stopping.FLOOR_S)
-        print(f"gemini agent {self.machine}: stopping: no new versions; the ones held are served until the "
-              "drain has read them", file=sys.stderr, flush=True)
-        store, incarnation, drainer = None, 0, None
+        store, incarnation, drainer, said = None, 0, None, False
         while not self.stopped.is_set() and time.monotonic() < deadline:
+            if not said and time.monotonic() - started > 2 * stopping.POLL_S:  # waiting: not a normal end's stop
+                print(f"gemini agent {self.machine}: stopping: no new versions; the ones held are served until the "
+                      "drain has read them", file=sys.stderr, flush=True)
+                said = True
             try:
                 if store is None:
                     store = self._job_store()
