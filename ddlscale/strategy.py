@@ -21,7 +21,9 @@ collective an error that names both sides.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,12 +35,14 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.utilities.distributed import _destroy_dist_connection
 from pytorch_lightning.overrides.distributed import _sync_module_states
 from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 
 from ddlscale import clock
 from ddlscale.ckpt.state.shard import SYNC_STATE_KEY
+from ddlscale.cluster import pgstore
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.schema import Schema, boolean, choice, number
 from ddlscale.sync import DenseAllreduce, GradSync
@@ -156,6 +160,18 @@ class DDLStrategy(DDPStrategy):
         # across rounds still holds the last round's peer addresses (ddlscale/cluster/elastic.py).
         self.set_world_ranks()
         with store_per_round(self.global_rank, self.world_size, self._timeout):
+            if not dist.is_initialized():
+                # Lightning's own set-up would let torch's TCPStore listen on every interface: the group
+                # is made here, its store on MASTER_ADDR alone (ddlscale/cluster/pgstore.py); Lightning's
+                # set-up below then finds it made and keeps it.
+                os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
+                os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
+                backend = self._get_process_group_backend()
+                device_id = self.root_device if self.root_device.type != "cpu" else None
+                pgstore.init_process_group(backend, self.global_rank, self.world_size,
+                                           self._timeout or default_pg_timeout, device_id=device_id)
+                if backend == "nccl":  # as Lightning's set-up does: torch warns about a group left undestroyed
+                    atexit.register(_destroy_dist_connection)
             super().setup_distributed()
 
     # -- set-up: replaces wrapping the model in DistributedDataParallel ------------------------

@@ -12,7 +12,11 @@ Addresses name every member, so that losing one loses nothing: ``etcd://HOST:POR
 
 :class:`EtcdMembers` starts and stops members (one process each, data directory under the run
 directory) through a ``run(member, argv, **popen_kwargs)`` callable: ``subprocess.Popen`` on loopback,
-an emulated machine's ``popen`` on the emulated cluster. Health checks and member replacement run
+an emulated machine's ``popen`` on the emulated cluster. The members speak TLS to each other, each
+presenting a certificate that a certificate authority made for this launch alone signed, and asking
+the same of its peers (:func:`peer_certificates`): whoever reaches the peer port cannot join the
+cluster or read its raft traffic. (Clients still speak plain HTTP to them; every value the job trusts
+is signed with its secret.) Health checks and member replacement run
 where the members are reachable, as this file run as a script (``python control_plane.py health ...``),
 which imports nothing but the standard library: no torch start-up inside a namespace.
 """
@@ -44,6 +48,8 @@ def missing(server: bool = True) -> str | None:
     lacking = []
     if server and shutil.which("etcd") is None:
         lacking.append("the etcd server (no `etcd` on PATH)")
+    if server and shutil.which("openssl") is None:
+        lacking.append("openssl (it makes the members' peer certificates)")
     try:
         import etcd  # noqa: F401  (python-etcd)
     except ImportError:
@@ -230,7 +236,40 @@ class Member:
 
     @property
     def peer_url(self) -> str:
-        return f"http://{self.host}:{self.peer_port}"
+        return f"https://{self.host}:{self.peer_port}"  # peer TLS (peer_certificates)
+
+
+CERT_DAYS = "3650"  # the certificates die with the launch's CA key, removed once they are signed
+
+
+def _openssl(*argv: str, cwd: Path) -> None:
+    done = subprocess.run(["openssl", *argv], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"openssl {argv[0]} failed: {done.stderr.strip()[-500:]}")
+
+
+def peer_certificates(directory: Path, members: list[Member]) -> Path:
+    """In ``directory`` (made 0700, emptied first): ``ca.pem``, a certificate authority of this launch, and
+    per member ``<name>.pem`` and ``<name>-key.pem``, signed by it for the member's address, for serving
+    and for connecting (etcd uses one certificate for both). The CA's key is deleted once they are signed:
+    no other certificate can ever be made that the members accept."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(mode=0o700, parents=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]  # P-256: made in milliseconds
+    _openssl("req", "-x509", *ec, "-days", CERT_DAYS, "-subj", "/CN=ddlscale etcd peers", "-keyout", "ca-key.pem",
+             "-out", "ca.pem", cwd=directory)
+    for m in members:
+        kind = "IP" if all(part.isdigit() for part in m.host.split(".")) or ":" in m.host else "DNS"
+        (directory / f"{m.name}.ext").write_text(f"subjectAltName={kind}:{m.host}\n"
+                                                 "extendedKeyUsage=serverAuth,clientAuth\n")
+        _openssl("req", *ec, "-subj", f"/CN={m.name}", "-keyout", f"{m.name}-key.pem", "-out", f"{m.name}.csr",
+                 cwd=directory)
+        _openssl("x509", "-req", "-in", f"{m.name}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem", "-CAcreateserial",
+                 "-days", CERT_DAYS, "-extfile", f"{m.name}.ext", "-out", f"{m.name}.pem", cwd=directory)
+    (directory / "ca-key.pem").unlink()
+    for key in directory.glob("*-key.pem"):
+        key.chmod(0o600)
+    return directory
 
 
 class EtcdMembers:
@@ -241,7 +280,9 @@ class EtcdMembers:
     def __init__(self, members: list[Member], directory: Path, run: Any, token: str) -> None:
         self.members, self.directory, self.run, self.token = members, Path(directory), run, token
         self.processes: dict[int, subprocess.Popen] = {}
+        self.started: dict[int, tuple[str, int]] = {}  # member -> (cluster state, incarnation) it last started with
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.tls = self.directory / "tls"
 
     @property
     def address(self) -> EtcdAddress:
@@ -255,12 +296,15 @@ class EtcdMembers:
                 "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-state", state,
                 "--initial-cluster-token", self.token, "--enable-v2=true",
-                "--heartbeat-interval", "200", "--election-timeout", "2000"]
+                "--heartbeat-interval", "200", "--election-timeout", "2000",
+                "--peer-cert-file", str(self.tls / f"{m.name}.pem"), "--peer-key-file", str(self.tls / f"{m.name}-key.pem"),
+                "--peer-trusted-ca-file", str(self.tls / "ca.pem"), "--peer-client-cert-auth"]
 
     def _start(self, i: int, state: str, incarnation: int) -> None:
         data = self.directory / f"{self.members[i].name}.{incarnation}"
-        log = open(self.directory / f"{self.members[i].name}.{incarnation}.log", "w")  # noqa: SIM115
+        log = open(self.directory / f"{self.members[i].name}.{incarnation}.log", "a")  # noqa: SIM115
         self.processes[i] = self.run(i, self._argv(i, state, data), stdout=log, stderr=subprocess.STDOUT)
+        self.started[i] = (state, incarnation)
         log.close()
 
     def start(self, timeout_s: float = 60.0) -> EtcdMembers:
@@ -269,10 +313,23 @@ class EtcdMembers:
         for old in self.directory.glob("m*.*"):
             if old.is_dir():
                 shutil.rmtree(old)
+            elif old.suffix == ".log":
+                old.unlink()
+        peer_certificates(self.tls, self.members)
         for i in range(len(self.members)):
             self._start(i, "new", 0)
         self.admin(0, ["health", str(self.address), str(timeout_s)], timeout_s + 30)
         return self
+
+    def revive(self, timeout_s: float = 60.0) -> None:
+        """Start again, on their own data, the members whose process ended, and wait for a healthy quorum.
+        A stop of the whole job signals every process, the members too; what they committed is on their
+        disks, and the drain that follows reads it."""
+        ended = [i for i, process in self.processes.items() if process.poll() is not None]
+        for i in ended:
+            self._start(i, *self.started[i])  # on data that exists, etcd takes its membership from there
+        if ended:
+            self.admin(ended[0], ["health", str(self.address), str(timeout_s)], timeout_s + 30)
 
     def replace(self, i: int, via: int, incarnation: int, timeout_s: float = 60.0) -> None:
         """Member ``i``'s machine was replaced (its data is gone): take the old member out, add a new one

@@ -440,11 +440,17 @@ def _worker(rank: int, world: int, ranks_per_machine: int, addresses: list[str])
     gloo all-to-alls (each the slowest rank's wall time). ``ROUNDS N``: time N message rounds of each
     pattern of :func:`_rounds` (the slowest rank's seconds per round).
     """
+    import datetime
+
     import torch
     import torch.distributed as dist
 
+    from ddlscale.cluster import pgstore
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addresses[0]}:{PROBE_PORT}", rank=rank, world_size=world)
+    # Rank 0's store on machine 0's address alone (torch's own would listen on every interface).
+    os.environ.update(MASTER_ADDR=addresses[0], MASTER_PORT=str(PROBE_PORT))
+    pgstore.init_process_group("gloo", rank, world, datetime.timedelta(minutes=30))
     peers = _connect(rank, world, ranks_per_machine, addresses)
 
     def slowest(values: dict[str, float]) -> dict[str, float]:

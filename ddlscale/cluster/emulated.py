@@ -394,9 +394,13 @@ class EmulatedCluster:
         the end, and a failure injected into that machine would take the whole job down.
         """
         code = (
-            "import time, datetime, torch.distributed as d\n"
-            f"s = d.TCPStore('{self.address(0)}', {port}, is_master=True, wait_for_workers=False,"
-            " timeout=datetime.timedelta(hours=24))\n"
+            "import datetime, signal, time\n"
+            "from ddlscale.cluster.pgstore import listening_store\n"
+            # A stop of the whole job (SIGTERM to every process, SLURM's SIGUSR1) is not for it: the drain
+            # that follows reads Gemini's keys here. Its owner removes it with the cluster (SIGKILL).
+            "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1): signal.signal(s, signal.SIG_IGN)\n"
+            # On this machine's address alone: torch's TCPStore would listen on every interface.
+            f"s = listening_store('{self.address(0)}', {port}, datetime.timedelta(hours=24))\n"
             "print('ready', flush=True)\n"
             "while True: time.sleep(3600)"
         )

@@ -17,14 +17,17 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
-from ddlscale.cluster import cpuload, dilation, stop, storage
+from ddlscale.cluster import cpuload, dilation, pgstore, stop, storage
 from ddlscale.cluster.context import Launch, Services, no_services
 from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, netem_available, resolve_latency
+from ddlscale.cluster.local import free_port
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
 from ddlscale.units import parse_bandwidth
 
+LOOPBACK = "127.0.0.1"
 ServicesOf = Callable[[Launch], AbstractContextManager[Services]]
 
 
@@ -35,10 +38,20 @@ def run_with_restarts(launch: Launch, max_restarts: int, overrides: list[str],
     many times; each restart resumes from the checkpointer. The services belong to this process, so
     they outlive the workers (Gemini's restarted workers recover from its agents' memory)."""
     devices = launch.devices
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}",
-            f"--max-restarts={max_restarts}", str(TRAIN_SCRIPT), *overrides, f"hydra.run.dir={launch.run_dir}"]
-    with services(replace(launch, machines=1)):  # --standalone: one machine, `devices` ranks
-        code = subprocess.run(argv).returncode
+    # torchrun's --standalone would host its rendezvous store, and each round's rank 0 its process-group
+    # store, on every interface: the rendezvous store is this process's, on loopback, and each round's
+    # store listens on --local-addr (the workers' MASTER_ADDR; ddlscale/cluster/pgstore.py).
+    port = free_port()
+    rendezvous = pgstore.listening_store(LOOPBACK, port, timedelta(hours=24))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={devices}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}", "--rdzv-conf=is_host=false",
+            f"--rdzv-id={launch.job}", f"--local-addr={LOOPBACK}", f"--max-restarts={max_restarts}",
+            str(TRAIN_SCRIPT), *overrides, f"hydra.run.dir={launch.run_dir}"]
+    # Each round a store of its own (as on the emulated cluster): torchrun's shared one would be hosted
+    # by its agent on every interface, and outlives rounds.
+    with services(replace(launch, machines=1)):  # one machine, `devices` ranks; may export the workers' env
+        code = subprocess.run(argv, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}).returncode
+    del rendezvous  # the store stops with its last reference
     if code:
         raise RuntimeError(f"torchrun exited with code {code} after at most {max_restarts} restarts; "
                            "see the output above")

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ddlscale.cluster import pgstore
+
 
 def free_port() -> int:
     """A TCP port on loopback that is free right now."""
@@ -39,10 +41,9 @@ def _worker(
     # so the parent's error can say more than that nothing came back.
     faulthandler.dump_traceback_later(1.9 * timeout_s, exit=True)  # the parent waits 2 x timeout_s
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        # Rank 0's store on loopback only (torch's own would listen on every interface).
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        pgstore.init_process_group("gloo", rank, world_size, timedelta(seconds=timeout_s))
         # Serialized here: tensors sent through a queue as shared memory die with this process.
         buffer = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buffer)

@@ -1,4 +1,9 @@
-"""Stopping a run on SIGINT, SIGTERM or SIGHUP: every process it started stops too, within seconds.
+"""Stopping a run on SIGINT, SIGTERM, SIGHUP or SIGUSR1: every process it started stops too, within seconds.
+
+SIGUSR1 is SLURM's warning before a time limit or a preemption (``sbatch --signal=USR1@<seconds>``, sent
+to every task; ``B:USR1`` to the batch shell alone, which must pass it on): handled as SIGTERM is, so the
+run stops and persists what it has within the grace time that signal leaves, instead of being killed
+at its end.
 
 *Launcher side* (:func:`stop_on_signals`, around everything the launching process does): the first
 such signal asks every process below the launcher to stop (SIGTERM) at once and raises
@@ -16,7 +21,8 @@ in its own ``finally``, and whatever it leaves is stopped with the rest at the e
 *Worker side* (:func:`raise_on_signals`): a worker turns the same signals into StopRequested at
 once, so the trainer's callbacks see an interrupted run and write what they have. It replaces
 Lightning's SIGTERM handler for the training loop: that one broadcasts from inside the handler, a
-collective the other ranks never issue, and the worker hangs until the collective timeout.
+collective the other ranks never issue, and the worker hangs until the collective timeout. Under
+SLURM it also replaces Lightning's SIGUSR1 handler, which would save a pickled checkpoint and requeue.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 GRACE_S = 5.0  # what workers get to write their summary and leave before they are killed
 
 _received: int | None = None  # the first stop signal this process got

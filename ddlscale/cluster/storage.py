@@ -207,15 +207,25 @@ class StorageMachine:
         with os.fdopen(fd, "w") as handle:
             handle.write(_htpasswd(USER, password))
         (config / "nginx.conf").write_text(_nginx_conf(config, self.root, self.address))
-        log = open(config / "server.out", "wb")
+        self._start_server()
+        self.endpoint = StorageEndpoint(f"http://{self.address}:{PORT}/", USER, password)
+        return self.endpoint
+
+    def _start_server(self) -> None:
+        config = self.config_dir
+        log = open(config / "server.out", "ab")
         # Not in a machine's CPU cap: the store's link bounds it, not its CPUs (see the module's docstring).
         self.server = subprocess.Popen(
             ["ip", "netns", "exec", self.namespace, NGINX, "-p", str(config), "-c", str(config / "nginx.conf"),
              "-e", str(config / "error.log")], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self._wait_listening()
-        self.endpoint = StorageEndpoint(f"http://{self.address}:{PORT}/", USER, password)
-        return self.endpoint
+
+    def revive(self) -> None:
+        """Start the server again if it ended, on the same directory and credentials: a stop of the whole
+        job signals it with every other process, and the drain that follows writes here."""
+        if self.server is not None and self.server.poll() is not None:
+            self._start_server()
 
     def _wait_listening(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

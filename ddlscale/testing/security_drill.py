@@ -55,6 +55,7 @@ from ddlscale.ckpt.gemini.protocol import (
     recv_bytes,
     request_mac,
 )
+from ddlscale.ckpt.gemini.stopping import mark_drained
 from ddlscale.ckpt.gemini.store import JobStore, connect, serve
 from ddlscale.ckpt.state.shard import decode
 from ddlscale.ckpt.state.snapshot import MAGIC as STREAM_MAGIC
@@ -145,6 +146,7 @@ class Drill:
         self.data = bytes(range(256)) * 64  # rank 0's committed replica, 16 KiB
 
     def close(self) -> None:
+        mark_drained(self.store)  # nothing to drain: a stopped agent need not keep its replicas for one
         self.agent.terminate()
         self.agent.wait(timeout=10)
 

@@ -3,7 +3,7 @@
 Everything that can be wrong with a config is found here, in the launching process, before any
 worker starts: :class:`ConfigError` names the offending key and the values it takes.
 
-The launching process also answers SIGINT, SIGTERM and SIGHUP by stopping every process it started
+The launching process also answers SIGINT, SIGTERM, SIGHUP and SIGUSR1 by stopping every process it started
 (:mod:`ddlscale.cluster.stop`), keeps what the run prints in ``train.log``, and ends by printing a
 short summary and the run directory.
 """

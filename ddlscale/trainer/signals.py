@@ -1,4 +1,4 @@
-"""A worker's answer to SIGINT, SIGTERM and SIGHUP while it trains (:mod:`ddlscale.cluster.stop`)."""
+"""A worker's answer to SIGINT, SIGTERM, SIGHUP and SIGUSR1 (SLURM's warning) while it trains (:mod:`ddlscale.cluster.stop`)."""
 
 from __future__ import annotations
 

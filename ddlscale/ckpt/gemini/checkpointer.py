@@ -40,7 +40,7 @@ from ddlscale import clock
 from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
 from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer, checkpoint_dir, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
-from ddlscale.ckpt.gemini.config import GeminiConfig
+from ddlscale.ckpt.gemini.config import PERSIST_EVERY, GeminiConfig
 from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
 from ddlscale.ckpt.gemini.interleave import ReplicaSender, Transfer
 from ddlscale.ckpt.gemini.launch import check_launch, launch_services
@@ -53,6 +53,7 @@ from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
 from ddlscale.ckpt.state.snapshot import capture
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord
+from ddlscale.cluster import stop
 from ddlscale.cluster.context import Launch, Services, job_name
 
 # Rank 0 starts a version's commit wait only once its own send is out, which may be after another rank
@@ -104,7 +105,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         checksum: the replicas' MAC, ``hmac-sha256`` or ``blake2b`` (keyed with the job's secret), computed
             by the sender and checked by every holder at END and by every reader.
         profile_steps: iterations profiled before interleaving starts (sent at the deadline until then).
-        persist_every: steps between persistent checkpoints (null: none — a lost group is then fatal).
+        persist_every: steps between persistent checkpoints (100: a lost replica group costs at most that
+            many steps again; null: none — a lost group is then fatal).
         persist_dir, persist_bandwidth: the persistent tier's directory, also where a launch's last committed
             version is written when it ends: a path, or ``storage://<path>`` on the emulated cluster's storage
             machine (default ``<run dir>/checkpoints``, ``storage://gemini`` where a storage machine serves the
@@ -114,6 +116,9 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         commit_timeout_s: how long rank 0 waits for a version's replicas before giving it up.
         on_no_space: a version an agent's shared memory cannot hold: ``stop`` (the run ends, saying so) or
             ``persist`` (from then on every step goes to the persistent tier, ``persist_every`` required).
+        drain_deadline_s: how long the drain of a launch's last committed version may take (and the agents
+            keep their replicas for it on a stop); null: from the version's size and the persistent tier's
+            rate (:func:`~ddlscale.ckpt.gemini.stopping.deadline_for`).
         resume: ``auto`` (the newest committed version, else the newest persistent one) or null.
     """
 
@@ -122,15 +127,15 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
     def __init__(self, every: int = 1, replicas: int = 2, placement: str = "mixed", mode: str = "gemini",
                  chunk_kib: int = 1024, subbuffers: int = 4, mu: float = 0.8, checksum: str = "hmac-sha256",
                  profile_steps: int = 20,
-                 persist_every: int | None = None, persist_dir: str | None = None,
+                 persist_every: int | None = PERSIST_EVERY, persist_dir: str | None = None,
                  persist_bandwidth: str | float | None = None, store: str | None = None,
                  commit_timeout_s: float = 30.0, resume: str | None = "auto", run_dir: str | None = None,
-                 on_no_space: str = "stop") -> None:
+                 on_no_space: str = "stop", drain_deadline_s: float | None = None) -> None:
         GeminiConfig(every=every, replicas=replicas, placement=placement, mode=mode, chunk_kib=chunk_kib,
                      subbuffers=subbuffers, mu=mu, checksum=checksum, profile_steps=profile_steps,
                      persist_every=persist_every, persist_dir=persist_dir, persist_bandwidth=persist_bandwidth,
                      store=store, commit_timeout_s=commit_timeout_s, resume=resume,
-                     on_no_space=on_no_space)  # refuses what no run can use
+                     on_no_space=on_no_space, drain_deadline_s=drain_deadline_s)  # refuses what no run can use
         super().__init__(every=every, resume=resume)
         self.replicas = replicas
         self.placement, self.mode = placement, mode
@@ -143,15 +148,16 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         self.commit_timeout_s = float(commit_timeout_s)
         self.run_dir = run_dir
         self.on_no_space = on_no_space
+        self.drain_deadline_s = drain_deadline_s
         self.persistent: DiskCheckpointer | None = None
         self.persist_given = persist_dir  # as configured: the launcher resolves it for its launch (persist_target)
         self.persist_dir = self.persist_target()  # a Path, or a storage:// string (on the storage machine)
         # Parsed here so that a bad value is reported under this key, not the disk tier's ckpt.bandwidth.
         self.persist_bps = write_rate(persist_bandwidth, "ckpt.persist_bandwidth")
-        if persist_every is not None:
-            self.persistent = DiskCheckpointer(
-                every=persist_every, keep=2, bandwidth=self.persist_bps,
-                dir=str(self.persist_dir) if self.persist_dir is not None else None, resume=None)
+        # Without a directory (no run directory and no persist_dir: Python without run_dir) there is none.
+        if persist_every is not None and self.persist_dir is not None:
+            self.persistent = DiskCheckpointer(every=persist_every, keep=2, bandwidth=self.persist_bps,
+                                               dir=str(self.persist_dir), resume=None)
         # Set in setup (workers).
         self.store: JobStore | None = None
         self.auth: JobKeys | None = None
@@ -292,7 +298,8 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
     def _on_sent(self, transfer: Transfer) -> None:
         """Record this rank's version and the holders that verified it; rank 0 then decides the commit."""
         rank = self.sender.owner if self.sender is not None else self.rank
-        if transfer.error is not None:
+        # On a stop the agents refuse new versions (they keep what the drain reads): no warning then.
+        if transfer.error is not None and stop.received() is None:
             warnings.warn(f"gemini: version {transfer.version} of rank {rank} not replicated: {transfer.error}",
                           stacklevel=2)
         self.store.set(self.store.keys.shard(self.incarnation, transfer.version, rank),
@@ -332,7 +339,7 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             elif any(r and r.get("no_space") for r in records):  # every rank acts on it at the same step
                 outcome = NO_SPACE_OUTCOME
                 self.space_refusal = next(r["no_space"] for r in records if r and r.get("no_space"))
-            else:
+            elif stop.received() is None:  # on a stop, a version cut short is expected (see _on_sent)
                 warnings.warn(f"gemini: version {version} not committed ({verified} of {expected} replicas verified)",
                               stacklevel=2)
         finally:  # every rank's next version waits for this key: a commit that raised says "failed"

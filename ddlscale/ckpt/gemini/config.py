@@ -11,9 +11,13 @@ from ddlscale.ckpt.gemini.interleave import MODES
 from ddlscale.ckpt.gemini.placement import KINDS
 from ddlscale.ckpt.gemini.store import check_address
 from ddlscale.ckpt.version.checksum import KEYED
-from ddlscale.schema import Schema, choice, integer, is_number
+from ddlscale.schema import Schema, choice, integer, is_number, number
 
 ON_NO_SPACE = ("stop", "persist")  # what a version no holder had room for does: stop the run, or persist every step
+# Steps between persistent versions by default: what losing a whole replica group (every holder of some
+# machine's replica at once) can cost is at most this many steps again, plus reading the version back.
+# Written asynchronously (DCP's async_save), one every 100 steps costs training one capture per 100 steps.
+PERSIST_EVERY = 100
 
 
 @dataclass
@@ -31,13 +35,14 @@ class GeminiConfig(Schema):
     mu: float = 0.8
     checksum: str = "hmac-sha256"
     profile_steps: int = 20
-    persist_every: Any = None  # steps between persistent checkpoints, or None: none
+    persist_every: Any = PERSIST_EVERY  # steps between persistent checkpoints, or None: none
     persist_dir: Any = None
     persist_bandwidth: Any = None
     store: Any = None  # HOST:PORT (or etcd's), or None: $DDLSCALE_STORE
     commit_timeout_s: float = 30.0
     resume: Any = "auto"
     on_no_space: str = "stop"
+    drain_deadline_s: Any = None  # seconds a launch's drain may take; None: from the version's size and rate
 
     def check(self) -> None:
         if self.every == HIGHFREQ:
@@ -62,6 +67,8 @@ class GeminiConfig(Schema):
         write_rate(self.persist_bandwidth, self.key("persist_bandwidth"))
         if self.persist_every is not None:
             integer(self.key("persist_every"), self.persist_every)
+        if self.drain_deadline_s is not None:
+            number(self.key("drain_deadline_s"), self.drain_deadline_s, above=0, what="a number of seconds")
         choice(self.key("on_no_space"), self.on_no_space, ON_NO_SPACE)
         if self.on_no_space == "persist" and self.persist_every is None:
             raise ValueError(f"{self.key('on_no_space')}=persist falls back to the persistent tier: "

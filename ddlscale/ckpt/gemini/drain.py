@@ -10,8 +10,12 @@ is fetched; a first pass reads each for its items' shapes only, which DCP's plan
 torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
 (:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. Running
 the same command again in the same run directory then resumes from it instead of from step 0 — after
-a normal end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is
-SIGKILLed.
+a normal end, a failure past ``cluster.max_restarts``, or any stop: a signal to the launcher, a signal
+to every process of the job at once (a scheduler's; the agents then keep their replicas until
+:func:`~ddlscale.ckpt.gemini.stopping.mark_drained` or the deadline, see :mod:`ddlscale.ckpt.gemini.agent`), SLURM's SIGUSR1; not after
+the launcher itself is SIGKILLed first. Agents a user started drain themselves: the root, given
+``--persist-dir``, runs this. The deadline follows the version's size and the rate its bytes move at
+(:func:`~ddlscale.ckpt.gemini.stopping.deadline_for`), unless given.
 
 The directory is a path, or ``storage://<path>`` on the emulated cluster's storage machine (its endpoint
 and credentials in the environment, as the launcher hands them to the workers): written there as the
@@ -19,6 +23,8 @@ persistent tier writes, through DCP's fsspec writer, each file's sha256 taken as
 manifest published last, in one PUT.
 
     python -m ddlscale.ckpt.gemini.drain --store HOST:PORT --job JOB --dir RUN/checkpoints   # $DDLSCALE_SECRET_FILE
+
+Run so, it marks the drain's end for the agents when it is done.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
 from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
+from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, deadline_for, mark_drained
 from ddlscale.ckpt.gemini.store import JobStore, connect, consult_agents
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import decode
@@ -43,7 +50,7 @@ from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, manifest_names
 from ddlscale.ckpt.version.store import open_store
 
 KEEP = 2  # persistent versions kept, as the persistent tier keeps them
-DEADLINE_S = 60.0  # the most a drain may take by default: the launch is ending
+CONSULT_S = 5.0  # how long the drain asks each agent what it holds
 
 
 class DrainError(RuntimeError):
@@ -59,20 +66,24 @@ class Drained:
     step: int | None = None
 
 
-def persist_committed(store: JobStore, directory: Path | str, deadline_s: float = DEADLINE_S) -> Drained:
+def persist_committed(store: JobStore, directory: Path | str, deadline_s: float | None = None,
+                      rate_bps: float | None = None) -> Drained:
     """Write the committed version to ``directory`` (a path or ``storage://<path>``), one rank's replica at
-    a time (each fetched from a live holder and checked against its MAC), within ``deadline_s`` seconds;
-    nothing is written when ``directory`` already holds that step or a newer one, or when some rank has
-    no intact replica."""
-    deadline = clock.now() + deadline_s
+    a time (each fetched from a live holder and checked against its MAC), within ``deadline_s`` seconds
+    (None: :func:`deadline_for` the version's size at ``rate_bps``); nothing is written when ``directory``
+    already holds that step or a newer one, or when some rank has no intact replica."""
     # The agents' newest, not the store's alone: a record written back or deleted must not make the drain
     # write an older version, or none; nor an incarnation key set back make every agent refuse it as stale.
-    seen = consult_agents(store, timeout_s=min(5.0, deadline_s / 8))  # a dead machine's agent costs its timeout
+    # A dead machine's agent costs its timeout.
+    seen = consult_agents(store, timeout_s=CONSULT_S if deadline_s is None else min(CONSULT_S, deadline_s / 8))
     manifest = store.manifest()
     if not isinstance(manifest, Manifest):
         why = ("no version was committed in memory" if manifest is None
                else "the job went back to a persistent version and committed none since")
         return Drained(None, why)
+    if deadline_s is None:
+        deadline_s = deadline_for(sum(shard.bytes for shard in manifest.shards), rate_bps)
+    deadline = clock.now() + deadline_s
     target = open_store(directory, "ckpt.persist_dir")
     existing = manifest_names(target)
     if existing and (step_of(existing[0]) or 0) >= manifest.step:
@@ -104,14 +115,33 @@ def persist_committed(store: JobStore, directory: Path | str, deadline_s: float 
     return Drained(target.locator(written.name), step=manifest.step)
 
 
-def drain_and_report(store: JobStore, directory: Path | str, deadline_s: float = DEADLINE_S) -> Drained:
+def drain_and_report(store: JobStore, directory: Path | str, deadline_s: float | None = None,
+                     rate_bps: float | None = None) -> Drained:
     """:func:`persist_committed`, its outcome printed for the user in one line: what was written and
     that the same command continues from it, or why nothing was (never a traceback: the launch is
-    ending anyway)."""
+    ending anyway). A version committed while it ran (on a stop the trainers get the signal as the drain
+    does, and a step may still finish) is newer: it is written too, twice at most."""
+    drained = _attempt(store, directory, deadline_s, rate_bps)
+    for _ in range(2):
+        if drained.path is None or drained.why:
+            break
+        _report(drained, directory)
+        newer = _attempt(store, directory, deadline_s, rate_bps)
+        if newer.path is None or newer.why:  # nothing newer ("already holds"), or it failed: the written one stands
+            return drained
+        drained = newer
+    _report(drained, directory)
+    return drained
+
+
+def _attempt(store: JobStore, directory: Path | str, deadline_s: float | None, rate_bps: float | None) -> Drained:
     try:
-        drained = persist_committed(store, directory, deadline_s)
+        return persist_committed(store, directory, deadline_s, rate_bps)
     except Exception as exc:  # the store or every holder gone, the disk full: say so, plainly
-        drained = Drained(None, str(exc) if isinstance(exc, (DrainError, OSError)) else f"{type(exc).__name__}: {exc}")
+        return Drained(None, str(exc) if isinstance(exc, (DrainError, OSError)) else f"{type(exc).__name__}: {exc}")
+
+
+def _report(drained: Drained, directory: Path | str) -> None:
     if drained.path is not None and not drained.why:
         print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}; the same command in this "
               "run directory continues from it", flush=True)
@@ -119,7 +149,6 @@ def drain_and_report(store: JobStore, directory: Path | str, deadline_s: float =
         print(f"ckpt=gemini: nothing to write on the way out: {drained.why}", flush=True)
     else:
         print(f"ckpt=gemini: no version written to {directory} on the way out: {drained.why}", flush=True)
-    return drained
 
 
 def _replica(store: JobStore, incarnation: int, step: int, rank: int, record: ShardRecord, holders: list[int],
@@ -151,9 +180,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds the drain may take (default: from the version's size at --rate)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help=f"bits/s the replicas move at to the directory (default {DISK_RATE_BPS:g})")
     args = parser.parse_args(argv)
     store = JobStore(connect(args.store), args.job, JobKeys.from_env(args.job))
-    drain_and_report(store, args.dir)
+    drain_and_report(store, args.dir, args.deadline, args.rate)
+    with contextlib.suppress(RuntimeError, OSError):  # the agents then wait out their deadline instead
+        mark_drained(store)
 
 
 if __name__ == "__main__":

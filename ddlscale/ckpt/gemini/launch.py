@@ -13,15 +13,17 @@ the first three machines of an emulated cluster, data under ``<run dir>/etcd``.
 * ``cluster=local``: :func:`local_gemini` hosts a TCPStore in the launching process and starts one
   agent per rank on loopback (each rank is its own "machine"), or starts one etcd member instead of
   the TCPStore (``etcd_dir``); the workers inherit the environment that
-  points at them. When the launch ends the committed version is written to the persistent directory
-  (:mod:`ddlscale.ckpt.gemini.drain`), then the agents stop.
+  points at them. When the launch ends (a stop included, even one that signalled every process of the
+  job: the agents then keep their replicas for the drain, and an etcd member is started again) the
+  committed version is written to the persistent directory (:mod:`ddlscale.ckpt.gemini.drain`), then the
+  agents stop.
 * ``cluster=emulated``: the rendezvous store on machine 0 serves Gemini's keys too (or, with etcd,
   :func:`start_emulated_etcd`'s members serve both), and :func:`start_emulated_agent` starts machine
   i's agent inside its namespace — also what a test or experiment calls to bring up a replacement
   machine after killing one.
 * elsewhere (torchrun or SLURM on a real cluster): run ``python -m ddlscale.ckpt.gemini.agent`` on every
-  machine and export ``DDLSCALE_STORE``, ``DDLSCALE_MACHINE``, ``DDLSCALE_MACHINES``, ``DDLSCALE_JOB``
-  and ``DDLSCALE_SECRET_FILE``.
+  machine (with ``--persist-dir``: on a stop the root agent drains) and export ``DDLSCALE_STORE``,
+  ``DDLSCALE_MACHINE``, ``DDLSCALE_MACHINES``, ``DDLSCALE_JOB`` and ``DDLSCALE_SECRET_FILE``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +47,7 @@ from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, r
 from ddlscale.ckpt.gemini.drain import drain_and_report
 from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
 from ddlscale.ckpt.gemini.placement import PlacementPlan
+from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, mark_drained, series_rate
 from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
 from ddlscale.cluster import stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
@@ -53,7 +57,6 @@ if TYPE_CHECKING:
     from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
-DRAIN_DEADLINE_S = 30.0  # the most the way out waits for the committed version to reach disk
 ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains
 
 
@@ -100,7 +103,8 @@ def launch_services(gemini: GeminiCheckpointer, launch: Launch) -> contextlib.Ab
 def _on_this_machine(gemini: GeminiCheckpointer, launch: Launch) -> Iterator[Services]:
     """One agent per rank on loopback; the workers inherit the environment that finds them."""
     etcd_dir = launch.run_dir / "etcd" if gemini.store_address == ETCD else None
-    with local_gemini(launch.world_size, launch.job, gemini.persist_dir, etcd_dir=etcd_dir):
+    with local_gemini(launch.world_size, launch.job, gemini.persist_dir, etcd_dir=etcd_dir,
+                      drain=Drain(gemini.drain_deadline_s, drain_rate_bps(gemini, launch))):
         yield Services()
 
 
@@ -112,25 +116,70 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
     where a storage machine serves the run: over its link), then the machines go down and with them the
     agents, whose shared memory is removed last."""
     cluster, job = launch.cluster, launch.job
+    drain = Drain(gemini.drain_deadline_s, drain_rate_bps(gemini, launch))
     with job_secret() as secret, contextlib.ExitStack() as spared:
-        rendezvous = None
+        rendezvous = etcd = None
         if gemini.store_address == ETCD:  # members on the first three machines: rendezvous and keys
             etcd = start_emulated_etcd(cluster, launch.run_dir / "etcd", job)
             store, rendezvous = str(etcd.address), etcd.address
             print(f"control plane: etcd members at {etcd.address.rendezvous_endpoint}", flush=True)
         else:
-            store = launch.rendezvous_store()
+            store = launch.rendezvous_store()  # it ignores stop signals: the drain reads it (emulated.py)
         env = {}
         for machine in range(cluster.nodes):
-            agent = start_emulated_agent(cluster, machine, store, job, secret)
+            agent = start_emulated_agent(cluster, machine, store, job, secret, drain_args=drain.agent_args())
             spared.enter_context(stop.spared(agent.pid))  # stopped with its machine, after the drain
             env[machine] = emulated_env(cluster, machine, store, job, secret)
         try:
             yield Services(env=env, rendezvous=rendezvous)
         finally:  # the same command in this run directory then continues from it
-            persist_emulated(cluster, store, job, secret, gemini.persist_target(launch.storage))
+            # A stop of the whole job (every process signalled at once) stopped the etcd members and the
+            # storage machine's server too; their data is on disk: back for the drain.
+            if etcd is not None:
+                _bring_back("the etcd members", etcd.revive)
+            if cluster.storage is not None:
+                _bring_back("the storage machine's server", cluster.storage.revive)
+            persist_emulated(cluster, store, job, secret, gemini.persist_target(launch.storage), drain)
             cluster.down()
             remove_replicas(job)  # the agents died with the cluster; their shared memory goes too
+
+
+@dataclass(frozen=True)
+class Drain:
+    """How long the drain of a launch's last committed version may take: ``deadline_s`` seconds, or
+    (None) :func:`~ddlscale.ckpt.gemini.stopping.deadline_for` the version's size at ``rate_bps``. The agents
+    are told too: on a stop they keep their replicas that long for the drain."""
+
+    deadline_s: float | None = None
+    rate_bps: float | None = None
+
+    def agent_args(self) -> list[str]:
+        return ((["--drain-deadline", f"{self.deadline_s:g}"] if self.deadline_s is not None else [])
+                + (["--drain-rate", f"{self.rate_bps:g}"] if self.rate_bps is not None else []))
+
+    def drain_args(self) -> list[str]:
+        return ((["--deadline", f"{self.deadline_s:g}"] if self.deadline_s is not None else [])
+                + (["--rate", f"{self.rate_bps:g}"] if self.rate_bps is not None else []))
+
+
+def drain_rate_bps(gemini: GeminiCheckpointer, launch: Launch) -> float:
+    """What a drain's bytes move at: the persistent tier's rate (the storage machine's link for
+    ``storage://``, else ``ckpt.persist_bandwidth``, else a plain disk's), after machine 0's NIC on the
+    emulated cluster, which every replica crosses first (fetched there, then written)."""
+    cluster = launch.cluster
+    on_storage = str(gemini.persist_target(launch.storage)).startswith("storage://")
+    if on_storage and cluster is not None and cluster.storage is not None:
+        tier = cluster.storage.bandwidth_bps
+    else:
+        tier = gemini.persist_bps or DISK_RATE_BPS
+    return series_rate(cluster.bandwidth_bps if cluster is not None else None, tier)
+
+
+def _bring_back(what: str, revive: Any) -> None:
+    try:
+        revive()
+    except (RuntimeError, OSError) as exc:  # the drain then says what it could not reach
+        print(f"gemini: {what} could not be started again for the drain: {exc}", flush=True)
 
 
 @contextlib.contextmanager
@@ -143,9 +192,9 @@ def job_secret() -> Iterator[Path]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def agent_argv(machine: int, machines: int, bind: str, store: str, job: str) -> list[str]:
+def agent_argv(machine: int, machines: int, bind: str, store: str, job: str, extra: list[str] = ()) -> list[str]:
     return [sys.executable, "-m", "ddlscale.ckpt.gemini.agent", "--machine", str(machine), "--machines", str(machines),
-            "--bind", bind, "--store", store, "--job", job]
+            "--bind", bind, "--store", store, "--job", job, *extra]
 
 
 def _await_ready(process: subprocess.Popen, what: str) -> str:
@@ -164,15 +213,17 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def local_gemini(machines: int, job: str, persist_dir: Path | str | None = None,
-                 etcd_dir: Path | None = None) -> Iterator[dict[str, str]]:
+                 etcd_dir: Path | None = None, drain: Drain = Drain()) -> Iterator[dict[str, str]]:
     """Secret, store and ``machines`` agents on loopback for one launch; yields (and exports) their
-    environment. On the way out the committed version goes to ``persist_dir`` when given. With
-    ``etcd_dir`` the store is one etcd member with its data there (no replication on one machine).
+    environment. On the way out the committed version goes to ``persist_dir`` when given, within
+    ``drain``'s deadline. With ``etcd_dir`` the store is one etcd member with its data there (no
+    replication on one machine).
 
-    The agents hold the version that goes to disk on the way out, so a stop signal must not reach them
-    first: each runs in a session of its own (a terminal's Ctrl-C goes to the launcher's process group
-    only) and is spared from the launcher's first fan-out of SIGTERM (:func:`ddlscale.cluster.stop.spared`);
-    they are stopped here, after the drain."""
+    The agents hold the version that goes to disk on the way out, so a stop signal must not take it
+    away first: each runs in a session of its own (a terminal's Ctrl-C goes to the launcher's process
+    group only) and is spared from the launcher's first fan-out of SIGTERM (:func:`ddlscale.cluster.stop.spared`);
+    a stop of the whole job, which signals them too, makes them keep their replicas until the drain is
+    over (:meth:`~ddlscale.ckpt.gemini.agent.Agent.wind_down`). They are stopped here, after the drain."""
     if etcd_dir is not None:
         member = Member("m0", "127.0.0.1", _free_port(), _free_port())
         store = EtcdMembers([member], etcd_dir, lambda _, argv, **kw: subprocess.Popen(argv, **kw), job).start()
@@ -186,7 +237,7 @@ def local_gemini(machines: int, job: str, persist_dir: Path | str | None = None,
         env = {STORE_ENV: address, MACHINES_ENV: str(machines), JOB_ENV: job, SECRET_ENV: str(secret)}
         try:
             for m in range(machines):
-                agents.append(subprocess.Popen(agent_argv(m, machines, "127.0.0.1:0", address, job),
+                agents.append(subprocess.Popen(agent_argv(m, machines, "127.0.0.1:0", address, job, drain.agent_args()),
                                                stdout=subprocess.PIPE, text=True, env={**os.environ, **env},
                                                start_new_session=True))
                 spared.enter_context(stop.spared(agents[-1].pid))
@@ -195,9 +246,10 @@ def local_gemini(machines: int, job: str, persist_dir: Path | str | None = None,
             os.environ.update(env)
             yield env
         finally:
-            if persist_dir is not None and agents:
-                drain_and_report(JobStore(connect(address), job, JobKeys(read_secret(secret), job)), persist_dir,
-                                 deadline_s=DRAIN_DEADLINE_S)
+            if isinstance(store, EtcdMembers):  # a stop of the whole job stopped the member too: back for the drain
+                _bring_back("the etcd member", store.revive)
+            if agents:
+                _drain_locally(address, job, secret, persist_dir, drain)
             stop_agents(agents)
             remove_replicas(job)
             for key, value in saved.items():
@@ -210,8 +262,21 @@ def local_gemini(machines: int, job: str, persist_dir: Path | str | None = None,
             del store
 
 
+def _drain_locally(address: str, job: str, secret: Path, persist_dir: Path | str | None, drain: Drain) -> None:
+    """The committed version to ``persist_dir`` (when given), then the mark that lets the agents go."""
+    try:
+        store = JobStore(connect(address), job, JobKeys(read_secret(secret), job))
+        if persist_dir is not None:
+            drain_and_report(store, persist_dir, drain.deadline_s, drain.rate_bps)
+        mark_drained(store)
+    except (RuntimeError, OSError) as exc:  # the store is gone: nothing can be read or marked
+        print(f"ckpt=gemini: no version written to {persist_dir} on the way out: the job's store is "
+              f"unreachable ({exc})", flush=True)
+
+
 def stop_agents(agents: list[subprocess.Popen], grace_s: float = 2.0) -> None:
-    """SIGTERM, then SIGKILL what is left after ``grace_s`` (an agent stops within its 1 s poll)."""
+    """SIGTERM, then SIGKILL what is left after ``grace_s``. An agent that finds the drain over stops at
+    once; one that does not (the store gone) would keep its replicas for the drain's deadline."""
     for agent in agents:
         with contextlib.suppress(ProcessLookupError):
             agent.terminate()
@@ -240,27 +305,29 @@ def emulated_env(cluster: Any, machine: int, store: str, job: str, secret: Path)
 
 
 def start_emulated_agent(cluster: Any, machine: int, store: str, job: str, secret: Path,
-                         **popen_kwargs: Any) -> subprocess.Popen:
-    """Machine ``machine``'s replica agent, inside its namespace; returns once it serves."""
-    argv = agent_argv(machine, cluster.nodes, f"{cluster.address(machine)}:{AGENT_PORT}", store, job)
+                         drain_args: list[str] = (), **popen_kwargs: Any) -> subprocess.Popen:
+    """Machine ``machine``'s replica agent, inside its namespace; returns once it serves. ``drain_args``:
+    how long it keeps its replicas for the drain on a stop (:meth:`Drain.agent_args`)."""
+    argv = agent_argv(machine, cluster.nodes, f"{cluster.address(machine)}:{AGENT_PORT}", store, job, drain_args)
     env = {SECRET_ENV: str(secret), **popen_kwargs.pop("env", {})}
     process = cluster.popen(machine, argv, stdout=subprocess.PIPE, text=True, env=env, **popen_kwargs)
     _await_ready(process, f"replica agent on emulated machine {machine}")
     return process
 
 
-def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path | str) -> None:
+def persist_emulated(cluster: Any, store: str, job: str, secret: Path, directory: Path | str,
+                     drain: Drain = Drain()) -> None:
     """Write the committed version to ``directory`` from inside machine 0 (the store is reachable only
-    from the emulated machines); a failure is reported, not raised: the launch is ending anyway. A
-    ``storage://`` directory is written over machine 0's link to the storage machine, with the endpoint
-    and credentials the workers get (in the environment: never on a command line, which others can read)."""
-    argv = [sys.executable, "-m", "ddlscale.ckpt.gemini.drain", "--store", store, "--job", job, "--dir", str(directory)]
+    from the emulated machines) within ``drain``'s deadline; a failure is reported, not raised: the launch
+    is ending anyway. A ``storage://`` directory is written over machine 0's link to the storage machine,
+    with the endpoint and credentials the workers get (in the environment: never on a command line,
+    which others can read). The drain marks its end in the store, so the agents may go."""
+    argv = [sys.executable, "-m", "ddlscale.ckpt.gemini.drain", "--store", store, "--job", job, "--dir", str(directory),
+            *drain.drain_args()]
     done = cluster.popen(0, argv, env={SECRET_ENV: str(secret), **cluster.storage_env()}, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = done.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        done.kill()
-        output = f"gemini: writing the committed version to {directory} took over 300 s: given up"
+    # The drain keeps its own deadline (from the version's size, which only it reads), checked before each
+    # rank's replica: waited for without a limit of ours, which could only be a guess.
+    output, _ = done.communicate(timeout=None)
     if output.strip():
         print(output.strip(), flush=True)

@@ -134,9 +134,11 @@ class GeminiRecovery:
         if choice[1] is not None:
             raise RuntimeError(f"gemini: persistent fallback failed: {choice[1]}")
         if choice[0] is None:
+            why = ("set ckpt.persist_every" if self.persistent is None else
+                   f"none was written to {self.persist_dir} yet (ckpt.persist_every={self.persistent.interval})")
             raise RuntimeError(
                 "gemini: the committed version cannot be restored (a whole placement group is lost or its "
-                "replicas fail their MACs) and there is no persistent checkpoint: set ckpt.persist_every"
+                f"replicas fail their MACs) and there is no persistent checkpoint: {why}"
             )
         warnings.warn(f"gemini: falling back to the persistent checkpoint {choice[0]}", stacklevel=2)
         try:

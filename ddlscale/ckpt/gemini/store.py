@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import socket
 import time
 import warnings
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, parse_address
 from ddlscale.ckpt.version.manifest import Manifest, ManifestError
 from ddlscale.cluster.control_plane import EtcdAddress, EtcdKeyValue, missing
+from ddlscale.cluster.pgstore import listening_store
 
 ETCD = "etcd"  # ckpt.store=etcd: the launcher starts the members (cluster=local, cluster=emulated)
 
@@ -94,11 +94,7 @@ def serve(address: str) -> dist.TCPStore:
     """Host a TCPStore at ``HOST:PORT`` in this process, listening on ``HOST`` only (TCPStore alone would
     listen on every interface: ``127.0.0.1`` keeps a one-machine job's store off the network)."""
     host, port = parse_address(address)
-    listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=512, reuse_port=False)
-    fd = listener.detach()  # the store owns the listening socket from here on
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(hours=24),
-                         master_listen_fd=fd, use_libuv=True)
+    return listening_store(host, port, datetime.timedelta(hours=24))
 
 
 class Keys:

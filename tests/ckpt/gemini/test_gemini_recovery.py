@@ -67,7 +67,8 @@ def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
         _corrupt(env, 1, 1)
         _corrupt(env, 1, 0)
         result = subprocess.run([sys.executable, str(ROOT / "train.py"), *CNN, *GEMINI, "trainer.devices=2",
-                                 "trainer.max_steps=4", f"hydra.run.dir={tmp_path / 'b'}", *QUIET],
+                                 "trainer.max_steps=4", "ckpt.persist_every=null", f"hydra.run.dir={tmp_path / 'b'}",
+                                 *QUIET],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "there is no persistent checkpoint: set ckpt.persist_every" in result.stderr

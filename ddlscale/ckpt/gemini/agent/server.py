@@ -198,6 +198,8 @@ class ReplicaHandler(socketserver.BaseRequestHandler):
         sender is the machine's own trainer, answered with the file it writes (the slot's inbox, copied
         in at END); to anyone else nothing: the buffer's own file is never named to a writer."""
         agent = self.server.agent
+        if agent.stopping.is_set():  # the job is stopping: what is held stays as the drain reads it
+            raise Refused(None, "the agent is stopping (a stop signal): it takes no new version")
         if r.a < MIN_VERSION_BYTES or (agent.max_version_bytes is not None and r.a > agent.max_version_bytes):
             raise Refused("bounds", f"a version of {r.a} bytes (this agent takes {MIN_VERSION_BYTES} to "
                                     f"{agent.max_version_bytes or 'what its shared memory holds'})")
