@@ -20,6 +20,7 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,6 +213,11 @@ class GradSync:
         """What the backend adds to the run's summary.json, overriding the config's names: here that
         it keeps no error feedback (a compressing sync says which it resolved)."""
         return {"memory": "none"}
+
+    def written_files(self) -> list[Path]:
+        """Files this backend wrote for the run (a planned sync's plan), which loggers keep with its
+        summary (W&B: as an artifact). None here."""
+        return []
 
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pytorch_lightning.loggers import CSVLogger
 
 from ddlscale.ckpt import Checkpointer
 from ddlscale.cluster import stop
@@ -35,8 +36,9 @@ from ddlscale.cluster.emulated import unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
 from ddlscale.schema import is_int
 from ddlscale.strategy import DDLStrategy
-from ddlscale.trainer import pairing, rundir, schemas
+from ddlscale.trainer import pairing, rundir, runinfo, schemas
 from ddlscale.trainer.host import keep_freed_memory
+from ddlscale.trainer.loggers import RunCSVLogger
 from ddlscale.trainer.metrics import StepMetrics
 from ddlscale.trainer.report import RunFailed, error_line, failed_summary, print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
@@ -204,6 +206,9 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
         move_momentum(extra["sync"], model)
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
+    # metrics.csv whatever the logger: beside summary.json it is the run's record, which
+    # ddlscale.tools.compare and a stopped run's summary read.
+    loggers = [logger] if isinstance(logger, CSVLogger) else [logger, RunCSVLogger(str(output_dir))]
     callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info, config), StopOnSignals()]
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         # First, so that a blocking checkpoint's time shows in the step time the metrics measure.
@@ -213,7 +218,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
         trainer = pl.Trainer(
             **trainer_args,
             strategy=strategy,
-            logger=logger,
+            logger=loggers,
             callbacks=callbacks,
             enable_checkpointing=False,
             default_root_dir=str(output_dir),
@@ -249,6 +254,8 @@ def run(
             raise ConfigError(str(exc)) from None
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
     launching = not launch.is_worker
+    if launching and _in_sweep():  # the workers torchrun starts run single Hydra jobs: tell them the sweep
+        os.environ[runinfo.SWEEP_ENV] = runinfo.sweep()
     rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)

@@ -343,4 +343,6 @@ class StepMetrics(pl.Callback):
         partial.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(partial, self.output_dir / "summary.json")  # readers never see half a file
         self._written = True
-        record_summary(trainer.loggers, summary, trainer.global_step)
+        sync = self._sync(trainer)
+        files = [self.output_dir / "summary.json", *(sync.written_files() if sync is not None else [])]
+        record_summary(trainer.loggers, summary, trainer.global_step, files)

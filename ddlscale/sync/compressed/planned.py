@@ -669,6 +669,12 @@ class PlannedSync(GradSync):
         (out / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
         (out / PLAN_TEXT).write_text(text + "\n")
 
+    def written_files(self) -> list[Path]:
+        """The plan in force, as :meth:`_save` wrote it (on rank 0; none before planning)."""
+        if self.run_dir is None:
+            return []
+        return [path for path in (Path(self.run_dir) / PLAN_FILE, Path(self.run_dir) / PLAN_TEXT) if path.is_file()]
+
     # -- checkpointed state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         # CompressSync's state as it saves it, with the groups of the executor in force (DDP's
