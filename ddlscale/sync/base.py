@@ -78,6 +78,11 @@ class GradSync:
     while they profile and CompressSync after.
     """
 
+    # Whether a config must give this sync a compressor (``compressor=``): one that compresses every
+    # gradient would otherwise run dense under its own name. (The planned syncs plan fusion alone
+    # without one.)
+    needs_compressor = False
+
     def __init__(self) -> None:
         self.ledger = CommLedger()
         self.last_stats = StepSyncStats()

@@ -132,19 +132,25 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
     """The compressor and memory a compressing sync takes from their groups (empty for other syncs).
 
     Syncs that compress declare ``compressor:`` and ``memory:`` keys; any other sync refuses a
-    compressor rather than silently ignore it. Building the sync here also validates the pair (an
-    allreduce of top-k payloads, say) before any worker starts.
+    compressor rather than silently ignore it, and a sync that needs a compressor (its class says
+    so) refuses to run without one. Building the sync here also validates the pair (an allreduce of
+    top-k payloads, say) before any worker starts.
     """
     compressing = "compressor" in cfg.sync
     compressor_target = OmegaConf.select(cfg, "compressor._target_")
     memory_target = OmegaConf.select(cfg, "memory._target_")
     if not compressing:
+        needs = f"needs a compressing sync (sync=compress, espresso or cupcake); {schemas.chosen(cfg, 'sync')} does not compress"
         if compressor_target is not None:
-            raise ConfigError(f"compressor={compressor_target} needs a compressing sync (sync=compress, espresso "
-                              f"or cupcake); sync={OmegaConf.select(cfg, 'sync._target_')} does not compress")
+            raise ConfigError(f"{schemas.chosen(cfg, 'compressor')} {needs}")
         if memory_target is not None and not memory_target.endswith("NoMemory"):
-            raise ConfigError(f"memory={memory_target} needs a compressing sync (sync=compress, espresso or cupcake)")
+            raise ConfigError(f"{schemas.chosen(cfg, 'memory')} {needs}")
         return {}
+    if compressor_target is None and getattr(schemas._target_class(cfg.sync), "needs_compressor", False):
+        offered = ", ".join(o for o in schemas.options("compressor") if o != "none")
+        raise ConfigError(f"compressor: {schemas.chosen(cfg, 'sync')} compresses every gradient with a compressor and "
+                          f"has none ({schemas.chosen(cfg, 'compressor')}); choose one of {offered} (e.g. "
+                          "compressor=topk), or sync=dense to train uncompressed")
     parts = {"compressor": _build("compressor", cfg.compressor) if compressor_target is not None else None}
     if "memory" in cfg.sync and memory_target is not None:
         parts["memory"] = _build("memory", cfg.memory)
@@ -184,7 +190,8 @@ def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
     except InstantiationException as exc:
         cause = exc.__cause__ or exc
         message = str(cause)
-        raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
+        named = message.startswith((f"{group}.", f"{group}="))  # the message names the key already
+        raise ConfigError(message if named else f"{group}: {message}") from exc
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],

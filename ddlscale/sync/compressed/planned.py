@@ -186,11 +186,13 @@ class PlannedSync(GradSync):
                     settle_steps=settle_steps, calibrate_families=calibrate_families, calibrate_fused=calibrate_fused,
                     **self._own_keys())  # refuses what no run can use
         super().__init__()
+        # Before the executor's own checks: a compressor no plan can price is the whole answer (its
+        # scheme's refusal would come first and, once followed, lead only to this one).
+        check_plannable(compressor, f"sync={self.system}")
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
-        check_plannable(compressor, f"sync={self.system}")
         # A compressor's warm-up (DGC's sparsity schedule) runs as dense steps, which it counts
         # (Compressor.synced_dense): calibration then measures it as the plan will run it. Calibrated
         # inside the warm-up, lstm's DGC groups cost 2-4x what they did after it (espresso_cupcake:
