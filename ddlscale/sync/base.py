@@ -125,6 +125,11 @@ class GradSync:
         self.backward_order = list(reversed(range(len(self.params))))
         self.on_setup()
 
+    @property
+    def is_set_up(self) -> bool:
+        """Bound to its parameters and process group (:meth:`setup`): a rank's backend, with state."""
+        return hasattr(self, "params")
+
     def serve(self, owner: GradSync) -> None:
         """Run as ``owner``'s executor: its parameters and process group, its ledger and step timers
         (so what this one moves and spends is the owner's step), its backward order. The owner calls

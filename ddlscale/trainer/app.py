@@ -279,12 +279,14 @@ def run(
                 signal_name = stop.received() if launching else None
                 if signal_name is not None:
                     print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
+                    _print_continuation(cfg, output_dir)
                     raise stop.StopRequested(signal.Signals[signal_name]) from exc
                 if not launching or not isinstance(exc, Exception):
                     raise
                 # Past validation: the run directory keeps a failed summary, train.log the traceback.
                 failure.append(traceback.format_exc())
                 print_summary(failed_summary(output_dir, info, exc, started), output_dir)
+                _print_continuation(cfg, output_dir)
                 raise RunFailed(error_line(exc)) from exc
             if summary and reporting:
                 print_summary(summary, output_dir)
@@ -340,6 +342,18 @@ def _in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _print_continuation(cfg: DictConfig, output_dir: Path) -> None:
+    """Below a stopped or failed run's summary: the command that continues it from its checkpoints,
+    where its checkpointer left a version to continue from."""
+    target = OmegaConf.select(cfg, "ckpt._target_")
+    if target is None or not issubclass(get_class(target), Checkpointer):
+        return
+    overrides = _build("ckpt", cfg.ckpt, run_dir=str(output_dir)).continue_overrides()
+    command = rundir.continuing_command(output_dir, overrides) if overrides is not None else None
+    if command is not None:
+        print(f"  continue it from its newest checkpoint: {command}", flush=True)
 
 
 def _checkpointer(trainer: pl.Trainer) -> Checkpointer | None:

@@ -7,10 +7,10 @@ nothing unpickled) and writes the version as the persistent tier writes its own,
 (a rank's replica is fetched, checked, written into its DCP file and dropped before the next one's
 is fetched; a first pass reads each for its items' shapes only, which DCP's plan needs): a
 torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
-(:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. Running
-the same command again in the same run directory then resumes from it instead of from step 0 — after
-a normal end, a failure past ``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is
-SIGKILLed.
+(:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. The
+same command run again into the same run directory (``hydra.run.dir=``; a run that did not finish
+prints that command) then resumes from it instead of from step 0 — after a normal end, a failure past
+``cluster.max_restarts``, or Ctrl-C; not after the launcher itself is SIGKILLed.
 
     python -m ddlscale.ckpt.gemini.drain --store HOST:PORT --job JOB --dir RUN/checkpoints   # $DDLSCALE_SECRET_FILE
 """
@@ -91,16 +91,15 @@ def persist_committed(store: JobStore, directory: Path, deadline_s: float = DEAD
 
 
 def drain_and_report(store: JobStore, directory: Path, deadline_s: float = DEADLINE_S) -> Drained:
-    """:func:`persist_committed`, its outcome printed for the user in one line: what was written and
-    that the same command continues from it, or why nothing was (never a traceback: the launch is
-    ending anyway)."""
+    """:func:`persist_committed`, its outcome printed for the user in one line: what was written, or
+    why nothing was (never a traceback: the launch is ending anyway)."""
     try:
         drained = persist_committed(store, directory, deadline_s)
     except Exception as exc:  # the store or every holder gone, the disk full: say so, plainly
         drained = Drained(None, str(exc) if isinstance(exc, (DrainError, OSError)) else f"{type(exc).__name__}: {exc}")
     if drained.path is not None and not drained.why:
-        print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}; the same command in this "
-              "run directory continues from it", flush=True)
+        # A run that did not finish prints the command that continues from it (ddlscale.trainer.rundir).
+        print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}", flush=True)
     elif drained.path is not None:
         print(f"ckpt=gemini: nothing to write on the way out: {drained.why}", flush=True)
     else:

@@ -122,7 +122,7 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
             env[machine] = emulated_env(cluster, machine, store, job, secret)
         try:
             yield Services(env=env, rendezvous=rendezvous)
-        finally:  # the same command in this run directory then continues from it
+        finally:  # the same command into this run directory (hydra.run.dir=) then continues from it
             persist_emulated(cluster, store, job, secret, gemini.persist_dir)
             cluster.down()
             remove_replicas(job)  # the agents died with the cluster; their shared memory goes too

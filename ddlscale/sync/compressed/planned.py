@@ -575,7 +575,7 @@ class PlannedSync(GradSync):
         self.session.recorder = StepRecorder()
         self.compressed.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
         self.session.adopted()
-        if hasattr(self, "params"):
+        if self.is_set_up:
             self.on_setup()
 
     def _put_in_force(self, plan: CompressionPlan) -> None:
