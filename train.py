@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 
 from ddlscale.cluster.stop import StopRequested
 from ddlscale.trainer import ConfigError, RunFailed, discard_refused_run, run, runinfo
+from ddlscale.trainer.overrides import composed, refusing_bad_overrides
 from ddlscale.trainer.shutdown import skip_final_collection
 
 # Every process that runs this file: the launcher, and the workers Lightning spawns (as __mp_main__)
@@ -25,6 +26,7 @@ skip_final_collection()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    composed()
     hydra_cfg = HydraConfig.get()
     output_dir = Path(hydra_cfg.runtime.output_dir)
     try:
@@ -43,4 +45,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    main()
+    with refusing_bad_overrides():  # a key Hydra cannot compose: refused like any bad value
+        main()

@@ -14,6 +14,7 @@ The helpers below write those messages, so every component words a refusal alike
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
@@ -66,6 +67,13 @@ def boolean(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {value!r}")
     return value
+
+
+def did_you_mean(word: str, known: Iterable[str], prefix: str = "") -> str:
+    """``" (did you mean <prefix>X?)"`` for the known word X closest to a misspelled one; "" when none
+    is close."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def quantity(key: str, value: Any, parse: Callable[[Any], float]) -> float:

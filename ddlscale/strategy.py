@@ -224,11 +224,17 @@ class DDLStrategy(DDPStrategy):
 
     # -- checkpoints carry the backend's state (per rank: error feedback differs between ranks) --
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        states = [self.sync.state_dict()]
-        if dist.is_initialized() and self.world_size > 1:  # every rank calls this; rank 0 writes
-            states = [None] * self.world_size
-            dist.all_gather_object(states, self.sync.state_dict())
-        checkpoint[SYNC_STATE_KEY] = {"world_size": self.world_size, "ranks": states}
+        """Also every rank's backend state, where this process's backend ran as a rank. After a spawned
+        fit the launching process holds the copy of the backend the workers were started with, never
+        set up (the ranks' states ended with them): its checkpoint (``trainer.save_checkpoint`` after
+        ``fit``, as Lightning's own holds the weights rank 0 sent back and no optimizer state) has no
+        backend state, and a run resumed from it starts the backend afresh."""
+        if self.sync.is_set_up:
+            states = [self.sync.state_dict()]
+            if dist.is_initialized() and self.world_size > 1:  # every rank calls this; rank 0 writes
+                states = [None] * self.world_size
+                dist.all_gather_object(states, self.sync.state_dict())
+            checkpoint[SYNC_STATE_KEY] = {"world_size": self.world_size, "ranks": states}
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
@@ -249,7 +255,7 @@ class DDLStrategy(DDPStrategy):
 
             def load() -> None:
                 self.sync.load_state_dict(state)
-        if hasattr(self.sync, "params"):
+        if self.sync.is_set_up:
             load()
         else:
             self._pending_sync_load = load

@@ -30,6 +30,7 @@ import torch
 from ddlscale import clock
 from ddlscale.ckpt.state.shard import RANK_STATE_KEY, param_sha256, restore_local
 from ddlscale.ckpt.version.io import ManifestCheckpointIO
+from ddlscale.ckpt.version.manifest import manifest_names
 from ddlscale.cluster.context import Launch, Services
 
 HIGHFREQ = "highfreq"
@@ -109,13 +110,32 @@ class Checkpointer(pl.Callback):
         return None
 
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """Tier-specific summary figures (every rank calls this; collectives allowed)."""
+        """Tier-specific summary figures (every rank calls this; collectives allowed). This default:
+        :meth:`local_figures`."""
+        return self.local_figures(trainer)
+
+    def local_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """The tier's figures this rank has alone, with no collective: what a run that stopped
+        reports (its other ranks may be gone)."""
         return {}
+
+    def persisted_dir(self) -> Path | None:
+        """The directory on this host where the tier leaves versions a later launch resumes from
+        (None: none this process can look into)."""
+        return None
 
     # -- launch hooks: in the launching process, before and around the workers --------------------
     def validate_launch(self, launch: Launch) -> None:
         """Refuse a launch this tier cannot work in (ValueError naming the key), before anything starts.
         Also called in each worker, with ``launch.is_worker``."""
+
+    def continue_overrides(self) -> list[str] | None:
+        """After a launch ended: the overrides with which the same command continues from the newest
+        version in :meth:`persisted_dir` (None: no version there to continue from)."""
+        directory = self.persisted_dir()
+        if directory is None or not directory.is_dir() or not manifest_names(directory):
+            return None
+        return [] if self.resume == "auto" else ["ckpt.resume=auto"]
 
     def services(self, launch: Launch) -> AbstractContextManager[Services]:
         """What the tier needs running beside the workers of ``launch``: started on entering, stopped on
@@ -215,10 +235,11 @@ class Checkpointer(pl.Callback):
             self.anchor = int(state_dict.get("anchor", 0))
 
     # -- summary -------------------------------------------------------------------------------
-    def summary_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
-        """``ckpt_*`` keys for summary.json; every rank calls this (it reduces over ranks)."""
-        per_ckpt: list[float] = []
-        if self.times:  # every rank checkpointed at the same steps
+    def summary_figures(self, trainer: pl.Trainer, alone: bool = False) -> dict[str, Any]:
+        """``ckpt_*`` keys for summary.json; every rank calls this (it reduces over ranks), or, with
+        ``alone``, one rank that reports by itself: its own figures, no collective."""
+        per_ckpt = list(self.times)
+        if self.times and not alone:  # every rank checkpointed at the same steps
             local = torch.tensor(self.times, dtype=torch.float64, device=trainer.strategy.root_device)
             gathered = trainer.strategy.all_gather(local).reshape(-1, len(self.times)).cpu()
             per_ckpt = [float(v) for v in gathered.max(dim=0).values]
@@ -233,5 +254,5 @@ class Checkpointer(pl.Callback):
             "ckpt_loaded_param_sha256": self.loaded_param_sha256,
             "ckpt_retrieve_s": self.recovery.get("retrieve_s"),
         }
-        figures.update(self.figures(trainer))
+        figures.update(self.local_figures(trainer) if alone else self.figures(trainer))
         return figures

@@ -33,8 +33,9 @@ def check_plannable(compressor: Compressor | None, key: str) -> None:
     allreduces after backward, one low-rank matrix per member of a fused group, where the model
     overlaps a group's encode with backward and prices a fused buffer as one flat payload."""
     if compressor is not None and hasattr(compressor, "reduce"):
-        raise ValueError(f"{key}: compressor {compressor.name} is not priced by the planners' cost model "
-                         f"(its work runs in its allreduces after backward); use sync=compress with it")
+        raise ValueError(f"{key}: compressor={compressor.name} is not priced by the planners' cost model (its work "
+                         f"runs inside its allreduces, after backward): train with it under sync=compress "
+                         f"compressor={compressor.name} sync.comm=allreduce")
 
 
 def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:

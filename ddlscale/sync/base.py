@@ -20,6 +20,7 @@ import threading
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -77,6 +78,11 @@ class GradSync:
     while they profile and CompressSync after.
     """
 
+    # Whether a config must give this sync a compressor (``compressor=``): one that compresses every
+    # gradient would otherwise run dense under its own name. (The planned syncs plan fusion alone
+    # without one.)
+    needs_compressor = False
+
     def __init__(self) -> None:
         self.ledger = CommLedger()
         self.last_stats = StepSyncStats()
@@ -118,6 +124,11 @@ class GradSync:
         # DDP's first guess: gradients arrive roughly in reverse registration order.
         self.backward_order = list(reversed(range(len(self.params))))
         self.on_setup()
+
+    @property
+    def is_set_up(self) -> bool:
+        """Bound to its parameters and process group (:meth:`setup`): a rank's backend, with state."""
+        return hasattr(self, "params")
 
     def serve(self, owner: GradSync) -> None:
         """Run as ``owner``'s executor: its parameters and process group, its ledger and step timers
@@ -212,6 +223,11 @@ class GradSync:
         """What the backend adds to the run's summary.json, overriding the config's names: here that
         it keeps no error feedback (a compressing sync says which it resolved)."""
         return {"memory": "none"}
+
+    def written_files(self) -> list[Path]:
+        """Files this backend wrote for the run (a planned sync's plan), which loggers keep with its
+        summary (W&B: as an artifact). None here."""
+        return []
 
     # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from pytorch_lightning.loggers import CSVLogger
 
 from ddlscale.ckpt import Checkpointer
 from ddlscale.cluster import stop
@@ -35,8 +36,9 @@ from ddlscale.cluster.emulated import unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
 from ddlscale.schema import is_int
 from ddlscale.strategy import DDLStrategy
-from ddlscale.trainer import pairing, rundir, schemas
+from ddlscale.trainer import pairing, rundir, runinfo, schemas
 from ddlscale.trainer.host import keep_freed_memory
+from ddlscale.trainer.loggers import RunCSVLogger
 from ddlscale.trainer.metrics import StepMetrics
 from ddlscale.trainer.report import RunFailed, error_line, failed_summary, print_summary, stopped_summary
 from ddlscale.trainer.runlog import ENV as RUN_LOG_ENV
@@ -130,19 +132,25 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
     """The compressor and memory a compressing sync takes from their groups (empty for other syncs).
 
     Syncs that compress declare ``compressor:`` and ``memory:`` keys; any other sync refuses a
-    compressor rather than silently ignore it. Building the sync here also validates the pair (an
-    allreduce of top-k payloads, say) before any worker starts.
+    compressor rather than silently ignore it, and a sync that needs a compressor (its class says
+    so) refuses to run without one. Building the sync here also validates the pair (an allreduce of
+    top-k payloads, say) before any worker starts.
     """
     compressing = "compressor" in cfg.sync
     compressor_target = OmegaConf.select(cfg, "compressor._target_")
     memory_target = OmegaConf.select(cfg, "memory._target_")
     if not compressing:
+        needs = f"needs a compressing sync (sync=compress, espresso or cupcake); {schemas.chosen(cfg, 'sync')} does not compress"
         if compressor_target is not None:
-            raise ConfigError(f"compressor={compressor_target} needs a compressing sync (sync=compress, espresso "
-                              f"or cupcake); sync={OmegaConf.select(cfg, 'sync._target_')} does not compress")
+            raise ConfigError(f"{schemas.chosen(cfg, 'compressor')} {needs}")
         if memory_target is not None and not memory_target.endswith("NoMemory"):
-            raise ConfigError(f"memory={memory_target} needs a compressing sync (sync=compress, espresso or cupcake)")
+            raise ConfigError(f"{schemas.chosen(cfg, 'memory')} {needs}")
         return {}
+    if compressor_target is None and getattr(schemas._target_class(cfg.sync), "needs_compressor", False):
+        offered = ", ".join(o for o in schemas.options("compressor") if o != "none")
+        raise ConfigError(f"compressor: {schemas.chosen(cfg, 'sync')} compresses every gradient with a compressor and "
+                          f"has none ({schemas.chosen(cfg, 'compressor')}); choose one of {offered} (e.g. "
+                          "compressor=topk), or sync=dense to train uncompressed")
     parts = {"compressor": _build("compressor", cfg.compressor) if compressor_target is not None else None}
     if "memory" in cfg.sync and memory_target is not None:
         parts["memory"] = _build("memory", cfg.memory)
@@ -176,7 +184,8 @@ def _build(group: str, cfg: DictConfig, **kwargs: Any) -> Any:
     except InstantiationException as exc:
         cause = exc.__cause__ or exc
         message = str(cause)
-        raise ConfigError(message if message.startswith(f"{group}.") else f"{group}: {message}") from exc
+        named = message.startswith((f"{group}.", f"{group}="))  # the message names the key already
+        raise ConfigError(message if named else f"{group}: {message}") from exc
 
 
 def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
@@ -198,6 +207,9 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
         move_momentum(extra["sync"], model)
     strategy = _build("strategy", strategy_cfg, **extra)
     logger = _build("logger", cfg.logger, save_dir=str(output_dir))
+    # metrics.csv whatever the logger: beside summary.json it is the run's record, which
+    # ddlscale.tools.compare and a stopped run's summary read.
+    loggers = [logger] if isinstance(logger, CSVLogger) else [logger, RunCSVLogger(str(output_dir))]
     callbacks: list[pl.Callback] = [StepMetrics(output_dir, run_info, config), StopOnSignals()]
     if OmegaConf.select(cfg, "ckpt._target_") is not None:
         # First, so that a blocking checkpoint's time shows in the step time the metrics measure.
@@ -207,7 +219,7 @@ def build_trainer(cfg: DictConfig, output_dir: Path, run_info: dict[str, Any],
         trainer = pl.Trainer(
             **trainer_args,
             strategy=strategy,
-            logger=logger,
+            logger=loggers,
             callbacks=callbacks,
             enable_checkpointing=False,
             default_root_dir=str(output_dir),
@@ -243,6 +255,8 @@ def run(
             raise ConfigError(str(exc)) from None
     info = {"sync": "custom", "compressor": "none", "ckpt": "none", "model": "custom", **(run_info or {})}
     launching = not launch.is_worker
+    if launching and _in_sweep():  # the workers torchrun starts run single Hydra jobs: tell them the sweep
+        os.environ[runinfo.SWEEP_ENV] = runinfo.sweep()
     rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)
@@ -259,12 +273,14 @@ def run(
                 signal_name = stop.received() if launching else None
                 if signal_name is not None:
                     print_summary(stopped_summary(output_dir, info, signal_name, started), output_dir)
+                    _print_continuation(cfg, output_dir)
                     raise stop.StopRequested(signal.Signals[signal_name]) from exc
                 if not launching or not isinstance(exc, Exception):
                     raise
                 # Past validation: the run directory keeps a failed summary, train.log the traceback.
                 failure.append(traceback.format_exc())
                 print_summary(failed_summary(output_dir, info, exc, started), output_dir)
+                _print_continuation(cfg, output_dir)
                 raise RunFailed(error_line(exc)) from exc
             if summary and reporting:
                 print_summary(summary, output_dir)
@@ -320,6 +336,18 @@ def _in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _print_continuation(cfg: DictConfig, output_dir: Path) -> None:
+    """Below a stopped or failed run's summary: the command that continues it from its checkpoints,
+    where its checkpointer left a version to continue from."""
+    target = OmegaConf.select(cfg, "ckpt._target_")
+    if target is None or not issubclass(get_class(target), Checkpointer):
+        return
+    overrides = _build("ckpt", cfg.ckpt, run_dir=str(output_dir)).continue_overrides()
+    command = rundir.continuing_command(output_dir, overrides) if overrides is not None else None
+    if command is not None:
+        print(f"  continue it from its newest checkpoint: {command}", flush=True)
 
 
 def _checkpointer(trainer: pl.Trainer) -> Checkpointer | None:

@@ -23,7 +23,7 @@ GROUPS = {  # in the order a user picks them, with what the group decides
     "ckpt": "checkpointing",
     "strategy": "Lightning strategy",
     "cluster": "where the workers run",
-    "logger": "where per-step metrics go (beside summary.json)",
+    "logger": "where per-step metrics go too (metrics.csv and summary.json are always written)",
     "trainer": "Lightning Trainer arguments, under their own names (trainer.max_steps=500)",
     "experiment": "presets that override the rest",
 }

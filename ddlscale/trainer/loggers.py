@@ -16,6 +16,9 @@ import csv
 import json
 import numbers
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning_fabric.utilities.logger import _add_prefix
@@ -23,6 +26,8 @@ from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from pytorch_lightning.loggers.csv_logs import ExperimentWriter
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from ddlscale.schema import Schema, boolean
 
 
 class _ContinuedWriter(ExperimentWriter):
@@ -97,10 +102,50 @@ class RunCSVLogger(CSVLogger):
         self.experiment.text.update(_add_prefix(text, self._prefix, self.LOGGER_JOIN_CHAR))
 
 
+OFFLINE_MODES = ("offline", "dryrun")  # WANDB_MODE's values for a run kept on disk
+
+
+@dataclass
+class WandbConfig(Schema):
+    """``logger.*`` of :class:`RunWandbLogger` that ddlscale reads itself; every other key is Lightning's
+    WandbLogger's or ``wandb.init``'s (``logger.group``, ``logger.tags``, ``logger.entity``...)."""
+
+    group = "logger"
+    offline: Any = None  # None: WANDB_MODE decides
+
+    def check(self) -> None:
+        if self.offline is not None:
+            boolean(self.key("offline"), self.offline)
+
+
 class RunWandbLogger(WandbLogger):
-    """Lightning's W&B logger, except that the run is finished when training ends: W&B writes a run's
-    ``config.yaml`` and ``wandb-summary.json`` (what ``wandb sync`` and the W&B page show) when it is
-    finished, and Lightning never finishes it, so an offline run left its config in the binary log only."""
+    """Lightning's W&B logger, except that:
+
+    - ``offline=None`` (the config's default) lets ``WANDB_MODE`` decide, as W&B users expect, and
+      keeps the run offline where it is unset; ``true`` or ``false`` decide whatever it says;
+    - the run is made where it is used, rank 0 of the workers: Lightning's makes it in the launching
+      process when a spawn launcher pickles the logger and attaches each worker to it, and an attached
+      run has the worker's default settings, so wandb's closing lines sent ``wandb sync`` to
+      ``<cwd>/wandb``, where nothing is (the run is in ``<run dir>/wandb``);
+    - the run is finished when training ends: W&B writes a run's ``config.yaml`` and
+      ``wandb-summary.json`` (what ``wandb sync`` and the W&B page show) when it is finished, and
+      Lightning never finishes it, so an offline run left its config in the binary log only.
+    """
+
+    schema = WandbConfig
+
+    def __init__(self, *args: Any, offline: bool | None = None, **kwargs: Any) -> None:
+        WandbConfig(offline=offline)
+        if offline is None:
+            offline = os.environ.get("WANDB_MODE", OFFLINE_MODES[0]) in OFFLINE_MODES
+        elif not offline:
+            kwargs.setdefault("mode", "online")  # asked for in the config: over WANDB_MODE
+        super().__init__(*args, offline=offline, **kwargs)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()  # no run made here (see the class doc), none to attach to
+        state["_experiment"] = None
+        return state
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
@@ -108,6 +153,19 @@ class RunWandbLogger(WandbLogger):
         if self._experiment is not None and not getattr(self, "_run_finished", False):
             self._run_finished = True  # Lightning may finalize twice (a failed fit, then its teardown)
             self._experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+def log_run_files(logger: WandbLogger, files: Sequence[Path]) -> None:
+    """Upload ``files`` (the summary, a planned sync's plan) with the run, as one artifact of type
+    ``run-outputs`` (offline: kept in the run's folder until ``wandb sync``)."""
+    import wandb
+
+    run = logger.experiment
+    artifact = wandb.Artifact(f"run-outputs-{run.id}", type="run-outputs",
+                              description="ddlscale's summary.json and the run's plan, if it made one")
+    for path in files:
+        artifact.add_file(str(path))
+    run.log_artifact(artifact)
 
 
 def flat(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -136,10 +194,10 @@ def record_config(loggers: list[Logger], config: dict[str, Any]) -> None:
 
 
 @rank_zero_only
-def record_summary(loggers: list[Logger], summary: dict[str, Any], step: int) -> None:
-    """Give every logger the run's summary: wandb's run summary, TensorBoard's HParams metrics
-    (beside the config), ``summary/<key>`` scalars for any other logger; the CSV logger has
-    ``summary.json`` beside it."""
+def record_summary(loggers: list[Logger], summary: dict[str, Any], step: int, files: Sequence[Path] = ()) -> None:
+    """Give every logger the run's summary: wandb's run summary (and ``files``, the run's
+    ``summary.json`` and plan, as an artifact), TensorBoard's HParams metrics (beside the config),
+    ``summary/<key>`` scalars for any other logger; the CSV logger has ``summary.json`` beside it."""
     numbers_only = {k: float(v) for k, v in summary.items()
                     if isinstance(v, numbers.Real) and not isinstance(v, bool)}
     for logger in loggers:
@@ -147,6 +205,8 @@ def record_summary(loggers: list[Logger], summary: dict[str, Any], step: int) ->
             continue
         if isinstance(logger, WandbLogger):
             logger.experiment.summary.update({k: v for k, v in summary.items() if v is not None})
+            if files:
+                log_run_files(logger, files)
         elif isinstance(logger, TensorBoardLogger):
             logger.log_hyperparams(logger.hparams, metrics={f"summary/{k}": v for k, v in numbers_only.items()},
                                    step=step)

@@ -32,6 +32,7 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale import clock
+from ddlscale.ckpt.base import Checkpointer
 from ddlscale.ckpt.state.shard import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
@@ -304,6 +305,9 @@ class StepMetrics(pl.Callback):
             "param_sha256": param_sha256(pl_module),
             **self._sync_figures(trainer),
         }
+        for callback in trainer.callbacks:  # a checkpointer's own count and times, gathered from no one
+            if isinstance(callback, Checkpointer):
+                summary.update({k: v for k, v in callback.summary_figures(trainer, alone=True).items() if k not in summary})
         self._write(trainer, summary)
 
     def _reported(self, history: dict[str, list[float]]) -> dict[str, list[float]]:
@@ -343,4 +347,6 @@ class StepMetrics(pl.Callback):
         partial.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(partial, self.output_dir / "summary.json")  # readers never see half a file
         self._written = True
-        record_summary(trainer.loggers, summary, trainer.global_step)
+        sync = self._sync(trainer)
+        files = [self.output_dir / "summary.json", *(sync.written_files() if sync is not None else [])]
+        record_summary(trainer.loggers, summary, trainer.global_step, files)

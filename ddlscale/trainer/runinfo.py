@@ -102,8 +102,25 @@ def job_dir() -> str:
     return f"{number}-{name}"
 
 
+SWEEP_ENV = "DDLSCALE_SWEEP"  # the sweep a job's launcher runs in, for the workers torchrun starts
+W_AND_B_GROUP_MAX = 128  # W&B's longest group name
+
+
+def sweep() -> str | None:
+    """The sweep this run is a job of, by its directory as configured (``multirun/<date>/<time>``), None
+    for a single run: what groups a sweep's runs in W&B. A worker that torchrun or the emulated cluster
+    started runs its own Hydra job, a single run: it reads its launcher's, from the environment."""
+    from hydra.types import RunMode
+
+    hydra = _hydra()
+    if hydra is not None and hydra.mode == RunMode.MULTIRUN:
+        return str(hydra.sweep.dir)[-W_AND_B_GROUP_MAX:]
+    return os.environ.get(SWEEP_ENV)
+
+
 OmegaConf.register_new_resolver("ddlscale_run_name", run_name, replace=True)
 OmegaConf.register_new_resolver("ddlscale_job_dir", job_dir, replace=True)
+OmegaConf.register_new_resolver("ddlscale_sweep", sweep, replace=True)
 
 
 @functools.cache

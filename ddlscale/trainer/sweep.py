@@ -19,11 +19,15 @@ class SweepRefused(ValueError):
 
 def check_jobs(jobs: Sequence[Sequence[str]], compose: Callable[[list[str]], DictConfig]) -> None:
     """Compose and check every job (its overrides, in order); raise :class:`SweepRefused` for the first
-    job that fails, naming its number and its overrides."""
+    job that fails, naming its number and its overrides (a swept key Hydra cannot compose too)."""
+    from hydra.errors import CompactHydraException
+
     from ddlscale.trainer.app import ConfigError, check_config
+    from ddlscale.trainer.overrides import describe
 
     for number, overrides in enumerate(jobs):
         try:
             check_config(compose(list(overrides)))
-        except ConfigError as exc:
-            raise SweepRefused(f"{exc} (in sweep job {number}: {' '.join(overrides)}; no job ran)") from None
+        except (ConfigError, CompactHydraException) as exc:
+            why = describe(exc) if isinstance(exc, CompactHydraException) else exc
+            raise SweepRefused(f"{why} (in sweep job {number}: {' '.join(overrides)}; no job ran)") from None

@@ -513,8 +513,10 @@ def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="sync.trial_steps"):
         EspressoSync(TopK(), trial_steps=-1)
     EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
-    with pytest.raises(ValueError, match="sync=espresso: compressor powersgd is not priced"):
-        EspressoSync(PowerSGD(), comm="allreduce")
+    for comm in ("allreduce", "allgather"):  # one refusal, whatever the scheme: no plan prices PowerSGD
+        with pytest.raises(ValueError, match="sync=espresso: compressor=powersgd is not priced.*sync=compress "
+                                             "compressor=powersgd sync.comm=allreduce"):
+            EspressoSync(PowerSGD(), comm=comm)
     with pytest.raises(ValueError, match="sync.comm must be one of"):
         configured_option(_model()[1], "broadcast")
 

@@ -197,15 +197,24 @@ def _wandb_records(path: Path) -> list:
 
 
 def test_wandb_records_the_whole_config_as_the_run_config_and_finishes_the_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    files = [tmp_path / "summary.json", tmp_path / "plan.txt"]
+    for path in files:
+        path.write_text(path.name)
     logger = instantiate(_compose("logger=wandb", "logger.name=dense-cnn-seed3").logger, save_dir=str(tmp_path))
     logger.log_hyperparams({"width": 4})  # the model's, as Lightning logs them first
     record_config([logger], {"sync.bucket_mb": 25.0, "seed": 3})
-    record_summary([logger], {"final_loss": 1.5, "sync": "dense"}, step=10)
+    record_summary([logger], {"final_loss": 1.5, "sync": "dense"}, step=10, files=files)
     logger.finalize("success")
+    # W&B's service process writes the file: read it once that process has ended (on a busy host the
+    # records were read before it had written them all).
+    wandb.teardown()
     records = _wandb_records(next((tmp_path / "wandb").glob("offline-run-*/run-*.wandb")))
+    artifacts = [r.artifact for r in records if r.WhichOneof("record_type") == "artifact"]
+    assert [(a.type, sorted(e.path for e in a.manifest.contents)) for a in artifacts] == [
+        ("run-outputs", ["plan.txt", "summary.json"])]
     config, summary, exits = {}, {}, []
     for record in records:
         kind = record.WhichOneof("record_type")

@@ -318,7 +318,10 @@ class DiskCheckpointer(Checkpointer):
                 continue
             store.remove(entry)
 
-    def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+    def persisted_dir(self) -> Path | None:
+        return self.dir if isinstance(self.dir, Path) else None  # a storage machine's went with it
+
+    def local_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         written = sorted(t["written_s"] for t in self.write_timings if "written_s" in t)
         return {
             "ckpt_bytes": self.bytes_written[-1] if self.bytes_written else None,

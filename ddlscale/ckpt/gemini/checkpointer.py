@@ -453,11 +453,18 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
 
     # -- figures -----------------------------------------------------------------------------------
     def figures(self, trainer: pl.Trainer) -> dict[str, Any]:
-        complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
         sources: list[Any] = [self.recovery.get("source")]
         if dist.is_initialized() and trainer.world_size > 1:
             sources = [None] * trainer.world_size
             dist.all_gather_object(sources, self.recovery.get("source"))
+        figures = self.local_figures(trainer)
+        figures["ckpt_recovery_sources"] = sources if any(sources) else None  # per rank: local, peer:<m>, persistent
+        if trainer.is_global_zero and self.store is not None:
+            figures["ckpt_agent_refused"] = self._agent_refusals()
+        return figures
+
+    def local_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
+        complete = [t.finished - t.captured for t in self.transfers if t.finished is not None]
         figures = {
             "ckpt_mode": self.mode,
             "ckpt_replicas": self.replicas,
@@ -467,7 +474,6 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
             "ckpt_committed": len(self.committed) if trainer.is_global_zero else None,
             "ckpt_last_committed": self.committed[-1] if self.committed else None,
             "ckpt_recovery": self.recovery or None,  # rank 0's
-            "ckpt_recovery_sources": sources if any(sources) else None,  # per rank: local, peer:<m>, persistent
         }
         figures.update({f"ckpt_interleave_{k}": v for k, v in self.wire.summary.items()})
         if self.persistent is not None:
@@ -475,8 +481,10 @@ class GeminiCheckpointer(GeminiRecovery, Checkpointer):
         figures["ckpt_persist_dir"] = str(self.persist_dir) if self.persist_dir is not None else None
         if trainer.is_global_zero and self.store is not None:
             figures["ckpt_store_refused"] = self.store.refused  # values that failed their signature, read here
-            figures["ckpt_agent_refused"] = self._agent_refusals()
         return figures
+
+    def persisted_dir(self) -> Path | None:
+        return self.persist_dir  # where the launch's end wrote the committed version (ddlscale.ckpt.gemini.drain)
 
     def _agent_refusals(self) -> dict[str, int] | None:
         """Requests every agent refused, by reason, summed (None when some agent could not be asked)."""

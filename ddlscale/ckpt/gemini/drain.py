@@ -8,8 +8,9 @@ nothing unpickled) and writes the version as the persistent tier writes its own,
 (a rank's replica is fetched, checked, written into its DCP file and dropped before the next one's
 is fetched; a first pass reads each for its items' shapes only, which DCP's plan needs): a
 torch.distributed.checkpoint directory and a manifest with every file's sha256, committed atomically
-(:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. Running
-the same command again in the same run directory then resumes from it instead of from step 0 — after
+(:mod:`ddlscale.ckpt.disk.writer`), so it loads with DCP's tools alone and resumes at any world size. The
+same command run again into the same run directory (``hydra.run.dir=``; a run that did not finish
+prints that command) then resumes from it instead of from step 0 — after
 a normal end, a failure past ``cluster.max_restarts``, or any stop: a signal to the launcher, a signal
 to every process of the job at once (a scheduler's; the agents then keep their replicas until
 :func:`~ddlscale.ckpt.gemini.stopping.mark_drained` or the deadline, see :mod:`ddlscale.ckpt.gemini.agent`), SLURM's SIGUSR1; not after
@@ -143,8 +144,8 @@ def _attempt(store: JobStore, directory: Path | str, deadline_s: float | None, r
 
 def _report(drained: Drained, directory: Path | str) -> None:
     if drained.path is not None and not drained.why:
-        print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}; the same command in this "
-              "run directory continues from it", flush=True)
+        # A run that did not finish prints the command that continues from it (ddlscale.trainer.rundir).
+        print(f"ckpt=gemini: committed step {drained.step} written to {drained.path}", flush=True)
     elif drained.path is not None:
         print(f"ckpt=gemini: nothing to write on the way out: {drained.why}", flush=True)
     else:

@@ -132,7 +132,7 @@ def _on_emulated_cluster(gemini: GeminiCheckpointer, launch: Launch) -> Iterator
             env[machine] = emulated_env(cluster, machine, store, job, secret)
         try:
             yield Services(env=env, rendezvous=rendezvous)
-        finally:  # the same command in this run directory then continues from it
+        finally:  # the same command into this run directory (hydra.run.dir=) then continues from it
             # A stop of the whole job (every process signalled at once) stopped the etcd members and the
             # storage machine's server too; their data is on disk: back for the drain.
             if etcd is not None:

@@ -100,6 +100,7 @@ class CompressSync(DenseAllreduce):
     """
 
     schema = CompressConfig  # its keys and their checks
+    needs_compressor = True  # sync=compress without one would be dense allreduce, mislabelled
 
     def __init__(self, compressor: Compressor | None = None, comm: str = "allgather", memory: Memory | str | None = None,
                  memory_beta: float = 0.9, hierarchical: bool = False, local_size: int | None = None,

@@ -186,13 +186,15 @@ class PlannedSync(GradSync):
                     settle_steps=settle_steps, calibrate_families=calibrate_families, calibrate_fused=calibrate_fused,
                     **self._own_keys())  # refuses what no run can use
         super().__init__()
+        # Before the executor's own checks: a compressor no plan can price is the whole answer (its
+        # scheme's refusal would come first and, once followed, lead only to this one).
+        check_plannable(compressor, f"sync={self.system}")
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.dense = DenseAllreduce(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         if compressor is not None and compressor.prepares_dense:
             self.dense.before_launch = self._dense_precondition  # DGC's momentum in the dense steps too
-        check_plannable(compressor, f"sync={self.system}")
         # A compressor's warm-up (DGC's sparsity schedule) runs as dense steps, which it counts
         # (Compressor.synced_dense): calibration then measures it as the plan will run it. Calibrated
         # inside the warm-up, lstm's DGC groups cost 2-4x what they did after it (espresso_cupcake:
@@ -583,7 +585,7 @@ class PlannedSync(GradSync):
         self.session.recorder = StepRecorder()
         self.compressed.work, self._executed, self._work_steps = None, [], 0  # recorded again from the next step's end
         self.session.adopted()
-        if hasattr(self, "params"):
+        if self.is_set_up:
             self.on_setup()
 
     def _put_in_force(self, plan: CompressionPlan) -> None:
@@ -678,6 +680,12 @@ class PlannedSync(GradSync):
             profile.save(out / PROFILE_FILE)
         (out / PLAN_FILE).write_text(json.dumps(plan.to_dict(), indent=1))
         (out / PLAN_TEXT).write_text(text + "\n")
+
+    def written_files(self) -> list[Path]:
+        """The plan in force, as :meth:`_save` wrote it (on rank 0; none before planning)."""
+        if self.run_dir is None:
+            return []
+        return [path for path in (Path(self.run_dir) / PLAN_FILE, Path(self.run_dir) / PLAN_TEXT) if path.is_file()]
 
     # -- checkpointed state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
