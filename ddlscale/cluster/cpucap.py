@@ -57,6 +57,10 @@ MAX_SHARES, MAX_WEIGHT = 262_144, 10_000
 PERIOD_US = 10_000
 MIN_QUOTA_US = 1_000
 RESERVE = "rsv"  # the reserve's cgroup: <cluster>-rsv
+# Every emulated cluster's cgroups sit in one parent, which weighs this many ranks against each process
+# (or session) outside it: a stray busy process on the host then takes about 1/17 of it from the
+# machines, not half (the account of what each machine received still says when one was starved).
+PARENT_RANKS = 16
 RESERVE_SLICE_NS = 100_000_000  # EEVDF's longest request: the reserve yields to every waking rank
 
 
@@ -100,6 +104,7 @@ class Controller:
                 control = level / "cgroup.subtree_control"
                 if "cpu" not in control.read_text().split():
                     control.write_text("+cpu\n")
+        self.weigh(parent, PARENT_RANKS)
         return parent
 
     def accounting_group(self, group: Path) -> Path | None:
@@ -241,11 +246,17 @@ class CpuShares:
 
     def wrap(self, machine: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside machine ``machine``'s cgroups (the shell joins them, then becomes argv)."""
-        groups = [self.groups[machine], *([self.accounting[machine]] if self.accounting[machine] else [])]
-        joins = " && ".join(f'echo $$ > "${i}"' for i in range(len(groups)))
-        shift = len(groups) - 1
-        return ["sh", "-c", f'{joins} && shift {shift} && exec "$@"',
-                *(str(g / "cgroup.procs") for g in groups), *argv]
+        return _joining([self.groups[machine], *([self.accounting[machine]] if self.accounting[machine] else [])],
+                        argv)
+
+    def wrap_service(self, name: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` run in a cgroup of its own in the cluster's parent (``<cluster>-<name>``), weighing one
+        rank: a part of the emulated cluster that is no machine (the storage machine's server), so that it
+        competes as the cluster's, not as a stray process on the host."""
+        group = self.controller.prepare_parent() / f"{self.name}-{name}"
+        group.mkdir(exist_ok=True)
+        self.controller.weigh(group, 1)
+        return _joining([group], argv)
 
     def describe(self) -> str:
         if self.mode == "quota":
@@ -262,6 +273,13 @@ class CpuShares:
     def remove(self, wait_s: float = 5.0) -> None:
         self._stop_reserve()
         remove_groups(self.controller, self.name, wait_s)
+
+
+def _joining(groups: Sequence[Path], argv: Sequence[str]) -> list[str]:
+    """``argv`` run by a shell that first joins ``groups`` (their cgroup.procs), then becomes argv."""
+    joins = " && ".join(f'echo $$ > "${i}"' for i in range(len(groups)))
+    return ["sh", "-c", f'{joins} && shift {len(groups) - 1} && exec "$@"', *(str(g / "cgroup.procs") for g in groups),
+            *argv]
 
 
 def remove_groups(controller: Controller | None, name: str, wait_s: float = 5.0) -> None:

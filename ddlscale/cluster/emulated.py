@@ -266,8 +266,8 @@ class EmulatedCluster:
             _teardown_on_sigterm()
         _record_owner(self.name, self.keep)  # first: a build that dies half-way is owned too
         try:
+            self._cap_cpus()  # first: the storage machine's server starts in the cluster's cgroups
             self._build()
-            self._cap_cpus()
         except BaseException:
             self.down()
             raise

@@ -214,10 +214,13 @@ class StorageMachine:
     def _start_server(self) -> None:
         config = self.config_dir
         log = open(config / "server.out", "ab")
-        # Not in a machine's CPU cap: the store's link bounds it, not its CPUs (see the module's docstring).
-        self.server = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace, NGINX, "-p", str(config), "-c", str(config / "nginx.conf"),
-             "-e", str(config / "error.log")], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Not a machine: the store's link bounds it, not its CPUs (see the module's docstring); in a cgroup of
+        # the cluster's own, so it competes for the host as the cluster does.
+        argv = ["ip", "netns", "exec", self.namespace, NGINX, "-p", str(config), "-c", str(config / "nginx.conf"),
+                "-e", str(config / "error.log")]
+        shares = self.cluster.cpu_shares
+        self.server = subprocess.Popen(shares.wrap_service("st", argv) if shares is not None else argv, stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         log.close()
         self._wait_listening()
 

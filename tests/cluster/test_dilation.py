@@ -180,6 +180,13 @@ def test_cpu_shares_weigh_each_machine_by_its_ranks_with_no_quota_in_either_cgro
     assert int(reserve.read_text()) == round(cpucap.reserve_units(4, 4, 2) * (1024 if version == 1 else 100))
     wrapped = shares.wrap(1, ["ip", "netns", "exec", "x", "true"])
     assert wrapped[:2] == ["sh", "-c"] and str(group / "cgroup.procs") in wrapped and wrapped[-5] == "ip"
+    # The clusters' parent outweighs a stray process on the host; a service of the cluster weighs one rank.
+    parent_weight = (root / "ddlscale" / ("cpu.shares" if version == 1 else "cpu.weight")).read_text()
+    assert int(parent_weight) == cpucap.PARENT_RANKS * (1024 if version == 1 else 100)
+    served = shares.wrap_service("st", ["nginx"])
+    service = root / "ddlscale" / "ddltest-st"
+    assert str(service / "cgroup.procs") in served and served[-1] == "nginx"
+    assert int((service / ("cpu.shares" if version == 1 else "cpu.weight")).read_text()) == (1024 if version == 1 else 100)
 
 
 def test_the_reserve_leaves_each_busy_rank_one_kth_of_a_core():
