@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -46,6 +47,8 @@ from ddlscale.cluster import pgstore
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.schema import Schema, boolean, choice, number
 from ddlscale.sync import DenseAllreduce, GradSync
+
+_log = logging.getLogger("lightning_fabric.utilities.distributed")  # the logger Lightning's set-up line uses
 
 START_METHODS = ("spawn", "popen", "fork", "forkserver")
 
@@ -168,6 +171,9 @@ class DDLStrategy(DDPStrategy):
                 os.environ["MASTER_PORT"] = str(self.cluster_environment.main_port)
                 backend = self._get_process_group_backend()
                 device_id = self.root_device if self.root_device.type != "cpu" else None
+                # The line Lightning's own set-up prints, which users (and train.log's readers) look for.
+                _log.info(f"Initializing distributed: GLOBAL_RANK: {self.global_rank}, "
+                          f"MEMBER: {self.global_rank + 1}/{self.world_size}")
                 pgstore.init_process_group(backend, self.global_rank, self.world_size,
                                            self._timeout or default_pg_timeout, device_id=device_id)
                 if backend == "nccl":  # as Lightning's set-up does: torch warns about a group left undestroyed
