@@ -10,7 +10,6 @@ import pytest
 
 from experiments import claims, dcp_async, espresso_planning, planned_convergence
 
-
 TRIALS_CHECKS = {
     "espresso-planning-300": 'trials.csv where tensors=300 method=espresso_full: figure(median([med("seconds", '
                              'instance=i, seed=s) for i in set(text("instance")) for s in set(text("seed"))]), '
