@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from ddlscale.trainer import ConfigError, check_config
 
 ROOT = Path(__file__).resolve().parents[2]
-REGIMES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*_paper*.yaml"))  # overhead.yaml is a benchmark's
+# the papers' regimes (overhead.yaml is a benchmark's)
+REGIMES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*_paper*.yaml"))
 
 
 def _compose(*overrides):
