@@ -88,6 +88,7 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
     if kind == "torchrun" and not launch.is_worker:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
     _check_sync_keys(cfg)
+    _check_batches(cfg)
     try:
         pairing.check_strategy_runs_sync(cfg)
     except pairing.MismatchedChoices as exc:
@@ -114,6 +115,20 @@ def _check_sync_keys(cfg: DictConfig) -> None:
         if not is_int(local_size) or local_size < 1 or world % local_size:
             raise ConfigError(f"sync.local_size (ranks per machine) must be an integer >= 1 dividing the "
                               f"{world} ranks (trainer.devices x machines), or null; got {local_size!r}")
+
+
+def _check_batches(cfg: DictConfig) -> None:
+    """Every rank trains: Lightning's DistributedSampler gives each rank ceil(num_samples / ranks)
+    samples and the loader drops a partial batch, so fewer than a batch would leave the fit with no
+    step and no summary."""
+    samples, batch = OmegaConf.select(cfg, "model.num_samples"), OmegaConf.select(cfg, "model.batch_size")
+    if not (is_int(samples) and is_int(batch)) or samples < 1 or batch < 1:
+        return  # not this model's keys, or a bad value the model itself refuses, naming it
+    ranks = world_size(cfg)
+    if -(-samples // ranks) < batch:
+        raise ConfigError(f"model.num_samples={samples} gives each of the {ranks} ranks {-(-samples // ranks)} samples, "
+                          f"fewer than model.batch_size={batch}: no rank would train a step (model.num_samples "
+                          f">= {batch * ranks}, or a smaller model.batch_size)")
 
 
 def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:

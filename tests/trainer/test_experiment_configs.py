@@ -36,3 +36,10 @@ def test_the_lstm_regime_with_deepfm_swapped_in_is_refused_naming_the_key():
     # why the CTR model has a file of its own: zen_paper's model keys are the LSTM's
     with pytest.raises(ConfigError, match="model.seq_len"):
         check_config(_compose("experiment=zen_paper", "model=deepfm_large"))
+
+
+def test_a_run_in_which_no_rank_would_get_a_whole_batch_is_refused_naming_both_keys():
+    # each of 16 ranks would get 4,096 samples against a batch of 8,192: the fit would take no step
+    with pytest.raises(ConfigError, match=r"model.num_samples=65536 .* 16 ranks 4096 samples.*model.batch_size=8192"):
+        check_config(_compose("experiment=zen_paper_deepfm", "model.num_samples=65536"))
+    check_config(_compose("experiment=zen_paper_deepfm", "model.num_samples=131072"))  # one batch each
