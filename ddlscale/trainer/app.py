@@ -125,10 +125,11 @@ def _check_batches(cfg: DictConfig) -> None:
     if not (is_int(samples) and is_int(batch)) or samples < 1 or batch < 1:
         return  # not this model's keys, or a bad value the model itself refuses, naming it
     ranks = world_size(cfg)
-    if -(-samples // ranks) < batch:
-        raise ConfigError(f"model.num_samples={samples} gives each of the {ranks} ranks {-(-samples // ranks)} samples, "
-                          f"fewer than model.batch_size={batch}: no rank would train a step (model.num_samples "
-                          f">= {batch * ranks}, or a smaller model.batch_size)")
+    each = -(-samples // ranks)
+    if each < batch:
+        raise ConfigError(f"model.num_samples={samples} gives each of the {ranks} ranks {each} samples, fewer than "
+                          f"model.batch_size={batch}: no rank would train a step (model.num_samples >= "
+                          f"{batch * ranks}, or a smaller model.batch_size)")
 
 
 def _check_model_keys(cfg: DictConfig, model: pl.LightningModule) -> None:
