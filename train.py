@@ -1,49 +1,15 @@
-"""Train with ddlscale: `python train.py [group=option ...] [key=value ...]` (Hydra).
+"""Train with ddlscale from a checkout: `python train.py [group=option ...] [key=value ...]` (Hydra).
 
     python train.py                                  # lstm, 2 CPU workers, dense sync
     python train.py model=deepfm trainer.devices=3
     python train.py -m sync=dense seed=1,2           # a sweep: one run directory per job
     python train.py --help                           # every option and its values
+
+The same app as an installed package's `ddlscale-train` and `python -m ddlscale`
+(ddlscale/trainer/cli.py); the configs are the package's, ddlscale/conf.
 """
 
-import sys
-from pathlib import Path
-
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
-from omegaconf import DictConfig
-
-from ddlscale.cluster.stop import StopRequested
-from ddlscale.trainer import ConfigError, RunFailed, discard_refused_run, run, runinfo
-from ddlscale.trainer.overrides import composed, refusing_bad_overrides
-from ddlscale.trainer.shutdown import skip_final_collection
-
-# Every process that runs this file: the launcher, and the workers Lightning spawns (as __mp_main__)
-# or torchrun starts; each would spend a second of CPU, or ten on a busy host, on its way out.
-skip_final_collection()
-
-
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def main(cfg: DictConfig) -> float | None:
-    composed()
-    hydra_cfg = HydraConfig.get()
-    output_dir = Path(hydra_cfg.runtime.output_dir)
-    try:
-        info = {**runinfo.labels(cfg, hydra_cfg.runtime.choices), "seed": cfg.seed, "run_name": cfg.run_name,
-                "overrides": runinfo.task_overrides(), **runinfo.version()}
-        summary = run(cfg, output_dir, info, list(hydra_cfg.overrides.task), runinfo.logged_config(cfg))
-    except ConfigError as exc:
-        sweep_dir = hydra_cfg.sweep.dir if hydra_cfg.mode == RunMode.MULTIRUN else None
-        discard_refused_run(output_dir, sweep_dir)
-        sys.exit(f"ddlscale: invalid config: {exc}")
-    except RunFailed as failed:  # its summary, printed above, names the run directory and train.log
-        sys.exit(f"ddlscale: the run failed: {failed} (the traceback is in train.log)")
-    except StopRequested as stop:
-        sys.exit(128 + stop.signum)  # the shell's convention for "ended by signal N"
-    return summary.get("final_loss")
-
+from ddlscale.trainer.cli import main
 
 if __name__ == "__main__":
-    with refusing_bad_overrides():  # a key Hydra cannot compose: refused like any bad value
-        main()
+    main()

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from experiments.harness import ROOT, Results, train
+from ddlscale.paths import CONF_DIR
+from experiments.harness import Results, train
 
 COMPRESSORS = ("fp16", "bf16", "int8", "topk", "randomk", "dgc", "threshold", "signsgd", "efsignsgd", "signum",
                "onebit", "qsgd", "terngrad", "powersgd")
@@ -50,7 +51,7 @@ SIGN_LR = {("signsgd", "cnn"): 0.01, ("signum", "cnn"): 0.001, ("signsgd", "lstm
 
 
 def settings(compressor: str, workload: str) -> list[str]:
-    model = OmegaConf.load(ROOT / "conf" / "model" / f"{workload}.yaml")
+    model = OmegaConf.load(CONF_DIR / "model" / f"{workload}.yaml")
     return [s.format(momentum=model.momentum, sign_lr=SIGN_LR.get((compressor, workload), 0.001))
             for s in SETTINGS.get(compressor, [])]
 

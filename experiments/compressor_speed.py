@@ -2,7 +2,7 @@
 
     python -m experiments.compressor_speed [--min-exp 10] [--max-exp 24] [--step 2] [--reps 5] [--threads 1]
 
-Each compressor is built from its ``conf/compressor/<name>.yaml`` (the defaults a user gets;
+Each compressor is built from its ``ddlscale/conf/compressor/<name>.yaml`` (the defaults a user gets;
 threshold is set to 2.576 so that ~1% of the N(0, 1) input passes, like topk's and dgc's ratio).
 Input: a float32 N(0, 1) matrix of 2^e elements, as square as possible (PowerSGD compresses
 matrices only; the rest flatten it). Each repetition visits every size, and per size every
@@ -38,9 +38,10 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from ddlscale.compress import COMPRESSORS, Compressor, NoCompression
-from experiments.harness import ROOT, Results, alternating, spread
+from ddlscale.paths import CONF_DIR
+from experiments.harness import Results, alternating, spread
 
-CONF = ROOT / "conf" / "compressor"
+CONF = CONF_DIR / "compressor"
 OVERRIDES = {"threshold": {"threshold": 2.576}}  # ~1% of N(0, 1) has |g| >= 2.576
 
 
@@ -161,7 +162,7 @@ def write_table(rows: list[dict], names: list[str], exps: list[int], results: Re
 Encode + decode per call, median of {args.reps} alternating repetitions (each a loop of at least
 {args.budget} s); float32 N(0, 1) input, torch intra-op threads: {torch.get_num_threads()} (why:
 module docstring), on a machine shared with other jobs (min-max in results.csv).
-Defaults from conf/compressor/*.yaml (topk/randomk/dgc ratio 0.01, qsgd 127 levels in buckets of
+Defaults from ddlscale/conf/compressor/*.yaml (topk/randomk/dgc ratio 0.01, qsgd 127 levels in buckets of
 512, powersgd rank 1); threshold 2.576 keeps ~1%. knee: first size costing more than twice the
 smallest size — below it the per-call constant dominates, above it the cost grows linearly
 (the log-log plot's elbow). {none_note}

@@ -9,7 +9,7 @@ A. DDLStrategy + dense sync on one GPU over NCCL vs stock Lightning DDP (determi
    the final parameters must be bit-identical.
 B. DenseAllreduce on CUDA tensors across 2 processes sharing the GPU over gloo: the averages must
    equal an allreduce oracle exactly, with bytes accounted and completion timestamps set.
-C. Zen's CUDA kernels (csrc/zen_cuda.cu), compiled here by NVRTC through cupy (the gpu extra; no
+C. Zen's CUDA kernels (ddlscale/csrc/zen_cuda.cu), compiled here by NVRTC through cupy (the gpu extra; no
    nvcc), against the pure-PyTorch references bit for bit — server_of, partition, group_by_server,
    pack_bits, unpack_bits over server counts 1-8, 1000 and 5000, all float dtypes, NaN values, empty
    inputs, rows of 64 values — and the dispatch the syncs use (on a side stream too, and with cupy
@@ -272,7 +272,7 @@ def _c_dispatch(ops, g: torch.Generator, record) -> None:
 
 
 def _native_cuda() -> bool:
-    """C: Zen's CUDA kernels (csrc/zen_cuda.cu, compiled by NVRTC through cupy) against the pure-PyTorch
+    """C: Zen's CUDA kernels (ddlscale/csrc/zen_cuda.cu, compiled by NVRTC through cupy) against the pure-PyTorch
     references bit for bit, the dispatch around them, then their speed against the references on the GPU."""
     from ddlscale.sync.sparse import native
 

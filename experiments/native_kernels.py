@@ -1,4 +1,4 @@
-"""Native C++ kernels (csrc/zen_cpu.cpp) vs their pure-PyTorch references, side by side.
+"""Native C++ kernels (ddlscale/csrc/zen_cpu.cpp) vs their pure-PyTorch references, side by side.
 
     python -m experiments.native_kernels [--sizes 1,1e1,1e2,...,1e7] [--servers 8] [--reps 7]
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ddlscale.paths import CONF_DIR
 from experiments.harness import ROOT, Results, spread
 
 PORT = 29541
@@ -90,7 +91,7 @@ def worker(rank: int, world: int, cells: list[dict[str, Any]], reps: int) -> Non
     latency = [alpha]
     dist.broadcast_object_list(latency, src=0)
     rows_out: list[dict[str, Any]] = []
-    with initialize_config_dir(str(ROOT / "conf"), version_base=None):
+    with initialize_config_dir(str(CONF_DIR), version_base=None):
         for cell in cells:
             rows, width, spread_by = cell["rows"], cell["width"], cell.get("spread", 1)
             weight = torch.nn.Parameter(torch.zeros(1, width).expand(rows, width))  # no table in memory

@@ -39,6 +39,7 @@ from ddlscale.cluster.cpuload import CpuLedger
 from ddlscale.cluster.stop import start_time
 from ddlscale.cluster.storage import StorageMachine
 from ddlscale.comm.network import NetworkModel
+from ddlscale.paths import PACKAGE_DIR
 from ddlscale.units import parse_bandwidth, parse_time
 
 # TCP over IPv4 over Ethernet carries 1448 payload bytes per 1514-byte frame (timestamps on): the
@@ -57,7 +58,15 @@ MAX_NODES = 250  # addresses .1 to .250 of the /24
 # torch's c10d rendezvous defaults (seconds), which a dilated cluster stretches by k.
 RENDEZVOUS_SECONDS = {"join_timeout": 600, "last_call_timeout": 30, "close_timeout": 30, "heartbeat": 5,
                       "keep_alive_interval": 5}
-TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train.py"
+# The app the workers run, as `python -m ddlscale`: an installed package has no train.py to run by path.
+TRAIN_MODULE = "ddlscale"
+
+
+def train_env() -> dict[str, str]:
+    """The workers' PYTHONPATH, led by the folder this process imports ddlscale from: ``-m ddlscale``
+    then runs the launcher's own ddlscale (as a train.py run by path did, its folder first on sys.path),
+    not another copy the environment holds (a second checkout's editable install, an older wheel)."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE_DIR.parent), os.environ.get("PYTHONPATH")) if p)}
 
 
 OWNERS_ENV = "DDLSCALE_CLUSTER_DIR"
@@ -421,7 +430,7 @@ class EmulatedCluster:
         return ",".join(["is_host=false", *(f"{name}={seconds:.0f}" for name, seconds in stretched.items())])
 
     def torchrun(self, machine: int, script_args: Sequence[str], nproc_per_node: int = 1, port: int = 29400,
-                 script: Path | str = TRAIN_SCRIPT, max_restarts: int = 0, etcd: Any = None, run_id: str = "none",
+                 module: str = TRAIN_MODULE, max_restarts: int = 0, etcd: Any = None, run_id: str = "none",
                  **popen_kwargs: Any):
         """One torchrun agent on ``machine``, joining the store of :meth:`start_rendezvous_store` — or,
         given ``etcd`` (an :class:`~ddlscale.cluster.control_plane.EtcdAddress`), the rendezvous kept in
@@ -436,12 +445,12 @@ class EmulatedCluster:
             sys.executable, "-m", "torch.distributed.run",
             f"--nnodes={self.nodes}", f"--nproc-per-node={nproc_per_node}", *rendezvous,
             f"--local-addr={self.address(machine)}", f"--max-restarts={max_restarts}",
-            str(script), *script_args,
+            "--module", module, *script_args,
         ]
         # Workers' process-group store: a fresh one per rendezvous round, hosted by that round's rank 0.
         # The shared agent store outlives rounds, and after a restart whose agents disagree on the
         # restart count the workers read the previous round's addresses and fail to connect.
-        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(popen_kwargs.pop("env", None) or {})}
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **train_env(), **(popen_kwargs.pop("env", None) or {})}
         return self.popen(machine, argv, env=env, **popen_kwargs)
 
 

@@ -2,8 +2,8 @@
 
 The app picks the mode (:class:`~ddlscale.cluster.context.Launch`); a run that Lightning launches
 itself (``cluster=local`` without restarts, SLURM) or that torchrun already started needs none of
-this. Each mode re-runs ``train.py`` with the command line's overrides in every rank and reads back
-the summary rank 0 wrote; ``services`` (the checkpointer's, see
+this. Each mode re-runs the app (``python -m ddlscale``) with the command line's overrides in every
+rank and reads back the summary rank 0 wrote; ``services`` (the checkpointer's, see
 :meth:`~ddlscale.ckpt.base.Checkpointer.services`) runs beside the ranks for the whole launch.
 """
 
@@ -22,7 +22,13 @@ from typing import Any
 
 from ddlscale.cluster import cpuload, dilation, pgstore, stop, storage
 from ddlscale.cluster.context import Launch, Services, no_services
-from ddlscale.cluster.emulated import TRAIN_SCRIPT, EmulatedCluster, netem_available, resolve_latency
+from ddlscale.cluster.emulated import (
+    TRAIN_MODULE,
+    EmulatedCluster,
+    netem_available,
+    resolve_latency,
+    train_env,
+)
 from ddlscale.cluster.local import free_port
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel
 from ddlscale.units import parse_bandwidth
@@ -34,7 +40,7 @@ ServicesOf = Callable[[Launch], AbstractContextManager[Services]]
 def run_with_restarts(launch: Launch, max_restarts: int, overrides: list[str],
                       services: ServicesOf = no_services) -> dict[str, Any]:
     """``cluster=local`` with ``cluster.max_restarts`` > 0: torchrun's elastic agent (torch's restart
-    engine) runs train.py's workers on this machine and restarts them all when one dies, up to that
+    engine) runs the app's workers on this machine and restarts them all when one dies, up to that
     many times; each restart resumes from the checkpointer. The services belong to this process, so
     they outlive the workers (Gemini's restarted workers recover from its agents' memory)."""
     devices = launch.devices
@@ -46,11 +52,12 @@ def run_with_restarts(launch: Launch, max_restarts: int, overrides: list[str],
     argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={devices}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={LOOPBACK}:{port}", "--rdzv-conf=is_host=false",
             f"--rdzv-id={launch.job}", f"--local-addr={LOOPBACK}", f"--max-restarts={max_restarts}",
-            str(TRAIN_SCRIPT), *overrides, f"hydra.run.dir={launch.run_dir}"]
+            "--module", TRAIN_MODULE, *overrides, f"hydra.run.dir={launch.run_dir}"]
     # Each round a store of its own (as on the emulated cluster): torchrun's shared one would be hosted
     # by its agent on every interface, and outlives rounds.
     with services(replace(launch, machines=1)):  # one machine, `devices` ranks; may export the workers' env
-        code = subprocess.run(argv, env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}).returncode
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **train_env()}
+        code = subprocess.run(argv, env=env).returncode
     del rendezvous  # the store stops with its last reference
     if code:
         raise RuntimeError(f"torchrun exited with code {code} after at most {max_restarts} restarts; "
@@ -74,7 +81,7 @@ class _RendezvousStore:
 
 def run_on_emulated_cluster(launch: Launch, cluster_cfg: Any, overrides: list[str],
                             services: ServicesOf = no_services) -> dict[str, Any]:
-    """Bring up the emulated machines, run train.py under one torchrun agent per machine, tear down.
+    """Bring up the emulated machines, run the app under one torchrun agent per machine, tear down.
 
     ``cluster_cfg``: the ``cluster`` group (bandwidth, latency, dilation, port, max_restarts, storage).
     Every agent gets the same overrides, plus the machine count and this run's directory, so all ranks

@@ -78,10 +78,10 @@ Rules:
     group_states() -> list[dict[str, Tensor]]             # per-name tensors a regrouping re-lays out
     state_dict() -> dict;  load_state_dict(state: dict) -> None
 
-Compressor names are their config files, ``conf/compressor/<name>.yaml`` (:mod:`.registry`:
+Compressor names are their config files, ``ddlscale/conf/compressor/<name>.yaml`` (:mod:`.registry`:
 :data:`COMPRESSORS`, :func:`build_compressor`); a name that is a configuration of another's class
 (``signum``, ``efsignsgd``: :class:`SignSGD`) has its settings there and nowhere else. Memories are
-listed in :data:`MEMORIES` (``conf/memory/<name>.yaml`` target them).
+listed in :data:`MEMORIES` (``ddlscale/conf/memory/<name>.yaml`` target them).
 """
 
 from __future__ import annotations

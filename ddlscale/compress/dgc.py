@@ -55,7 +55,7 @@ class DGC(SparseCompressor):
       never below ``ratio``, then stays at ``ratio``. Steps synced dense before (a planned sync's
       profiling: :meth:`synced_dense`) count as warm-up steps: they sent everything.
 
-    ``compressor=dgc`` (conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
+    ``compressor=dgc`` (ddlscale/conf/compressor/dgc.yaml) turns all four on, as the paper runs it: momentum
     correction with the optimizer's momentum (``model.momentum``; the trainer then runs the optimizer
     without it, :func:`ddlscale.trainer.app.move_momentum`), masking, clipping at 5 / sqrt(ranks)
     per tensor, and a 100-step warm-up. The constructor's own defaults are the bare selection.

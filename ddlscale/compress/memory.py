@@ -127,5 +127,5 @@ class DecayedMemory(ResidualMemory):
         return error * self.beta
 
 
-# The memories by name: what ``sync.memory`` and ``conf/memory/<name>.yaml`` select.
+# The memories by name: what ``sync.memory`` and ``ddlscale/conf/memory/<name>.yaml`` select.
 MEMORIES: dict[str, type[Memory]] = {cls.name: cls for cls in (NoMemory, ResidualMemory, DecayedMemory)}

@@ -1,4 +1,4 @@
-"""The one registry of compressors: a name is its config file, ``conf/compressor/<name>.yaml``.
+"""The one registry of compressors: a name is its config file, ``ddlscale/conf/compressor/<name>.yaml``.
 
 The file is where a name's class and settings are written, once: ``signum`` is SignSGD with
 ``momentum: 0.9`` there and nowhere else. :func:`build_compressor` builds a name from its file (the
@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from ddlscale.compress.base import Compressor
+from ddlscale.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "compressor"
+COMPRESSOR_CONF = CONF_DIR / "compressor"
 NONE_TARGET = "ddlscale.compress.none.NoCompression"  # what ``_target_: null`` (compressor=none) runs
 
 
@@ -41,7 +41,7 @@ def _import(path: str) -> type[Compressor]:
 
 def preset(name: str) -> dict[str, Any]:
     """A name's file as plain values: ``_target_`` and the settings the name stands for."""
-    path = CONF_DIR / f"{name}.yaml"
+    path = COMPRESSOR_CONF / f"{name}.yaml"
     if "/" in name or not path.is_file():
         raise ValueError(f"compressor must be one of {', '.join(COMPRESSORS)}; got {name!r}")
     node = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
@@ -57,7 +57,7 @@ class _Names(Mapping[str, type[Compressor]]):
 
     def _load(self) -> dict[str, type[Compressor]]:
         if self._classes is None:
-            names = sorted(p.stem for p in CONF_DIR.glob("*.yaml"))
+            names = sorted(p.stem for p in COMPRESSOR_CONF.glob("*.yaml"))
             self._classes = {"none": _import(NONE_TARGET)}
             self._classes.update((n, _import(preset(n)["_target_"])) for n in names if n != "none")
         return self._classes

@@ -40,7 +40,7 @@ from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV
 from ddlscale.ckpt.gemini.launch import emulated_env, job_secret, start_emulated_agent, start_emulated_etcd
 from ddlscale.cluster.context import job_name
-from ddlscale.cluster.emulated import EmulatedCluster
+from ddlscale.cluster.emulated import TRAIN_MODULE, EmulatedCluster
 
 
 class GeminiDrill:
@@ -163,10 +163,10 @@ class GeminiDrill:
         pids = []
         for pid in out:
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if any(part.endswith(b"train.py") for part in cmdline) and b"torch.distributed.run" not in cmdline:
+            if f"\0-m\0{TRAIN_MODULE}\0".encode() in cmdline:  # a worker: python -u -m ddlscale ...
                 pids.append(int(pid))
         return pids
 

@@ -5,10 +5,10 @@
 
 From a saved profile (every ``sync=espresso`` / ``sync=cupcake`` run writes ``plan_profile.json``)
 the plan is recomputed offline, optionally for another cluster (workers, bandwidth, latency, ranks
-per machine). With ``--model`` a workload from ``conf/model`` is profiled here for a few steps in
-this one process (ready times, backward end, the rest of the step) and the compressor from
-``conf/compressor`` is measured on this device, with the error feedback from ``conf/memory``; the
-cluster is then the one given.
+per machine). With ``--model`` a workload from ``ddlscale/conf/model`` is profiled here for a few
+steps in this one process (ready times, backward end, the rest of the step) and the compressor from
+``ddlscale/conf/compressor`` is measured on this device, with the error feedback from
+``ddlscale/conf/memory``; the cluster is then the one given.
 """
 
 from __future__ import annotations
@@ -24,22 +24,20 @@ import torch
 
 from ddlscale.compress import MEMORIES, Compressor, NoCompression, build_compressor
 from ddlscale.compress.memory import Memory
+from ddlscale.paths import CONF_DIR
 from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
 from ddlscale.units import parse_bandwidth, parse_time
-
-ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ddlscale.tools.plan", description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", type=Path, help="a saved plan_profile.json")
-    source.add_argument("--model", help="profile this workload (conf/model/<name>.yaml) here")
-    parser.add_argument("--compressor", default="topk", help="with --model: conf/compressor/<name>.yaml, or a compressor class's module.Class path")
+    source.add_argument("--model", help="profile this workload (ddlscale/conf/model/<name>.yaml) here")
+    parser.add_argument("--compressor", default="topk", help="with --model: ddlscale/conf/compressor/<name>.yaml, or a compressor class's module.Class path")
     parser.add_argument("--memory", default="default",
-                        help="with --model: the error feedback the compressor is timed with, conf/memory/<name>.yaml "
+                        help="with --model: the error feedback the compressor is timed with, ddlscale/conf/memory/<name>.yaml "
                              "(default: the compressor's own default, as train.py's)")
     parser.add_argument("--steps", type=int, default=6, help="with --model: steps to run (the first is warm-up)")
     parser.add_argument("--save", type=Path, help="with --model: write the profile here")
@@ -60,10 +58,10 @@ def _parser() -> argparse.ArgumentParser:
 def _load_config(group: str, name: str):
     from omegaconf import OmegaConf
 
-    path = CONF / group / f"{name}.yaml"
+    path = CONF_DIR / group / f"{name}.yaml"
     if not path.exists():
-        known = ", ".join(sorted(p.stem for p in (CONF / group).glob("*.yaml")))
-        raise ValueError(f"--{group} {name!r}: no {path.relative_to(ROOT)} (one of {known})")
+        known = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+        raise ValueError(f"--{group} {name!r}: no {path} (one of {known})")
     return OmegaConf.load(path)
 
 

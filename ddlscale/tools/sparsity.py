@@ -53,12 +53,11 @@ from hydra.utils import instantiate
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.sync.sparse.hashing import HashPartitioner
 from ddlscale.sync.sparse.rows import units_of
 from ddlscale.workloads.base import Workload
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
 OUT_DIR = Path("outputs") / "sparsity"  # default out=: <model> below it, relative to the working directory
 # Past half non-zero, a dense allreduce is cheaper than any sparse scheme, so such tensors are dense.
 SPARSE_DENSITY = 0.5
@@ -359,7 +358,7 @@ def _int_at_least(key: str, text: str | None, default: int, minimum: int) -> int
 
 
 def compose_model(name: str, seed: int, overrides: Sequence[str] = ()) -> Workload:
-    """Build the workload from conf/model/<name>.yaml exactly as train.py would, seeded for reproducibility.
+    """Build the workload from ddlscale/conf/model/<name>.yaml exactly as train.py would, seeded for reproducibility.
 
     ``seed`` is the top-level config seed (it also sets ``model.data_seed`` unless overridden) and
     seeds the global RNG the layers initialize from.

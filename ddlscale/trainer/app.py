@@ -176,7 +176,7 @@ def _sync_components(cfg: DictConfig) -> dict[str, Any]:
 
 def move_momentum(sync: Any, model: Any) -> bool:
     """DGC's momentum correction applies the optimizer's momentum on each rank before compressing
-    (compressor.momentum, tied to model.momentum by conf/compressor/dgc.yaml): the optimizer then runs
+    (compressor.momentum, tied to model.momentum by ddlscale/conf/compressor/dgc.yaml): the optimizer then runs
     plain SGD, or momentum would apply twice. Returns whether it moved it.
 
     A planned sync (Espresso, Cupcake) sends some tensors dense (every one in its dense steps, the

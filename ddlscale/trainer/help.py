@@ -2,11 +2,12 @@
 
 Written from the config files themselves (each option's header comment, its keys and defaults), so
 the screen says what the files hold. Hydra shows it through its help template
-(``conf/hydra/default.yaml``), which calls the ``ddlscale_options`` resolver registered here.
+(``ddlscale/conf/hydra/default.yaml``), which calls the ``ddlscale_options`` resolver registered here.
 """
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import textwrap
 from pathlib import Path
@@ -14,7 +15,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+from ddlscale.paths import CONF_DIR
+
 GROUPS = {  # in the order a user picks them, with what the group decides
     "sync": "how gradients are synchronized across workers",
     "compressor": "gradient compressor, for sync=compress, espresso, cupcake",
@@ -114,9 +116,23 @@ def _resolver() -> str:
     if not HydraConfig.initialized():
         return options_text()
     runtime = HydraConfig.get().runtime
-    dirs = [Path(source.path) for source in runtime.config_sources
-            if source.schema == "file" and Path(source.path).is_dir()]
+    dirs = [d for d in map(_folder, runtime.config_sources) if d is not None]
     return options_text(dirs or None, dict(runtime.choices))
+
+
+def _folder(source: Any) -> Path | None:
+    """A config source's folder, if it has one: a ``file://`` source's path, a ``pkg://`` source's
+    package (ddlscale's own configs are ``pkg://ddlscale.conf``; a user's may be either)."""
+    if source.schema == "file":
+        path = Path(source.path)
+    elif source.schema == "pkg":
+        try:
+            path = Path(str(importlib.resources.files(source.path)))
+        except (ModuleNotFoundError, TypeError, ValueError):
+            return None
+    else:
+        return None
+    return path if path.is_dir() else None
 
 
 OmegaConf.register_new_resolver("ddlscale_options", _resolver, replace=True)

@@ -10,7 +10,7 @@ The run's own keys (``seed``, ``trainer.*``, ``cluster.*``) have their schemas h
 the top level), so a config of one's own can extend it (``defaults: [/schema/sync/zen@_here_,
 _self_]`` gives a typed node) once its script has called it before composing. train.py does not: it
 would import every option's class (seconds, in every worker of an emulated run), and its check needs
-only the selected classes' schemas. The files in ``conf/`` stay untyped, so ``sync._target_=my.Sync``
+only the selected classes' schemas. The files in ``ddlscale/conf/`` stay untyped, so ``sync._target_=my.Sync``
 with keys of its own, or ``~sync.bucket_mb``, keep working on any option.
 
 :func:`check` reads a composed config through the schemas of what it selects: a value of the wrong
@@ -32,7 +32,6 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -42,10 +41,10 @@ from omegaconf import DictConfig, OmegaConf
 from ddlscale.cluster import dilation, storage
 from ddlscale.cluster.cpucap import MODES as CPU_MODES
 from ddlscale.cluster.emulated import AUTO_LATENCY, MAX_NODES
+from ddlscale.paths import CONF_DIR
 from ddlscale.schema import Schema, boolean, choice, did_you_mean, integer, is_int, quantity
 from ddlscale.units import parse_bandwidth, parse_time
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = ("sync", "compressor", "memory", "model", "ckpt", "strategy", "logger")  # built from a _target_
 CLUSTER_KINDS = ("local", "torchrun", "slurm", "emulated")
 FALLBACKS = ("loopback", "error")
@@ -60,7 +59,7 @@ KWARGS_GO_TO = {
 
 @dataclass
 class RunConfig(Schema):
-    """The run-level keys of ``conf/config.yaml``."""
+    """The run-level keys of ``ddlscale/conf/config.yaml``."""
 
     seed: int = 0
     keep_freed_memory: bool = True

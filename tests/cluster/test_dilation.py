@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from ddlscale import clock
 from ddlscale.cluster import cpucap, dilation
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +60,7 @@ def test_dilation_accepts_auto_and_numbers():
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=["cluster=emulated", *overrides])
 
 

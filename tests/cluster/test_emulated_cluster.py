@@ -11,6 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,7 +124,7 @@ def test_train_on_emulated_cluster(tmp_path):
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=["cluster=emulated", *overrides])
 
 

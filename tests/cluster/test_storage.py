@@ -11,6 +11,7 @@ import pytest
 from ddlscale.cluster import storage
 from ddlscale.cluster.emulated import EmulatedCluster, list_namespaces, unavailable_reason
 from ddlscale.cluster.storage_client import StorageEndpoint
+from ddlscale.paths import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 REASON = unavailable_reason() or storage.unavailable_reason()
@@ -227,7 +228,7 @@ def test_ckpt_dir_on_the_storage_machine_needs_one_and_no_bandwidth_pacing():
     from ddlscale.trainer import ConfigError, check_config
 
     def cfg(*overrides):
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose("config", overrides=["ckpt=disk", *overrides])
 
     with pytest.raises(ConfigError, match=r"ckpt\.dir=storage://x.*cluster\.storage\.bandwidth"):

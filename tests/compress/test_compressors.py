@@ -6,7 +6,6 @@ import io
 import math
 import threading
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ import ddlscale.compress as C
 from ddlscale.compress import bits
 from ddlscale.compress.base import count_of, pieces
 from ddlscale.compress.dgc import MIN_SAMPLE
+from ddlscale.paths import CONF_DIR
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 NAMES = sorted(C.COMPRESSORS)
 # Odd sizes, a single element, empty tensors, and matrices (PowerSGD compresses only those).
 SHAPES = [(0,), (1,), (1, 1), (7,), (3, 0), (13, 5), (64, 33), (1027,), (5000,), (16, 8, 3, 3)]
@@ -902,15 +901,15 @@ def test_bad_names_and_memory_parameters():
 
 def test_every_compressor_and_memory_has_a_config_that_builds_it():
     for name, cls in C.COMPRESSORS.items():
-        cfg = OmegaConf.load(CONF / "compressor" / f"{name}.yaml")
+        cfg = OmegaConf.load(CONF_DIR / "compressor" / f"{name}.yaml")
         if name == "none":
             continue  # `_target_: null` until the compress backend consumes it
         built = instantiate(cfg)
         assert isinstance(built, cls) and built.name == name
         assert vars(built) == vars(C.build_compressor(name))  # the config is the registry's preset
     for name, cls in C.MEMORIES.items():
-        assert isinstance(instantiate(OmegaConf.load(CONF / "memory" / f"{name}.yaml")), cls)
-    assert {p.stem for p in (CONF / "compressor").glob("*.yaml")} == set(C.COMPRESSORS)
+        assert isinstance(instantiate(OmegaConf.load(CONF_DIR / "memory" / f"{name}.yaml")), cls)
+    assert {p.stem for p in (CONF_DIR / "compressor").glob("*.yaml")} == set(C.COMPRESSORS)
 
 
 # -- bit packing ----------------------------------------------------------------------------------

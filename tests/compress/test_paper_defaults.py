@@ -1,7 +1,6 @@
 """Compressors as their papers define them, by default: each paper's defining property."""
 
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +14,11 @@ from ddlscale.compress import build_compressor
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.qsgd import QSGD
 from ddlscale.compress.terngrad import TernGrad
+from ddlscale.paths import CONF_DIR
 from ddlscale.sync.compressed import CompressSync
 from ddlscale.trainer.app import move_momentum
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "compressor"
+CONF = CONF_DIR / "compressor"
 
 
 def _from_yaml(name, model):

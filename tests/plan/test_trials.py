@@ -3,19 +3,19 @@ summary that says whether the model or the trial chose the kept plan."""
 
 import inspect
 import random
-from pathlib import Path
 
 import torch
 import yaml
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
+from ddlscale.paths import CONF_DIR
 from ddlscale.plan.planner import cost_model
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.compressed import CupcakeSync, EspressoSync
 from ddlscale.sync.compressed.planned import TRIAL_STEPS, PlannedSync
 
-CONF = Path(__file__).resolve().parents[2] / "conf" / "sync"
+CONF = CONF_DIR / "sync"
 
 
 def test_one_trial_default_in_python_and_yaml():

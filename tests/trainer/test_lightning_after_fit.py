@@ -22,6 +22,7 @@ from test_new_user import _StopAfterOptimizerStep
 from ddlscale.ckpt import Checkpointer
 from ddlscale.ckpt.state.shard import SYNC_STATE_KEY
 from ddlscale.ckpt.version.manifest import manifest_names, step_of
+from ddlscale.paths import CONF_DIR
 from ddlscale.strategy import DDLStrategy
 from ddlscale.trainer import StepMetrics, rundir
 
@@ -69,7 +70,7 @@ def test_a_stopped_run_s_summary_counts_the_checkpoints_it_took(tmp_path):
 
 
 def test_the_continuing_command_is_this_one_with_its_run_directory(monkeypatch):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["ckpt=disk", "seed=3", "ckpt.resume=null", "hydra.run.dir=outputs/x",
                                            "hydra.job.chdir=false"], return_hydra_config=True)
     monkeypatch.setattr(sys, "orig_argv", ["python", "-X", "dev", "train.py", "--config-name=config", "ckpt=disk",

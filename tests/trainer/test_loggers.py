@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from test_new_user import _wandb_records
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import app, runinfo
 from ddlscale.trainer.loggers import RunCSVLogger, metrics_rows
 
@@ -24,7 +25,7 @@ TINY = ["model=cnn", "model.width=4", "model.num_blocks=1", "model.image_size=8"
 
 
 def _cfg(*overrides, hydra=False):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 

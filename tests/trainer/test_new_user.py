@@ -19,6 +19,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import ConfigError, StepMetrics, check_config
 from ddlscale.trainer.loggers import RunCSVLogger, record_config, record_summary
 
@@ -33,7 +34,7 @@ def _train(*overrides, env=None, cwd=ROOT, timeout=300):
 
 
 def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import ConfigError, check_config, schemas
 from ddlscale.trainer.overrides import describe
 
@@ -22,7 +23,7 @@ QUIET = ["trainer.enable_progress_bar=false"]
 def _cfg(*overrides, hydra=False):
     """The composed config; ``hydra``: with Hydra's node, as a sweep's jobs are composed (the options
     chosen, which the messages name)."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides), return_hydra_config=hydra)
 
 

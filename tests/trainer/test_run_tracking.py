@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import TopK
+from ddlscale.paths import CONF_DIR
 from ddlscale.sync.compressed import EspressoSync
 from ddlscale.tools import compare
 from ddlscale.trainer import ConfigError, app, check_config, runinfo
@@ -94,7 +95,7 @@ def test_train_log_ends_with_the_run_when_a_child_still_holds_its_output(tmp_pat
 
 
 def test_labels_name_the_class_that_ran_not_the_option():
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         for overrides, expected in ((["sync=zen"], "zen"),
                                     (["sync._target_=my_module.MySync"], "my_module.MySync"),
                                     (["model=gpt", "model._target_=mine.Model"], "mine.Model")):
@@ -109,7 +110,7 @@ def test_every_logger_gets_the_config_and_the_summary(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["logger=tensorboard"])
     logger = instantiate(cfg.logger, save_dir=str(tmp_path))
     record_config([logger], {"sync.bucket_mb": 25.0, "seed": 3, "world_size": 2})
@@ -203,7 +204,7 @@ def test_help_documents_every_option_and_import_registers_the_strategy():
     assert result.returncode == 0, result.stderr[-2000:]
     text = result.stdout
     for group in ("sync", "compressor", "memory", "model", "ckpt", "strategy", "cluster", "logger"):
-        options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        options = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         assert f"{group}=<{'|'.join(options)}>" in text, group
     assert "* zen" in text and "Zen: hash-balanced parallel push/pull" in text  # the selected option, its comment
     assert "sync.bucket_mb=25.0" in text and "strategy.timeout_s=600" in text and "seed=0" in text
@@ -231,7 +232,7 @@ BAD = [  # overrides, the key named (the message starts with it), the cause
 
 @pytest.mark.parametrize("overrides,key,cause", BAD, ids=[" ".join(o) for o, _, _ in BAD])
 def test_bad_input_is_refused_naming_the_key(overrides, key, cause):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     with pytest.raises(ConfigError) as refused:
         check_config(cfg)
@@ -240,7 +241,7 @@ def test_bad_input_is_refused_naming_the_key(overrides, key, cause):
 
 
 def test_parameter_names_are_checked_against_the_model_before_workers_start(tmp_path):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["sync=zen", "sync.sparse_params=[nope.weight]"])
     with pytest.raises(ConfigError, match=r"sync.sparse_params names \['nope.weight'\].*input_embedding.weight"):
         app.build_trainer(cfg, tmp_path, {})

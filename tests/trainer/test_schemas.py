@@ -2,19 +2,16 @@
 and refusing a bad value naming its key before anything is built."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.schema import Schema
 from ddlscale.sync.sparse import ZenSync
 from ddlscale.trainer import ConfigError, app, check_config, schemas
-
-ROOT = Path(__file__).resolve().parents[2]
-CONF = ROOT / "conf"
 
 
 class ZenWithAKnob(ZenSync):
@@ -27,7 +24,7 @@ class ZenWithAKnob(ZenSync):
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 
@@ -38,13 +35,13 @@ def _stored(group: str) -> set[str]:
 def test_every_option_of_every_group_has_a_registered_schema():
     schemas.register()
     for group in (*schemas.GROUPS, "cluster"):
-        options = {p.stem for p in (CONF / group).glob("*.yaml")}
-        with_target = {o for o in options if group == "cluster" or OmegaConf.load(CONF / group / f"{o}.yaml").get("_target_")}
+        options = {p.stem for p in (CONF_DIR / group).glob("*.yaml")}
+        with_target = {o for o in options if group == "cluster" or OmegaConf.load(CONF_DIR / group / f"{o}.yaml").get("_target_")}
         assert with_target <= _stored(group), group
     assert _stored("trainer") == {"default"} and "run.yaml" in ConfigStore.instance().list("schema")
 
 
-DECLARED = [("sync", p.stem) for p in sorted((CONF / "sync").glob("*.yaml"))] + [("ckpt", "gemini"), ("ckpt", "disk"), ("strategy", "ddlscale")]
+DECLARED = [("sync", p.stem) for p in sorted((CONF_DIR / "sync").glob("*.yaml"))] + [("ckpt", "gemini"), ("ckpt", "disk"), ("strategy", "ddlscale")]
 
 
 @pytest.mark.parametrize("group,option", DECLARED, ids=[f"{g}={o}" for g, o in DECLARED])

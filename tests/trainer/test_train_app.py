@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from ddlscale.ckpt.state.snapshot import encode
 from ddlscale.cluster import free_port
 from ddlscale.compress import build_compressor
+from ddlscale.paths import CONF_DIR
 from ddlscale.sync import GradSync
 from ddlscale.trainer import app
 
@@ -38,7 +39,7 @@ def test_every_model_checkpoints_its_hyperparameters(model):
     """Config lists reach a model as plain lists, so Gemini's snapshot (plain values only, nothing
     pickled) takes its hyper-parameters: deepfm's mlp_dims once arrived as an OmegaConf ListConfig,
     and every model=deepfm ckpt=gemini run failed at its first checkpoint."""
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model}"])
     module = app._build("model", cfg.model)
     skeleton, _ = encode({"hyper_parameters": dict(module.hparams)}, live=None)  # raises on an OmegaConf value
@@ -47,7 +48,7 @@ def test_every_model_checkpoints_its_hyperparameters(model):
 
 @pytest.mark.parametrize("model", ["lstm", "deepfm", "cnn", "gpt"])
 def test_every_model_config_composes_and_builds(model):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"model={model}"], return_hydra_config=True)
         assert isinstance(instantiate(cfg.sync), GradSync)
         module = instantiate(cfg.model)
@@ -58,7 +59,7 @@ def test_every_model_config_composes_and_builds(model):
 def test_logger_configs_build(logger, tmp_path):
     if logger == "wandb":
         pytest.importorskip("wandb")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"logger={logger}"], return_hydra_config=True)
         cfg.run_name = "test"  # resolved by Hydra at run time
         assert instantiate(cfg.logger, save_dir=str(tmp_path)) is not None
@@ -66,7 +67,7 @@ def test_logger_configs_build(logger, tmp_path):
 
 def test_slurm_cluster_config_selects_submitit():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["cluster=slurm", "trainer.num_nodes=2"], return_hydra_config=True)
         assert "submitit" in cfg.hydra.launcher._target_.lower()
         assert cfg.hydra.launcher.nodes == 2
@@ -131,7 +132,7 @@ def _refusal(overrides: list[str], run_dir: Path) -> str:
     """What refuses ``overrides``: composing them (an unknown option or key), or what the app does
     before any worker starts: checking the config, then building the model, sync and Trainer."""
     try:
-        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose("config", overrides=overrides)
     except Exception as exc:  # Hydra's own: MissingConfigException, ConfigCompositionException
         return f"{exc} {exc.__cause__ or ''}"

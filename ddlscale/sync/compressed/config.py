@@ -41,7 +41,7 @@ class CompressConfig(DenseConfig):
             integer(self.key("local_size"), self.local_size, allow=(None,))
 
 
-TRIAL_STEPS = 3  # sync.trial_steps' default here, in PlannedSync and in conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
+TRIAL_STEPS = 3  # sync.trial_steps' default here, in PlannedSync and in ddlscale/conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
 
 
 @dataclass

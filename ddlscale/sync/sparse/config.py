@@ -1,4 +1,4 @@
-"""The sparse syncs' typed configs: the keys every one takes (``conf/base/sync_sparse.yaml``) and
+"""The sparse syncs' typed configs: the keys every one takes (``ddlscale/conf/base/sync_sparse.yaml``) and
 each scheme's own, with every range and choice checked in one place."""
 
 from __future__ import annotations

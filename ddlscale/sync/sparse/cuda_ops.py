@@ -1,5 +1,6 @@
-"""Zen's CUDA kernels (``csrc/zen_cuda.cu``) run through cupy: the CUDA source is compiled at run time by
-NVRTC, so a GPU machine needs ``pip install -e '.[gpu]'`` and neither nvcc nor a toolkit matching torch's.
+"""Zen's CUDA kernels (``ddlscale/csrc/zen_cuda.cu``) run through cupy: the CUDA source is compiled at run
+time by NVRTC, so a GPU machine needs ``pip install -e '.[gpu]'`` and neither nvcc nor a toolkit matching
+torch's.
 
 Tensors stay torch's: outputs come from torch's caching allocator, every operand reaches cupy zero-copy
 through DLPack, and the kernels launch on torch's current stream of the tensors' device, so they order
@@ -14,12 +15,12 @@ file compiles afresh while every later process, spawned workers too, loads the c
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
+from ddlscale.paths import CSRC_DIR
+
 SOURCE, HEADER = "zen_cuda.cu", "zen_hash.h"
 # The source's extern "C" entry points, each looked up by this name (tests/sync/sparse/test_cuda_ops.py checks
 # them against the source and, where NVRTC is at hand, against the compiled PTX).
@@ -34,7 +35,7 @@ _WORD_ROWS = {1: "zen_scatter_1", 2: "zen_scatter_2", 4: "zen_scatter_4", 8: "ze
 
 def kernel_source() -> str:
     """zen_cuda.cu with zen_hash.h inlined: one text that NVRTC compiles without include paths."""
-    source, header = (CSRC / SOURCE).read_text(), (CSRC / HEADER).read_text()
+    source, header = (CSRC_DIR / SOURCE).read_text(), (CSRC_DIR / HEADER).read_text()
     include = f'#include "{HEADER}"'
     if source.count(include) != 1:
         raise ValueError(f"{SOURCE} must include {HEADER} exactly once")

@@ -1,5 +1,5 @@
 """The data kernels of the sparse syncs, each in one place: its pure-PyTorch definition (``*_reference``)
-beside the dispatch that runs the native C++/CUDA kernel (``csrc/``) where :mod:`.native` allows.
+beside the dispatch that runs the native C++/CUDA kernel (``ddlscale/csrc/``) where :mod:`.native` allows.
 
 Every op works on *units*: rows of a (rows, width) view of a gradient, or single elements (width
 1). Indices are int64 row ids, values are (k, width). The native kernels return the reference's

@@ -1,4 +1,4 @@
-"""Loading the native kernels (``csrc/``): build once, cache, and say which op may run natively.
+"""Loading the native kernels (``ddlscale/csrc/``): build once, cache, and say which op may run natively.
 
 This module only finds the kernels for a device; :mod:`ddlscale.sync.sparse.kernels` holds each op's
 pure-PyTorch definition beside its dispatch, and asks :func:`ops_for` whether the kernels should run
@@ -11,7 +11,7 @@ imports the cached library without calling the compiler. When it cannot be had (
 no compiler, no ninja, a failed build) one :class:`NativeKernelWarning` names the reason and the
 references run.
 
-CUDA: ``csrc/zen_cuda.cu`` runs through cupy (:mod:`.cuda_ops`: NVRTC at run time, tensors shared by
+CUDA: ``ddlscale/csrc/zen_cuda.cu`` runs through cupy (:mod:`.cuda_ops`: NVRTC at run time, tensors shared by
 DLPack), tried only when ``torch.cuda.is_available()``. Without cupy (the ``gpu`` extra not installed)
 the references run silently, the reason kept for :func:`unavailable_reason`; a cupy that cannot
 compile the kernels warns once. The CUDA kernels are no longer built with ``cpp_extension``: that
@@ -36,10 +36,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ddlscale.paths import CSRC_DIR
+
 if TYPE_CHECKING:
     from ddlscale.sync.sparse.cuda_ops import CudaOps
 
-CSRC = Path(__file__).resolve().parents[3] / "csrc"
 SOURCES = {"cpu": ["zen_cpu.cpp", "zen_hash.h"]}  # CUDA: cuda_ops.SOURCE and HEADER, through cupy
 CFLAGS = ["-O3", "-fopenmp"]  # at::parallel_for is OpenMP inlined into this library: without it, serial
 LDFLAGS = ["-fopenmp"]
@@ -87,7 +88,7 @@ def module_name(kind: str) -> str:
     """Extension name: a digest of everything that changes the binary, so edits rebuild."""
     digest = hashlib.sha256()
     for source in SOURCES[kind]:
-        digest.update((CSRC / source).read_bytes())
+        digest.update((CSRC_DIR / source).read_bytes())
     digest.update(f"{CFLAGS + LDFLAGS}{torch.__version__}{sys.version_info[:2]}{platform.machine()}".encode())
     return f"ddlscale_zen_{kind}_{digest.hexdigest()[:16]}"
 
@@ -97,8 +98,8 @@ def build(kind: str, verbose: bool = False):
     through cupy; raises :class:`NativeUnavailable`."""
     if kind == "cuda":
         return _cuda_through_cupy()
-    if any(not (CSRC / s).is_file() for s in SOURCES[kind]):
-        raise NativeUnavailable(f"sources not found under {CSRC}")
+    if any(not (CSRC_DIR / s).is_file() for s in SOURCES[kind]):
+        raise NativeUnavailable(f"sources not found under {CSRC_DIR}")
     name = module_name(kind)
     directory = ext_dir() / name
     library = directory / f"{name}.so"
@@ -133,8 +134,8 @@ def _compile(kind: str, name: str, directory: Path, verbose: bool) -> ModuleType
     directory.mkdir(parents=True, exist_ok=True)
     try:  # torch serializes concurrent builds of one directory with a lock file
         return cpp_extension.load(
-            name, [str(CSRC / s) for s in SOURCES[kind] if not s.endswith(".h")], build_directory=str(directory),
-            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC)], verbose=verbose,
+            name, [str(CSRC_DIR / s) for s in SOURCES[kind] if not s.endswith(".h")], build_directory=str(directory),
+            extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, extra_include_paths=[str(CSRC_DIR)], verbose=verbose,
         )
     except Exception as error:  # compiler errors arrive as RuntimeError / CalledProcessError
         text = str(error)
@@ -156,7 +157,7 @@ def _cuda_through_cupy():
         return CudaOps(cupy)
     except Exception as error:  # NVRTC's compile log, a missing libnvrtc, a driver cupy cannot use
         first = next((ln.strip() for ln in str(error).splitlines() if "error" in ln.lower()), str(error)[:300])
-        raise NativeUnavailable(f"cupy could not compile csrc/zen_cuda.cu: {type(error).__name__}: {first}") \
+        raise NativeUnavailable(f"cupy could not compile ddlscale/csrc/zen_cuda.cu: {type(error).__name__}: {first}") \
             from error
 
 

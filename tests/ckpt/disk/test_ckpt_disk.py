@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 
 from ddlscale.ckpt import find_resumable, read_manifest, verify
 from ddlscale.ckpt.version.manifest import REJECTED_SUFFIX, list_manifests
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import ConfigError, check_config
 
 # Epochs of 3 steps (192 samples / (32 x 2 workers)): resumes land mid-epoch and on epoch boundaries.
@@ -122,7 +123,7 @@ def test_a_crash_mid_write_never_commits_a_partial_version(tmp_path):
 
 
 def _cfg(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=["ckpt=disk", *overrides])
 
 

@@ -3,7 +3,6 @@ directory): signed values, unsigned and forged ones refused, compare-and-set, wa
 under a client, torchrun's rendezvous on every member, and the refusal when etcd is not installed."""
 
 import datetime
-import os
 import threading
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ from ddlscale.ckpt.gemini.agent import Agent
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.cluster.control_plane import EtcdAddress, EtcdKeyValue, EtcdMembers, Member, missing
 from ddlscale.cluster.local import free_port
+from ddlscale.paths import CONF_DIR
 
 REASON = missing(server=True)
 if REASON:
@@ -189,7 +189,7 @@ def test_etcd_address_forms():
 def _check(overrides):
     from ddlscale.trainer.app import check_config
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["ckpt=gemini", "trainer.devices=2", *overrides])
     check_config(cfg)
 

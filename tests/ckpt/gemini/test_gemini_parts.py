@@ -26,6 +26,7 @@ from ddlscale.ckpt.gemini.interleave import (
 from ddlscale.ckpt.gemini.protocol import DATA, END, NO_VERSION, AgentClient, ReplicaError
 from ddlscale.ckpt.state.snapshot import capture, rebuild
 from ddlscale.ckpt.version.checksum import Checksum, checksum, matches
+from ddlscale.paths import CONF_DIR
 
 
 # -- snapshots ------------------------------------------------------------------------------------
@@ -625,7 +626,7 @@ def test_the_placement_check_counts_machines_as_the_workers_do(monkeypatch, env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     overrides = ["ckpt=gemini", "ckpt.replicas=2", "cluster=torchrun", "trainer.devices=2", "trainer.num_nodes=2"]
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[3] / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     if not env:
         check_config(cfg)
@@ -660,7 +661,7 @@ def test_bad_gemini_values_name_the_key(overrides, message):
 
     from ddlscale.trainer import ConfigError, check_config
 
-    with initialize_config_dir(config_dir=str(__import__("pathlib").Path(__file__).resolve().parents[3] / "conf"),
+    with initialize_config_dir(config_dir=str(CONF_DIR),
                                version_base="1.3"):
         cfg = compose("config", overrides=["ckpt=gemini", *overrides])
     with pytest.raises(ConfigError, match=message):

@@ -29,6 +29,7 @@ from ddlscale.cluster import storage
 from ddlscale.cluster.emulated import EmulatedCluster
 from ddlscale.cluster.emulated import unavailable_reason as cluster_unavailable
 from ddlscale.cluster.storage_client import PASSWORD_ENV, URL_ENV, USER_ENV, StorageEndpoint
+from ddlscale.paths import CONF_DIR
 
 ROOT = Path(__file__).resolve().parents[3]
 ENDPOINT = StorageEndpoint("http://10.213.0.254:8080/", "ddlscale", "not-a-real-password")
@@ -62,7 +63,7 @@ def test_persist_dir_resolves_as_the_disk_tier_resolves_ckpt_dir(tmp_path, monke
 def _config(*overrides):
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

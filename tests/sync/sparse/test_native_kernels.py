@@ -1,4 +1,4 @@
-"""The native kernels (csrc/zen_cpu.cpp) against their pure-PyTorch references in
+"""The native kernels (ddlscale/csrc/zen_cpu.cpp) against their pure-PyTorch references in
 ddlscale.sync.sparse.kernels, bit for bit, and the fallback to those references when the kernels
 cannot be built.
 

@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from ddlscale.cluster import run_workers
 from ddlscale.comm import CollectiveRecord
 from ddlscale.comm.collectives import Message
+from ddlscale.paths import CONF_DIR
 from ddlscale.sync.base import in_flight
 from ddlscale.sync.sparse import (
     AGSparseSync,
@@ -29,7 +30,7 @@ from ddlscale.sync.sparse import (
 from ddlscale.sync.sparse.pushpull import pack_rows, unpack_rows
 from ddlscale.sync.sparse.traffic import doubling_rounds
 
-CONF = os.path.join(os.path.dirname(__file__), "..", "..", "..", "conf")
+CONF = str(CONF_DIR)
 NAMES = ["emb", "bias", "table", "half"]
 
 
@@ -264,7 +265,7 @@ def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds():
 
 
 def _train(out, *overrides):
-    root = os.path.abspath(os.path.join(CONF, ".."))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))  # the checkout: train.py
     result = subprocess.run([sys.executable, os.path.join(root, "train.py"), "model=lstm", "model.sparse_embedding=true",
                              "sync=zen", "trainer.devices=3", "trainer.max_steps=5", "seed=0",
                              "trainer.enable_progress_bar=false", f"hydra.run.dir={out}", *overrides],
