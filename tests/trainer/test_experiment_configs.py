@@ -1,20 +1,18 @@
-"""conf/experiment/: each paper's regime is one config that composes, passes the checks a run makes
+"""ddlscale/conf/experiment/: each paper's regime is one config that composes, passes the checks a run makes
 before any worker starts, and says in its header what of the paper it keeps and what it does not."""
-
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
+from ddlscale.paths import CONF_DIR
 from ddlscale.trainer import ConfigError, check_config
 
-ROOT = Path(__file__).resolve().parents[2]
 # the papers' regimes (overhead.yaml is a benchmark's)
-REGIMES = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*_paper*.yaml"))
+REGIMES = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*_paper*.yaml"))
 
 
 def _compose(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 
@@ -27,7 +25,7 @@ def test_a_regime_composes_passes_the_checks_and_says_what_it_keeps(name):
     cfg = _compose(f"experiment={name}")
     check_config(cfg)
     assert cfg.cluster.kind == "emulated" and cfg.cluster.nodes >= 4
-    header = (ROOT / "conf" / "experiment" / f"{name}.yaml").read_text().split("defaults:")[0]
+    header = (CONF_DIR / "experiment" / f"{name}.yaml").read_text().split("defaults:")[0]
     assert "Kept from the paper" in header and "Not kept" in header, name
     assert f"experiment={name}" in header  # the one command that runs it
 
