@@ -18,7 +18,8 @@ Each torchrun agent's output goes to ``<run dir>/logs/machine<i>.<n>.log``. With
 cluster runs time-dilated (:mod:`ddlscale.clock`): its machines capped, its NICs slowed, and every
 timeout here given in emulated seconds.
 
-``python -m ddlscale.testing.drill security`` runs the hostile-client drill instead
+``python -m ddlscale.testing.drill recover`` runs one machine failure and prints the recovery
+(:mod:`ddlscale.testing.recover_drill`); ``... drill security`` runs the hostile-client drill instead
 (:mod:`ddlscale.testing.security_drill`): no cluster needed.
 """
 
@@ -210,11 +211,17 @@ class GeminiDrill:
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
-    if args[:1] != ["security"]:
-        sys.exit("usage: python -m ddlscale.testing.drill security   (the failure drills run from tests and experiments)")
-    from ddlscale.testing.security_drill import main as security
+    if args[:1] == ["security"]:
+        from ddlscale.testing.security_drill import main as security
 
-    security(args[1:])
+        security(args[1:])
+    elif args[:1] == ["recover"]:
+        from ddlscale.testing.recover_drill import main as recover
+
+        recover(args[1:])
+    else:
+        sys.exit("usage: python -m ddlscale.testing.drill security|recover [--help]   (the other drills run from "
+                 "tests and experiments)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
 from ddlscale.trainer.loggers import metrics_rows
 
 FIGURES = {  # summary key -> (column title, scale, digits)
@@ -141,6 +144,48 @@ def plot(path: Path, labels: list[str], runs: list[Path]) -> None:
     plt.close(fig)
 
 
+def relative_steps(labels: list[str], summaries: list[dict[str, Any]]) -> str | None:
+    """Each run's step time against the first run's, in one line (None: fewer than two timed runs)."""
+    timed = [(label, s["step_time_s"]) for label, s in zip(labels, summaries, strict=True) if s.get("step_time_s")]
+    if len(timed) < 2:
+        return None
+    (first, base), rest = timed[0], timed[1:]
+    return f"step time against {first}'s: " + ", ".join(
+        f"{label} {t / base:.2f}x" + (f" ({base / t:.1f}x faster)" if t < base else "") for label, t in rest)
+
+
+def write(out: Path, runs: list[Path], summaries: list[dict[str, Any]], columns: list[str] | None = None,
+          heading: str = "") -> str:
+    """compare.md, compare.csv and compare.png in ``out``; returns the table (and the step-time line)."""
+    header, rows = table(runs, summaries, columns)
+    labels = [s.get("run_name") or row[0] for s, row in zip(summaries, rows, strict=True)]
+    text = markdown(header, rows)
+    relative = relative_steps(labels, summaries)
+    if relative:
+        text += f"\n\n{relative}"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.md").write_text(f"{heading}{text}\n")
+    write_csv(out / "compare.csv", runs, summaries)
+    plot(out / "compare.png", labels, runs)
+    return text
+
+
+class SweepComparison(Callback):
+    """A sweep ends with its runs side by side: the table printed, and compare.md, .csv and .png written
+    into the sweep's directory (a Hydra callback, so any sweeper and launcher that runs the jobs here
+    gets it). Runs that wrote no summary (refused, or killed) are left out; one run alone prints nothing."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep = Path(config.hydra.sweep.dir)
+        runs = find_runs([sweep]) if sweep.is_dir() else []
+        if len(runs) < 2:
+            return
+        summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
+        text = write(sweep, runs, summaries, heading=f"Runs of the sweep {sweep}\n\n")
+        print(f"\nddlscale: the sweep's {len(runs)} runs side by side (also {sweep / 'compare.md'}, "
+              f".csv and .png)\n{text}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddlscale.tools.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -156,13 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     if not runs:
         parser.error(f"no summary.json at or below {', '.join(map(str, args.dirs))}")
     summaries = [json.loads((run / "summary.json").read_text()) for run in runs]
-    header, rows = table(runs, summaries, args.columns.split(",") if args.columns else None)
-    text = markdown(header, rows)
     out = args.out or Path("outputs") / "compare" / time.strftime("%Y-%m-%d_%H-%M-%S")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.md").write_text(f"Runs: {', '.join(map(str, args.dirs))}\n\n{text}\n")
-    write_csv(out / "compare.csv", runs, summaries)
-    plot(out / "compare.png", [s.get("run_name") or row[0] for s, row in zip(summaries, rows, strict=True)], runs)
+    text = write(out, runs, summaries, args.columns.split(",") if args.columns else None,
+                 heading=f"Runs: {', '.join(map(str, args.dirs))}\n\n")
     print(text)
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.csv'}, {out / 'compare.png'}")
     return 0

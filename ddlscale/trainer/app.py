@@ -273,6 +273,8 @@ def run(
     launching = not launch.is_worker
     if launching and _in_sweep():  # the workers torchrun starts run single Hydra jobs: tell them the sweep
         os.environ[runinfo.SWEEP_ENV] = runinfo.sweep()
+    if launching and info.get("run_name"):  # ... and this job's name, which only the launcher's command line gives
+        os.environ[runinfo.RUN_NAME_ENV] = str(info["run_name"])
     rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)

@@ -87,9 +87,28 @@ def print_summary(summary: dict[str, Any], output_dir: Path) -> None:
     if "plan_state" in summary:
         chosen = f" (chosen by the {summary['plan_chosen_by']})" if summary.get("plan_chosen_by") else ""
         lines.append(f"  plan: {summary.get('plan_source') or 'none'}, {summary['plan_state']}{chosen}")
+        lines += plan_lines(summary)
     files = ", ".join(name for name in ("summary.json", "metrics.csv", "train.log") if (output_dir / name).exists())
     lines.append(f"  run directory: {output_dir.resolve()} ({files})")
     print("\n".join(lines), flush=True)
+
+
+def plan_lines(summary: dict[str, Any]) -> list[str]:
+    """What the kept plan gains: each candidate's measured step in the trial (the kept one marked) and
+    the kept one's against each other's; without a trial, the model's predicted step."""
+    trial, kept = summary.get("plan_trial_step_s") or {}, summary.get("plan_candidate")
+    predicted = summary.get("plan_predicted_step_s")
+    if not trial:
+        return [f"  predicted step {predicted * 1e3:.1f} ms (not checked on the cluster)"] if predicted else []
+    measured = ", ".join(f"{label}{' (kept)' if label == kept else ''} {seconds * 1e3:.1f} ms"
+                         for label, seconds in trial.items())
+    lines = [f"  trial, median step measured on the cluster: {measured}"]
+    if kept in trial and len(trial) > 1:
+        against = "; ".join(f"{label} {trial[kept] / seconds:.2f}x" for label, seconds in trial.items()
+                            if label != kept and seconds > 0)
+        lines.append(f"  the kept plan's step over the others': {against}"
+                     + (f" (it was predicted {predicted * 1e3:.1f} ms)" if predicted else ""))
+    return lines
 
 
 def discard_refused_run(output_dir: str | Path, sweep_dir: str | Path | None = None) -> None:

@@ -79,6 +79,10 @@ def _swept_keys() -> set[str] | None:
 def run_name() -> str:
     """``<sync>-<model>`` and what differs: a sweep job's swept values, or a single run's overrides
     (Hydra's own and the labels' aside)."""
+    if "WORLD_SIZE" in os.environ and os.environ.get(RUN_NAME_ENV):
+        # A worker the launcher started (emulated cluster, restarts): its command line holds the job's
+        # values but not which of them the sweep varies, so it takes the launcher's name.
+        return os.environ[RUN_NAME_ENV]
     hydra = _hydra()
     if hydra is None:
         return "ddlscale"
@@ -102,6 +106,7 @@ def job_dir() -> str:
     return f"{number}-{name}"
 
 
+RUN_NAME_ENV = "DDLSCALE_RUN_NAME"  # the launcher's run name, for the workers it starts
 SWEEP_ENV = "DDLSCALE_SWEEP"  # the sweep a job's launcher runs in, for the workers torchrun starts
 W_AND_B_GROUP_MAX = 128  # W&B's longest group name
 
