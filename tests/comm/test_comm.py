@@ -192,15 +192,17 @@ def _probe_exchange(rank, world):
 
 @pytest.mark.multiprocess
 def test_exchange_probe_fits_a_rate_and_a_fixed_cost_from_two_sizes():
-    """The larger exchange takes longer, and the line through the two medians passes through both."""
+    """The line through the two medians passes through both. Which exchange is slower is not asserted:
+    on a busy host the larger can be timed no slower, and the probe then keeps a tiny positive slope."""
     for probe in run_workers(_probe_exchange, 2, timeout_s=60):
         small, large = probe["times_s"]
-        assert 0 < small < large
+        assert small > 0 and large > 0
         assert 0 < probe["bandwidth_bps"] < float("inf") and probe["fixed_s"] >= 0
         per_bit = 1 / probe["bandwidth_bps"]
         carried = [(2 - 1) * total // 2 * 8 for total in probe["totals"]]  # bits each NIC carries each way
-        # The slope is the two medians' difference over the two sizes' ...
-        assert large - small == pytest.approx((carried[1] - carried[0]) * per_bit, rel=1e-6)
+        # The slope is the two medians' difference over the two sizes' (at least the probe's floor) ...
+        rise = max(large - small, 1e-9)
+        assert rise == pytest.approx((carried[1] - carried[0]) * per_bit, rel=1e-6)
         # ... and the intercept puts the line through both, unless it came out negative (the small
         # exchange faster than the rate says: a noisy host) and was clamped at 0.
         if probe["fixed_s"] > 0:
