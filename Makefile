@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev,wandb,slurm,etcd,storage,sweep]'
 	touch $@
 
-setup: $(BIN)/.installed  ## create .venv: torch 2.13.0 (CPU), then ddlscale with its dev extras (etcd's and the storage machine's servers: see .ci/run)
+setup: $(BIN)/.installed  ## create .venv: torch 2.13.0 (CPU), then ddlscale with its dev extras (etcd's, the storage machine's and SLURM's servers: see .ci/run)
 
 train: setup  ## run the default job (ARGS="model=deepfm trainer.devices=3" to override)
 	$(BIN)/python train.py $(ARGS)

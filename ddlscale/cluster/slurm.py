@@ -9,13 +9,13 @@ whether a SLURM controller answers here at all (``scontrol ping``, SLURM's own c
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
 from omegaconf import OmegaConf
 
-# scontrol retries a missing slurm.conf for 60 s before it gives up; a live controller answers at once.
-PING_TIMEOUT_S = 15.0
+PING_TIMEOUT_S = 15.0  # a live controller answers at once
 GPU_ACCELERATORS = ("gpu", "cuda")
 
 
@@ -32,36 +32,43 @@ def controller_unreachable() -> str | None:
     scontrol = shutil.which("scontrol")
     if scontrol is None:
         return "no SLURM here (scontrol is not on PATH)"
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # scontrol would retry for a minute before saying so
+        return f"SLURM_CONF={conf} is no file"
     try:
         ping = subprocess.run([scontrol, "ping"], capture_output=True, text=True, timeout=PING_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"scontrol ping had no answer in {PING_TIMEOUT_S:.0f} s"
     if ping.returncode == 0 and " is UP" in ping.stdout:
         return None
-    said = [line for line in (ping.stderr + ping.stdout).splitlines() if line.strip()]
-    # SLURM's last line says why (a fatal error, or "Slurmctld(primary) at HOST is DOWN").
-    last = said[-1].split(": ", 1)[-1].removeprefix("fatal: ").strip() if said else f"exit code {ping.returncode}"
-    return f"no SLURM controller answers here (scontrol ping: {last})"
+    said = [line.strip() for line in (ping.stderr + ping.stdout).splitlines()]
+    # The line that says why: a fatal error ("Could not establish a configuration source"), or
+    # "Slurmctld(primary) at HOST is DOWN" (followed by a banner of asterisks).
+    why = next((line for line in reversed(said) if "fatal: " in line or " is DOWN" in line), None)
+    why = why or next((line for line in reversed(said) if line and "*" not in line), f"exit code {ping.returncode}")
+    return f"no SLURM controller answers here (scontrol ping: {why.rpartition('fatal: ')[2]})"
 
 
-def cannot_submit(what: str = "cluster=slurm") -> str | None:
-    """Why ``what`` (the choice that sends jobs to SLURM) cannot submit from here (None: it can)."""
+def cannot_submit() -> str | None:
+    """Why a ``cluster=slurm`` sweep cannot submit its jobs from here (None: it can)."""
     unreachable = controller_unreachable()
     if unreachable is None:
         return None
-    return f"{what} trains through SLURM, and {unreachable}; cluster=local trains on this machine"
+    return f"cluster=slurm trains through SLURM, and {unreachable}; cluster=local trains on this machine"
 
 
 def refusal() -> str:
     """Why a ``cluster=slurm`` run cannot train in this process, which is not a SLURM task."""
+    # srun's tasks each compose their own Hydra run: one hydra.run.dir, or each would pick its own time.
     return cannot_submit() or (
         "cluster=slurm trains in a SLURM job's tasks, and this process is not one: submit it with -m "
-        "(python train.py -m cluster=slurm ...: Hydra's submitit launcher), or start it with srun")
+        "(python train.py -m cluster=slurm ...: Hydra's submitit launcher), or start a task per device "
+        "with srun --ntasks-per-node, giving them one hydra.run.dir")
 
 
 def gpus_per_node(accelerator: str, devices: int) -> int | None:
     """``hydra.launcher.gpus_per_node`` of conf/cluster/slurm.yaml: a GPU per task when the trainer runs on
-    GPUs, none asked otherwise (a CPU job that asked for GPUs would wait for nodes that have them)."""
+    GPUs, none asked otherwise (SLURM refuses a job that asks for GPUs its nodes do not have)."""
     return devices if str(accelerator).lower() in GPU_ACCELERATORS else None
 
 

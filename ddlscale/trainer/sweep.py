@@ -101,7 +101,12 @@ def submits_to_slurm(config: DictConfig) -> bool:
 
 class CheckJobsFirst(Callback):
     """Before a multirun's sweeper starts: refuse the sweep in one line if any job it can run has a
-    config that cannot work, or if its launcher submits to a SLURM that does not answer."""
+    config that cannot work, or if its launcher submits to a SLURM that does not answer.
+
+    A callback rather than a sweeper or launcher of ddlscale's own: Hydra calls ``on_multirun_start``
+    whichever sweeper and launcher the user picks, before either is built, so choosing Optuna or joblib
+    cannot drop the check. (Exiting is the one way a callback can stop Hydra: it turns a callback's
+    exceptions into warnings and goes on.)"""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from hydra.core.global_hydra import GlobalHydra
@@ -109,14 +114,14 @@ class CheckJobsFirst(Callback):
         from ddlscale.cluster import slurm
 
         submitted = submits_to_slurm(config)
-        if submitted:
-            choice = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/launcher")
-            what = "cluster=slurm" if OmegaConf.select(config, "cluster.kind") == "slurm" else f"hydra/launcher={choice}"
-            why = slurm.cannot_submit(what)
-            # sys.exit, not an exception: Hydra turns a callback's exceptions into warnings and goes on.
-            # Nothing has run and no sweep directory was made yet (the launcher makes it).
-            if why is not None:
-                sys.exit(f"ddlscale: invalid config: {why}")
+        if submitted and OmegaConf.select(config, "cluster.kind") != "slurm":
+            # A SLURM task of a cluster=local job would start workers of its own beside SLURM's tasks.
+            launcher = OmegaConf.select(config, "hydra.runtime.choices", default={}).get("hydra/launcher")
+            sys.exit(f"ddlscale: invalid config: hydra/launcher={launcher} runs jobs in SLURM: choose cluster=slurm "
+                     "(it selects that launcher and gives each job a task per device)")
+        why = slurm.cannot_submit() if submitted else None
+        if why is not None:
+            sys.exit(f"ddlscale: invalid config: {why}")  # nothing has run, no sweep directory was made
         loader = GlobalHydra.instance().config_loader()
         parser = OverridesParser.create(config_loader=loader)
         jobs, exact = sweep_jobs(config, parser.parse_overrides)
@@ -124,4 +129,4 @@ class CheckJobsFirst(Callback):
             check_jobs(jobs, lambda overrides: loader.load_sweep_config(config, overrides), numbered=exact,
                        submitted=submitted)
         except SweepRefused as exc:
-            sys.exit(f"ddlscale: invalid config: {exc}")  # as above
+            sys.exit(f"ddlscale: invalid config: {exc}")
