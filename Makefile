@@ -14,10 +14,10 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	# The CPU build of torch first: a bare `torch` requirement would pull a multi-GB CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev,wandb,slurm,etcd,storage]'
+	$(BIN)/python -m pip install -q -e '.[dev,wandb,slurm,etcd,storage,sweep]'
 	touch $@
 
-setup: $(BIN)/.installed  ## create .venv: torch 2.13.0 (CPU), then ddlscale with its dev extras (etcd's and the storage machine's servers: see .ci/run)
+setup: $(BIN)/.installed  ## create .venv: torch 2.13.0 (CPU), then ddlscale with its dev extras (etcd's, the storage machine's and SLURM's servers: see .ci/run)
 
 train: setup  ## run the default job (ARGS="model=deepfm trainer.devices=3" to override)
 	$(BIN)/python train.py $(ARGS)

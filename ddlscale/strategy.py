@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
@@ -295,6 +296,14 @@ class _WorkerLauncher(_MultiProcessingLauncher):
     starts no processes (torchrun): the callbacks' ``on_exception`` (a stopped run's summary), the
     strategy's, loggers finalized as failed. Lightning's own does that in the launching process
     only, which holds none of the run's state."""
+
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        # A spawned worker first sets its parent's default start method. In a job of a joblib sweep
+        # (hydra/launcher=joblib) that parent is one of loky's workers, whose default is loky's own
+        # method, unknown to a fresh interpreter: every worker died on it before running any code.
+        if multiprocessing.get_start_method(allow_none=True) not in multiprocessing.get_all_start_methods():
+            multiprocessing.set_start_method(self._start_method, force=True)
+        return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(self, process_idx: int, trainer: pl.Trainer | None, *args: Any, **kwargs: Any) -> None:
         try:

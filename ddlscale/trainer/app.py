@@ -30,7 +30,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from pytorch_lightning.loggers import CSVLogger
 
 from ddlscale.ckpt import Checkpointer
-from ddlscale.cluster import stop
+from ddlscale.cluster import slurm, stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Launch, no_services
 from ddlscale.cluster.emulated import unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
@@ -58,9 +58,10 @@ def world_size(cfg: DictConfig) -> int:
 
 def launch_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Launch:
     """This process's part in the launch the config describes: the one place that asks the environment
-    whether this process is a launcher or one of the ranks (torchrun and SLURM set WORLD_SIZE)."""
+    whether this process is a launcher or one of the ranks (torchrun sets WORLD_SIZE; SLURM starts one
+    task per rank, where Lightning takes the ranks from SLURM's variables)."""
     kind = OmegaConf.select(cfg, "cluster.kind")
-    if "WORLD_SIZE" in os.environ:
+    if "WORLD_SIZE" in os.environ or kind == "slurm" and slurm.in_task():
         mode = WORKER
     elif kind == "emulated":
         mode = EMULATED
@@ -76,9 +77,10 @@ def launch_context(cfg: DictConfig, run_dir: str | Path | None = None) -> Launch
                   Path(run_dir) if run_dir is not None else None, storage=storage)
 
 
-def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
+def check_config(cfg: DictConfig, launch: Launch | None = None, submitted: bool = False) -> None:
     """Reject values no component would catch before workers start (``launch``: the launch they are
-    checked for, by default :func:`launch_context`'s)."""
+    checked for, by default :func:`launch_context`'s; ``submitted``: a sweep's job that Hydra's launcher
+    hands to SLURM, whose tasks will run it, rather than one this process runs)."""
     launch = launch if launch is not None else launch_context(cfg)
     try:
         schemas.check(cfg)  # every value against its group's schema: types, ranges, choices
@@ -87,6 +89,8 @@ def check_config(cfg: DictConfig, launch: Launch | None = None) -> None:
     kind = OmegaConf.select(cfg, "cluster.kind")
     if kind == "torchrun" and not launch.is_worker:
         raise ConfigError("cluster=torchrun, but this process was not started by torchrun (no WORLD_SIZE)")
+    if kind == "slurm" and not launch.is_worker and not submitted:
+        raise ConfigError(slurm.refusal())  # it would train here, labelled slurm
     _check_sync_keys(cfg)
     _check_batches(cfg)
     try:
@@ -275,7 +279,9 @@ def run(
         os.environ[runinfo.SWEEP_ENV] = runinfo.sweep()
     if launching and info.get("run_name"):  # ... and this job's name, which only the launcher's command line gives
         os.environ[runinfo.RUN_NAME_ENV] = str(info["run_name"])
-    rank0 = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))) == 0
+    if launch.kind == "slurm":  # a SLURM task (check_config refused anything else): the job it ran in
+        info["slurm_job_id"] = os.environ.get("SLURM_JOB_ID")
+    rank0 = _global_rank() == 0
     # A worker under ddlscale's emulated cluster: the launcher above keeps its output and reports.
     reporting = launching or not os.environ.get(RUN_LOG_ENV)
     started = time.time()
@@ -343,10 +349,15 @@ def _run(cfg: DictConfig, launch: Launch, info: dict[str, Any], overrides: list[
     if dist.is_initialized():  # a rank run in this process (start_method=popen): end its groups while Python runs
         dist.destroy_process_group()
     summary_path = output_dir / "summary.json"
-    # Under torchrun every rank gets here; only rank 0 wrote the summary, so only it reads it back.
-    if int(os.environ.get("RANK", "0")) != 0 or not summary_path.exists():
+    # Under torchrun or SLURM every rank gets here; only rank 0 wrote the summary, so only it reads it back.
+    if _global_rank() != 0 or not summary_path.exists():
         return {}
     return json.loads(summary_path.read_text())
+
+
+def _global_rank() -> int:
+    """This process's rank as its launcher numbered it: torchrun's RANK, SLURM's task number, else 0."""
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
 
 
 def _in_sweep() -> bool:

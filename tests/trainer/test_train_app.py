@@ -70,7 +70,11 @@ def test_slurm_cluster_config_selects_submitit():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=["cluster=slurm", "trainer.num_nodes=2"], return_hydra_config=True)
         assert "submitit" in cfg.hydra.launcher._target_.lower()
-        assert cfg.hydra.launcher.nodes == 2
+        assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 2
+        assert cfg.hydra.launcher.gpus_per_node is None  # a CPU job asks SLURM for no GPU
+        gpu = compose("config", overrides=["cluster=slurm", "trainer.accelerator=gpu", "trainer.devices=8"],
+                      return_hydra_config=True)
+        assert gpu.hydra.launcher.gpus_per_node == 8 and gpu.hydra.launcher.tasks_per_node == 8
 
 
 @pytest.mark.e2e

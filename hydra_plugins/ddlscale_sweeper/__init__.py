@@ -1,1 +1,0 @@
-"""ddlscale's Hydra plug-ins: the sweeper that checks every job before the first starts."""
