@@ -28,11 +28,10 @@ profiled step (agreed in the profile's allreduce). A step where they differ is s
 absent from a row contributes zeros there, and its rows whose sum is zero are dropped from its
 gradient, as a lone tensor's are.
 
-**Route decisions** are robust to the noise of measured rounds (:func:`.traffic.decide`): the route
-with the fewest bytes (a figure of the profile, the same in every repetition of a job) is the
-default, and another is taken only where the cost model rates it faster by more than
-``route_margin``; a re-profile keeps the routes in force unless the same holds. Each decision is
-recorded (``route_decisions`` in summary.json).
+**Route decisions** are robust to the noise of measured rounds (:func:`.traffic.decide`): the routes
+within ``route_margin`` of the fastest are in the running, and among them the one with the fewest
+bytes (a figure of the profile, the same in every repetition of a job) is taken, or on a re-profile
+the one in force. Each decision is recorded (``route_decisions`` in summary.json).
 
 **Overlap.** Sparse tensors are fused into groups (same dtype and width, in backward order). A group
 is synchronized as soon as its last member's gradient is ready, on a lane of its own (a thread and a
@@ -117,8 +116,8 @@ class SparseSync(DenseAllreduce):
             exchanges on the sync group before the first routing (:mod:`ddlscale.comm.probe`).
         reprofile_drift: re-profile when a sparse tensor's summed units move by more than this
             factor from its profile (``None``: never).
-        route_margin: a route other than the one with the fewest bytes is taken only where the cost
-            model rates it faster by more than this fraction (:func:`.traffic.decide`).
+        route_margin: routes within this fraction of the fastest are in the running, and the one with
+            the fewest bytes among them is taken (:func:`.traffic.decide`).
         overlap: run a sparse group's sync on its own lane as soon as its gradients are ready
             (``False``: after backward, on the training thread).
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.

@@ -169,17 +169,21 @@ class Option:
 
 
 def decide(options: dict[str, Option], margin: float, incumbent: str | None = None) -> dict[str, Any]:
-    """The route among ``options``, robust to the noise of measured rounds: the default is the
-    incumbent (a re-profile keeps what is in force) or else the option with the fewest bytes (the
-    first in ``options``' order on a tie), and another replaces it only where the cost model rates it
-    faster by more than ``margin`` of the default's time. The bytes come from the profile, identical
-    in every repetition of a job; the seconds from rounds timed at start-up, which move between
-    repetitions: so only a difference larger than that noise can move the route. Returns the
-    decision as recorded (``summary.json``'s ``route_decisions``): chosen, default, margin, options."""
+    """The route among ``options``, robust to the noise of measured rounds.
+
+    Bytes come from the profile, the same in every repetition of a job; seconds from rounds timed at
+    start-up, which move between repetitions. So seconds only say which options are in the running:
+    those within ``margin`` of the fastest (a faster one must beat them by more than the margin).
+    Among those the route is the incumbent (a re-profile keeps what is in force) or else the one with
+    the fewest bytes, the first in ``options``' order on a tie. An argmin of seconds would pick
+    between near-equal options by the noise of the day; this picks by bytes, and moves only where a
+    measurement moves an option across the margin. Returns the decision as recorded (summary.json's
+    ``route_decisions``): chosen, the fewest-bytes option (``default``), margin and every option."""
     names = list(options)
-    default = incumbent if incumbent in options else min(names, key=lambda k: (options[k].nbytes, names.index(k)))
-    fastest = min(names, key=lambda k: (options[k].seconds, names.index(k)))
-    chosen = fastest if options[fastest].seconds < (1 - margin) * options[default].seconds else default
+    fastest = min(option.seconds for option in options.values())
+    running = [k for k in names if options[k].seconds <= (1 + margin) * fastest]
+    default = min(names, key=lambda k: (options[k].nbytes, names.index(k)))
+    chosen = incumbent if incumbent in running else min(running, key=lambda k: (options[k].nbytes, names.index(k)))
     return {"chosen": chosen, "default": default, "margin": margin,
             "options": {k: {"bytes": o.nbytes, "seconds": o.seconds} for k, o in options.items()}}
 
