@@ -13,7 +13,8 @@ per-parameter post-accumulate-grad hooks:
 * gradient accumulation: Lightning's ``block_backward_sync`` pauses the hooks on micro-batches
   that do not step, so only the accumulated gradient is synchronized;
 * buffers (BatchNorm statistics) follow rank 0 before every training step, as in DDP; those that
-  never change (DeepFM's field offsets) are sent once, not every step (:class:`BufferBroadcast`).
+  never change (DeepFM's field offsets) are sent once, not every step
+  (:class:`~ddlscale.sync.buffers.BufferBroadcast`).
 
 Collectives give up after ``timeout_s`` (a rank waiting for a peer that never comes raises instead
 of hanging for torch's default 30 minutes), and ``debug_collectives`` makes a rank-mismatched
@@ -26,7 +27,6 @@ import atexit
 import contextlib
 import logging
 import os
-import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -49,6 +49,7 @@ from ddlscale.cluster import pgstore
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.schema import Schema, boolean, choice, number
 from ddlscale.sync import DenseAllreduce, GradSync
+from ddlscale.sync.buffers import BufferBroadcast
 
 _log = logging.getLogger("lightning_fabric.utilities.distributed")  # the logger Lightning's set-up line uses
 
@@ -85,8 +86,8 @@ class DDLStrategy(DDPStrategy):
     Args:
         sync: the backend; dense bucketed allreduce when omitted.
         broadcast_buffers: make every rank use rank 0's buffers before each training step (DDP's
-            default), sending only those that change (:class:`BufferBroadcast`); turn off for models
-            whose buffers need not agree.
+            default), sending only those that change (:class:`~ddlscale.sync.buffers.BufferBroadcast`);
+            turn off for models whose buffers need not agree.
         start_method: how Lightning starts local workers. ``"spawn"`` (default) starts fresh
             interpreters without re-running the command line, so Hydra sweeps work; ``"popen"`` is
             Lightning's script re-execution. Under torchrun or SLURM nothing is started here.
@@ -290,60 +291,6 @@ class DDLStrategy(DDPStrategy):
             "ddlscale_popen", cls, description="ddlscale, workers started by re-running the script",
             start_method="popen",
         )
-
-
-class BufferBroadcast:
-    """Rank 0's buffers on every rank before each training step, as DDP's ``broadcast_buffers``, but
-    only those that can change.
-
-    DDP sends every buffer every step. One that no rank changes is equal everywhere already, and
-    sending it costs a collective a step for nothing (DeepFM's constant field offsets: 1.2-5 ms a
-    step on the emulated cluster, for every method). Which buffers change is measured, not declared
-    (a BatchNorm's running statistics change in place without their version counter moving, and
-    a non-persistent buffer may change as well as a persistent one): the first step sends every
-    buffer, as DDP would (a restored checkpoint included), and keeps a copy; the second compares,
-    and one collective agrees which buffers changed on any rank. Those are sent every step from then
-    on, exactly as DDP sends them, so where buffers do change the result is DDP's bit for bit; the
-    others never again. A buffer that stayed the same in the first step but changes later is not
-    sent: each rank checks its copy every step and warns once, as it cannot tell the others without
-    a collective of its own every step.
-    """
-
-    def __init__(self, module: torch.nn.Module, comm: Any):
-        self.module, self.comm = module, comm
-        self.steps = 0
-        self.changing: list[str] | None = None  # learned at the second step
-        self.constant: dict[str, torch.Tensor] = {}  # the first step's copy of the others
-        self.warned: set[str] = set()
-
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        return {name: b for name, b in self.module.named_buffers() if b.numel() > 0}
-
-    def before_step(self) -> None:
-        buffers = self._buffers()
-        self.steps += 1
-        if self.steps == 1:
-            self._send(list(buffers.values()))
-            self.constant = {name: b.detach().clone() for name, b in buffers.items()}
-            return
-        if self.changing is None:
-            moved = torch.tensor([float(name not in self.constant or self.constant[name].shape != b.shape
-                                        or not torch.equal(self.constant[name], b)) for name, b in buffers.items()])
-            # One-off and outside the accounted traffic, like the backward order: set-up, not training.
-            dist.all_reduce(moved, op=dist.ReduceOp.MAX, group=self.comm.group)
-            self.changing = [name for name, flag in zip(buffers, moved.tolist(), strict=True) if flag]
-            self.constant = {name: copy for name, copy in self.constant.items() if name not in self.changing}
-        for name, copy in self.constant.items():
-            if name not in self.warned and (name not in buffers or not torch.equal(copy, buffers[name])):
-                self.warned.add(name)
-                warnings.warn(f"buffer {name!r} did not change in the first training step but changed by step "
-                              f"{self.steps}: it is no longer sent from rank 0 each step, so ranks may disagree on it",
-                              stacklevel=2)
-        self._send([buffers[name] for name in self.changing if name in buffers])
-
-    def _send(self, tensors: list[torch.Tensor]) -> None:
-        if tensors:
-            self.comm.broadcast_coalesced(tensors, src=0)
 
 
 class _WorkerLauncher(_MultiProcessingLauncher):
