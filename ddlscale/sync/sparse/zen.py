@@ -426,7 +426,7 @@ class ZenSync(SparseSync):
         return self.scheme_cost().dense_forms(nbytes, self.world_size)[plan]
 
     def forget_plans(self) -> None:
-        """Choose every tensor's plan again at the next routing."""
+        """Drop the routed plans: until the next routing, :meth:`plan` gives each tensor's fastest alone."""
         for route in self.routes:
             route.plan = None
 

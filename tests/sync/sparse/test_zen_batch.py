@@ -227,15 +227,19 @@ def test_every_sparse_sync_routes_on_the_same_measured_alpha_and_configured_band
             assert cfg.sync.network_bandwidth == "100mbit", name
 
 
-def _cut(rank, world, pause_s, scheme):
-    """Two sparse tables of different widths whose gradients come ``pause_s`` of 'backward' apart."""
+def _cut(rank, world, pause_s, scheme, early="sparse"):
+    """Two tables of different widths whose gradients come ``pause_s`` of 'backward' apart; the early
+    one sparse, or dense and carried in Zen's exchange (early="dense")."""
     params = {"late": torch.nn.Parameter(torch.zeros(50, 3)), "early": torch.nn.Parameter(torch.zeros(40, 4))}
-    sync = ZenSync(scheme=scheme, pull="coo", sparse_params=list(params), profile_steps=1, network_latency="10ms")
+    sparse = list(params) if early == "sparse" else ["late"]
+    sync = ZenSync(scheme=scheme, pull="coo", sparse_params=sparse, profile_steps=1, network_latency="10ms")
     sync.setup(list(params.items()))
     seen = []
     for step in range(3):
         grads = {n: torch.sparse_coo_tensor(torch.tensor([[rank, 7 + step]]), torch.ones(2, p.shape[1]), p.shape).coalesce()
                  for n, p in params.items()}
+        if early == "dense":
+            grads["early"] = torch.full((40, 4), float(rank + step))
         params["early"].grad = grads["early"].clone()
         sync.grad_ready(params["early"])
         time.sleep(pause_s)  # backward's computation between the two gradients
@@ -245,6 +249,7 @@ def _cut(rank, world, pause_s, scheme):
         stats = sync.finish_step()
         exact = all(torch.equal(params[n].grad.to_dense(), _summed(grads[n], world)) for n in params)
         seen.append(([(r.op, r.start < resumed) for r in stats.collectives], exact, len(sync.groups)))
+    assert early == "sparse" or sync.routing()["early"]["plan"] == f"{scheme}-dense"
     return seen
 
 
@@ -255,14 +260,16 @@ def _summed(grad, world):
 
 
 @pytest.mark.parametrize("scheme", ["bp", "hc"])
-def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds(scheme):
-    # BP's batch: a push and a pull; HC's chain: 2 swaps at 4 ranks, whatever the widths it carries.
+@pytest.mark.parametrize("early", ["sparse", "dense"])
+def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds(scheme, early):
+    # BP's batch: a push and a pull; HC's chain: 2 swaps at 4 ranks, whatever the widths it carries,
+    # a dense tensor's values among them.
     rounds = ["push", "pull"] if scheme == "bp" else ["swap", "swap"]
-    for seen in run_workers(_cut, 4, 0.3, scheme):  # 0.3 s of computation against 6 message steps of 10 ms
+    for seen in run_workers(_cut, 4, 0.3, scheme, early):  # 0.3 s of computation against 6 message steps of 10 ms
         for ops, exact, groups in seen[1:]:
             assert exact and groups == 2
             assert ops == [(op, True) for op in rounds] + [(op, False) for op in rounds], ops
-    for seen in run_workers(_cut, 4, 0.0, scheme):  # no computation between them: one batch
+    for seen in run_workers(_cut, 4, 0.0, scheme, early):  # no computation between them: one batch
         for ops, exact, groups in seen[1:]:
             assert exact and groups == 1 and [op for op, _ in ops] == rounds, ops
 
