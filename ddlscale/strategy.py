@@ -12,7 +12,9 @@ per-parameter post-accumulate-grad hooks:
   global average in every ``p.grad``;
 * gradient accumulation: Lightning's ``block_backward_sync`` pauses the hooks on micro-batches
   that do not step, so only the accumulated gradient is synchronized;
-* buffers (BatchNorm statistics) follow rank 0 before every training step, as in DDP.
+* buffers (BatchNorm statistics) follow rank 0 before every training step, as in DDP; those that
+  never change (DeepFM's field offsets) are sent once, not every step
+  (:class:`~ddlscale.sync.buffers.BufferBroadcast`).
 
 Collectives give up after ``timeout_s`` (a rank waiting for a peer that never comes raises instead
 of hanging for torch's default 30 minutes), and ``debug_collectives`` makes a rank-mismatched
@@ -48,6 +50,7 @@ from ddlscale.cluster import pgstore
 from ddlscale.cluster.elastic import store_per_round
 from ddlscale.schema import Schema, boolean, choice, number
 from ddlscale.sync import DenseAllreduce, GradSync
+from ddlscale.sync.buffers import BufferBroadcast
 
 _log = logging.getLogger("lightning_fabric.utilities.distributed")  # the logger Lightning's set-up line uses
 
@@ -84,7 +87,8 @@ class DDLStrategy(DDPStrategy):
     Args:
         sync: the backend; dense bucketed allreduce when omitted.
         broadcast_buffers: make every rank use rank 0's buffers before each training step (DDP's
-            default); turn off for models whose buffers need not agree.
+            default), sending only those that change (:class:`~ddlscale.sync.buffers.BufferBroadcast`);
+            turn off for models whose buffers need not agree.
         start_method: how Lightning starts local workers. ``"spawn"`` (default) starts fresh
             interpreters without re-running the command line, so Hydra sweeps work; ``"popen"`` is
             Lightning's script re-execution. Under torchrun or SLURM nothing is started here.
@@ -194,6 +198,7 @@ class DDLStrategy(DDPStrategy):
             _sync_module_states(module)
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         self.sync.setup(named, group=None, device=self.root_device, sparse_grads=sparse_gradient_names(module))
+        self._buffer_broadcast = BufferBroadcast(module, self.sync.comm)
         if self._pending_sync_load is not None:  # Lightning restores before set-up: apply now
             self._pending_sync_load()
             self._pending_sync_load = None
@@ -225,9 +230,7 @@ class DDLStrategy(DDPStrategy):
             self._sync_paused = False
 
     def _broadcast_buffers(self) -> None:
-        buffers = [b for b in self.lightning_module.buffers() if b.numel() > 0]
-        if buffers:
-            self.sync.comm.broadcast_coalesced(buffers, src=0)
+        self._buffer_broadcast.before_step()
 
     # -- checkpoints carry the backend's state (per rank: error feedback differs between ranks) --
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

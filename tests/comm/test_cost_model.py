@@ -8,7 +8,7 @@ import pytest
 from ddlscale.comm import volume
 from ddlscale.comm.network import PROJECTION_WORKERS, NetworkModel, project
 from ddlscale.comm.timeline import Swaps, TensorTask, iteration_time, simulate
-from ddlscale.sync.sparse.traffic import ONE_SEGMENT, Sparsity
+from ddlscale.sync.sparse.traffic import ONE_SEGMENT, RoundCosts, Sparsity
 from ddlscale.sync.sparse.zen import ZenCost
 from ddlscale.units import parse_bandwidth, parse_time
 
@@ -239,13 +239,13 @@ def t_bp(M, d, gamma_n, n, model, value_bytes=4):
     """T_bp = (n-1)/n * (gamma_n + 1) * 2 M d words / b + 2(n-1) alpha: ZenCost's COO pull on elements
     (width 1), every message in one segment (one message per peer and exchange)."""
     s = Sparsity(M, d, gamma_n, None, n, 1, value_bytes)
-    return ZenCost(scheme="bp", pull="coo").traffics(s, ONE_SEGMENT)["bp-coo"].seconds(model)
+    return ZenCost(scheme="bp", pull="coo").traffics(s, ONE_SEGMENT)["bp-coo"].seconds(RoundCosts.textbook(model, n))
 
 
 def t_hc(M, d, gammas, n, model, value_bytes=4):
     """T_hc = sum_{i=1..log2 n} gamma_{2^(i-1)} * 2 M d words / b + log2(n) alpha: ZenCost's HC, merges free."""
     s = Sparsity(M, d, gammas[-1], list(gammas), n, 1, value_bytes)
-    return ZenCost(scheme="hc").traffics(s, ONE_SEGMENT)["hc"].seconds(model)
+    return ZenCost(scheme="hc").traffics(s, ONE_SEGMENT)["hc"].seconds(RoundCosts.textbook(model, n))
 
 
 def test_zen_formulas_by_hand():

@@ -24,8 +24,8 @@ class AGSparseCost:
     """What AGsparse moves: every worker's (index, unit) pairs to every other worker, one exchange."""
 
     def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
-        return Traffic(s.pair_bytes * s.density * s.units * (s.n - 1),
-                       exchanges.steps(s.n, s.pair_bytes * s.density * s.units), 1)
+        return Traffic(s.pair_bytes * s.density * s.units * (s.n - 1), 1,
+                       exchanges=exchanges.rounds(s.pair_bytes * s.density * s.units))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

@@ -19,6 +19,20 @@ in the dense buckets. Under ``route: sparse`` the parameters the module declares
 backend prices the messages it really sends and the bytes it moves with
 the same alpha and beta (``network_latency``, ``network_bandwidth``).
 
+**Tables that share row ids** (DeepFM's factor and first-order tables, looked up with the same ids;
+an LSTM's output embedding and its bias, gathered at the same candidates) are one *unit set*: a unit
+is a row id with every member's row side by side, so the pair costs one index, one hash and one
+place in a chain, not two. Which tables share is measured, not declared: tensors whose gradients
+arrive sparse, with as many rows and one dtype, whose row sets were identical on every rank in every
+profiled step (agreed in the profile's allreduce). A step where they differ is still exact: a member
+absent from a row contributes zeros there, and its rows whose sum is zero are dropped from its
+gradient, as a lone tensor's are.
+
+**Route decisions** are robust to the noise of measured rounds (:func:`.traffic.decide`): the routes
+within ``route_margin`` of the fastest are in the running, and among them the one with the fewest
+bytes (a figure of the profile, the same in every repetition of a job) is taken, or on a re-profile
+the one in force. Each decision is recorded (``route_decisions`` in summary.json).
+
 **Overlap.** Sparse tensors are fused into groups (same dtype and width, in backward order). A group
 is synchronized as soon as its last member's gradient is ready, on a lane of its own (a thread and a
 process group, :mod:`.lane`) so the rest of backward goes on meanwhile, as the dense buckets'
@@ -52,7 +66,7 @@ from ddlscale.sync.sparse.lane import shared_lane
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE
 from ddlscale.sync.sparse.recursive import union_counts
 from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
-from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
+from ddlscale.sync.sparse.traffic import Exchanges, Option, RoundCosts, Sparsity, Traffic, decide
 
 FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)
 
@@ -63,13 +77,14 @@ class TensorRoute:
     :attr:`SparseSync.routes`). Figures are None until profiled."""
 
     sparse: bool = False  # on the sparse path (routing's decision, in force from the set-up that follows)
+    carried: bool = False  # dense, but carried index-free in the sparse scheme's exchange (Zen), not a bucket
     seen: bool = False  # its gradient was observed while profiling ...
     sparse_dim: int | None = None  # ... arriving as sparse COO over this many dims (None: dense)
     width: int | None = None  # values per unit as profiled (a row, or 1: elements); None: rows
     density: float | None = None  # mean per-worker density of units, d
     gamma: float | None = None  # density of the sum / d
     gammas: list[float] | None = None  # [gamma_1, gamma_2, gamma_4, ..., gamma_n] (power-of-two n)
-    plan: str | None = None  # Zen: hc, bp-coo or bp-bitmap (until the next profile)
+    plan: str | None = None  # Zen: hc, bp-coo or bp-bitmap, or bp-dense / hc-dense where carried
     block_density: float | None = None  # OmniReduce: mean per-worker fraction of non-zero blocks
     block_gamma: float | None = None  # OmniReduce: non-zero blocks of the sum / per worker
 
@@ -101,6 +116,8 @@ class SparseSync(DenseAllreduce):
             exchanges on the sync group before the first routing (:mod:`ddlscale.comm.probe`).
         reprofile_drift: re-profile when a sparse tensor's summed units move by more than this
             factor from its profile (``None``: never).
+        route_margin: routes within this fraction of the fastest are in the running, and the one with
+            the fewest bytes among them is taken (:func:`.traffic.decide`).
         overlap: run a sparse group's sync on its own lane as soon as its gradients are ready
             (``False``: after backward, on the training thread).
         bucket_mb, first_bucket_mb: buckets of the tensors that stay dense.
@@ -110,15 +127,16 @@ class SparseSync(DenseAllreduce):
     profiles_doubling = False  # measure gamma_{2^i} too (backends that weigh recursive doubling)
     # Units one fused group may span: its indices travel as int32 (override for other wires).
     max_group_units = torch.iinfo(INDEX_DTYPE).max + 1
+    shares_rows = True  # tables that share row ids travel as one unit set (a scheme whose units are not rows opts out)
 
     def __init__(self, profile_steps: int = 2, sparse_params: str | Sequence[str] = "auto", route: str = "auto",
                  network_bandwidth: str = "1gbit", network_latency: str = MEASURED,
                  reprofile_drift: float | None = 2.0, overlap: bool = True, bucket_mb: float = 25.0,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, route_margin: float = 0.15):
         SparseSyncConfig(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb, profile_steps=profile_steps,
                          sparse_params=sparse_params, route=route, network_bandwidth=network_bandwidth,
                          network_latency=network_latency, reprofile_drift=reprofile_drift,
-                         overlap=overlap)  # refuses what no run can use
+                         overlap=overlap, route_margin=route_margin)  # refuses what no run can use
         super().__init__(bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
         self.measure_latency = network_latency == MEASURED
         self.measure_bandwidth = network_bandwidth == MEASURED
@@ -132,8 +150,11 @@ class SparseSync(DenseAllreduce):
         self.route = route
         self.reprofile_drift = reprofile_drift
         self.overlap = overlap
+        self.route_margin = route_margin
         self.routes: list[TensorRoute] = []  # per parameter: its figures and its path (from set-up)
-        self.measured_rounds: dict[str, float] | None = None  # the probed rounds behind a measured alpha
+        self.measured_rounds: dict[str, float] | None = None  # the probed rounds routing prices
+        self.shared_rows: list[tuple[int, ...]] = []  # tables whose row sets were identical, as profiled
+        self.route_decisions: list[dict[str, Any]] = []  # the last routing's decisions, as recorded
         self.profiles = 0  # profiling rounds run (1 + re-profiles)
         self._profile_left = profile_steps  # profiling steps still to run in this round
         self._samples = 0  # steps averaged into the current round's profile
@@ -145,8 +166,8 @@ class SparseSync(DenseAllreduce):
             unknown = set(self.sparse_params) - set(self.names)
             if unknown:
                 raise ValueError(f"sync.sparse_params names unknown parameters: {sorted(unknown)}")
-            # Named tensors go sparse from the first step: they never pay a dense table's allreduce.
-            self._choose_sparse(self.names.index(name) for name in self.sparse_params)
+            if not self.profiles:  # named tensors go sparse from the first step: no dense table's allreduce
+                self._choose_sparse(self.names.index(name) for name in self.sparse_params)
         elif self.route == "sparse" and not self.profiles and self.world_size > 1:
             # route=sparse sends every sparse gradient sparse; known from the module, it does so from
             # the first step rather than densifying a whole table into a bucket while profiling.
@@ -155,6 +176,9 @@ class SparseSync(DenseAllreduce):
             # The lane needs every world rank at this point, so only for the world group.
             self.lane = shared_lane() if self.overlap and self.comm.group is None and dist.is_initialized() else None
             self.sparse_comm = Communicator(self.lane.group, self.ledger) if self.lane else self.comm
+        self._routing_set = {i: members for members in self.routing_sets() for i in members}
+        self._row_pairs = self._row_sharing_candidates()
+        self._position = {i: k for k, i in enumerate(self.backward_order)}
         super().on_setup()
         self.groups = self._sparse_groups()
         self.group_of = {i: g for g, group in enumerate(self.groups) for i in group}
@@ -163,13 +187,18 @@ class SparseSync(DenseAllreduce):
         self._next_group = 0
 
     def _assign(self, order: list[int]) -> list[list[int]]:
-        return super()._assign([i for i in order if not self.routes[i].sparse])
+        return super()._assign([i for i in order if not self.on_lane(i)])
+
+    def on_lane(self, index: int) -> bool:
+        """Synced by this scheme's groups (sparse, or dense carried in its exchange), not a dense bucket."""
+        route = self.routes[index]
+        return route.sparse or route.carried
 
     def _choose_sparse(self, indices) -> None:
-        """Route exactly these parameters sparse (the rest dense), from the next set-up on."""
+        """Route exactly these parameters sparse (the rest dense, in buckets), from the next set-up on."""
         chosen = set(indices)
         for i, route in enumerate(self.routes):
-            route.sparse = i in chosen
+            route.sparse, route.carried = i in chosen, False
 
     @property
     def sparse(self) -> list[int]:
@@ -191,20 +220,48 @@ class SparseSync(DenseAllreduce):
     def units(self, index: int) -> int:
         return self.params[index].numel() // self.unit_width(index)
 
+    def routing_sets(self) -> list[tuple[int, ...]]:
+        """Every parameter once, in index order: tables that share row ids together (where this scheme
+        fuses them, and the routing's constraints never part them), the others alone. Routing gives a
+        set one path."""
+        fused = {i: members for members in self.shared_rows if self.shares_rows
+                 and len({self.may_route((i,)) for i in members}) == 1 for i in members}
+        return list(dict.fromkeys(fused.get(i, (i,)) for i in range(len(self.params))))
+
+    def unit_set(self, index: int) -> tuple[int, ...]:
+        """The tensors synced as one set of units with this one (itself alone unless it shares row ids
+        with tables on the sparse path beside it)."""
+        members = self._routing_set.get(index, (index,))
+        return members if len(members) > 1 and all(self.routes[i].sparse for i in members) else (index,)
+
+    def sets_in(self, members: Sequence[int]) -> list[tuple[int, ...]]:
+        """The unit sets of a group's members (each set's members lie side by side), in group order."""
+        return [self.unit_set(i) for i in members if self.unit_set(i)[0] == i]
+
+    def set_width(self, members: Sequence[int]) -> int:
+        """Values per unit of a unit set: its members' rows side by side."""
+        return sum(self.unit_width(i) for i in members)
+
     def sparsity(self, index: int) -> Sparsity:
-        """The profile as the sparse scheme sees it (Zen's hierarchical mode overrides)."""
-        p, route = self.params[index], self.routes[index]
-        width = self.unit_width(index)
-        return Sparsity(self.units(index), 1.0 if route.density is None else route.density,
+        """The profile of this tensor's unit set as the sparse scheme sees it."""
+        return self.set_sparsity(self.unit_set(index))
+
+    def set_sparsity(self, members: Sequence[int]) -> Sparsity:
+        """The profile of a unit set as the sparse scheme sees it: its members' figures (identical:
+        they share their rows), its units as wide as their rows together (Zen's hierarchical mode
+        overrides)."""
+        route, first = self.routes[members[0]], self.params[members[0]]
+        width = self.set_width(members)
+        return Sparsity(self.units(members[0]), 1.0 if route.density is None else route.density,
                         1.0 if route.gamma is None else route.gamma, route.gammas, self.world_size, width,
-                        width * p.element_size())
+                        width * first.element_size())
 
     # -- per step ------------------------------------------------------------------------------
     def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
         grad = param.grad
         if self._profile_left:
             self._observe(index, grad)
-        if not self.routes[index].sparse:
+        if index not in self.group_of:
             super().on_grad_ready(index, param)
             return
         job = self._jobs[self.group_of[index]]
@@ -228,48 +285,77 @@ class SparseSync(DenseAllreduce):
         with self.record_phases(job.phases):
             return self._sync_group(job)
 
-    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
-        """One fused group: members' units in one index space, synced; (member, average, summed units)."""
-        members = job.members
-        width, dtype = self.unit_width(members[0]), self.params[members[0]].dtype
+    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int | None]]:
+        """One fused group: its unit sets in one index space, synced; (member, average, summed units)."""
+        sets = self.sets_in(job.members)
+        width, dtype = self.set_width(sets[0]), self.params[job.members[0]].dtype
         with self.timed("encode"):
-            offsets, ids, values = self.encode_units(job, members, width, dtype)
-        total_ids, total_values = self.sync_sparse(members, offsets[-1], width, ids, values)
+            offsets, ids, values = self.encode_units(job, sets, width, dtype)
+        total_ids, total_values = self.sync_sparse(job.members, offsets[-1], width, ids, values)
         with self.timed("decode"):
-            return self.decode_units(job, members, offsets, total_ids, total_values)
+            return self.decode_units(job, sets, offsets, total_ids, total_values)
 
-    def encode_units(self, job: GroupJob, members: list[int], width: int, dtype: torch.dtype,
+    def encode_units(self, job: GroupJob, sets: list[tuple[int, ...]], width: int, dtype: torch.dtype,
                      start: int = 0) -> tuple[list[int], torch.Tensor, torch.Tensor]:
-        """``members``' local units laid end to end from id ``start``: (each member's first id and
-        the end, ids ascending, rows scaled by 1/n)."""
+        """``sets``' local units laid end to end from id ``start``: (each set's first id and the end,
+        ids ascending, rows of ``width`` scaled by 1/n)."""
         offsets, ids, values = [start], [], []
-        for i in members:
-            offsets.append(offsets[-1] + self.units(i))
-            if i not in job.grads:  # no gradient this step on this rank: contribute nothing
+        for members in sets:
+            offsets.append(offsets[-1] + self.units(members[0]))
+            local = self._local_units(job, members, width, dtype)
+            if local is None:  # no gradient this step on this rank: contribute nothing
                 continue
-            local_ids, local_values = units_of(job.grads[i][0], width)
-            ids.append(local_ids + offsets[-2])
+            ids.append(local[0] + offsets[-2])
             # Scale before summing, as the dense path does, so exact data gives the same bits.
-            values.append(local_values * (1.0 / self.world_size))
+            values.append(local[1] * (1.0 / self.world_size))
         ids = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64, device=self.device)
         values = torch.cat(values) if values else torch.empty((0, width), dtype=dtype, device=self.device)
         return offsets, ids, values
 
-    def decode_units(self, job: GroupJob, members: list[int], offsets: list[int], total_ids: torch.Tensor,
-                     total_values: torch.Tensor) -> list[tuple[int, torch.Tensor, int]]:
-        """The summed units of ``members`` (ids from ``offsets[0]``, any order) back into each
-        member's gradient, in its own layout: (member, average, summed units)."""
+    def _local_units(self, job: GroupJob, members: tuple[int, ...], width: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A unit set's units on this rank: each member's row side by side under one id, zeros where a
+        member lacks the row (None: no member has a gradient)."""
+        present = [i for i in members if i in job.grads]
+        if not present:
+            return None
+        if len(members) == 1:
+            return units_of(job.grads[members[0]][0], width)
+        parts = {i: units_of(job.grads[i][0], self.unit_width(i)) for i in present}
+        ids = parts[present[0]][0]
+        if len(present) == len(members) and all(torch.equal(parts[i][0], ids) for i in present[1:]):
+            return ids, torch.cat([parts[i][1] for i in members], dim=1)  # the usual case: the same rows
+        ids = torch.unique(torch.cat([parts[i][0] for i in present]))
+        rows = torch.zeros((ids.numel(), width), dtype=dtype, device=ids.device)
+        column = 0
+        for i in members:
+            if i in parts:
+                rows[torch.searchsorted(ids, parts[i][0]), column: column + self.unit_width(i)] = parts[i][1]
+            column += self.unit_width(i)
+        return ids, rows
+
+    def decode_units(self, job: GroupJob, sets: list[tuple[int, ...]], offsets: list[int], total_ids: torch.Tensor,
+                     total_values: torch.Tensor) -> list[tuple[int, torch.Tensor, int | None]]:
+        """The summed units of ``sets`` (ids from ``offsets[0]``, any order) back into each member's
+        gradient, in its own layout: (member, average, summed units)."""
         if total_ids.numel() > 1 and not bool((total_ids[1:] > total_ids[:-1]).all()):
             order = torch.argsort(total_ids)
             total_ids, total_values = total_ids[order], total_values[order]
         cuts = torch.searchsorted(total_ids, torch.tensor(offsets, device=total_ids.device)).tolist()
         out = []
-        for k, i in enumerate(members):
-            mine = slice(cuts[k], cuts[k + 1])
-            sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
-            grad = grad_of(total_ids[mine] - offsets[k], total_values[mine], self.params[i], sparse_dim,
-                           ids_sorted=True)
-            out.append((i, grad, cuts[k + 1] - cuts[k]))
+        for k, members in enumerate(sets):
+            ids, rows = total_ids[cuts[k]: cuts[k + 1]] - offsets[k], total_values[cuts[k]: cuts[k + 1]]
+            column = 0
+            for i in members:
+                mine_ids, mine = ids, rows
+                if len(members) > 1:  # its columns; its rows whose sum is zero dropped, as alone
+                    mine = rows[:, column: column + self.unit_width(i)]
+                    column += self.unit_width(i)
+                    keep = (mine != 0).any(dim=1)  # NaN != 0
+                    if not bool(keep.all()):
+                        mine_ids, mine = ids[keep], mine[keep]
+                sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
+                out.append((i, grad_of(mine_ids, mine, self.params[i], sparse_dim, ids_sorted=True), mine_ids.numel()))
         return out
 
     def finish(self) -> None:
@@ -285,7 +371,7 @@ class SparseSync(DenseAllreduce):
                 self.fold_phases(job.phases, (start, clock.now()))
             for i, grad, summed in results:
                 self.params[i].grad = grad
-                drifted |= self._drifted(i, summed)
+                drifted |= summed is not None and self._drifted(i, summed)
             job.grads, job.future, job.phases = {}, None, []
         self._next_group = 0
         if self._profile_left:
@@ -294,29 +380,39 @@ class SparseSync(DenseAllreduce):
             self._profile_left, self._samples = self.profile_steps, 0
 
     def _sparse_groups(self) -> list[list[int]]:
-        """Sparse tensors fused by :meth:`group_key`, in backward order: one push and one pull per
-        group, so the per-message latency is paid once, not once per tensor."""
+        """The unit sets on the lane fused by :meth:`group_key`, in backward order: one push and one
+        pull per group, so the per-message latency is paid once, not once per tensor."""
         groups: dict[Any, list[list[int]]] = {}
         filled: dict[Any, int] = {}  # units in each key's last group
-        for i in self.backward_order:
-            if self.routes[i].sparse:
-                units, key = self.units(i), self.group_key(i)
-                if units > self.max_group_units:
-                    raise ValueError(f"{self.names[i]} has {units} units, more than the {self.max_group_units} "
-                                     f"its sparse indices can address on the wire; keep it dense (sync.sparse_params)")
-                chain = groups.setdefault(key, [[]])
-                # Past the wire's index range a new group starts, rather than indices wrapping around.
-                if filled.get(key, 0) + units > self.max_group_units:
-                    chain.append([])
-                    filled[key] = 0
-                chain[-1].append(i)
-                filled[key] = filled.get(key, 0) + units
-        return sorted((group for chain in groups.values() for group in chain),
-                      key=lambda group: self.backward_order.index(group[-1]))
+        for members in self.lane_sets():
+            units, key = self.index_units(members), self.group_key(members[0])
+            if units > self.max_group_units:
+                raise ValueError(f"{self.names[members[0]]} has {units} units, more than the {self.max_group_units} "
+                                 f"its sparse indices can address on the wire; keep it dense (sync.sparse_params)")
+            chain = groups.setdefault(key, [[]])
+            # Past the wire's index range a new group starts, rather than indices wrapping around.
+            if filled.get(key, 0) + units > self.max_group_units:
+                chain.append([])
+                filled[key] = 0
+            chain[-1] += members
+            filled[key] = filled.get(key, 0) + units
+        return sorted((group for chain in groups.values() for group in chain), key=self.ready_position)
+
+    def lane_sets(self) -> list[tuple[int, ...]]:
+        """The unit sets synced on the lane, in backward order (a set where its last member is ready)."""
+        return sorted({self.unit_set(i) for i in range(len(self.params)) if self.on_lane(i)}, key=self.ready_position)
+
+    def ready_position(self, members: Sequence[int]) -> int:
+        """Where in backward order the last of ``members`` becomes ready."""
+        return max(self._position[i] for i in members)
+
+    def index_units(self, members: Sequence[int]) -> int:
+        """The ids a unit set takes in its group's index space on the wire."""
+        return self.units(members[0]) if self.routes[members[0]].sparse else 0
 
     def group_key(self, index: int) -> Any:
-        """Tensors with equal keys are fused: same dtype and unit width (subclasses add their scheme)."""
-        return str(self.params[index].dtype), self.unit_width(index)
+        """Unit sets with equal keys are fused: same dtype and unit width (subclasses add their scheme)."""
+        return str(self.params[index].dtype), self.set_width(self.unit_set(index))
 
     def _drifted(self, index: int, summed_units: int) -> bool:
         """Has the summed density (identical on every rank) left its profile by reprofile_drift?"""
@@ -342,38 +438,42 @@ class SparseSync(DenseAllreduce):
     # -- the cost model ---------------------------------------------------------------------------
     def scheme_cost(self) -> Any:
         """This scheme's cost object (override): ``traffic(sparsity, exchanges)``, the bytes and
-        message steps of one tensor (:mod:`.traffic`)."""
+        rounds of one tensor (:mod:`.traffic`)."""
         raise NotImplementedError
 
     @property
     def exchanges(self) -> Exchanges:
-        """How many message steps an exchange takes on :attr:`sparse_comm` (before set-up: as where
-        sizes go first)."""
+        """How many rounds a message takes in an exchange on :attr:`sparse_comm` (before set-up: as
+        where sizes go first)."""
         return Exchanges(self.sparse_comm.piece_bytes if hasattr(self, "sparse_comm") else None)
 
+    def round_costs(self, n: int | None = None) -> RoundCosts:
+        """The price list routing uses: each kind of round as measured on the sync group (where
+        ``network_latency`` is measured), else the configured alpha per message step among ``n``
+        participants (default: every rank)."""
+        rounds = self.measured_rounds
+        if rounds is None:
+            return RoundCosts.textbook(self.network, n or self.world_size)
+        return RoundCosts(self.network.bandwidth_bps, rounds["exchange_round_s"], rounds["swap_s"],
+                          rounds["allreduce_s"], rounds["allgather_s"])
+
     def sparse_traffic(self, index: int) -> Traffic:
-        """What one profiled tensor moves on the sparse path, per worker (override to refine)."""
-        return self.scheme_cost().traffic(self.sparsity(index), self.exchanges)
+        """What one profiled tensor's unit set moves on the sparse path, per worker (override to refine)."""
+        return self.set_traffic(self.unit_set(index))
 
-    def sparse_seconds(self, index: int) -> float:
-        """The cost model's time for one profiled tensor on the sparse path: its traffic on
-        :attr:`network`, one price list for every method."""
-        return self.sparse_traffic(index).seconds(self.network)
+    def set_traffic(self, members: Sequence[int]) -> Traffic:
+        """What a unit set moves on the sparse path, per worker (override to refine)."""
+        return self.scheme_cost().traffic(self.set_sparsity(members), self.exchanges)
 
-    def dense_seconds(self, index: int) -> float:
-        """The cost model's time for one tensor in a dense bucket, compared with :meth:`sparse_seconds`:
-        its bytes only, as a bucket's messages are paid whatever it holds (override where the sparse
-        scheme is priced over another split)."""
+    def dense_bytes(self, index: int) -> float:
+        """Bytes per worker of one tensor in a dense bucket: a ring allreduce's (override where the
+        sparse scheme is priced over another split). Its bucket's allreduce is paid whatever it holds."""
         p = self.params[index]
-        return self.ring_seconds(p.numel(), p.element_size(), self.world_size)
-
-    def ring_seconds(self, numel: int, value_bytes: int, n: int) -> float:
-        """Ring allreduce's bytes among ``n`` at the routing's bandwidth (a bucket shares its latency)."""
-        return 2 * (n - 1) / n * numel * value_bytes * 8 / self.network.bandwidth_bps
+        return 2 * (self.world_size - 1) / self.world_size * p.numel() * p.element_size()
 
     def group_rounds(self, group: list[int]) -> int:
         """Collectives one fused group issues on the busiest rank, as its scheme's cost object counts them."""
-        return self.scheme_cost().traffic(self.sparsity(group[0]), self.exchanges).rounds
+        return self.sparse_traffic(group[0]).rounds
 
     def collectives_per_step(self) -> int:
         """The collectives a step issues on the busiest rank once routed (no profiling step): one per
@@ -385,15 +485,45 @@ class SparseSync(DenseAllreduce):
     def summary_fields(self) -> dict[str, Any]:
         return {**super().summary_fields(), "collectives_priced": self.collectives_per_step(),
                 "latency_s": self.network.latency_s, "bandwidth_bps": self.network.bandwidth_bps,
-                "measured_rounds": self.measured_rounds}
+                "measured_rounds": self.measured_rounds, "route_margin": self.route_margin,
+                "route_decisions": self.route_decisions}
 
-    def prefers_sparse(self, index: int) -> bool:
-        """The cost model's verdict for one profiled tensor."""
-        return self.sparse_seconds(index) < self.dense_seconds(index)
+    def may_route(self, members: Sequence[int]) -> tuple[bool, bool]:
+        """(may go sparse, may stay dense) for these tensors under ``sparse_params`` and ``route``:
+        a listed tensor, or under ``route: sparse`` one with a sparse gradient or at most half its units
+        non-zero, goes sparse; the others stay dense; ``route: auto`` leaves both to the cost model."""
+        if self.sparse_params != "auto":
+            listed = [self.names[i] in self.sparse_params for i in members]
+            return all(listed), not any(listed)
+        if self.route == "sparse":
+            forced = [self.routes[i].sparse_dim is not None or self.names[i] in self.sparse_grads
+                      or (1.0 if self.routes[i].density is None else self.routes[i].density) <= FORCED_DENSITY
+                      for i in members]
+            return all(forced), not any(forced)
+        return True, True
 
-    def auto_sparse(self) -> list[int]:
-        """``route: auto``'s sparse tensors: each on its own verdict (override where tensors share rounds)."""
-        return [i for i in range(len(self.params)) if self.prefers_sparse(i)]
+    def decide_routes(self) -> None:
+        """Each routing set's path (override where tensors share rounds): sparse where the cost model
+        rates its scheme faster than dense allreduce, decided robustly (:func:`.traffic.decide`)."""
+        self.route_decisions = []
+        if self.world_size == 1 and self.sparse_params == "auto":
+            self._choose_sparse(())
+            return
+        costs, chosen = self.round_costs(), []
+        for members in self.routing_sets():
+            may_sparse, may_dense = self.may_route(members)
+            if may_sparse and may_dense:
+                dense = sum(self.dense_bytes(i) for i in members)
+                traffic = self.set_traffic(members)
+                options = {"dense": Option(dense, costs.wire_seconds(dense)),
+                           "sparse": Option(traffic.nbytes, traffic.seconds(costs))}
+                incumbent = ("sparse" if self.routes[members[0]].sparse else "dense") if self.profiles > 1 else None
+                decision = decide(options, self.route_margin, incumbent)
+                self.route_decisions.append({"tensors": [self.names[i] for i in members], **decision})
+                may_sparse = decision["chosen"] == "sparse"
+            if may_sparse:
+                chosen += members
+        self._choose_sparse(chosen)
 
     # -- profiling and routing -------------------------------------------------------------------
     def _observe(self, index: int, grad: torch.Tensor) -> None:
@@ -419,10 +549,18 @@ class SparseSync(DenseAllreduce):
         local = torch.tensor([[self._local[i][0], self._local[i][1].numel()] if i in self._local else [0, 0]
                               for i in everyone], dtype=torch.float64).reshape(-1, 2)
         summed = [self._footprint(p.grad, i) for i, p in enumerate(self.params)]
+        # Per candidate pair of tables: did their row sets differ on this rank? (Summed with the figures.)
+        rows_of = {i: self._local[i][1] if i in self._local else torch.empty(0, dtype=torch.int64)
+                   for pair in self._row_pairs for i in pair}
+        differ = torch.tensor([float(not torch.equal(rows_of[i], rows_of[j])) for i, j in self._row_pairs],
+                              dtype=torch.float64)
+        figures = torch.cat([local.reshape(-1), differ])
         if self.world_size > 1:
-            self.comm.allreduce(local).wait()  # accounted: profiling traffic is real traffic
-        local /= self.world_size
+            self.comm.allreduce(figures).wait()  # accounted: profiling traffic is real traffic
+        local, differ = figures[:local.numel()].view_as(local) / self.world_size, figures[local.numel():]
         fresh = self._samples == 0
+        earlier = getattr(self, "_rows_differ", None)  # this round's steps so far (none after a resume)
+        self._rows_differ = differ if fresh or earlier is None or earlier.shape != differ.shape else earlier + differ
         weight = self._samples / (self._samples + 1)  # running mean over this round's steps
         mean_units = {}
         for i in everyone:
@@ -452,7 +590,30 @@ class SparseSync(DenseAllreduce):
         if self._profile_left == 0:
             self.profiles += 1
             self._samples = 0
+            self.shared_rows = self._tables_sharing_rows()
             self._route()
+
+    def _row_sharing_candidates(self) -> list[tuple[int, int]]:
+        """Pairs of tables that may share row ids: gradients declared sparse (the same on every rank,
+        so every rank profiles the same pairs), as many rows, one dtype."""
+        if not self.shares_rows or self.world_size == 1:
+            return []
+        tables = [i for i, name in enumerate(self.names) if name in self.sparse_grads and self.params[i].dim() >= 2]
+        return [(i, j) for k, i in enumerate(tables) for j in tables[k + 1:]
+                if self.params[i].shape[0] == self.params[j].shape[0] and self.params[i].dtype == self.params[j].dtype]
+
+    def _tables_sharing_rows(self) -> list[tuple[int, ...]]:
+        """The tables whose row sets were identical on every rank in every step of this profile (and
+        not empty), as sets: equality is transitive, so each is a clique of such pairs."""
+        leader: dict[int, int] = {}  # pairs come first index first: a table's leader is known before it leads
+        for (i, j), differ in zip(self._row_pairs, self._rows_differ.tolist(), strict=True):
+            rows = all(self.unit_width(k) == self.row_width(k) and (self.routes[k].density or 0.0) > 0 for k in (i, j))
+            if differ == 0 and rows and j not in leader:
+                leader[j] = leader.get(i, i)
+        sets: dict[int, list[int]] = {}
+        for j, first in leader.items():
+            sets.setdefault(first, [first]).append(j)
+        return sorted(tuple(sorted(members)) for members in sets.values())
 
     def _decide_width(self, index: int, elements: float, rows: float) -> int:
         """Rows for sparse gradients; for dense ones rows when sending them beats sending elements."""
@@ -492,15 +653,7 @@ class SparseSync(DenseAllreduce):
     def _route(self) -> None:
         if self.world_size > 1 and (self.measure_latency or self.measure_bandwidth):
             self._measure_network()  # every rank: _route runs after a collective profile
-        if self.sparse_params != "auto":
-            self._choose_sparse(self.names.index(name) for name in self.sparse_params)
-        elif self.world_size == 1:
-            self._choose_sparse(())
-        elif self.route == "sparse":
-            self._choose_sparse(i for i, route in enumerate(self.routes) if route.sparse_dim is not None
-                                or (1.0 if route.density is None else route.density) <= FORCED_DENSITY)
-        else:
-            self._choose_sparse(self.auto_sparse())
+        self.decide_routes()
         self.on_setup()  # rebuild the dense buckets without the sparse tensors, and the sparse groups
 
     def _measure_network(self) -> None:
@@ -508,9 +661,9 @@ class SparseSync(DenseAllreduce):
         latency, bandwidth = self.network.latency_s, self.network.bandwidth_bps
         if self.measure_latency:
             probe = probe_latency(self.comm.group, self.world_size, self.network.bandwidth_bps)
-            latency, round_s, swap_s = self.agreed([probe["exchange_alpha_s"], probe["exchange_round_s"],
-                                                    probe["swap_s"]])
-            self.measured_rounds = {"exchange_round_s": round_s, "swap_s": swap_s, "calls": probe["calls"]}
+            kinds = ("exchange_round_s", "swap_s", "allreduce_s", "allgather_s")
+            latency, *rounds = self.agreed([probe["exchange_alpha_s"], *(probe[kind] for kind in kinds)])
+            self.measured_rounds = {**dict(zip(kinds, rounds, strict=True)), "calls": probe["calls"]}
         if self.measure_bandwidth:
             bandwidth, = self.agreed([probe_bandwidth(self.comm.group, self.world_size)])
         self.network = dataclasses.replace(self.network, latency_s=latency, bandwidth_bps=bandwidth)
@@ -532,18 +685,26 @@ class SparseSync(DenseAllreduce):
     def routing(self) -> dict[str, dict[str, Any]]:
         """Per parameter: path, whether its gradient arrives sparse, unit width, profiled density and
         gammas (for logs, reports and summary.json)."""
-        return {self.names[i]: {"path": "sparse" if route.sparse else "dense",
-                                "sparse_grad": route.sparse_dim is not None,
-                                "width": self.unit_width(i), "density": route.density,
-                                "gamma": route.gamma, "gammas": route.gammas}
-                for i, route in enumerate(self.routes)}
+        table = {self.names[i]: {"path": "sparse" if route.sparse else "dense",
+                                 "sparse_grad": route.sparse_dim is not None,
+                                 "width": self.unit_width(i), "density": route.density,
+                                 "gamma": route.gamma, "gammas": route.gammas}
+                 for i, route in enumerate(self.routes)}
+        for i in range(len(self.params)):
+            if len(self.unit_set(i)) > 1:  # synced as one unit set with these
+                table[self.names[i]]["shares_rows_with"] = [self.names[k] for k in self.unit_set(i) if k != i]
+        return table
 
     def state_dict(self) -> dict[str, Any]:
         measured = self.measure_latency or self.measure_bandwidth
         return {**super().state_dict(), "sparse": self.sparse, **self._figures(("density", "width")),
+                "carried": [i for i, route in enumerate(self.routes) if route.carried],
+                "shared_rows": [list(members) for members in self.shared_rows],
+                "route_decisions": self.route_decisions,
                 "layout": {i: route.sparse_dim for i, route in enumerate(self.routes) if route.seen},
                 "latency_s": None if measured else self.network.latency_s,
                 "bandwidth_bps": None if measured else self.network.bandwidth_bps,
+                "measured_rounds": None if measured else self.measured_rounds,
                 **self._figures(("gamma", "gammas")), "profiles": self.profiles,
                 "profile_left": self._profile_left, "samples": self._samples}
 
@@ -556,6 +717,10 @@ class SparseSync(DenseAllreduce):
         """The per-tensor figures and paths a checkpoint holds (subclasses add theirs)."""
         self.routes = [TensorRoute() for _ in self.params]
         self._choose_sparse(state["sparse"])
+        for i in state.get("carried", []):
+            self.routes[int(i)].carried = True
+        self.shared_rows = [tuple(members) for members in state.get("shared_rows", [])]
+        self.route_decisions = list(state.get("route_decisions", []))
         for name, figures in (("density", state["density"]), ("gamma", state["gamma"]),
                               ("width", state.get("width", {})), ("gammas", state.get("gammas", {}))):
             for i, value in figures.items():
@@ -570,6 +735,7 @@ class SparseSync(DenseAllreduce):
             self.network = dataclasses.replace(self.network, latency_s=state["latency_s"],
                                                bandwidth_bps=state.get("bandwidth_bps") or self.network.bandwidth_bps)
             self.measure_latency = self.measure_bandwidth = False
+            self.measured_rounds = state.get("measured_rounds")  # the rounds it priced, or its alpha's textbook
         self.profiles = int(state.get("profiles", 1 if self.sparse else 0))
         self._profile_left = int(state.get("profile_left", max(0, self.profile_steps - int(state["steps"]))))
         self._samples = int(state.get("samples", 0))

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddlscale.comm.probe import MEASURED
-from ddlscale.schema import boolean, choice, integer, is_int, quantity
+from ddlscale.schema import boolean, choice, integer, is_int, number, quantity
 from ddlscale.sync.config import DenseConfig
 from ddlscale.units import parse_bandwidth, parse_time
 
@@ -29,6 +29,7 @@ class SparseSyncConfig(DenseConfig):
     network_latency: str = MEASURED
     reprofile_drift: Any = 2.0  # a factor > 1, or None
     overlap: bool = True
+    route_margin: float = 0.15  # a fraction in [0, 1)
 
     def check(self) -> None:
         super().check()
@@ -47,6 +48,7 @@ class SparseSyncConfig(DenseConfig):
         if drift is not None and not (isinstance(drift, int | float) and not isinstance(drift, bool) and drift > 1):
             raise ValueError(f"{self.key('reprofile_drift')} must be a number > 1 or null, got {drift!r}")
         boolean(self.key("overlap"), self.overlap)
+        number(self.key("route_margin"), self.route_margin, least=0, below=1, what="a fraction")
 
 
 @dataclass
@@ -57,10 +59,12 @@ class ZenConfig(SparseSyncConfig):
     hierarchical: bool = False
     local_size: Any = None  # ranks per machine, or None: LOCAL_WORLD_SIZE
     batch: str = "backward"
+    carry_dense: bool = True
 
     def check(self) -> None:
         super().check()
         choice(self.key("scheme"), self.scheme, SCHEMES)
+        boolean(self.key("carry_dense"), self.carry_dense)
         choice(self.key("batch"), self.batch, BATCHES)
         choice(self.key("pull"), self.pull, PULL_FORMATS)
         if self.seed is not None and not is_int(self.seed):

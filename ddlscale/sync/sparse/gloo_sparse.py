@@ -25,8 +25,8 @@ class GlooSparseCost:
     three ring allgathers (counts, indices, values)."""
 
     def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
-        # One call, as the ledger counts it; three allgathers' message steps inside.
-        return Traffic((INDEX_BYTES + s.unit_bytes) * s.density * s.units * (s.n - 1), 3 * (s.n - 1), 1)
+        # One call, as the ledger counts it; three ring allgathers inside.
+        return Traffic((INDEX_BYTES + s.unit_bytes) * s.density * s.units * (s.n - 1), 1, allgathers=3)
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

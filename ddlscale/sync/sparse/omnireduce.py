@@ -56,7 +56,7 @@ from ddlscale.sync.sparse.traffic import (
     Sparsity,
     Traffic,
     partitioned_seconds,
-    push_pull_steps,
+    push_pull_exchanges,
 )
 
 
@@ -99,11 +99,11 @@ class OmniReduceCost:
             summed = scattered_block_density(s.gamma * s.density, block_rows)
             nbytes = omnireduce_bytes(s.units, local, summed / local if local > 0 else 1.0, s.n, block_rows,
                                       s.unit_bytes)
-            return Traffic(nbytes, push_pull_steps(s, exchanges), PUSH_PULL_ROUNDS)
+            return Traffic(nbytes, PUSH_PULL_ROUNDS, exchanges=push_pull_exchanges(s, exchanges))
         density, gamma = blocks
         nbytes = omnireduce_bytes(s.units, density, gamma, s.n, block_rows, s.unit_bytes)
         per_peer = nbytes / max(1, 2 * (s.n - 1))
-        return Traffic(nbytes, 2 * exchanges.steps(s.n, per_peer), PUSH_PULL_ROUNDS)
+        return Traffic(nbytes, PUSH_PULL_ROUNDS, exchanges=2 * exchanges.rounds(per_peer))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:
@@ -166,6 +166,9 @@ class OmniReduceSync(SparseSync):
     """
 
     schema = OmniReduceConfig  # its keys and their checks
+    # A block is a run of rows as wide as one tensor's, profiled on that tensor's own grid: fusing tables
+    # that share row ids would change the grid routing priced.
+    shares_rows = False
 
     def __init__(self, block_size: int = 256, **kwargs: Any):
         OmniReduceConfig(block_size=block_size, **kwargs)
@@ -230,9 +233,10 @@ class OmniReduceSync(SparseSync):
         self._local_blocks.clear()
         super()._profile()
 
-    def sparse_traffic(self, index: int):
+    def set_traffic(self, members):
         """Priced on the profiled block figures, where they are in the units routed (else the unit
         figures, as if scattered)."""
+        index, = members
         route, blocks = self.routes[index], None
         if route.block_density is not None and self.unit_width(index) == self.row_width(index):
             blocks = (route.block_density, route.block_gamma)

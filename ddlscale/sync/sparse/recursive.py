@@ -12,6 +12,9 @@ dense vector is dense.
 
 Merges always add the lower group's vector first, so both partners compute the same bits and every
 rank ends with an identical result.
+
+Several sections (tensors of different unit widths and dtypes, and dense vectors carried beside
+them) share one chain (:class:`SectionedDoubling`): a stage is one swap whatever the step holds.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ddlscale.comm import Communicator
 from ddlscale.comm.collectives import Message
 from ddlscale.sync.sparse import kernels
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES, pack_rows, unpack_rows
+from ddlscale.sync.sparse.sections import frame, unframe
 
 
 def break_even_density(unit_bytes: int) -> float:
@@ -72,70 +76,91 @@ class Partial:
         return self.indices is None
 
 
-class SparseDoubling:
-    """Sum row sets over ``units`` units by recursive doubling; ``dense_threshold=None`` never switches.
+@dataclass(frozen=True)
+class Section:
+    """One section of a doubling: ``units`` units of ``width`` values of ``dtype``; a sparse partial
+    travels dense once more than ``dense_threshold`` of its units are in it (None: never)."""
 
-    Each stage is one message each way (the set's own length travels in front, see
-    :meth:`Communicator.exchange`). Merging two sets is one linear pass over their sorted indices
-    (:func:`kernels.merge_rows`). ``timed(phase)``, a context manager such as ``GradSync.timed``,
-    splits the time into "comm" (swaps) and "decode" (merges).
+    units: int
+    width: int
+    dtype: torch.dtype
+    dense_threshold: float | None = None
+
+
+class SectionedDoubling:
+    """Sum several sections' partials by recursive doubling, in one chain: each stage's swap carries
+    every section (one message: one section as it is, several framed as :mod:`.sections` frames a
+    batch's pieces), and each section merges on its own. So tensors of any width and dtype, and
+    dense vectors beside row sets, pay log2 n swaps a step together, not log2 n each.
+
+    A section's partial is a row set (:class:`Partial` with indices) or dense from the start (a dense
+    tensor carried index-free: every stage moves and adds the whole vector). Merging two row sets is
+    one linear pass over their sorted indices (:func:`kernels.merge_rows`). ``timed(phase)``, a context
+    manager such as ``GradSync.timed``, splits the time into "comm" (swaps) and "decode" (merges).
     """
 
-    def __init__(self, comm: Communicator, units: int, width: int, dtype: torch.dtype,
-                 dense_threshold: float | None, timed: Callable[[str], contextlib.AbstractContextManager] | None = None):
-        self.comm, self.units, self.width, self.dtype = comm, units, width, dtype
-        self.dense_threshold = dense_threshold
+    def __init__(self, comm: Communicator, sections: list[Section],
+                 timed: Callable[[str], contextlib.AbstractContextManager] | None = None):
+        self.comm, self.sections = comm, sections
         self.timed = timed or (lambda phase: contextlib.nullcontext())
 
-    def run(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The global sum as (ascending ids, rows); units that cancel to zero are dropped."""
-        self.device = values.device
-        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
-            indices, order = torch.sort(indices)
-            values = values[order]
-        part = self._maybe_dense(Partial(indices, values))
-        total = doubling(self.comm, part, self._swap, self._send, self._recv, self._merge)
-        if total.is_dense:
-            nonzero = (total.values != 0).any(dim=1).nonzero().reshape(-1)  # NaN counts as non-zero
-            return nonzero, total.values[nonzero]
-        return total.indices, total.values
+    def run(self, parts: list[Partial]) -> list[Partial]:
+        """Every section's global sum, in every rank's hands alike (a sparse one with ascending ids)."""
+        self.device = parts[0].values.device
+        ready = []
+        for k, part in enumerate(parts):
+            if not part.is_dense and part.indices.numel() > 1 and not bool((part.indices[1:] > part.indices[:-1]).all()):
+                indices, order = torch.sort(part.indices)
+                part = Partial(indices, part.values[order])
+            ready.append(self._maybe_dense(k, part))
+        return doubling(self.comm, ready, self._swap, self._send, self._recv, self._merge)
 
     # -- the wire: a row set (pushpull's format) or, flagged by a count of -1, every unit's row --
-    def _message(self, part: Partial) -> Message:
+    def _message(self, parts: list[Partial]) -> Message:
+        if len(parts) == 1:
+            return self._section_message(parts[0])
+        return frame([self._section_message(part).payload for part in parts], self.device)
+
+    def _section_message(self, part: Partial) -> Message:
         if not part.is_dense:
             return pack_rows(part.indices, part.values)
         message = Message(8 + part.values.numel() * part.values.element_size(), part.values.device)
         message.payload[:8].copy_(torch.tensor([-1], dtype=torch.int64).view(torch.uint8))
-        message.payload[8:].view(self.dtype).copy_(part.values.reshape(-1))
+        message.payload[8:].view(part.values.dtype).copy_(part.values.reshape(-1))
         return message
 
-    def _decode(self, payload: torch.Tensor) -> Partial:
-        if int(payload[:8].view(torch.int64)) < 0:
-            return Partial(None, payload[8:].view(self.dtype).view(self.units, self.width))
-        return Partial(*unpack_rows(payload, self.width, self.dtype))
+    def _decode(self, payload: torch.Tensor) -> list[Partial]:
+        pieces = [payload] if len(self.sections) == 1 else unframe(payload, len(self.sections))
+        return [self._decode_section(section, piece) for section, piece in zip(self.sections, pieces, strict=True)]
 
-    def _swap(self, part: Partial, peer: int) -> Partial:
+    @staticmethod
+    def _decode_section(section: Section, payload: torch.Tensor) -> Partial:
+        if int(payload[:8].view(torch.int64)) < 0:
+            return Partial(None, payload[8:].view(section.dtype).view(section.units, section.width))
+        return Partial(*unpack_rows(payload, section.width, section.dtype))
+
+    def _swap(self, parts: list[Partial], peer: int) -> list[Partial]:
         with self.timed("comm"):
-            received = self.comm.exchange({peer: self._message(part)}, [peer], op="swap")
+            received = self.comm.exchange({peer: self._message(parts)}, [peer], op="swap")
         return self._decode(received[peer])
 
-    def _send(self, part: Partial, peer: int) -> None:
+    def _send(self, parts: list[Partial], peer: int) -> None:
         with self.timed("comm"):
-            self.comm.exchange({peer: self._message(part)}, [], op="send")
+            self.comm.exchange({peer: self._message(parts)}, [], op="send")
 
-    def _recv(self, peer: int) -> Partial:
+    def _recv(self, peer: int) -> list[Partial]:
         with self.timed("comm"):
             received = self.comm.exchange({}, [peer], op="recv", device=self.device)
         return self._decode(received[peer])
 
     # -- merging ---------------------------------------------------------------------------------
-    def _merge(self, lower: Partial, upper: Partial) -> Partial:
+    def _merge(self, lower: list[Partial], upper: list[Partial]) -> list[Partial]:
         with self.timed("decode"):
-            return self._merged(lower, upper)
+            return [self._merged(k, a, b) for k, (a, b) in enumerate(zip(lower, upper, strict=True))]
 
-    def _merged(self, lower: Partial, upper: Partial) -> Partial:
+    def _merged(self, k: int, lower: Partial, upper: Partial) -> Partial:
         if lower.is_dense or upper.is_dense:
-            total = self._densify(lower)
+            total = self._densify(k, lower)
             if upper.is_dense:
                 total += upper.values
             else:
@@ -145,20 +170,39 @@ class SparseDoubling:
         keep = (values != 0).any(dim=1)  # NaN != 0: NaN is kept
         if not bool(keep.all()):
             indices, values = indices[keep], values[keep]
-        return self._maybe_dense(Partial(indices, values))
+        return self._maybe_dense(k, Partial(indices, values))
 
-    def _densify(self, part: Partial) -> torch.Tensor:
+    def _densify(self, k: int, part: Partial) -> torch.Tensor:
         if part.is_dense:
             return part.values.clone()
-        dense = torch.zeros((self.units, self.width), dtype=self.dtype, device=part.values.device)
+        section = self.sections[k]
+        dense = torch.zeros((section.units, section.width), dtype=section.dtype, device=part.values.device)
         dense[part.indices] = part.values
         return dense
 
-    def _maybe_dense(self, part: Partial) -> Partial:
-        if (self.dense_threshold is not None and not part.is_dense
-                and part.indices.numel() > self.dense_threshold * self.units):
-            return Partial(None, self._densify(part))
+    def _maybe_dense(self, k: int, part: Partial) -> Partial:
+        threshold = self.sections[k].dense_threshold
+        if threshold is not None and not part.is_dense and part.indices.numel() > threshold * self.sections[k].units:
+            return Partial(None, self._densify(k, part))
         return part
+
+
+class SparseDoubling:
+    """Sum one row set over ``units`` units by recursive doubling (SparCML; Zen's HC for one section);
+    ``dense_threshold=None`` never switches. Each stage is one message each way (the set's own length
+    travels in front, see :meth:`Communicator.exchange`)."""
+
+    def __init__(self, comm: Communicator, units: int, width: int, dtype: torch.dtype,
+                 dense_threshold: float | None, timed: Callable[[str], contextlib.AbstractContextManager] | None = None):
+        self.chain = SectionedDoubling(comm, [Section(units, width, dtype, dense_threshold)], timed)
+
+    def run(self, indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The global sum as (ascending ids, rows); units that cancel to zero are dropped."""
+        total, = self.chain.run([Partial(indices, values)])
+        if total.is_dense:
+            nonzero = (total.values != 0).any(dim=1).nonzero().reshape(-1)  # NaN counts as non-zero
+            return nonzero, total.values[nonzero]
+        return total.indices, total.values
 
 
 def union_counts(comm: Communicator, id_sets: list[torch.Tensor]) -> list[list[int]]:

@@ -8,10 +8,17 @@ section: a contiguous id range of one width, dtype and pull format), the hash h0
 picks each unit's server, and every message carries one piece per section: one exchange pushes every
 section's units and one pulls every section's sums.
 
+A dense section carries dense tensors index-free (a small MLP beside the embedding tables): its
+values laid end to end, server p owns the contiguous slice [pL/n, (p+1)L/n) of its L values, as a
+reduce-scatter splits them. The push sends each server its slice, the server adds the n slices in
+source-rank order, and the pull sends its sum to every worker: a ring allreduce's bytes
+(2 (n-1)/n L values per worker) in the two rounds the sparse sections pay anyway, where a ring takes
+2 (n-1) steps of its own.
+
 A message is the sections' pieces in order, each as an int64 byte length and the piece (pushpull's
-row set, or a hash bitmap and rows), padded to 8 bytes so that every piece's values are aligned
-views. The sum of one unit is what the per-tensor exchange computes, bit for bit: a server adds the
-pieces in source-rank order in both.
+row set, a hash bitmap and rows, or a dense slice's values), padded to 8 bytes so that every piece's
+values are aligned views. The sum of one unit is what the per-tensor exchange computes, bit for bit:
+a server adds the pieces in source-rank order in both.
 """
 
 from __future__ import annotations
@@ -35,7 +42,16 @@ from ddlscale.sync.sparse.pushpull import (
 
 LENGTH_BYTES = 8
 
-Rows = tuple[torch.Tensor, torch.Tensor]  # (ids int64, values (k, width))
+Rows = tuple[torch.Tensor | None, torch.Tensor]  # (ids int64, values (k, width)), or (None, a dense slice)
+
+
+def dense_bounds(length: int, servers: int) -> list[int]:
+    """Where each server's slice of a dense section of ``length`` values starts, and the end."""
+    return [p * length // servers for p in range(servers + 1)]
+
+
+def _dense_piece(values: torch.Tensor) -> torch.Tensor:
+    return values.reshape(-1).view(torch.uint8)
 
 
 def frame(pieces: Sequence[torch.Tensor], device: torch.device | str) -> Message:
@@ -70,35 +86,47 @@ def unframe(payload: torch.Tensor, count: int) -> list[torch.Tensor]:
 
 def push(comm: Communicator, sections: Sequence[Rows], group_by: GroupBy, timed: Timed = _untimed) -> list[list[Rows]]:
     """Every section's units to their servers in one exchange; per section, what this rank received
-    as a server, one (ids, values) per source rank in rank order (its own share among them)."""
+    as a server, one (ids, values) per source rank in rank order (its own share among them). A dense
+    section, ``(None, values)``, sends each server its slice (:func:`dense_bounds`) and receives
+    ``(None, slice)`` from each source."""
     peers = [p for p in range(comm.size) if p != comm.rank]
-    device = sections[0][0].device
+    device = sections[0][1].device
     with timed("encode"):
         shares = []
         for ids, values in sections:
+            if ids is None:
+                bounds = dense_bounds(values.numel(), comm.size)
+                shares.append([(None, values[bounds[p]: bounds[p + 1]]) for p in range(comm.size)])
+                continue
             ids, values, counts = group_by(ids, values)
             starts = [0]
             for c in counts:
                 starts.append(starts[-1] + c)
             shares.append([(ids[starts[p]: starts[p + 1]], values[starts[p]: starts[p + 1]]) for p in range(comm.size)])
-        messages = {p: frame([pack_rows(*share[p]).payload for share in shares], device) for p in peers}
+        messages = {p: frame([pack_rows(*share[p]).payload if share[p][0] is not None else _dense_piece(share[p][1])
+                              for share in shares], device) for p in peers}
     with timed("comm"):
         received = comm.exchange(messages, peers, op="push")
     pieces = {p: unframe(received[p], len(sections)) for p in peers}
-    return [[share[p] if p == comm.rank else unpack_rows(pieces[p][k], values.shape[1], values.dtype)
+    return [[share[p] if p == comm.rank
+             else (None, pieces[p][k].view(values.dtype)) if ids is None
+             else unpack_rows(pieces[p][k], values.shape[1], values.dtype)
              for p in range(comm.size)]
-            for k, (share, (_, values)) in enumerate(zip(shares, sections, strict=True))]
+            for k, (share, (ids, values)) in enumerate(zip(shares, sections, strict=True))]
 
 
 def pull(comm: Communicator, sums: Sequence[Rows], owned: Sequence[Sequence[torch.Tensor] | None],
          timed: Timed = _untimed) -> list[list[Rows]]:
     """Every server's sums of every section to every worker in one exchange: a section with
-    ``owned`` (each server's owned ids in it, sorted) as a hash bitmap, one without as COO. Per
-    section, one (ids, values) per server."""
+    ``owned`` (each server's owned ids in it, sorted) as a hash bitmap, one without as COO, a dense
+    one (``(None, the server's summed slice)``) as its values. Per section, one (ids, values) per
+    server, or ``(None, slice)`` for a dense section."""
     peers = [p for p in range(comm.size) if p != comm.rank]
-    device = sums[0][0].device
+    device = sums[0][1].device
     with timed("encode"):
-        pieces = [pack_rows(ids, values).payload if mine is None else pack_bitmap(mine[comm.rank], ids, values).payload
+        pieces = [_dense_piece(values) if ids is None
+                  else pack_rows(ids, values).payload if mine is None
+                  else pack_bitmap(mine[comm.rank], ids, values).payload
                   for (ids, values), mine in zip(sums, owned, strict=True)]
         message = frame(pieces, device)
     with timed("comm"):
@@ -107,8 +135,9 @@ def pull(comm: Communicator, sums: Sequence[Rows], owned: Sequence[Sequence[torc
         split = {p: unframe(received[p], len(sums)) for p in peers}
         out = []
         for k, ((ids, values), mine) in enumerate(zip(sums, owned, strict=True)):
-            width, dtype = values.shape[1], values.dtype
+            width, dtype = values.shape[-1], values.dtype
             out.append([(ids, values) if p == comm.rank
+                        else (None, split[p][k].view(dtype)) if ids is None
                         else unpack_rows(split[p][k], width, dtype) if mine is None
                         else unpack_bitmap(split[p][k], mine[p], width, dtype)
                         for p in range(comm.size)])

@@ -45,7 +45,7 @@ class SparCMLCost:
         sizes = [message(min(1.0, gammas[i] * s.density)) for i in range(stages)]
         if core < s.n:  # fold in (one worker's set) and out (the sum)
             sizes += [message(s.density), message(min(1.0, s.gamma * s.density))]
-        return Traffic(sum(sizes), sum(exchanges.steps(2, b) for b in sizes), doubling_rounds(s.n))
+        return Traffic(sum(sizes), doubling_rounds(s.n), swaps=sum(exchanges.rounds(b) for b in sizes))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

@@ -25,7 +25,7 @@ from ddlscale.sync.sparse.traffic import (
     Traffic,
     coo_bytes,
     partitioned_seconds,
-    push_pull_steps,
+    push_pull_exchanges,
 )
 
 
@@ -34,7 +34,7 @@ class SparsePSCost:
     contiguous split were balanced (it is not under skew: the real index sets show its busiest server)."""
 
     def traffic(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
-        return Traffic(coo_bytes(s), push_pull_steps(s, exchanges), PUSH_PULL_ROUNDS)
+        return Traffic(coo_bytes(s), PUSH_PULL_ROUNDS, exchanges=push_pull_exchanges(s, exchanges))
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:

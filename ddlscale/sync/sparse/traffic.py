@@ -4,8 +4,10 @@ Each scheme has one cost object beside its sync (``AGSparseCost`` in :mod:`.agsp
 :mod:`.zen`, ...) with two ways to price the same wire format:
 
 - :meth:`traffic` from a tensor's profiled figures (:class:`Sparsity`: the mean over workers, closed
-  forms): bytes per worker and message steps in sequence (:class:`Traffic`). Routing prices every
-  profiled tensor this way, on one network (:meth:`Traffic.seconds`), against dense allreduce.
+  forms): bytes per worker and rounds in sequence, by kind (:class:`Traffic`). Routing prices every
+  profiled tensor this way, on one price list (:class:`RoundCosts`: each kind of round as measured
+  on the sync group, and the bandwidth), against dense allreduce, and chooses robustly to the
+  noise of those measurements (:func:`decide`).
 - ``projected_seconds`` from every worker's real index set: what each worker sends to whom, priced
   by :class:`~ddlscale.comm.network.NetworkModel` with the busiest NIC deciding
   (``experiments.zen_projection``, for clusters this host cannot hold).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,33 +72,73 @@ class Sparsity:
 
 
 @dataclass(frozen=True)
+class RoundCosts:
+    """What one round of each kind costs on the sync group, and the bandwidth bytes move at: the one
+    price list every sparse sync routes on.
+
+    A round is a meeting of the ranks: whatever its few bytes, it costs the wake-ups of its slowest
+    message. Its kinds: an n-way exchange (a push, a pull, an all-to-all: a message to every peer at
+    once), a pairwise swap (a doubling stage, a fold), a small allreduce (what a dense bucket pays
+    beside its bytes) and a small ring allgather (gloo's sparse allreduce runs three). Measured on
+    the group (``network_latency: measured``, :func:`ddlscale.comm.probe.probe_latency`), each is
+    priced as it really runs: an exchange is not n-1 swaps. From a configured alpha they are the
+    textbook's message steps (:meth:`textbook`).
+    """
+
+    bandwidth_bps: float
+    exchange_s: float
+    swap_s: float
+    allreduce_s: float
+    allgather_s: float
+
+    @classmethod
+    def textbook(cls, network: NetworkModel, n: int) -> RoundCosts:
+        """alpha per message step: an exchange with n-1 peers or a ring allgather n-1 steps, a swap one,
+        a ring allreduce 2(n-1)."""
+        alpha = network.latency_s
+        return cls(network.bandwidth_bps, (n - 1) * alpha, alpha, 2 * (n - 1) * alpha, (n - 1) * alpha)
+
+    def wire_seconds(self, nbytes: float) -> float:
+        return nbytes * 8 / self.bandwidth_bps
+
+
+@dataclass(frozen=True)
 class Traffic:
-    """One tensor's sync on one worker: the bytes it moves, the message steps it takes one after
-    another, the collectives it issues on the busiest rank (``rounds``: what the run's ledger counts,
-    each a meeting of the ranks whatever its bytes), and seconds of work beside the wire (Zen's HC:
-    its merges)."""
+    """One tensor's sync on one worker: the bytes it moves, the rounds it takes one after another by
+    kind (``exchanges``, ``swaps``, ``allgathers``: a message longer than an exchange's first piece
+    counts twice), the collectives it issues on the busiest rank (``rounds``: what the run's ledger
+    counts), and seconds of work beside the wire (Zen's HC: its merges)."""
 
     nbytes: float
-    messages: int
     rounds: int
+    exchanges: int = 0
+    swaps: int = 0
+    allgathers: int = 0
     work_s: float = 0.0
 
-    def seconds(self, network: NetworkModel) -> float:
-        """alpha per message step plus the bytes at the bandwidth: one price list for every scheme."""
-        return self.nbytes * 8 / network.bandwidth_bps + self.messages * network.latency_s + self.work_s
+    def seconds(self, costs: RoundCosts) -> float:
+        """Its rounds at their measured prices plus its bytes and work: one price list for every scheme."""
+        return self.bytes_seconds(costs) + self.rounds_seconds(costs)
+
+    def bytes_seconds(self, costs: RoundCosts) -> float:
+        """Its bytes at the bandwidth and its work: what it adds to rounds another tensor pays for."""
+        return costs.wire_seconds(self.nbytes) + self.work_s
+
+    def rounds_seconds(self, costs: RoundCosts) -> float:
+        return self.exchanges * costs.exchange_s + self.swaps * costs.swap_s + self.allgathers * costs.allgather_s
 
 
 @dataclass(frozen=True)
 class Exchanges:
-    """How many message steps one :meth:`Communicator.exchange` with n-1 peers takes: one message
-    each, and a second where a message outgrows the first segment (or where sizes must go first, on
-    NCCL: ``first_piece`` None)."""
+    """How many rounds one message takes in a :meth:`Communicator.exchange`: one, and a second where
+    it outgrows the first piece the receiver posts (or where sizes must go first, on NCCL:
+    ``first_piece`` None)."""
 
     first_piece: float | None
 
-    def steps(self, n: int, message_bytes: float) -> int:
+    def rounds(self, message_bytes: float) -> int:
         longer = self.first_piece is None or rows_bytes(0, 0) + message_bytes > self.first_piece
-        return (n - 1) * (2 if longer else 1)
+        return 2 if longer else 1
 
 
 ONE_SEGMENT = Exchanges(math.inf)  # every message in one piece: the formulas' textbook form
@@ -111,10 +154,38 @@ def doubling_rounds(n: int) -> int:
     return core.bit_length() - 1 + (2 if core < n else 0)
 
 
-def push_pull_steps(s: Sparsity, exchanges: Exchanges) -> int:
+def push_pull_exchanges(s: Sparsity, exchanges: Exchanges) -> int:
     """A push and a pull, each one exchange with every peer of about 1/n of a worker's pairs."""
-    per_peer = s.density * s.units / s.n * s.pair_bytes
-    return 2 * exchanges.steps(s.n, per_peer)
+    return 2 * exchanges.rounds(s.density * s.units / s.n * s.pair_bytes)
+
+
+@dataclass(frozen=True)
+class Option:
+    """One way to route: the bytes through a worker's NIC (from the profile alone: the same in every
+    run of a job) and the cost model's seconds (on the rounds this run measured)."""
+
+    nbytes: float
+    seconds: float
+
+
+def decide(options: dict[str, Option], margin: float, incumbent: str | None = None) -> dict[str, Any]:
+    """The route among ``options``, robust to the noise of measured rounds.
+
+    Bytes come from the profile, the same in every repetition of a job; seconds from rounds timed at
+    start-up, which move between repetitions. So seconds only say which options are in the running:
+    those within ``margin`` of the fastest (a faster one must beat them by more than the margin).
+    Among those the route is the incumbent (a re-profile keeps what is in force) or else the one with
+    the fewest bytes, the first in ``options``' order on a tie. An argmin of seconds would pick
+    between near-equal options by the noise of the day; this picks by bytes, and moves only where a
+    measurement moves an option across the margin. Returns the decision as recorded (summary.json's
+    ``route_decisions``): chosen, the fewest-bytes option (``default``), margin and every option."""
+    names = list(options)
+    fastest = min(option.seconds for option in options.values())
+    running = [k for k in names if options[k].seconds <= (1 + margin) * fastest]
+    default = min(names, key=lambda k: (options[k].nbytes, names.index(k)))
+    chosen = incumbent if incumbent in running else min(running, key=lambda k: (options[k].nbytes, names.index(k)))
+    return {"chosen": chosen, "default": default, "margin": margin,
+            "options": {k: {"bytes": o.nbytes, "seconds": o.seconds} for k, o in options.items()}}
 
 
 def coo_bytes(s: Sparsity) -> float:

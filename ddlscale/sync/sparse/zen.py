@@ -10,18 +10,26 @@ for M units of u bytes (an int32 index and a row: a pair of 4 + u bytes): COO pu
 (4 + u) d M (1 + gamma_n)(n-1)/n, bitmap pull (n-1)/n M ((4 + u) d + u gamma_n d + 1/8); with fp32
 elements (u = 4) these are SYSTEMS.md's 8 d M (1 + gamma_n)(n-1)/n and (n-1)/n M (8d + 4 gamma_n d + 1/8).
 A push and a pull are one exchange each (:meth:`Communicator.exchange`: each message carries its own
-length): two rounds of messages per group. With ``batch: backward`` or ``step`` every BP tensor of a
-step is one group whatever its width and dtype (:mod:`.sections`: one index space, a section per
-width, dtype and pull format), so a step pays two rounds, or a few more where ``backward`` cuts the
-batch to overlap backward's computation (:meth:`ZenSync._sparse_groups`).
+length): two rounds of messages per group.
 
 Hierarchical Centralization (HC): recursive doubling with merging (:mod:`.recursive`), cheap when
-the workers' index sets overlap (small gamma_{2^i}). Per tensor, Zen takes the scheme the T_bp and
-T_hc formulas rate faster on the profiled d and gamma_{2^i}, each charged the messages it sends;
-tensors whose density makes any sparse scheme slower than dense allreduce stay dense. T_hc also
-pays its merges, at the rate measured on the sync's device when routing (on a GPU the paper's merges
-are nearly free; on a CPU they can outweigh the messages HC saves). With ``network_latency:
-measured`` the alpha is what a message step costs on the cluster.
+the workers' index sets overlap (small gamma_{2^i}). T_hc also pays its merges, at the rate measured
+on the sync's device when routing (on a GPU the paper's merges are nearly free; on a CPU they can
+outweigh the messages HC saves).
+
+**One exchange per step for the whole model** (``batch: backward`` or ``step``): every BP tensor of
+a step is one batch whatever its width and dtype (:mod:`.sections`: one index space, a section per
+width, dtype and pull format), every HC tensor one doubling chain (:class:`.recursive.SectionedDoubling`),
+tables that share row ids one unit set (:mod:`.base`), and dense tensors (an MLP beside the tables)
+may ride either index-free (``carry_dense``): a BP batch's dense section moves a ring allreduce's
+bytes in the batch's two rounds, where their own allreduce would take 2(n-1) ring steps. A round
+costs what the ranks take to meet, whatever its bytes, so the step is routed as a whole
+(:meth:`ZenSync.decide_routes`): which carriers it opens, where the dense tensors go, and each
+tensor's plan, every carrier's rounds paid once, each priced as measured (an exchange round, a
+swap, an allreduce; :class:`.traffic.RoundCosts`), chosen robustly to those measurements' noise
+(:func:`.traffic.decide`). A batch or chain is cut where backward, as profiled, computes longer between
+two of its tensors than its rounds cost: the earlier part then syncs during that computation
+(:meth:`ZenSync._sparse_groups`).
 
 Hierarchical mode (``hierarchical=True``, the paper's multi-GPU machines): a dense reduce-scatter
 inside each machine leaves local rank j with chunk j of the machine's sum (the paper uses NVLink for
@@ -35,9 +43,11 @@ compare like with like; the steps inside the machine are the same for both and c
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,19 +55,23 @@ import torch.distributed as dist
 from ddlscale import clock
 from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
+from ddlscale.sync.dense import DenseAllreduce, to_sparse_slices
 from ddlscale.sync.sparse import kernels, pushpull, sections
 from ddlscale.sync.sparse.base import GroupJob, SparseSync
 from ddlscale.sync.sparse.config import ZenConfig
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
-from ddlscale.sync.sparse.recursive import SparseDoubling
+from ddlscale.sync.sparse.recursive import Partial, Section, SectionedDoubling, SparseDoubling
 from ddlscale.sync.sparse.rows import units_of
 from ddlscale.sync.sparse.traffic import (
     PUSH_PULL_ROUNDS,
     Exchanges,
+    Option,
+    RoundCosts,
     Sparsity,
     Traffic,
     coo_bytes,
+    decide,
     doubling_rounds,
     doubling_seconds,
     partitioned_seconds,
@@ -71,32 +85,66 @@ def bitmap_bytes(s: Sparsity) -> float:
                                         + 1 / 8)
 
 
+BP, HC, BUCKET = "bp", "hc", "bucket"  # what carries a tensor: BP's push and pull, HC's chain, a dense bucket
+CARRIER = {"bp-coo": BP, "bp-bitmap": BP, "bp-dense": BP, "hc": HC, "hc-dense": HC, BUCKET: BUCKET}
+SPARSE_PLANS = ("bp-coo", "bp-bitmap", "hc")
+DENSE_PLANS = {BP: "bp-dense", HC: "hc-dense", BUCKET: BUCKET}  # a dense tensor on each carrier
+
+
+@dataclass(frozen=True)
+class Form:
+    """How one unit set travels in a step, as far as it is its own: its bytes per worker and its work,
+    and what it adds to each message of its carrier (a BP batch's push and pull messages to one peer;
+    an HC chain's stage messages, the fold's in and out after them), whose rounds its members share."""
+
+    carrier: str
+    nbytes: float
+    work_s: float = 0.0
+    push_peer: float = 0.0
+    pull_peer: float = 0.0
+    stages: tuple[float, ...] = ()
+
+
+def carrier_rounds(carrier: str, forms: Sequence[Form], n: int, exchanges: Exchanges) -> Traffic:
+    """The rounds a BP batch or an HC chain pays once for every form it carries: a push and a pull
+    (each a second round where the messages outgrow an exchange's first piece), or a swap per
+    stage. A bucket's allreduce is counted per bucket where buckets are priced."""
+    if carrier == BP:
+        return Traffic(0.0, PUSH_PULL_ROUNDS, exchanges=exchanges.rounds(sum(f.push_peer for f in forms))
+                       + exchanges.rounds(sum(f.pull_peer for f in forms)))
+    if carrier == HC:
+        stages = [sum(column) for column in zip(*(f.stages for f in forms), strict=True)]
+        return Traffic(0.0, doubling_rounds(n), swaps=sum(exchanges.rounds(b) for b in stages))
+    return Traffic(0.0, 0)
+
+
 class ZenCost:
     """What Zen moves for one tensor under each of its schemes: Balanced Parallelism with a COO pull
     (``bp-coo``, SYSTEMS.md's T_bp) or a hash-bitmap pull (``bp-bitmap``), and Hierarchical
-    Centralization (``hc``, T_hc), each with the messages it sends; ``scheme`` and ``pull`` limit
-    them as ``sync.scheme`` and ``sync.pull`` do. HC also pays its merges at ``merge_s_per_byte``."""
+    Centralization (``hc``, T_hc), each with the rounds it pays; ``scheme`` and ``pull`` limit
+    them as ``sync.scheme`` and ``sync.pull`` do. HC also pays its merges at ``merge_s_per_byte``.
+    A dense tensor may ride the same carriers index-free (:meth:`dense_forms`)."""
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", merge_s_per_byte: float = 0.0):
         self.scheme, self.pull, self.merge_s_per_byte = scheme, pull, merge_s_per_byte
 
-    def traffics(self, s: Sparsity, exchanges: Exchanges) -> dict[str, Traffic]:
-        """Per scheme this tensor may take: its traffic (HC only where gamma_{2^i} were profiled,
-        unless forced)."""
+    def forms(self, s: Sparsity) -> dict[str, Form]:
+        """Per scheme this tensor may take, what it moves of its own (HC only where gamma_{2^i} were
+        profiled, unless forced)."""
         out = {}
-        push = exchanges.steps(s.n, s.density * s.units / s.n * s.pair_bytes)
+        push = s.density * s.units / s.n * s.pair_bytes
         if self.scheme != "hc":
             if self.pull != "bitmap":
-                pull = exchanges.steps(s.n, s.gamma * s.density * s.units / s.n * s.pair_bytes)
-                out["bp-coo"] = Traffic(coo_bytes(s), push + pull, PUSH_PULL_ROUNDS)
+                pull = s.gamma * s.density * s.units / s.n * s.pair_bytes
+                out["bp-coo"] = Form(BP, coo_bytes(s), push_peer=push, pull_peer=pull)
             if self.pull != "coo":
-                pull = exchanges.steps(s.n, (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n)
-                out["bp-bitmap"] = Traffic(bitmap_bytes(s), push + pull, PUSH_PULL_ROUNDS)
+                pull = (s.units / 8 + s.gamma * s.density * s.units * s.unit_bytes) / s.n
+                out["bp-bitmap"] = Form(BP, bitmap_bytes(s), push_peer=push, pull_peer=pull)
         if self.scheme == "hc" or (self.scheme == "auto" and s.gammas is not None):
-            out["hc"] = self.hc(s, exchanges)
+            out["hc"] = self.hc_form(s)
         return out
 
-    def hc(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+    def hc_form(self, s: Sparsity) -> Form:
         """T_hc over the largest power of two of participants, plus folding the others in and out:
         stage i sends the merged units of 2^i workers (gamma_{2^i} d M pairs) in one message."""
         core = 1 << (s.n.bit_length() - 1)
@@ -104,13 +152,31 @@ class ZenCost:
         # Measured gamma_{2^i} where profiled (power-of-two n), else the bound min(2^i, gamma_n).
         gammas = s.gammas or [max(1.0, min(2.0**i, s.gamma)) for i in range(stages + 1)]
         stage_bytes = [g * s.density * s.units * s.pair_bytes for g in gammas[:stages]]
-        nbytes, messages = sum(stage_bytes), sum(exchanges.steps(2, b) for b in stage_bytes)
-        if core < s.n:  # fold one worker's set in, and the sum out
-            fold = [s.density * s.units * s.pair_bytes, s.gamma * s.density * s.units * s.pair_bytes]
-            nbytes += sum(fold)
-            messages += sum(exchanges.steps(2, b) for b in fold)
+        fold = [s.density * s.units * s.pair_bytes, s.gamma * s.density * s.units * s.pair_bytes] if core < s.n else []
         # Each stage merges two partial sums on the CPU (measured cost).
-        return Traffic(nbytes, messages, doubling_rounds(s.n), self.merge_s_per_byte * 2 * sum(stage_bytes))
+        return Form(HC, sum(stage_bytes) + sum(fold), self.merge_s_per_byte * 2 * sum(stage_bytes),
+                    stages=(*stage_bytes, *fold))
+
+    def dense_forms(self, nbytes: float, n: int) -> dict[str, Form]:
+        """A dense tensor of ``nbytes``: in a bucket (a ring allreduce's bytes), as a section of a BP
+        batch (the same bytes: a slice per server pushed and its sum pulled) or in the HC chain (the
+        whole vector at every stage)."""
+        ring = 2 * (n - 1) / n * nbytes
+        out = {BUCKET: Form(BUCKET, ring)}
+        if self.scheme != "hc":
+            out["bp-dense"] = Form(BP, ring, push_peer=nbytes / n, pull_peer=nbytes / n)
+        if self.scheme != "bp":
+            core = 1 << (n.bit_length() - 1)
+            stages = (nbytes,) * (core.bit_length() - 1) + ((nbytes, nbytes) if core < n else ())
+            out["hc-dense"] = Form(HC, sum(stages), stages=stages)
+        return out
+
+    def traffics(self, s: Sparsity, exchanges: Exchanges) -> dict[str, Traffic]:
+        """Per scheme this tensor may take: its traffic alone, its carrier's rounds its own."""
+        return {plan: alone(form, s.n, exchanges) for plan, form in self.forms(s).items()}
+
+    def hc(self, s: Sparsity, exchanges: Exchanges) -> Traffic:
+        return alone(self.hc_form(s), s.n, exchanges)
 
     def projected_seconds(self, model: NetworkModel, sets: Sequence[torch.Tensor], numel: int,
                           unit_bytes: int) -> float:
@@ -126,6 +192,12 @@ class ZenCost:
         bp = partitioned_seconds(model, sets, hashing.server_of, n, pair, pull)
         hc = doubling_seconds(model, sets, numel, unit_bytes, dense_threshold=None)
         return {"bp": bp, "hc": hc}.get(self.scheme, min(bp, hc))
+
+
+def alone(form: Form, n: int, exchanges: Exchanges) -> Traffic:
+    """A form's traffic with its carrier to itself."""
+    return dataclasses.replace(carrier_rounds(form.carrier, [form], n, exchanges), nbytes=form.nbytes,
+                               work_s=form.work_s)
 
 
 def merge_seconds_per_byte(rows: int = 1 << 12, width: int = 16, calls: int = 5, budget_s: float = 0.05,
@@ -149,7 +221,7 @@ def merge_seconds_per_byte(rows: int = 1 << 12, width: int = 16, calls: int = 5,
 class ZenSync(SparseSync):
     """``sync=zen``. Args beyond :class:`SparseSync`'s:
 
-    scheme: ``"auto"`` (per tensor, BP or HC by the cost formulas), ``"bp"`` or ``"hc"``.
+    scheme: ``"auto"`` (BP or HC by the cost formulas), ``"bp"`` or ``"hc"``.
     pull: BP's pull format — ``"auto"`` (per tensor, the smaller of COO and hash bitmap), ``"coo"``
         or ``"bitmap"``.
     seed: the hash seed; ``None`` draws one on rank 0. Every rank uses rank 0's, checked by a
@@ -157,11 +229,14 @@ class ZenSync(SparseSync):
     hierarchical: dense inside a machine, sparse across machines (see the module doc).
     local_size: ranks per machine for the hierarchical mode (``None``: ``LOCAL_WORLD_SIZE``, as
         torchrun and Lightning set it); ranks r*k .. r*k+k-1 share machine r.
-    batch: which BP tensors share a push and a pull: ``"backward"`` (all of them, whatever their
-        width and dtype (:mod:`.sections`), split only where backward, as profiled, computes longer
-        between two of them than a batch's rounds cost: there the earlier batch syncs meanwhile),
-        ``"step"`` (all of them: two rounds a step), ``"width"`` (those of one dtype, width and pull
-        format) or ``"tensor"`` (each alone). HC tensors fuse by dtype and width.
+    batch: which tensors share a carrier's rounds: ``"backward"`` (every BP tensor one push and one
+        pull, every HC tensor one doubling chain, whatever their width and dtype (:mod:`.sections`),
+        each cut only where backward, as profiled, computes longer between two of them than the
+        carrier's rounds cost: there the earlier part syncs meanwhile), ``"step"`` (never cut),
+        ``"width"`` (those of one dtype, width and plan) or ``"tensor"`` (each alone).
+    carry_dense: with ``batch`` backward or step, dense tensors may ride the step's push and pull
+        (or its HC chain) index-free instead of their own allreduce, where the cost model rates it
+        faster (:meth:`decide_routes`); false: they keep DDP's buckets.
     """
 
     schema = ZenConfig  # its keys and their checks
@@ -169,12 +244,14 @@ class ZenSync(SparseSync):
     profiles_doubling = True
 
     def __init__(self, scheme: str = "auto", pull: str = "auto", seed: int | None = 0x5EED,
-                 hierarchical: bool = False, local_size: int | None = None, batch: str = "backward", **kwargs):
+                 hierarchical: bool = False, local_size: int | None = None, batch: str = "backward",
+                 carry_dense: bool = True, **kwargs):
         ZenConfig(scheme=scheme, pull=pull, seed=seed, hierarchical=hierarchical, local_size=local_size, batch=batch,
-                  **kwargs)
+                  carry_dense=carry_dense, **kwargs)
         super().__init__(**kwargs)
         self.scheme, self.pull, self.seed, self.batch = scheme, pull, seed, batch
         self.hierarchical, self.local_size = bool(hierarchical), local_size
+        self.carry_dense = carry_dense
         self.merge_s_per_byte = 0.0  # HC's merge on this device, measured when routing with scheme auto
         self._ready_at: dict[int, float] = {}  # profiling: when each gradient became ready this step
         self._hooks_s = 0.0  # ... and the time spent in the hooks before it
@@ -191,10 +268,10 @@ class ZenSync(SparseSync):
                 self.inter_partitioner = HashPartitioner(self.world_size // self.local_size, seed)
         super().on_setup()
 
-    # -- the per-tensor plan: hc, bp-coo or bp-bitmap ---------------------------------------------
-    def sparsity(self, index: int) -> Sparsity:
+    # -- the plan of a unit set: hc, bp-coo or bp-bitmap; a carried dense tensor: bp-dense or hc-dense --
+    def set_sparsity(self, members: Sequence[int]) -> Sparsity:
         """The profile as the sparse scheme sees it: over all ranks, or over machines (hierarchical)."""
-        flat = super().sparsity(index)
+        flat = super().set_sparsity(members)
         if not self.hierarchical or self.local_size in (None, 1):
             return flat
         k = self.local_size
@@ -214,141 +291,146 @@ class ZenSync(SparseSync):
         return ZenCost(self.scheme, self.pull, self.merge_s_per_byte)
 
     def plan_times(self, index: int) -> dict[str, float]:
-        """The cost model's seconds for each scheme this tensor may take (SYSTEMS.md's T_bp, T_hc),
-        each with the messages it sends."""
-        traffics = self.scheme_cost().traffics(self.sparsity(index), self.exchanges)
-        return {plan: traffic.seconds(self.network) for plan, traffic in traffics.items()}
+        """The cost model's seconds for each scheme this tensor's unit set may take alone (SYSTEMS.md's
+        T_bp, T_hc), each with the rounds it pays."""
+        s = self.sparsity(index)
+        costs = self.round_costs(s.n)
+        return {plan: t.seconds(costs) for plan, t in self.scheme_cost().traffics(s, self.exchanges).items()}
 
     def plan(self, index: int) -> str:
-        """This tensor's scheme (kept until the next profile): see :meth:`choose_plans`.
-        A tensor forced sparse before its first profile pulls COO, or as ``scheme``/``pull`` say."""
+        """This tensor's plan, as routing chose it (:meth:`decide_routes`). A tensor forced sparse
+        before its first profile pulls COO, or as ``scheme``/``pull`` say."""
         route = self.routes[index]
+        if route.plan is not None:
+            return route.plan
         if route.density is None:
             return "hc" if self.scheme == "hc" else "bp-bitmap" if self.pull == "bitmap" else "bp-coo"
-        if route.plan is None:
-            self.choose_plans([index, *(i for i in self.sparse if i != index)])
-        return route.plan
+        times = self.plan_times(index)  # restored from a checkpoint that held no plan: the fastest alone
+        return min(times, key=times.get)
 
     def batched(self) -> bool:
-        """Do BP tensors of any width share a push and a pull (``batch: backward`` or ``step``, flat mode)?"""
+        """Do all of a step's BP tensors share a push and a pull, and its HC tensors a chain
+        (``batch: backward`` or ``step``, flat mode)?"""
         return self.batch in ("backward", "step") and not (self.hierarchical and self.local_size not in (None, 1))
 
-    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
-        if not self._profile_left:
-            super().on_grad_ready(index, param)
-            return
-        # Backward's own time between gradients: less what the hooks spent (profiling's counting
-        # would otherwise pass for computation and cut batches that nothing overlaps).
-        start = clock.now()
-        self._ready_at[index] = start - self._hooks_s
-        super().on_grad_ready(index, param)
-        self._hooks_s += clock.now() - start
+    def sparse_traffic(self, index: int) -> Traffic:
+        """The traffic of its plan, alone."""
+        s = self.sparsity(index)
+        return alone(self._form(self.unit_set(index)), s.n, self.exchanges)
 
-    def _profile(self) -> None:
-        if self._ready_at:  # this step's readiness, relative to its first gradient (the last profiled step counts)
-            first = min(self._ready_at.values())
-            self.ready_offsets = {i: t - first for i, t in self._ready_at.items()}
-            self._ready_at, self._hooks_s = {}, 0.0
-        super()._profile()
+    def dense_bytes(self, index: int) -> float:
+        """Dense over the split the plans are priced on: all ranks, or the machines on one chunk
+        (hierarchical; the machine's reduce-scatter and allgather would be the same on both paths)."""
+        s = self.set_sparsity((index,))
+        return 2 * (s.n - 1) / s.n * s.units * s.unit_bytes
 
-    def _sparse_groups(self) -> list[list[int]]:
-        """The fused groups; with ``batch: backward`` a BP batch is cut where backward computes, between
-        two of its members' gradients, longer than the batch's push and pull cost: the members before
-        the cut then sync during that computation (their rounds hidden) instead of all after it."""
-        groups = super()._sparse_groups()
-        if self.batch != "backward" or not self.batched() or not self.ready_offsets:
-            return groups
-        out = []
-        for group in groups:
-            if len(group) < 2 or self.plan(group[0]) == "hc" or any(i not in self.ready_offsets for i in group):
-                out.append(group)
-                continue
-            rounds_s = max(self.scheme_cost().traffics(self.sparsity(i), self.exchanges)[self.plan(i)].messages
-                           for i in group) * self.network.latency_s
-            out.append([group[0]])
-            for before, after in zip(group, group[1:], strict=False):
-                if self.ready_offsets[after] - self.ready_offsets[before] > rounds_s:
-                    out.append([])
-                out[-1].append(after)
-        return sorted(out, key=lambda group: self.backward_order.index(group[-1]))
+    # -- routing ---------------------------------------------------------------------------------
+    def decide_routes(self) -> None:
+        """Each tensor's path and plan. Batched, rounds are shared: a BP batch pays its push and pull
+        once for all its tensors, an HC chain its log n swaps once, a dense bucket its allreduce once,
+        so the step is decided as a whole (:meth:`_decide_step`); otherwise each unit set alone, among
+        dense and its plans, each paying its own rounds. Both robustly (:func:`.traffic.decide`)."""
+        if self.world_size == 1:
+            super().decide_routes()  # nothing to share rounds with: only sparse_params go sparse
+        elif self.batched():
+            self._decide_step()
+        else:
+            self._decide_each()
 
-    def choose_plans(self, indices: Sequence[int]) -> None:
-        """Give each profiled tensor of ``indices`` without a plan the one that makes the step fastest.
+    def _decide_each(self) -> None:
+        self.route_decisions = []
+        cost = self.scheme_cost()
+        for members in self.routing_sets():
+            may_sparse, may_dense = self.may_route(members)
+            s = self.set_sparsity(members)
+            costs, options = self.round_costs(s.n), {}
+            if may_dense:
+                dense = sum(self.dense_bytes(i) for i in members)
+                options[BUCKET] = Option(dense, costs.wire_seconds(dense))
+            if may_sparse:
+                options.update({plan: Option(t.nbytes, t.seconds(costs))
+                                for plan, t in cost.traffics(s, self.exchanges).items()})
+            incumbent = self._incumbent(members) if self.profiles > 1 else None
+            decision = decide(options, self.route_margin, incumbent)
+            self.route_decisions.append({"tensors": [self.names[i] for i in members], **decision})
+            self._take(members, decision["chosen"])
 
-        Alone, that is the fastest of :meth:`plan_times`. Batched, BP's two rounds are paid once for
-        every BP tensor of the step, so a tensor's BP costs only its bytes once any tensor takes BP,
-        and HC (whose rounds are its own) wins only where its stages beat that: the tensors choose
-        together, between HC for those it beats BP's bytes on (BP's rounds paid if any stay) and HC
-        for all (no BP round at all)."""
-        todo = [i for i in dict.fromkeys(indices) if self.routes[i].density is not None and self.routes[i].plan is None]
-        if not todo:
-            return
-        cost, exchanges, network = self.scheme_cost(), self.exchanges, self.network
-        traffics = {i: cost.traffics(self.sparsity(i), exchanges) for i in todo}
-        if not self.batched():
-            for i in todo:
-                self.routes[i].plan = min(traffics[i], key=lambda plan: traffics[i][plan].seconds(network))
-            return
-        bytes_only = {i: {plan: dataclasses.replace(t, messages=0).seconds(network) for plan, t in traffics[i].items()
-                          if plan != "hc"} for i in todo}
-        bp = {i: min(options, key=options.get) for i, options in bytes_only.items() if options}
-        hc = {i: traffics[i]["hc"].seconds(network) for i in todo if "hc" in traffics[i]}
-        # The batch's rounds: its push and pull, as many message steps as its largest member's.
-        rounds = max((traffics[i][plan].messages for i, plan in bp.items()), default=0) * network.latency_s
-        mixed = {i: "hc" if i not in bp or (i in hc and hc[i] < bytes_only[i][bp[i]]) else bp[i] for i in todo}
-        stays_bp = any(plan != "hc" for plan in mixed.values())
-        mixed_s = sum(hc[i] if plan == "hc" else bytes_only[i][plan] for i, plan in mixed.items()) + rounds * stays_bp
-        chosen = mixed
-        if stays_bp and len(hc) == len(todo) and sum(hc.values()) < mixed_s:
-            chosen = dict.fromkeys(todo, "hc")
-        for i, plan in chosen.items():
-            self.routes[i].plan = plan
+    def _decide_step(self) -> None:
+        """The step's routing as a whole. Candidates: which carriers the step opens (none, a BP batch,
+        an HC chain, both) and where its dense tensors go (their buckets, or a carrier it opened:
+        dense tensors ride an exchange, they never open one); in each, every unit set takes, among
+        the forms it may, the one with the fewest bytes. A candidate costs its bytes and work, each
+        open carrier's rounds once (:func:`carrier_rounds`) and one allreduce per dense bucket."""
+        cost, n, exchanges = self.scheme_cost(), self.world_size, self.exchanges
+        costs = self.round_costs()
+        sets = self.routing_sets()
+        allowed = {members: self.may_route(members) for members in sets}
+        sparse_forms = {members: cost.forms(self.set_sparsity(members)) if allowed[members][0] else {}
+                        for members in sets}
+        dense_forms = {members: cost.dense_forms(sum(self.params[i].numel() * self.params[i].element_size()
+                                                     for i in members), n) for members in sets}
+        carriers = [c for c in (BP, HC) if self.scheme in ("auto", c)]
+        candidates = {}
+        for opened in ([], [BP], [HC], [BP, HC]):
+            for dense_on in [BUCKET, *opened] if self.carry_dense else [BUCKET]:
+                if any(c not in carriers for c in opened):
+                    continue
+                forms = {}
+                for members in sets:
+                    mine = {plan: f for plan, f in sparse_forms[members].items() if f.carrier in opened}
+                    if allowed[members][1]:
+                        mine[DENSE_PLANS[dense_on]] = dense_forms[members][DENSE_PLANS[dense_on]]
+                    if not mine:
+                        break
+                    forms[members] = min(mine.items(), key=lambda item: item[1].nbytes)
+                else:
+                    if all(any(plan in SPARSE_PLANS and f.carrier == c for plan, f in forms.values()) for c in opened):
+                        candidates[f"{' + '.join(opened) or 'no carrier'}, dense in {dense_on}"] = forms
+        options = {name: self._step_option(forms, costs, exchanges) for name, forms in candidates.items()}
+        step = "the step's tensors"
+        incumbent = next((d["chosen"] for d in self.route_decisions if d["tensors"] == step), None)
+        decision = decide(options, self.route_margin, incumbent if self.profiles > 1 else None)
+        self.route_decisions = [{"tensors": step, **decision}]
+        for members, (plan, _) in candidates[decision["chosen"]].items():
+            self._take(members, plan)
 
-    def auto_sparse(self) -> list[int]:
-        """Batched, a BP tensor does not pay its own rounds: the step's push and pull are paid once for
-        every BP tensor, so pricing each tensor with them alone (the base's verdict) keeps dense what
-        would ride the batch for its bytes. The tensors are routed together: each to the cheapest of
-        dense, HC (its own stages) and BP (its bytes), the batch's rounds charged once if any takes BP,
-        against the routing without a batch (each to dense or HC). Exact for this model where every BP
-        plan takes as many message steps (flat: one exchange each way, COO or bitmap)."""
-        if not self.batched():
-            return super().auto_sparse()
-        cost, network = self.scheme_cost(), self.network
-        without, batched, steps = {}, {}, {}
-        for i in range(len(self.params)):
-            traffics = cost.traffics(self.sparsity(i), self.exchanges)
-            dense = ("dense", self.dense_seconds(i))
-            hc = ("hc", traffics["hc"].seconds(network)) if "hc" in traffics else dense
-            without[i] = min(dense, hc, key=lambda option: option[1])
-            bp = {plan: dataclasses.replace(t, messages=0).seconds(network) for plan, t in traffics.items()
-                  if plan != "hc"}
-            batched[i] = without[i]
-            plan = min(bp, key=bp.get, default=None)
-            if plan is not None and bp[plan] < without[i][1]:
-                batched[i], steps[i] = ("bp", bp[plan]), traffics[plan].messages
-        batch_s = sum(s for _, s in batched.values()) + max(steps.values(), default=0) * network.latency_s
-        chosen = batched if steps and batch_s < sum(s for _, s in without.values()) else without
-        return [i for i, (path, _) in chosen.items() if path != "dense"]
+    def _step_option(self, forms: dict[tuple[int, ...], tuple[str, Form]], costs: RoundCosts,
+                     exchanges: Exchanges) -> Option:
+        chosen = [form for _, form in forms.values()]
+        seconds = sum(costs.wire_seconds(f.nbytes) + f.work_s for f in chosen)
+        for carrier in (BP, HC):  # in a fixed order: every rank must add the same floats alike
+            mine = [f for f in chosen if f.carrier == carrier]
+            if mine:
+                seconds += carrier_rounds(carrier, mine, self.world_size, exchanges).rounds_seconds(costs)
+        in_buckets = {i for members, (plan, _) in forms.items() if plan == BUCKET for i in members}
+        buckets = DenseAllreduce._assign(self, [i for i in self.backward_order if i in in_buckets])
+        return Option(sum(f.nbytes for f in chosen), seconds + len(buckets) * costs.allreduce_s)
+
+    def _incumbent(self, members: Sequence[int]) -> str:
+        route = self.routes[members[0]]
+        return self.plan(members[0]) if route.sparse or route.carried else BUCKET
+
+    def _take(self, members: Sequence[int], plan: str) -> None:
+        """Route a unit set's members as ``plan`` says, from the next set-up on."""
+        for i in members:
+            route = self.routes[i]
+            route.sparse, route.carried = plan in SPARSE_PLANS, plan in ("bp-dense", "hc-dense")
+            route.plan = None if plan == BUCKET else plan
+
+    def _form(self, members: Sequence[int]) -> Form:
+        """What a unit set on the lane moves in its plan."""
+        plan = self.plan(members[0])
+        if plan in SPARSE_PLANS:
+            return self.scheme_cost().forms(self.set_sparsity(members))[plan]
+        nbytes = sum(self.params[i].numel() * self.params[i].element_size() for i in members)
+        return self.scheme_cost().dense_forms(nbytes, self.world_size)[plan]
 
     def forget_plans(self) -> None:
-        """Choose every tensor's scheme again, from the profile, when next asked."""
+        """Drop the routed plans: until the next routing, :meth:`plan` gives each tensor's fastest alone."""
         for route in self.routes:
             route.plan = None
 
-    def sparse_traffic(self, index: int) -> Traffic:
-        """The traffic of the fastest of :meth:`plan_times`."""
-        traffics = self.scheme_cost().traffics(self.sparsity(index), self.exchanges)
-        return min(traffics.values(), key=lambda traffic: traffic.seconds(self.network))
-
-    def dense_seconds(self, index: int) -> float:
-        """Dense over the split the plans are priced on: all ranks, or the machines on one chunk
-        (hierarchical; the machine's reduce-scatter and allgather would be the same on both paths)."""
-        s = self.sparsity(index)
-        return self.ring_seconds(s.units * s.unit_bytes // self.params[index].element_size(),
-                                 self.params[index].element_size(), s.n)
-
     def _route(self) -> None:
-        self.forget_plans()  # a new profile: choose again
         # New routes fuse new groups: drop the owned sets of the old groups' sizes.
         for partitioner in (self.partitioner, getattr(self, "inter_partitioner", None)):
             if partitioner is not None:
@@ -367,44 +449,130 @@ class ZenSync(SparseSync):
             self.merge_s_per_byte, = self.agreed([merge_seconds_per_byte(device=self.device)], slowest=True)
         super()._route()
 
+    # -- groups: a BP batch and an HC chain a step, cut where backward computes -------------------
+    def on_grad_ready(self, index: int, param: torch.nn.Parameter) -> None:
+        if not self._profile_left:
+            super().on_grad_ready(index, param)
+            return
+        # Backward's own time between gradients: less what the hooks spent (profiling's counting
+        # would otherwise pass for computation and cut batches that nothing overlaps).
+        start = clock.now()
+        self._ready_at[index] = start - self._hooks_s
+        super().on_grad_ready(index, param)
+        self._hooks_s += clock.now() - start
+
+    def _profile(self) -> None:
+        if self._ready_at:  # this step's readiness, relative to its first gradient (the last profiled step counts)
+            first = min(self._ready_at.values())
+            self.ready_offsets = {i: t - first for i, t in self._ready_at.items()}
+            self._ready_at, self._hooks_s = {}, 0.0
+        super()._profile()
+
     def group_key(self, index: int):
         plan = self.plan(index)
         if self.batch == "tensor":
             return ("tensor", index)
-        if plan != "hc" and self.batched():
-            return ("bp",)  # one push and one pull for every BP tensor: its sections are made per step
+        if self.batched():
+            return (CARRIER[plan],)  # one batch per carrier: its sections are made per step
         return (*super().group_key(index), plan)
 
-    def section_key(self, index: int) -> tuple[str, int, str]:
-        """Members with one key share a section of a batch: dtype, unit width and plan."""
-        return str(self.params[index].dtype), self.unit_width(index), self.plan(index)
+    def section_key(self, index: int) -> tuple[str, str, int]:
+        """Members with one key share a section of a batch or a chain: dtype, plan and unit width."""
+        plan = self.plan(index)
+        width = self.set_width(self.unit_set(index)) if plan in SPARSE_PLANS else 1
+        return str(self.params[index].dtype), plan, width
+
+    def _sparse_groups(self) -> list[list[int]]:
+        """The fused groups; with ``batch: backward`` a batch or chain is cut where backward computes,
+        between two of its unit sets' gradients, longer than its rounds cost (by more than
+        ``route_margin``: readiness is measured too): the sets before the cut then sync during that
+        computation (their rounds hidden) instead of all after it. A tensor ready early (an LSTM's
+        output table) is so not held back by one ready at the end (its input table)."""
+        groups = super()._sparse_groups()
+        if self.batch != "backward" or not self.batched() or not self.ready_offsets:
+            return groups
+        out = []
+        for group in groups:
+            sets = self.sets_in(group)
+            if len(sets) < 2 or any(i not in self.ready_offsets for i in group):
+                out.append(group)
+                continue
+            carrier = CARRIER[self.plan(group[0])]
+            rounds = carrier_rounds(carrier, [self._form(members) for members in sets], self.world_size, self.exchanges)
+            threshold = (1 + self.route_margin) * rounds.rounds_seconds(self.round_costs())
+            out.append(list(sets[0]))
+            for before, after in itertools.pairwise(sets):
+                if self._ready(after) - self._ready(before) > threshold:
+                    out.append([])
+                out[-1] += after
+        return sorted(out, key=self.ready_position)
+
+    def _ready(self, members: Sequence[int]) -> float:
+        return max(self.ready_offsets[i] for i in members)
+
+    def index_units(self, members: Sequence[int]) -> int:
+        return self.units(members[0]) if self.plan(members[0]) in SPARSE_PLANS else 0
 
     def group_rounds(self, group: list[int]) -> int:
         """Collectives one fused group issues on its busiest rank: a push and a pull, or HC's stages."""
-        if self.plan(group[0]) == "hc":
-            return self.scheme_cost().hc(self.sparsity(group[0]), self.exchanges).rounds
-        return 2
+        if CARRIER[self.plan(group[0])] == HC:
+            return doubling_rounds(self.sparsity(group[0]).n)
+        return PUSH_PULL_ROUNDS
 
-    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
-        if len({self.section_key(i) for i in job.members}) == 1:
+    # -- syncing a group ---------------------------------------------------------------------------
+    def _sync_group(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int | None]]:
+        if self.batched() and CARRIER[self.plan(job.members[0])] == HC:
+            return self._sync_chain(job)
+        keys = {self.section_key(i) for i in job.members}
+        if len(keys) == 1 and self.plan(job.members[0]) in SPARSE_PLANS:
             return super()._sync_group(job)
-        return self._sync_sections(job)
+        return self._sync_batch(job)
 
-    def _sync_sections(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int]]:
-        """A batch of BP tensors of several widths, dtypes or pull formats: one push, one pull."""
-        by_key: dict[tuple, list[int]] = {}
-        for i in job.members:
-            by_key.setdefault(self.section_key(i), []).append(i)
+    def _sections(self, job: GroupJob) -> dict[tuple[str, str, int], list[tuple[int, ...]]]:
+        """A group's unit sets by section, in group order."""
+        by_key: dict[tuple[str, str, int], list[tuple[int, ...]]] = {}
+        for members in self.sets_in(job.members):
+            by_key.setdefault(self.section_key(members[0]), []).append(members)
+        return by_key
+
+    def _dense_values(self, job: GroupJob, sets: list[tuple[int, ...]]) -> torch.Tensor:
+        """Carried dense tensors' gradients laid end to end, scaled by 1/n as DDP's bucket does (so
+        exact data gives its bits); zeros for one with no gradient on this rank."""
+        pieces = []
+        for i in (i for members in sets for i in members):
+            grad = job.grads[i][0] if i in job.grads else torch.zeros_like(self.params[i])
+            grad = grad.to_dense() if grad.is_sparse else grad
+            pieces.append(torch.mul(grad.reshape(-1), 1.0 / self.world_size))
+        return torch.cat(pieces)
+
+    def _dense_grads(self, job: GroupJob, sets: list[tuple[int, ...]],
+                     flat: torch.Tensor) -> list[tuple[int, torch.Tensor, None]]:
+        """The summed dense vector back into each member's gradient, in the layout it came in."""
+        out, at = [], 0
+        for i in (i for members in sets for i in members):
+            p = self.params[i]
+            average = flat[at: at + p.numel()].view(p.shape)
+            at += p.numel()
+            sparse_dim = job.grads[i][1] if i in job.grads else self.routes[i].sparse_dim
+            out.append((i, average if sparse_dim is None else to_sparse_slices(average, sparse_dim), None))
+        return out
+
+    def _sync_batch(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int | None]]:
+        """A BP batch of several sections (widths, dtypes, pull formats, dense tensors): one push, one pull."""
         comm, parts, start = self.sparse_comm, [], 0
         with self.timed("encode"):
-            for (_, width, plan), members in by_key.items():
-                offsets, ids, values = self.encode_units(job, members, width, self.params[members[0]].dtype, start)
-                parts.append((plan, members, offsets, ids, values))
+            for (_, plan, width), sets in self._sections(job).items():
+                if plan == "bp-dense":
+                    parts.append((plan, sets, None, None, self._dense_values(job, sets)))
+                    continue
+                offsets, ids, values = self.encode_units(job, sets, width, self.params[sets[0][0]].dtype, start)
+                parts.append((plan, sets, offsets, ids, values))
                 start = offsets[-1]
         received = sections.push(comm, [(ids, values) for *_, ids, values in parts], self.partitioner.group,
                                  self.timed)
         with self.timed("decode"):
-            sums = [pushpull.aggregate(pieces) for pieces in received]
+            sums = [pushpull.aggregate(pieces) if pieces[0][0] is not None else (None, sum_in_rank_order(pieces))
+                    for pieces in received]
         owned: list[list[torch.Tensor] | None] = [None] * len(parts)
         if any(plan == "bp-bitmap" for plan, *_ in parts):
             everyone = self.partitioner.owned(start, self.device)
@@ -413,9 +581,36 @@ class ZenSync(SparseSync):
         pulled = sections.pull(comm, sums, owned, self.timed)
         out = []
         with self.timed("decode"):
-            for (_, members, offsets, *_), pieces in zip(parts, pulled, strict=True):
-                out += self.decode_units(job, members, offsets, torch.cat([p[0] for p in pieces]),
+            for (plan, sets, offsets, *_), pieces in zip(parts, pulled, strict=True):
+                if plan == "bp-dense":
+                    out += self._dense_grads(job, sets, torch.cat([piece for _, piece in pieces]))
+                    continue
+                out += self.decode_units(job, sets, offsets, torch.cat([p[0] for p in pieces]),
                                          torch.cat([p[1] for p in pieces]))
+        return out
+
+    def _sync_chain(self, job: GroupJob) -> list[tuple[int, torch.Tensor, int | None]]:
+        """An HC chain of several sections (widths, dtypes, dense tensors): one swap per stage."""
+        parts, specs = [], []
+        with self.timed("encode"):
+            for (_, plan, width), sets in self._sections(job).items():
+                dtype = self.params[sets[0][0]].dtype
+                if plan == "hc-dense":
+                    flat = self._dense_values(job, sets)
+                    parts.append((plan, sets, None, Partial(None, flat.view(-1, 1))))
+                    specs.append(Section(flat.numel(), 1, dtype))
+                    continue
+                offsets, ids, values = self.encode_units(job, sets, width, dtype)
+                parts.append((plan, sets, offsets, Partial(ids, values)))
+                specs.append(Section(offsets[-1], width, dtype))
+        totals = SectionedDoubling(self.sparse_comm, specs, self.timed).run([part for *_, part in parts])
+        out = []
+        with self.timed("decode"):
+            for (plan, sets, offsets, _), total in zip(parts, totals, strict=True):
+                if plan == "hc-dense":
+                    out += self._dense_grads(job, sets, total.values.reshape(-1))
+                else:
+                    out += self.decode_units(job, sets, offsets, total.indices, total.values)
         return out
 
     def sync_sparse(self, group: list[int], units: int, width: int, ids: torch.Tensor, values: torch.Tensor):
@@ -464,8 +659,9 @@ class ZenSync(SparseSync):
 
     def routing(self):
         table = super().routing()
-        for i in self.sparse:
-            table[self.names[i]]["plan"] = self.plan(i)
+        for i, route in enumerate(self.routes):
+            if route.sparse or route.carried:
+                table[self.names[i]]["plan"] = self.plan(i)
         return table
 
     def state_dict(self):
@@ -484,3 +680,11 @@ class ZenSync(SparseSync):
     def load_state_dict(self, state) -> None:
         self.merge_s_per_byte = float(state.get("merge_s_per_byte", 0.0))
         super().load_state_dict(state)
+
+
+def sum_in_rank_order(pieces: list[tuple[None, torch.Tensor]]) -> torch.Tensor:
+    """A server's sum of its dense slice from every source, rank 0's first: the same bits on every run."""
+    total = pieces[0][1].clone()
+    for _, piece in pieces[1:]:
+        total += piece
+    return total

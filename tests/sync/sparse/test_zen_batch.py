@@ -145,23 +145,24 @@ def test_doubling_rounds_count_the_busiest_rank():
 
 def _plans(rank, world, batch):
     names = [f"t{k}" for k in range(4)]
-    params = {n: torch.nn.Parameter(torch.zeros(1000, 4)) for n in names}
-    sync = ZenSync(sparse_params=names, batch=batch, profile_steps=1, network_latency="10ms")
+    params = {n: torch.nn.Parameter(torch.zeros(100_000, 4)) for n in names}
+    sync = ZenSync(sparse_params=names, batch=batch, profile_steps=1, network_latency="100us")
     sync.setup(list(params.items()))
-    for route in sync.routes:  # identical index sets on every worker: HC's stages send little
+    for route in sync.routes:  # identical index sets on every worker: BP's pull is as small as it gets
         route.density, route.gamma, route.gammas, route.width = 0.01, 1.0, [1.0, 1.0, 1.0], 4
-    sync.forget_plans()
-    sync.choose_plans(sync.sparse)
-    return [sync.plan(i) for i in sync.sparse]
+    sync.decide_routes()
+    return [sync.plan(i) for i in range(len(names))]
 
 
-def test_batched_bp_shares_its_rounds_when_choosing_against_hc():
-    """Alone, each tensor's HC (2 swaps) beats BP (a push and a pull to 3 peers) at a 10 ms alpha;
-    batched, four tensors' HC pays 8 swaps where BP's 6 message steps are paid once."""
+def test_carriers_rounds_are_paid_once_per_step_when_choosing_plans():
+    """Each table: BP sends 30 KB (240 us at 1 Gbit/s) in a push and a pull to 3 peers (6 x 100 us), HC
+    40 KB (320 us) in 2 swaps (200 us). Alone, HC is faster by more than the margin; batched, the four
+    tables share either carrier's rounds (BP 1.56 ms, HC 1.48 ms), within the margin of each other, and
+    the fewer bytes decide: BP."""
     alone = run_workers(_plans, 4, "width")
     together = run_workers(_plans, 4, "step")
     assert all(plans == ["hc"] * 4 for plans in alone), alone
-    assert all(all(p.startswith("bp") for p in plans) for plans in together), together
+    assert all(plans == ["bp-coo"] * 4 for plans in together), together
 
 
 def test_sections_frame_round_trip_and_reject_bad_lengths():
@@ -227,15 +228,19 @@ def test_every_sparse_sync_routes_on_the_same_measured_alpha_and_configured_band
             assert cfg.sync.network_bandwidth == "100mbit", name
 
 
-def _cut(rank, world, pause_s):
-    """Two sparse tables whose gradients come ``pause_s`` of 'backward' apart."""
-    params = {"late": torch.nn.Parameter(torch.zeros(50, 4)), "early": torch.nn.Parameter(torch.zeros(40, 4))}
-    sync = ZenSync(scheme="bp", pull="coo", sparse_params=list(params), profile_steps=1, network_latency="10ms")
+def _cut(rank, world, pause_s, scheme, early="sparse"):
+    """Two tables of different widths whose gradients come ``pause_s`` of 'backward' apart; the early
+    one sparse, or dense and carried in Zen's exchange (early="dense")."""
+    params = {"late": torch.nn.Parameter(torch.zeros(50, 3)), "early": torch.nn.Parameter(torch.zeros(40, 4))}
+    sparse = list(params) if early == "sparse" else ["late"]
+    sync = ZenSync(scheme=scheme, pull="coo", sparse_params=sparse, profile_steps=1, network_latency="10ms")
     sync.setup(list(params.items()))
     seen = []
     for step in range(3):
-        grads = {n: torch.sparse_coo_tensor(torch.tensor([[rank, 7 + step]]), torch.ones(2, 4), p.shape).coalesce()
+        grads = {n: torch.sparse_coo_tensor(torch.tensor([[rank, 7 + step]]), torch.ones(2, p.shape[1]), p.shape).coalesce()
                  for n, p in params.items()}
+        if early == "dense":
+            grads["early"] = torch.full((40, 4), float(rank + step))
         params["early"].grad = grads["early"].clone()
         sync.grad_ready(params["early"])
         time.sleep(pause_s)  # backward's computation between the two gradients
@@ -245,6 +250,7 @@ def _cut(rank, world, pause_s):
         stats = sync.finish_step()
         exact = all(torch.equal(params[n].grad.to_dense(), _summed(grads[n], world)) for n in params)
         seen.append(([(r.op, r.start < resumed) for r in stats.collectives], exact, len(sync.groups)))
+    assert early == "sparse" or sync.routing()["early"]["plan"] == f"{scheme}-dense"
     return seen
 
 
@@ -254,14 +260,19 @@ def _summed(grad, world):
     return total
 
 
-def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds():
-    for seen in run_workers(_cut, 4, 0.3):  # 0.3 s of computation against 6 message steps of 10 ms
+@pytest.mark.parametrize("scheme", ["bp", "hc"])
+@pytest.mark.parametrize("early", ["sparse", "dense"])
+def test_a_batch_is_cut_where_backward_computes_longer_than_its_rounds(scheme, early):
+    # BP's batch: a push and a pull; HC's chain: 2 swaps at 4 ranks, whatever the widths it carries,
+    # a dense tensor's values among them.
+    rounds = ["push", "pull"] if scheme == "bp" else ["swap", "swap"]
+    for seen in run_workers(_cut, 4, 0.3, scheme, early):  # 0.3 s of computation against 6 message steps of 10 ms
         for ops, exact, groups in seen[1:]:
             assert exact and groups == 2
-            assert ops == [("push", True), ("pull", True), ("push", False), ("pull", False)], ops
-    for seen in run_workers(_cut, 4, 0.0):  # no computation between them: one batch
+            assert ops == [(op, True) for op in rounds] + [(op, False) for op in rounds], ops
+    for seen in run_workers(_cut, 4, 0.0, scheme, early):  # no computation between them: one batch
         for ops, exact, groups in seen[1:]:
-            assert exact and groups == 1 and [op for op, _ in ops] == ["push", "pull"], ops
+            assert exact and groups == 1 and [op for op, _ in ops] == rounds, ops
 
 
 def _train(out, *overrides):
@@ -275,9 +286,11 @@ def _train(out, *overrides):
 
 
 def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_path):
-    # One routing for both (auto's would differ: batched, BP's rounds are shared), so only the exchange differs.
-    batched = _train(tmp_path / "batched", "sync.batch=step", "sync.route=sparse")
-    alone = _train(tmp_path / "alone", "sync.batch=tensor", "sync.route=sparse")
+    # One routing for both (auto's would differ: batched, rounds are shared), so only the exchange differs:
+    # the same tensors sparse, BP for each, the dense ones in their buckets.
+    fixed = ("sync.route=sparse", "sync.scheme=bp", "sync.carry_dense=false")
+    batched = _train(tmp_path / "batched", "sync.batch=step", *fixed)
+    alone = _train(tmp_path / "alone", "sync.batch=tensor", *fixed)
     assert batched["param_sha256"] == alone["param_sha256"]
     sparse = [name for name, route in batched["routing"].items() if route["path"] == "sparse"]
     assert len(sparse) >= 2, batched["routing"]
@@ -285,6 +298,11 @@ def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_p
         assert summary["collectives_per_step"] == summary["collectives_priced"]
         assert 0 <= summary["comm_overlap"] <= 1 and summary["comm_in_flight_s"] > 0
     assert batched["collective_ops"]["push"]["per_step"] == 1
+    # The routing's decisions, as made: the step's as a whole batched, each tensor's alone.
+    step, = batched["route_decisions"]
+    assert step["tensors"] == "the step's tensors" and step["chosen"] in step["options"]
+    assert batched["route_margin"] == 0.15 and {d["chosen"] for d in alone["route_decisions"]} <= {"bucket", "bp-coo",
+                                                                                                  "bp-bitmap"}
 
 
 def _auto_routes(rank, world, batch, latency):
@@ -295,18 +313,21 @@ def _auto_routes(rank, world, batch, latency):
     sync.setup(list(params.items()))
     for route in sync.routes:
         route.seen, route.density, route.gamma, route.gammas, route.width = True, 0.01, 4.0, [1.0, 2.0, 4.0], 4
-    chosen = sync.auto_sparse()
-    priced = {i: (sync.dense_seconds(i), sync.plan_times(i)) for i in range(len(names))}
-    return chosen, priced
+    sync.decide_routes()
+    return sync.sparse, sync.route_decisions
 
 
-def test_auto_routing_under_a_batch_charges_bp_rounds_once_per_step():
-    """At a 110 us alpha each table alone is cheaper dense than sparse (BP's rounds, HC's stages), so
-    routed tensor by tensor all eight stay dense; in one batch BP's rounds are paid once and all eight
-    go sparse. Too high an alpha for even the shared rounds keeps them dense again."""
-    alone = run_workers(_auto_routes, 4, "tensor", "110us")
-    for chosen, priced in alone:
+def test_auto_routing_under_a_batch_charges_rounds_once_per_step():
+    """At a 130 us alpha each table alone is faster dense (24 KB, 192 us, its bucket's allreduce shared)
+    than by its fewest-bytes scheme, HC (600 bytes in 2 swaps, 265 us), by more than the margin: routed
+    tensor by tensor all eight stay dense. Batched, one chain's 2 swaps carry all eight, against the
+    bucket's allreduce of 192 KB: all eight go sparse."""
+    for chosen, decisions in run_workers(_auto_routes, 4, "tensor", "130us"):
         assert chosen == []
-        assert all(min(plans.values()) > dense for dense, plans in priced.values()), priced
-    assert all(chosen == list(range(8)) for chosen, _ in run_workers(_auto_routes, 4, "step", "110us"))
-    assert all(chosen == [] for chosen, _ in run_workers(_auto_routes, 4, "step", "5ms"))
+        assert len(decisions) == 8 and all(d["default"] == "hc" and d["chosen"] == "bucket" for d in decisions)
+        for d in decisions:
+            assert d["options"]["hc"]["seconds"] > (1 + d["margin"]) * d["options"]["bucket"]["seconds"]
+    for chosen, decisions in run_workers(_auto_routes, 4, "step", "130us"):
+        assert chosen == list(range(8))
+        step, = decisions
+        assert step["chosen"] == step["default"] == "hc, dense in bucket", step
