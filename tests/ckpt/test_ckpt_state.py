@@ -2,6 +2,7 @@
 
 import os
 import random
+import threading
 import time
 
 import numpy as np
@@ -70,17 +71,47 @@ def test_resume_restores_rng_optimizer_scheduler_and_data_position(stop, tmp_pat
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters(), strict=True))
 
 
-def test_highfreq_sets_the_interval_from_the_probe_checkpoint_without_waiting_for_it(tmp_path):
+class _ReturnedFromSave(DiskCheckpointer):
+    """Sets ``returned`` each time a save has returned to training."""
+
+    def __init__(self, returned, **kwargs):
+        super().__init__(**kwargs)
+        self.returned = returned
+
+    def save(self, *args, **kwargs):
+        super().save(*args, **kwargs)
+        self.returned.set()
+
+
+def test_highfreq_sets_the_interval_from_the_probe_checkpoint_without_waiting_for_it(tmp_path, monkeypatch):
     # At 2 Mbit/s a checkpoint (tens of kB) lasts far longer than a step: K = ceil(t_ckpt / T_iter) > 1.
-    checkpointer = DiskCheckpointer(every="highfreq", dir=str(tmp_path), keep=100, bandwidth="2mbit")
+    # The probe's write is held back until its save has returned to training: a save that waited for its
+    # write would wait on the hold (until it gives up), and training with it.
+    from ddlscale.ckpt.disk import writer as disk_writer
+
+    returned, held, storage_writer = threading.Event(), [], disk_writer.storage_writer
+
+    def held_back(*args, **kwargs):
+        storage = storage_writer(*args, **kwargs)
+        write_data = storage.write_data
+
+        def write_after_the_save_returned(*a, **kw):
+            if not held:  # the probe's
+                held.append(returned.wait(60))
+            return write_data(*a, **kw)
+
+        storage.write_data = write_after_the_save_returned
+        return storage
+
+    monkeypatch.setattr(disk_writer, "storage_writer", held_back)
+    checkpointer = _ReturnedFromSave(returned, every="highfreq", dir=str(tmp_path), keep=100, bandwidth="2mbit")
     _fit(400, checkpointer)
     steps = sorted(read_manifest(p).step for p in list_manifests(tmp_path))
     k = checkpointer.interval
     assert steps[0] == 3 and k > 1 and len(steps) >= 2 and steps[1] > 3  # the next once the probe is written
     assert checkpointer.due(steps[1] + k) and not checkpointer.due(steps[1] + 1)  # then every K steps
     assert all(b - a == k for a, b in zip(steps[1:], steps[2:], strict=False))
-    probe = checkpointer.write_timings[0]
-    assert checkpointer.times[0] < probe["written_s"] / 2  # training did not wait for the probe's write
+    assert held == [True]  # training did not wait for the probe's write: it was still held back
     assert k >= (steps[1] - 3) / 2  # K from the whole write, which the steps until its settling also took
 
 

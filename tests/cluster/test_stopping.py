@@ -25,7 +25,7 @@ def _train(*overrides, env=None):
                             env={**os.environ, **(env or {})})
 
 
-def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 180) -> None:
+def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeout: float = 600) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         metrics = run_dir / "metrics.csv"
@@ -53,11 +53,14 @@ def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
             os.kill(launcher.pid, signum)
         else:
             os.killpg(launcher.pid, signum)  # a terminal's Ctrl-C: the whole foreground group
-        while time.monotonic() - sent < 10 and any(start_time(p) == t for p, t in started.items()):
+        # The workers get stop.GRACE_S (5 s) before they are killed; the resource tracker goes with the
+        # launcher, which then writes the summary. A busy host stretches that several times over: what
+        # is checked is that nothing is left, long before a run of 100000 steps would end.
+        while time.monotonic() - sent < 60 and any(start_time(p) == t for p, t in started.items()):
             time.sleep(0.1)
         alive = [p for p, t in started.items() if start_time(p) == t]
-        output = launcher.communicate(timeout=30)[0]
-        assert not alive, f"processes alive 10 s after the signal: {alive}\n{output[-3000:]}"
+        output = launcher.communicate(timeout=120)[0]
+        assert not alive, f"processes alive 60 s after the signal: {alive}\n{output[-3000:]}"
     finally:
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
@@ -96,9 +99,15 @@ def test_sighup_stops_the_launcher_and_kills_a_child_that_ignores_sigterm():
     child = int(launcher.stdout.readline())
     started = start_time(child)
     launcher.send_signal(signal.SIGHUP)
-    assert launcher.wait(timeout=10) == 128 + signal.SIGHUP
+    # About 2.3 s at load 5 on 2 cores (the 1 s grace, then the launcher's exit): 60 s is for a busy host.
+    assert launcher.wait(timeout=60) == 128 + signal.SIGHUP
     assert "stopped by SIGHUP" in launcher.stdout.read()
-    assert start_time(child) != started  # killed after the grace period (it ignored SIGTERM)
+    # Killed after the grace period (it ignored SIGTERM). SIGKILL was sent before the launcher exited;
+    # the child dies when the host next runs it, which on a busy one may come after this line.
+    deadline = time.monotonic() + 30
+    while start_time(child) == started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert start_time(child) != started
 
 
 @pytest.mark.e2e
@@ -107,18 +116,19 @@ def test_sighup_stops_the_launcher_and_kills_a_child_that_ignores_sigterm():
 def test_a_rank_mismatched_collective_fails_instead_of_hanging(tmp_path, debug):
     """Rank 1 issues one collective more. With the debug check, rank 1 names both collectives and rank 0
     gives up on rank 1 after strategy.timeout_s (the configured 10 s); without it, the collectives
-    themselves give up after strategy.timeout_s (slow: the same timeout, already shown)."""
+    themselves give up after strategy.timeout_s (slow: the same timeout, already shown). A hang would
+    last torch's default timeout (30 minutes); the 8 minutes allowed here leave a busy host time to start
+    the run and reach the extra collective (no measure of how fast it does)."""
     out = tmp_path / "run"
-    started = time.monotonic()
     run = _train(*TINY, "trainer.max_steps=50", "sync._target_=mismatched_sync.ExtraCollectiveOnRank1",
                  "strategy.timeout_s=10", f"strategy.debug_collectives={str(debug).lower()}",
                  f"hydra.run.dir={out}", *QUIET, env={"PYTHONPATH": str(ROOT / "tests")})
     try:
-        output = run.communicate(timeout=150)[0]
+        output = run.communicate(timeout=480)[0]
     finally:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGKILL)
-    assert run.returncode != 0 and time.monotonic() - started < 120, output[-3000:]
+    assert run.returncode != 0, output[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["sync"] == "mismatched_sync.ExtraCollectiveOnRank1"
     if debug:  # rank 0 (whose summary this is) names the rank it waited for
@@ -157,8 +167,8 @@ def test_down_all_removes_only_clusters_whose_owner_is_gone(tmp_path, monkeypatc
         assert len(list_namespaces(f"{live_name}-")) == 2 and f"owned by running process {live.pid}" in said
         assert len(list_namespaces(f"{kept.name}-")) == 2 and f"{kept.name}: left up (kept by `up`" in said
     finally:
-        live.terminate()  # its SIGTERM handler tears its cluster down
-        assert live.wait(timeout=30) is not None
+        live.terminate()  # its SIGTERM handler tears its cluster down (a busy host: tens of seconds)
+        assert live.wait(timeout=120) is not None
         kept.down()
         for name in (live_name, dead_name):
             assert not list_namespaces(f"{name}-")

@@ -85,12 +85,22 @@ def test_never_worse_than_the_best_uniform_plan():
         assert result.iteration_s <= uniform + 1e-12, trial
 
 
-def test_300_tensors_plan_in_under_5_seconds():
+def _plan_300_tensors():
     profile = random_profile(random.Random(300), 300, world_size=16)
     model = cost_model(profile)
     started = time.perf_counter()
     plan = espresso_plan(profile, model, cupcake_option=Option("default", "allgather"), offload=True)
-    elapsed = time.perf_counter() - started
+    return plan, time.perf_counter() - started
+
+
+def test_300_tensors_plan_whole():
+    plan, _ = _plan_300_tensors()
+    assert sum(len(u.names) for u in plan.units) == 300
+
+
+@pytest.mark.slow  # a speed check (1.1 s on 2 cores at load 5): a busy host can make it anything
+def test_300_tensors_plan_in_under_5_seconds():
+    plan, elapsed = _plan_300_tensors()
     assert sum(len(u.names) for u in plan.units) == 300
     assert elapsed < 5.0, f"planning 300 tensors took {elapsed:.2f} s"
 

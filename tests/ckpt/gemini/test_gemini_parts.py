@@ -29,6 +29,14 @@ from ddlscale.ckpt.version.checksum import Checksum, checksum, matches
 from ddlscale.paths import CONF_DIR
 
 
+def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    """Wait for ``condition()``, which another thread makes true: a busy host may take seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
 # -- snapshots ------------------------------------------------------------------------------------
 def _payload():
     torch.manual_seed(0)
@@ -233,12 +241,14 @@ def test_unreachable_agent_and_store_fail_clearly(job):
 
 @pytest.mark.multiprocess
 def test_agents_elect_one_root_that_reports_a_dead_machine(job):
-    agents = [job.agent(m, 3, heartbeat_s=0.1, failure_timeout_s=0.6) for m in range(3)]
-    time.sleep(0.5)
+    # A silence of failure_timeout_s means a dead machine: 2 s, which a live agent's 0.1 s heartbeats never
+    # leave on a busy host either (all three agents' threads share this process).
+    agents = [job.agent(m, 3, heartbeat_s=0.1, failure_timeout_s=2.0) for m in range(3)]
+    _until(lambda: any(a.is_root for a in agents), "no root elected")
     assert sum(a.is_root for a in agents) == 1
     root = next(a for a in agents if a.is_root)
     root.stop()  # the root's machine dies: another agent must take over and report it
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and job.store.get(job.keys.failed(root.machine)) is None:
         time.sleep(0.1)
     assert job.store.get(job.keys.failed(root.machine)) is not None
@@ -303,6 +313,9 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     snapshot = capture({"x": data}, set())
     sender.submit(Transfer(5, snapshot))
     sender.iteration_started()
+    # The sender thread runs when the host lets it: wait for what it must send; the sleeps give it time
+    # to send more than it may (which a busy host can only hide, never fake).
+    _until(lambda: len(recorder.sent) >= 2, "gap 0's chunks not sent")
     time.sleep(0.1)
     assert len(recorder.sent) == 2  # gap 0's quota
     state["wire"] = Wire(completed=0, idle=False, finished=False)  # a collective in flight
@@ -311,6 +324,7 @@ def test_sender_fills_only_idle_gaps_up_to_the_plan_and_the_rest_at_the_deadline
     time.sleep(0.05)
     assert len(recorder.sent) == 2
     state["wire"] = Wire(completed=0, idle=True, finished=True)  # after the last collective
+    _until(lambda: len(recorder.sent) >= 3, "the last gap's chunk not sent")
     time.sleep(0.1)
     assert len(recorder.sent) == 3
     assert all(w.idle for w in recorder.sent)

@@ -28,8 +28,9 @@ import numpy as np
 import pytest
 import torch
 
+from ddlscale.paths import CSRC_DIR as CSRC
 from ddlscale.sync.sparse import cuda_ops, native
-from ddlscale.sync.sparse.cuda_ops import CSRC, KERNELS, CudaOps, divider, kernel_source
+from ddlscale.sync.sparse.cuda_ops import KERNELS, CudaOps, divider, kernel_source
 from ddlscale.sync.sparse.kernels import (
     pack_bits_reference,
     partition_reference,

@@ -373,7 +373,7 @@ def _overlap(rank, world):
         emb.zero_grad()
         emb(torch.tensor([rank, 7])).sum().backward()
         sync.grad_ready(emb.weight)
-        time.sleep(0.3)  # the rest of backward
+        time.sleep(1.0)  # the rest of backward: long enough for both rounds to run in it on a busy host too
         finishing = time.perf_counter()
         stats = sync.finish_step()
     ops = [(r.op, r.start < finishing) for r in stats.collectives]
