@@ -68,6 +68,9 @@ class PowerSGD(Compressor):
     - ``compress`` / ``decompress``: one rank's own approximation (for gather-style schemes). Not
       summable: factors of different ranks do not add up to factors of the sum.
     - :meth:`reduce`: the allreduce-compatible path, two allreduces of small factors per tensor.
+      CompressSync's allreduce scheme runs a fused group through :meth:`reduce_many` with each
+      member named by its own tensor, so a tensor's warm-started Q is its own in any group: it
+      follows the tensor when a plan (Espresso's, Cupcake's, a re-plan) regroups it.
 
     Factors travel as float32 (float64 for float64 gradients): a bf16 Gram-Schmidt loses the
     orthogonality the decoding relies on.
@@ -99,6 +102,8 @@ class PowerSGD(Compressor):
         return torch.float64 if dtype == torch.float64 else torch.float32
 
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
+        if kept is not None:  # factor-sized elements, summed over a fused group's members by the planners
+            return kept * float_bytes(self.factor_dtype(dtype))
         dims = self.matrix_shape((shape,) if isinstance(shape, int) else tuple(shape))
         if dims is None:
             return numel_of(shape) * float_bytes(dtype)

@@ -200,7 +200,8 @@ def plan_fusion(units: Sequence[Unit], model: CostModel, option_of: Callable[[in
     def row_cost(i: int) -> tuple[list[int], np.ndarray]:
         end = min(run_end[i], prefix.run_end[i])
         ready = readies[i:end]  # group [i, j) is complete when its last gradient, j - 1, is
-        lag = np.broadcast_to(model.lag(ready, options[i]), ready.shape)
+        tensors = prefix.tensors[i + 1:end + 1] - prefix.tensors[i]  # a fused group waits for its family's fused lag
+        lag = np.broadcast_to(model.lag(ready, options[i], tensors), ready.shape)
         return list(range(i + 1, end + 1)), np.vstack([ready, *prefix.row_costs(i, end, model, options[i]), lag])
 
     # Fusing changes no unit's option, so the plan's fixed cost per step (zen's rounds) is known.

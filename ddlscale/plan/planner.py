@@ -10,13 +10,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
+
 from ddlscale import clock
 from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import iteration_time
 from ddlscale.compress import Compressor
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
-from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit, check_scheme, element_size, fuse, units_of
+from ddlscale.plan.pricing import (
+    DENSE,
+    SCHEMES,
+    CostModel,
+    Option,
+    Unit,
+    check_scheme,
+    element_size,
+    fuse,
+    units_of,
+)
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan, per_unit_savings, plan_time, uniform_time
 
@@ -28,16 +40,6 @@ def cost_model(profile: Profile, compressors: dict[str, Compressor] | None = Non
     return CostModel(profile, compressors, world_size, network)
 
 
-def check_plannable(compressor: Compressor | None, key: str) -> None:
-    """Refuse a compressor the cost model does not price: PowerSGD's work runs inside its own
-    allreduces after backward, one low-rank matrix per member of a fused group, where the model
-    overlaps a group's encode with backward and prices a fused buffer as one flat payload."""
-    if compressor is not None and hasattr(compressor, "reduce"):
-        raise ValueError(f"{key}: compressor={compressor.name} is not priced by the planners' cost model (its work "
-                         f"runs inside its allreduces, after backward): train with it under sync=compress "
-                         f"compressor={compressor.name} sync.comm=allreduce")
-
-
 def configured_option(model: CostModel, comm: str = "allgather", hierarchical: bool = False) -> Option:
     """The uniform choice of the config: the configured compressor under ``sync.comm``, or dense
     allreduce when no compressor is configured (then fusion alone is planned)."""
@@ -46,8 +48,9 @@ def configured_option(model: CostModel, comm: str = "allgather", hierarchical: b
         return Option("none", "allreduce", hierarchical and model.hierarchical_possible)
     option = Option("default", comm, hierarchical and model.hierarchical_possible)
     if not model.allows(option):
-        raise ValueError(f"sync.comm={comm} cannot carry compressor {model.compressors['default'].name} "
-                         "(allreduce needs summable payloads); use allgather, alltoall or gather")
+        carriers = [s for s in SCHEMES if model.allows(replace(option, scheme=s))]
+        raise ValueError(f"sync.comm={comm} cannot carry compressor {model.compressors['default'].name}; use "
+                         f"{', '.join(carriers)}")
     return option
 
 
@@ -59,34 +62,10 @@ def _solve(predicted: Callable[[float], float], measured_s: float, low: float, h
         return low
     if predicted(high) < measured_s:
         return high
-    while high - low > 1e-6 * max(1.0, high):
+    while high - low > 1e-6 * max(1.0, abs(low), abs(high)):
         middle = (low + high) / 2
         low, high = (middle, high) if predicted(middle) < measured_s else (low, middle)
     return (low + high) / 2
-
-
-def group_overhead(profile: Profile, option: Option, measured_s: float,
-                   compressors: dict[str, Compressor] | None = None) -> float:
-    """Seconds per compressed group that make the model's layer-wise iteration under ``option`` (every
-    tensor its own group) take ``measured_s``, a layer-wise step measured in training; 0 where the
-    model already says that much or more.
-
-    What a compressed group costs beyond its benchmarked encode/decode and its collectives — the
-    scheme's Python, issuing the collective, the other ranks' compression competing for shared
-    cores — is charged per group, on the training thread (the family's ``cpu_s``:
-    :attr:`Profile.families`), because layer-wise steps show it growing with the number of groups.
-    """
-    if not option.compressed:
-        return 0.0
-    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
-    units = units_of(profile)
-
-    def predicted(extra: float) -> float:
-        model = CostModel(profile.with_family(option.family, cpu_s=extra), compressors)
-        return uniform_time(units, option, model, profile.backward_end_s, profile.rest_s)
-
-    # Each group's encode delays the step by its overhead, so one step's worth per group is enough.
-    return _solve(predicted, measured_s, 0.0, max(0.0, measured_s))
 
 
 def fused_units(units: list[Unit]) -> list[Unit]:
@@ -97,45 +76,87 @@ def fused_units(units: list[Unit]) -> list[Unit]:
     return sorted((fuse(group) for group in by_dtype.values()), key=lambda u: u.ready_s)
 
 
-def family_overheads(profile: Profile, option: Option, layerwise_s: float, fused_s: float,
-                     compressors: dict[str, Compressor] | None = None) -> tuple[float, float]:
-    """(seconds per group, seconds per element) that make the model's layer-wise step under ``option``
-    take ``layerwise_s`` and its fused step (one group per dtype) take ``fused_s``, both measured in
-    training.
+class _Layout:
+    """A calibration step's groups under one option, priced once with the family's CPU left out;
+    :meth:`time` adds a CPU correction of ``group_s`` per group and ``element_s`` per element to each
+    group's encode (as :meth:`CostModel.costs_many` charges a family's terms: never below zero in
+    total), fast enough for the nested bisections of :func:`family_cpu`."""
 
-    One layer-wise step cannot tell a cost per group from a cost per element: charged per group, a
-    family's cost measured on N groups is under-charged to a plan of a few large groups by about
-    (N - 1) / N (measured under dilation, lstm: plans of one or two compressed groups predicted 10-41%
-    under). With a fused step as the second point, the per-element share is the one that also
-    explains the fused step; it is 0 where the per-group charge alone already explains it or more,
-    and everything per element where even that falls short. (The bisection takes the fused step's
-    prediction to grow with the per-element share, as it does where one group holds every tensor.)"""
+    def __init__(self, profile: Profile, option: Option, units: list[Unit], compressors: dict[str, Compressor]):
+        model = CostModel(profile.with_family(option.family, cpu_s=0.0, cpu_per_element_s=0.0), compressors)
+        self.tasks = model.tasks(units, option)
+        self.numel = np.array([u.numel for u in units], dtype=float)
+        self.base = np.array([t.encode_s for t in self.tasks])
+        self.backward_end_s, self.optimizer_s = profile.backward_end_s, profile.rest_s + model.fixed_s([option])
+
+    def time(self, group_s: float, element_s: float) -> float:
+        encodes = np.maximum(0.0, self.base + group_s + element_s * self.numel).tolist()
+        tasks = [replace(t, encode_s=e) for t, e in zip(self.tasks, encodes, strict=True)]
+        return iteration_time(tasks, self.backward_end_s, self.optimizer_s, check=False)
+
+    def per_group(self, element_s: float, measured_s: float) -> float:
+        """The ``group_s`` that makes :meth:`time` ``measured_s`` at ``element_s``: at most every
+        group's encode at zero (the model then says more even with no CPU at all), at least so
+        much that every group's encode alone takes the measured step."""
+        reach = self.base + element_s * self.numel
+        return _solve(lambda g: self.time(g, element_s), measured_s, -float(reach.max()),
+                      measured_s - float(reach.min()))
+
+
+def family_cpu(profile: Profile, option: Option, layerwise_s: float, fused_s: float | None = None,
+               compressors: dict[str, Compressor] | None = None) -> tuple[float, float]:
+    """(seconds per group, seconds per element) of ``option``'s family on the training thread that
+    make the model's layer-wise step under it (every tensor its own group) take ``layerwise_s``
+    and, where given, its fused step (each dtype's tensors one group) take ``fused_s`` — both
+    measured in training, with the family's lags (``lag_s``, ``fused_lag_s``) already in ``profile``.
+
+    What a compressed group costs beyond its benchmarked encode/decode and its collectives — the
+    scheme's Python, issuing the collective, the other ranks' compression competing for shared
+    cores — or less than they say (a benchmark at a fused size that training does not reproduce:
+    DGC's fused encode ran at half its benchmarked time in espresso_cupcake): the correction goes
+    either way, bounded only where a group's encode would fall below zero in total. One layer-wise
+    step cannot tell a cost per group from a cost per element; charged all per group, a family's
+    cost measured on N groups is under-charged to a plan of a few large groups by about (N - 1) / N
+    (plans of one or two compressed groups predicted 10-41% under, compression_schemes_dilated), so
+    the fused step, where given, is the second point. (The outer bisection takes the fused step's
+    prediction to grow with the per-element share, as it does where one group holds every tensor
+    and the layer-wise step holds it fixed.) 0, 0 for an uncompressed option."""
     if not option.compressed:
         return 0.0, 0.0
     compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
     units = units_of(profile)
+    alone = _Layout(profile, option, units, compressors)
     fused = fused_units(units)
-    if len(fused) == len(units):  # one tensor per dtype: the two steps are the same step, nothing to split
-        return group_overhead(profile, option, layerwise_s, compressors), 0.0
-    elements = max(1, sum(u.numel for u in units))
-
-    def model(group_s: float, element_s: float) -> CostModel:
-        return CostModel(profile.with_family(option.family, cpu_s=group_s, cpu_per_element_s=element_s), compressors)
-
-    # Solved in seconds per step over all elements (``spread``), where _solve's tolerance is meant.
-    def per_group(spread: float) -> float:  # what the layer-wise step leaves to each group
-        return _solve(lambda g: uniform_time(units, option, model(g, spread / elements), profile.backward_end_s,
-                                             profile.rest_s), layerwise_s, 0.0, max(0.0, layerwise_s))
+    if fused_s is None or len(fused) == len(units):  # one step, or two that are the same step
+        return alone.per_group(0.0, layerwise_s), 0.0
+    together = _Layout(profile, option, fused, compressors)
+    # Solved in seconds per largest fused group (``spread``), where _solve's tolerance is meant.
+    largest = float(together.numel.max())
 
     def fused_time(spread: float) -> float:
-        return uniform_time(fused, option, model(per_group(spread), spread / elements), profile.backward_end_s,
-                            profile.rest_s)
+        return together.time(alone.per_group(spread / largest, layerwise_s), spread / largest)
 
-    # The most per element: all of the layer-wise step's excess.
-    most = _solve(lambda x: uniform_time(units, option, model(0.0, x / elements), profile.backward_end_s,
-                                         profile.rest_s), layerwise_s, 0.0, max(0.0, layerwise_s))
-    spread = _solve(fused_time, fused_s, 0.0, most)
-    return per_group(spread), spread / elements
+    element_s = _solve_outward(fused_time, fused_s, layerwise_s + fused_s) / largest
+    return alone.per_group(element_s, layerwise_s), element_s
+
+
+def _solve_outward(predicted: Callable[[float], float], measured_s: float, scale: float) -> float:
+    """:func:`_solve` with no bounds given: the bracket grows from [-scale, scale] by doubling. Where
+    ``predicted`` levels off below, above ``measured_s`` (every cost it moves already at zero), the
+    edge of that floor: the least correction that gives what the most would."""
+    low, high = -scale, scale
+    for _ in range(60):
+        if predicted(high) >= measured_s:
+            break
+        low, high = high, 2 * high
+    for _ in range(60):
+        if predicted(low) <= measured_s:
+            break
+        floor = predicted(2 * low)
+        if floor >= predicted(low):  # levelled off: the edge of the floor
+            return _solve(predicted, floor + 1e-9 * max(1.0, floor), low, high)
+        low, high = 2 * low, low
+    return _solve(predicted, measured_s, low, high)
 
 
 def mixed_options(units: list[Unit], option: Option) -> list[Option]:

@@ -27,9 +27,11 @@ The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues
 
 Beyond the fits and the network, each option family (compressor x scheme x layout) carries what
 calibration measured it to cost in compressed training steps (:attr:`Profile.families`): ``cpu_s``
-per group on the training thread (charged to encode) and ``lag_s``, the slowest rank's lag under it
-(the task's lag), in place of the one lag profiled under dense sync; with a fused calibration
-(``sync.calibrate_fused``) also ``cpu_per_element_s``, charged to encode per element of the group.
+per group and ``cpu_per_element_s`` per element of the group on the training thread (charged to
+encode; either may be negative where the model over-prices the family, and a group's encode is
+never below zero in total), and ``lag_s`` / ``fused_lag_s``, the slowest rank's lag under it in
+layer-wise and in fused steps (the task's lag: a group of one tensor takes the first, a fused group
+the second), in place of the one lag profiled under dense sync.
 
 Three schemes run otherwise than their plain collective, and are priced as they run:
 
@@ -41,7 +43,13 @@ Three schemes run otherwise than their plain collective, and are priced as they 
 - ``allreduce`` of a cast narrower than the gradient (fp16/bf16 of float32) under error feedback
   sums at the partitions' owners in float32 (``Allreduce.rounds``): priced as ``alltoall``;
 - TernGrad with ``shared_scale`` agrees on the ranks' largest scalar by a blocking max-allreduce
-  of 4 bytes per group before it compresses: charged to encode.
+  of 4 bytes per group before it compresses: charged to encode;
+- PowerSGD (``allreduce`` only: its factors sum) runs its whole power iteration in the scheme's
+  ``finish``, after backward (``Allreduce.finish``: P = M Q, an allreduce of P, orthogonalize,
+  Q = M^T P, an allreduce of Q): its collectives wait for backward end as zen's do, its payload is
+  the factors of each member matrix (the tensors' ``kept`` fraction, from their shapes) in two
+  allreduces, and a hierarchical group runs whole at each machine's first rank (a machine
+  allreduce, PowerSGD across the machines' leaders on a NIC each, a broadcast inside the machine).
 
 "Encode" and "decode" are the profiled per-group work of the executor (error feedback, compress,
 pack / unpack, decompress, sum), ``none`` included where it is not free (hierarchical: error
@@ -154,6 +162,7 @@ class Pricing:
     sized: float
     contexts: bool
     value_bytes: float = 4.0  # one value as the compressor sends it (Zen's pairs: an int32 index beside it)
+    rounds: int = 1  # allreduce: the collectives the payload is split over (PowerSGD: P, then Q)
 
     def exchange_sizes(self) -> float:
         """The blocking exchange of one size per rank before an uneven collective (on the training
@@ -165,8 +174,9 @@ Price = tuple[np.ndarray | float, np.ndarray | float, np.ndarray | float]  # (en
 
 
 def _price_allreduce(p: Pricing) -> Price:
-    """Encode, allreduce the payload, decode once."""
-    return p.encode(p.numel), p.net.allreduce(p.payload(p.numel), p.ranks), p.decode(p.numel)
+    """Encode, allreduce the payload (in ``rounds`` collectives of equal shares), decode once."""
+    comm = p.rounds * p.net.allreduce(p.payload(p.numel) / p.rounds, p.ranks)
+    return p.encode(p.numel), comm, p.decode(p.numel)
 
 
 def _price_allgather(p: Pricing) -> Price:
@@ -232,11 +242,11 @@ class SchemePrice:
 # One entry per aggregation scheme a plan may name (the executing classes are in
 # ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
 PRICES: dict[str, SchemePrice] = {
-    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or hasattr(c, "reduce")),
-    "allgather": SchemePrice(_price_allgather, lambda c: not hasattr(c, "reduce")),  # PowerSGD: allreduce only
+    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or _power_iteration(c)),
+    "allgather": SchemePrice(_price_allgather, lambda c: not _power_iteration(c)),  # PowerSGD: allreduce only
     # They cut rows; their owners re-encode the aggregate, which a vote's tie does not fit.
     "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices and not getattr(c, "vote", False)),
-    "gather": SchemePrice(_price_gather, lambda c: not getattr(c, "vote", False) and not hasattr(c, "reduce")),
+    "gather": SchemePrice(_price_gather, lambda c: not getattr(c, "vote", False) and not _power_iteration(c)),
     "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
 }
 SCHEMES = tuple(PRICES)
@@ -275,6 +285,8 @@ class CostModel:
         # Hierarchical: k inter-machine groups run at once, one per local rank: each gets 1/k of the NIC.
         self.across = NetworkModel(self.network.bandwidth_bps / self.k, self.network.latency_s, 1,
                                    efficiency=self.network.efficiency)
+        # A machine's leader alone across machines (PowerSGD's hierarchical groups): the whole NIC.
+        self.leaders = replace(self.across, bandwidth_bps=self.network.bandwidth_bps)
         # Allgather and the other exchanges may pay another per-message latency than allreduce does
         # (a measured profile has both: sync.network_latency=measured).
         exchange = parse_time(net["exchange_latency"]) if "exchange_latency" in net else self.network.latency_s
@@ -364,7 +376,7 @@ class CostModel:
                                     np.array([u.tensors for u in picked]), [u.shape for u in picked])
             for i, unit, encode, comm, decode in zip(at, picked, *(c.tolist() for c in costs), strict=True):
                 out[i] = TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
-                                    self.lag(unit.ready_s, option))
+                                    self.lag(unit.ready_s, option, unit.tensors))
         return out
 
     def costs_many(self, numel: np.ndarray, dtype: str, option: Option, kept: np.ndarray | None = None,
@@ -388,24 +400,39 @@ class CostModel:
     def task(self, unit: Unit, option: Option) -> TensorTask:
         encode, comm, decode = self.costs(unit, option)
         return TensorTask(unit.label, unit.ready_s, encode, comm, decode, option.device == "compute",
-                          self.lag(unit.ready_s, option))
+                          self.lag(unit.ready_s, option, unit.tensors))
 
-    def lag(self, ready_s: float | np.ndarray, option: Option | None = None) -> float | np.ndarray:
-        """How much later than the profiled rank the slowest one issues a collective of a unit ready
-        at ``ready_s`` under ``option``: the lag at backward end measured for its family (else the
-        profile's, under dense sync: :attr:`Profile.lag_s`), grown in proportion to the time since
-        the ranks last met (the previous step's final collective)."""
+    def lag(self, ready_s: float | np.ndarray, option: Option | None = None,
+            tensors: int | np.ndarray = 1) -> float | np.ndarray:
+        """How much later than the profiled rank the slowest one issues a collective of a unit of
+        ``tensors`` tensors ready at ``ready_s`` under ``option``: the lag at backward end measured
+        for its family — in its fused steps for a fused group (``fused_lag_s``), in its layer-wise
+        steps for one tensor (``lag_s``) — else the profile's, under dense sync
+        (:attr:`Profile.lag_s`), grown in proportion to the time since the ranks last met (the
+        previous step's final collective)."""
         prof = self.profile
-        lag = prof.lag_s if option is None else prof.family_terms(option.family).get("lag_s", prof.lag_s)
-        if option is not None and option.scheme == "zen":
-            # Zen's exchanges block, so CompressSync runs them after backward (batched in
-            # finish_together): they wait from the group's ready time to backward end, then for the
-            # slowest rank's backward end. (Encodes stolen after this group's also delay backward
-            # end; not counted here, so this is a lower bound on the wait.)
+        lag: float | np.ndarray = prof.lag_s
+        if option is not None:
+            terms = prof.family_terms(option.family)
+            alone = terms.get("lag_s", prof.lag_s)
+            fused = terms.get("fused_lag_s", alone)
+            lag = np.where(tensors > 1, fused, alone) if isinstance(tensors, np.ndarray) else (
+                fused if tensors > 1 else alone)
+        if option is not None and self.after_backward(option):
+            # These exchanges block, so CompressSync runs them after backward (zen's batched in
+            # finish_together, PowerSGD's power iteration in Allreduce.finish): they wait from the
+            # group's ready time to backward end, then for the slowest rank's backward end. (Encodes
+            # stolen after this group's also delay backward end; not counted here, so this is a
+            # lower bound on the wait.)
             return prof.backward_end_s - ready_s + lag
-        if not lag:
+        if not np.any(lag):
             return 0.0 * ready_s
         return lag * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
+
+    def after_backward(self, option: Option) -> bool:
+        """Whether ``option``'s collectives run only after backward: zen's (batched, blocking) and
+        PowerSGD's (its power iteration runs in the scheme's finish)."""
+        return option.scheme == "zen" or (option.compressed and _power_iteration(self.compressors[option.compressor]))
 
     def zen_rounds_s(self, hierarchical: bool = False) -> float:
         """The latency of zen's push and pull rounds, paid once per step for all of a layout's zen
@@ -437,7 +464,9 @@ class CostModel:
         dtype = _dtype(dtype_name)
         if self.profile.widens:  # the memory hands the compressor p = g + e in float32
             dtype = torch.promote_types(dtype, torch.float32)
-        known = np.isfinite(kept_fraction) & (not getattr(comp, "fixed_size", True))
+        # The kept fraction prices a variable-size payload (from the real gradients), and a payload of
+        # matrix factors (from the shapes: PowerSGD's members' factors over the members' elements).
+        known = np.isfinite(kept_fraction) & (not getattr(comp, "fixed_size", True) or comp.needs_matrices)
         kept = np.where(known, np.maximum(1, np.round(np.nan_to_num(kept_fraction) * numel)), 0).astype(np.int64)
         header = self.profile.compressors[option.compressor].header_bytes
         # The compressor's own formula, one unit at a time (each compressor has its own).
@@ -462,6 +491,9 @@ class CostModel:
         # What calibration measured this family to cost per group on the training thread (flat dense
         # groups run on dense allreduce's own path and pay nothing per group).
         terms = self.profile.family_terms(option.family) if comp or option.hierarchical else {}
+        # PowerSGD's hierarchical groups run whole at each machine's leader (CompressSync's LEADER
+        # layout: it compresses whole matrices), not as chunks.
+        leader = option.hierarchical and comp is not None and comp.needs_matrices
         # Per group (its Python, its blocking calls) and per element of the group (the CPU the ranks'
         # compression takes from each other's training threads, in proportion to what they compress).
         encode = terms.get("cpu_s", 0.0) + terms.get("cpu_per_element_s", 0.0) * total
@@ -472,7 +504,11 @@ class CostModel:
         if comp is not None and getattr(comp, "shared_scale", False):
             encode += float(allreduce_net.allreduce(4.0, allreduce_ranks))  # TernGrad's max of the ranks' scalars
         numel, ranks, across = total, n, net if scheme == "allreduce" else self.exchange
-        if option.hierarchical:
+        if leader:
+            encode += net.allreduce(dense_bytes, k)  # the machine's sum at every rank (blocking)
+            decode += net.broadcast(dense_bytes, k)  # the leader's result to the machine
+            ranks, across = n // k, self.leaders
+        elif option.hierarchical:
             encode += net.reduce_scatter(dense_bytes, k)  # one machine: its intra links
             decode += net.allgather(dense_bytes / k, k)
             numel, shapes, ranks = -(-total // k), [None] * total.size, n // k
@@ -482,7 +518,7 @@ class CostModel:
         # compression, the cost calibrated for that, above).
         enc_fit, dec_fit = self._fits(option) if option.compressed or option.hierarchical else (_FREE, _FREE)
         extra_encode = extra_decode = extra_encode_per_element = extra_decode_per_element = 0.0
-        if comp is not None and comp.per_member and not option.hierarchical:
+        if comp is not None and comp.per_member and (leader or not option.hierarchical):
             # Each member of a fused buffer past the first adds its measured cost to every encode and
             # decode (an all-to-all partition holds about its share of the members), and fusing its
             # measured cost per element.
@@ -503,15 +539,23 @@ class CostModel:
             # compressing zeros, unless the compressor knows it from shape and dtype alone).
             comp is not None and type(comp).context is Compressor.context,
             float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
-                  else element_size(dtype)))
+                  else element_size(dtype)),
+            2 if comp is not None and _power_iteration(comp) else 1)  # PowerSGD: P's allreduce, then Q's
         scheme_encode, comm, scheme_decode = PRICES[scheme].price(priced)
-        return encode + scheme_encode, comm, decode + scheme_decode
+        # A family's measured correction may be negative (the model over-prices it), but no group
+        # holds the training thread for less than no time.
+        return np.maximum(0.0, encode + scheme_encode), comm, decode + scheme_decode
 
     def _owners_sum(self, comp: Compressor, dtype: str) -> bool:
         """Whether an allreduce of ``comp``'s payloads runs as the owners' float32 sum: a cast narrower
         than the gradient under error feedback (the memory widens: it is one)."""
         wire_dtype = getattr(comp, "wire_dtype", None)
         return self.profile.widens and wire_dtype is not None and wire_dtype.itemsize < element_size(dtype)
+
+
+def _power_iteration(compressor: Compressor) -> bool:
+    """PowerSGD: its allreduce path runs a power iteration through its own collectives."""
+    return hasattr(compressor, "reduce")
 
 
 def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:

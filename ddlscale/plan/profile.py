@@ -17,10 +17,12 @@ collective waits for the last rank, and noisy or uneven workers make some rank t
 
 ``families``: what one option family (compressor key x scheme x layout, :func:`family`) was measured
 to cost in compressed training steps beyond the fits and the network model — ``cpu_s``, seconds per
-group on the training thread, ``cpu_per_element_s`` (where a fused step was calibrated too: what the
-family costs per element compressed rather than per group), and ``lag_s``, the slowest rank's lag under it (a compressed layout
-drifts the ranks apart otherwise than dense sync: a gather root's n decodes, an owner's re-encodes,
-data-dependent sizes). A family without its own entry takes its compressor's (``<key>/*``), else
+group on the training thread, and ``cpu_per_element_s`` (where a fused step was calibrated too: what
+the family costs per element compressed rather than per group), either negative where the model
+over-prices the family; ``lag_s`` and ``fused_lag_s``, the slowest rank's lag under it in its
+layer-wise and in its fused steps (a compressed layout drifts the ranks apart otherwise than dense
+sync: a gather root's n decodes, an owner's re-encodes, data-dependent sizes, compression during
+backward or after it). A family without its own entry takes its compressor's (``<key>/*``), else
 nothing extra and the dense ``lag_s``. Flat dense allreduce's family (``none/allreduce``) may carry
 ``beside_compression_s``: what each of its groups costs in a step that also compresses (a mixed
 calibration step, ``sync.calibrate_mixed``).
@@ -41,10 +43,11 @@ import torch
 
 from ddlscale import clock
 from ddlscale.compress import Compressor, Memory, build_compressor, class_path, wire
+from ddlscale.compress.base import Segment
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
-FAMILY_TERMS = ("cpu_s", "cpu_per_element_s", "lag_s", "beside_compression_s")
+FAMILY_TERMS = ("cpu_s", "cpu_per_element_s", "lag_s", "fused_lag_s", "beside_compression_s")
 
 
 def family(compressor: str, scheme: str, hierarchical: bool = False) -> str:
@@ -108,12 +111,6 @@ class CompressorProfile:
                          fused_decode_per_element_s=self.fused_decode_per_element_s * decode)
         return scaled._refitted(self.encode.scaled(encode), self.decode.scaled(decode),
                                 {"encode": encode, "decode": decode, **facts})
-
-    def with_group_overhead(self, seconds: float, **facts: float) -> CompressorProfile:
-        """Every group's encode ``seconds`` dearer: work in a compressed step that the fits and the
-        network model leave out (see :func:`~ddlscale.plan.planner.group_overhead`)."""
-        return self._refitted(self.encode.plus(seconds), self.decode,
-                              {**self.calibration, "group_s": seconds, **facts})
 
     def _refitted(self, encode: CostFit, decode: CostFit, calibration: dict[str, float]) -> CompressorProfile:
         """New training-device fits; the side device's follow them where it is the same CPU."""
@@ -294,7 +291,9 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
                   dtype: torch.dtype = torch.float32, budget_s: float = 0.02,
                   memory: Memory | None = None, members: int = 1) -> tuple[CostFit, CostFit, list]:
     """(encode fit, decode fit, samples) of ``compressor`` on ``device`` over ``sizes`` elements
-    (each a fused buffer of ``members`` equal tensors: what a per-member compressor pays per member).
+    (each a fused buffer of ``members`` equal tensors: what a per-member compressor pays per member;
+    for a compressor of matrices each member a matrix as near square as :func:`matrix_of` makes it,
+    since PowerSGD passes a vector uncompressed).
 
     Timed is what CompressSync does per group around the compressor, not the compressor alone:
     encode = the compressor's preparation (DGC's momentum correction...), error-feedback compensate,
@@ -313,7 +312,9 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
         x = torch.randn(size, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
         name = f"profile/{size}"
         count = max(1, min(members, size))
-        segments = None if count == 1 else [size // count + (k < size % count) for k in range(count)]
+        sizes_ = [size // count + (k < size % count) for k in range(count)]
+        segments = ([matrix_of(n) for n in sizes_] if compressor.needs_matrices
+                    else None if count == 1 else sizes_)
 
         def encode(x=x, name=name, segments=segments):
             compensated = mem.compensate(comp.precondition(x, name, segments), name)
@@ -334,6 +335,27 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
     sizes_ = [s["numel"] for s in samples]
     return (CostFit.fit(sizes_, [s["encode_s"] for s in samples]),
             CostFit.fit(sizes_, [s["decode_s"] for s in samples]), samples)
+
+
+def matrix_of(numel: int) -> Segment:
+    """``numel`` elements as the matrix a compressor of matrices is timed on: rows a power of two
+    as near sqrt(numel) as divides it (the grid's sizes are powers of 4: square). PowerSGD's work
+    grows with rows x columns x rank, so per element it is about the same for any shape."""
+    rows = 1 << (max(1, numel).bit_length() - 1) // 2
+    while numel % rows:
+        rows //= 2
+    return Segment(numel, numel // rows)
+
+
+def matrix_kept(compressor: Compressor, shape: Sequence[int], dtype: torch.dtype) -> float | None:
+    """For a compressor of matrices (PowerSGD), what its payload of a tensor of this shape holds, in
+    factor-sized elements over the tensor's elements: the ``kept`` fraction the cost model prices
+    it by, which fused groups sum over their members (None for any other compressor)."""
+    if not compressor.needs_matrices:
+        return None
+    numel = max(1, math.prod(shape))
+    factor = torch.promote_types(dtype, torch.float32).itemsize
+    return compressor.payload_bytes(tuple(shape), dtype) / factor / numel
 
 
 def compressor_params(compressor: Compressor) -> dict[str, Any]:

@@ -25,8 +25,8 @@ import torch
 from ddlscale.compress import MEMORIES, Compressor, NoCompression, build_compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.paths import CONF_DIR
-from ddlscale.plan.planner import check_plannable, configured_option, cost_model, cupcake_plan, espresso_plan
-from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, profile_compressor
+from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
+from ddlscale.plan.profile import Profile, StepRecorder, TensorProfile, matrix_kept, profile_compressor
 from ddlscale.units import parse_bandwidth, parse_time
 
 
@@ -105,8 +105,12 @@ def profile_model(module: torch.nn.Module, compressor: Compressor, memory: Memor
             handle.remove()
     order = list(dict.fromkeys(seen)) + [i for i in reversed(range(len(named))) if i not in set(seen)]
     summary = recorder.summary(order, warmup=1)
-    tensors = [TensorProfile(named[i][0], named[i][1].numel(), tuple(named[i][1].shape), str(named[i][1].dtype),
-                             summary["ready_s"][k]) for k, i in enumerate(order)]
+    tensors = []
+    for k, i in enumerate(order):
+        name, param = named[i]
+        kept = matrix_kept(compressor, param.shape, param.dtype)  # PowerSGD: its factors, from the shape
+        tensors.append(TensorProfile(name, param.numel(), tuple(param.shape), str(param.dtype), summary["ready_s"][k],
+                                     {} if kept is None else {"default": kept}))
     total = sum(t.numel for t in tensors)
     planning = {"none": NoCompression()} if compressor.name == "none" else {"none": NoCompression(), "default": compressor}
     compressors = {key: profile_compressor(comp, total, "cpu", budget_s, memory) for key, comp in planning.items()}
@@ -155,7 +159,6 @@ def report(argv: Sequence[str]) -> str:
             compressor = build_compressor(args.compressor)
         except ValueError as exc:
             raise ValueError(f"--compressor {args.compressor!r}: {exc}") from None
-        check_plannable(compressor, "--compressor")
         memory = build_memory(args.memory, compressor)
         profile = profile_model(module, compressor, memory, args.steps, args.workers or 2, network)
         if args.save is not None:

@@ -271,8 +271,11 @@ class CompressSync(DenseAllreduce):
                 else:
                     tensor = compressor.precondition(tensor, key, segments, comm.size)
                 compensated = self.memory.compensate(tensor, key)
+            # Its tensors by name (a machine's leader: apart from their flat state, as the key is).
+            suffix = "" if layout == FLAT else "@machine"
             job = Job(comm, compressor, compensated.reshape(-1), key, segments, work=work,
-                      feedback=self.memory.name != "none")
+                      feedback=self.memory.name != "none",
+                      members=tuple(self.names[i] + suffix for i in bucket.members))
             chosen = scheme(choice.scheme)
             with compressor.agreed(job.tensor, comm, segments):
                 chosen.start(job)

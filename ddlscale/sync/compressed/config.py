@@ -41,7 +41,13 @@ class CompressConfig(DenseConfig):
             integer(self.key("local_size"), self.local_size, allow=(None,))
 
 
-TRIAL_STEPS = 3  # sync.trial_steps' default here, in PlannedSync and in ddlscale/conf/sync/{espresso,cupcake}.yaml (a test holds them equal)
+# sync.trial_steps' and sync.calibrate_budget's defaults here, in PlannedSync and in
+# ddlscale/conf/sync/{espresso,cupcake}.yaml (a test holds them equal). The calibration of every family took
+# the trial's place: its budget is what the earlier default spent in compressed steps before its plan
+# ran, 3 settling and 3 layer-wise steps and a trial of 18 (3 candidates x 3 turns x 2 steps).
+TRIAL_STEPS = 0
+CALIBRATE_BUDGET = 24
+ALL = "all"  # sync.calibrate_families: every family the planner may choose
 
 
 @dataclass
@@ -62,12 +68,14 @@ class PlannedConfig(DenseConfig):
     calibrate_steps: int = 3
     warmup_steps: int = 1
     settle_steps: int = 3
-    calibrate_families: Any = ()  # scheme names, /hier for the hierarchical layout (PlannedSync checks them)
-    calibrate_fused: bool = False
+    calibrate_families: Any = ALL  # all, or scheme names, /hier for the hierarchical layout (PlannedSync checks them)
+    calibrate_fused: bool = True
+    calibrate_budget: int = CALIBRATE_BUDGET
 
     def check(self) -> None:
         integer(self.key("gpus_per_machine"), self.gpus_per_machine)
         boolean(self.key("calibrate_fused"), self.calibrate_fused)
+        integer(self.key("calibrate_budget"), self.calibrate_budget)
         super().check()
         choice(self.key("comm"), self.comm, SCHEMES)
         if self.memory is not None:
@@ -88,7 +96,7 @@ class PlannedConfig(DenseConfig):
 class EspressoConfig(PlannedConfig):
     offload: bool = False
     fuse: bool = True
-    calibrate_mixed: bool = False
+    calibrate_mixed: bool = True
 
     def check(self) -> None:
         super().check()

@@ -2,33 +2,35 @@
 
 1. For ``profile_steps`` steps after ``warmup_steps`` warm-up steps the backend is dense bucketed allreduce
    (exactly :class:`~ddlscale.sync.dense.DenseAllreduce`) and records, per gradient, when its hook
-   fired, when backward ended and how long the step was. Then, for ``settle_steps`` settling steps
-   and ``calibrate_steps`` more, every tensor is compressed alone with the configured option (layer-wise,
-   as ``sync=compress`` runs) and the compressor's work in each group is timed as it runs
-   (:attr:`CompressSync.work`): what compression costs inside compressed training steps, beside the
-   other ranks' work — on emulated machines sharing a host's cores several times what the same
-   calls cost in a benchmark loop. (Timed inside dense steps instead, it is worse still: there it
-   competes with the dense allreduce's reductions and traffic, which compressed steps do not have.)
-   The other families of ``calibrate_families`` are settled and timed the same way first; with
-   ``calibrate_fused`` each family is timed fused too (each dtype's tensors in one group), and with
-   Espresso's ``calibrate_mixed`` a mixed step is (the largest tensor compressed, the rest dense).
+   fired, when backward ended and how long the step was. Then calibration times each option family
+   the planner may choose (compressor x scheme x layout; ``calibrate_families``, by default all of
+   them) in its own compressed training steps, one layout after another: every tensor compressed
+   alone (layer-wise, as ``sync=compress`` runs), each dtype's tensors fused into one group
+   (``calibrate_fused``), and for Espresso a mixed step (``calibrate_mixed``: the largest tensor
+   compressed, the rest dense). The first layout settles for ``settle_steps`` steps, every later
+   one for one (the trial's rule), then each takes up to ``calibrate_steps`` measured steps, the
+   whole within ``calibrate_budget`` steps (:meth:`PlannedSync.calibration_schedule`). The
+   compressor's work in each group is timed as it runs (:attr:`CompressSync.work`): what
+   compression costs inside compressed training steps, beside the other ranks' work — on emulated
+   machines sharing a host's cores several times what the same calls cost in a benchmark loop.
+   (Timed inside dense steps instead, it is worse still: there it competes with the dense
+   allreduce's reductions and traffic, which compressed steps do not have.)
 2. Then (with ``network_latency: measured``) every rank times small collectives on the sync group,
    which gives the per-message latency the cost model's alpha stands for on this cluster; every rank
    measures the configured compressor's encode/decode cost on its device at the same time (as they
    compress in training, contending for whatever they share) over a grid of sizes, scaled by what
    the calibration steps measured against that grid at the same sizes; every rank's profiled
    steps give how far behind rank 0 the slowest rank ends backward (collectives wait for it:
-   :attr:`Profile.lag_s`); rank 0 builds the
-   :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run directory),
-   fits the model to the steps it measured — an allreduce factor so that the dense step in this
-   backend's buckets takes what the profiled steps took
-   (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then a per-group overhead so that the
-   layer-wise step takes what the calibration steps took
-   (:func:`~ddlscale.plan.planner.group_overhead`), kept with the slowest rank's lag in those
-   steps as the configured option family's own terms (:attr:`Profile.families`; the compressor's
-   other families and hierarchical uncompressed groups take its CPU figure until measured) —
-   computes the plan (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and
-   broadcasts it: every rank executes the identical plan, whatever its own timings were.
+   :attr:`Profile.lag_s`), and each calibrated layout's steps how far behind under it; rank 0
+   builds the :class:`~ddlscale.plan.profile.Profile` (saved as ``plan_profile.json`` in the run
+   directory), fits the model to the steps it measured — an allreduce factor so that the dense
+   step in this backend's buckets takes what the profiled steps took
+   (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then per calibrated family its lags and
+   its CPU per group and per element, either way, so that its layer-wise and fused steps take what
+   they took (:func:`~ddlscale.plan.planner.family_cpu`; :attr:`Profile.families`: the
+   compressor's families left out take the configured one's CPU) — computes the plan
+   (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and broadcasts it: every
+   rank executes the identical plan, whatever its own timings were.
 3. From the next step on, :class:`~ddlscale.sync.compressed.backend.CompressSync` runs the plan: per-tensor
    choices and fusion groups, each group launched as soon as it is complete, in order. Rank 0 times
    each group's encode, decode and finish as they run and keeps their medians over the last steps
@@ -65,13 +67,11 @@ from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
     allreduce_efficiency,
     beside_overhead,
-    check_plannable,
     configured_option,
     cupcake_plan,
     dense_plan,
     espresso_plan,
-    family_overheads,
-    group_overhead,
+    family_cpu,
     layerwise_plan,
     option_label,
 )
@@ -82,13 +82,14 @@ from ddlscale.plan.profile import (
     StepRecorder,
     TensorProfile,
     family,
+    matrix_kept,
     profile_compressor,
     slowest_lag,
 )
 from ddlscale.plan.result import CompressionPlan
 from ddlscale.sync.base import GradSync
 from ddlscale.sync.compressed.backend import CompressSync
-from ddlscale.sync.compressed.config import TRIAL_STEPS, EspressoConfig, PlannedConfig
+from ddlscale.sync.compressed.config import ALL, CALIBRATE_BUDGET, TRIAL_STEPS, EspressoConfig, PlannedConfig
 from ddlscale.sync.compressed.regroup import layouts_of, layouts_state
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
@@ -99,7 +100,7 @@ PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json"
 PLAN_SOURCES = {"espresso": "espresso search", "cupcake": "cupcake", "dense": "dense", "layer-wise": "layer-wise"}
 # Calibration layouts: every tensor alone; each dtype's tensors in one group (sync.calibrate_fused); the
 # largest tensor alone under the family, the rest dense alone (sync.calibrate_mixed). Also the suffix
-# of a family's key in the steps kept per family.
+# of a family's key in the steps kept per layout.
 ALONE, FUSED, MIXED = "", "@fused", "@mixed"
 WORK_STEPS, WORK_EVERY = 20, 5  # plan_work.json: medians over the kept plan's last 20 steps, rewritten every 5
 
@@ -131,24 +132,31 @@ class PlannedSync(GradSync):
         the first second of a run is often slower than the rest: start-up work of the other ranks);
         with the profiled ones, at least the compressor's own warm-up (DGC's ``warmup_steps``), whose
         steps the dense ones stand in for, so calibration measures the compressor as the plan runs it.
-    calibrate_steps: layer-wise compressed steps (after the settling ones) whose compressor work scales
-        the benchmarked costs and whose length, with the profiled dense steps', fits the model's
-        allreduce factor and per-group overhead (0: trust the benchmark and the network model).
-    calibrate_families: more option families to calibrate (scheme names, ``/hier`` for the
-        hierarchical layout: ``[alltoall, zen]``), each settled and calibrated in turn before the
-        configured one, which stays last; each gets its own per-group CPU and lag between ranks
-        in :attr:`Profile.families` instead of the configured family's CPU and the dense lag.
-    calibrate_fused: also settle and time every calibrated family (the configured one included) with
-        each dtype's tensors fused into one group, after its layer-wise steps (the configured
-        family's before them: its layer-wise steps stay last). The two steps split the family's cost
-        into per group and per element (:func:`~ddlscale.plan.planner.family_overheads`), where one
-        layer-wise step charges it all per group and so under-prices plans of a few large groups.
-        These keys (and Espresso's ``calibrate_mixed``) are refused with ``calibrate_steps=0`` or
-        ``compressor=none``, where no calibration runs.
-    settle_steps: layer-wise steps run first and not measured. The compressed path's first steps
-        run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then 100-120 like the
-        layer-wise run's steady steps): measured in them, the per-group overhead came out ~5 ms too
-        high and the prediction of a fused plan over by as much per group.
+    calibrate_steps: measured steps per calibration layout, at most (the budget may allow fewer, at
+        least one): their compressor work scales the benchmarked costs, their lengths and lags fit
+        each family's terms (0: no calibration; trust the benchmark and the network model).
+    calibrate_families: the option families calibration times, each in its own steps: ``all`` (the
+        default) every family the planner may choose — Cupcake's configured one; Espresso's every
+        scheme that carries the compressor, flat and (with machines) hierarchical — or a list of
+        scheme names (``/hier`` for the hierarchical layout: ``[alltoall, zen]``) beside the
+        configured one. Each gets its own CPU and lags in :attr:`Profile.families`; a family left
+        out takes the configured family's CPU and the dense lag. A list is refused where no
+        calibration runs (``calibrate_steps=0`` or ``compressor=none``).
+    calibrate_fused: also time every calibrated family with each dtype's tensors fused into one
+        group. The layer-wise and fused steps give its cost per group and per element and its lag
+        in each layout (:func:`~ddlscale.plan.planner.family_cpu`): fused groups are priced from
+        fused steps. One layer-wise step alone charges everything per group, which under-prices
+        plans of a few large groups, and its lag is not a fused group's.
+    settle_steps: steps the first calibration layout runs first, not measured; every later layout
+        settles for one step on its new groups (as a trial's turn does). The compressed path's
+        first steps run slow (measured on the emulated cluster, lstm: 305, 214, 137 ms, then
+        100-120 like the layer-wise run's steady steps): measured in them, the per-group overhead
+        came out ~5 ms too high and the prediction of a fused plan over by as much per group.
+    calibrate_budget: the most steps calibration may take, settling included
+        (:meth:`calibration_schedule`): the default, 24, is what the earlier default spent in
+        compressed steps before its plan ran (3 settling and 3 layer-wise steps, then an 18-step
+        trial: 3 candidates x 3 turns x a settling and a measured step), so calibrating every family
+        costs no more steps than the trial it replaces.
     network_bandwidth, network_latency: the network the plan assumes (tc units: ``1gbit``, ``100us``),
         as the sparse backends take them; ``network_latency: measured`` times small collectives on
         the sync group before planning and takes the alpha that explains them (:func:`probe_latency`).
@@ -158,13 +166,13 @@ class PlannedSync(GradSync):
         directory; ``null`` outside Hydra: not saved).
     bench_budget_s: seconds per measured (compressor, size) point.
     bucket_mb, first_bucket_mb: DDP's buckets while profiling, and the dense candidate's.
-    trial_steps: 0 trusts the model. Above 0, the backend's candidate plans (:meth:`candidate_plans`;
-        the model's choice first) take ``trial_steps`` turns each on the cluster, round robin, a turn
-        being one settling step on the candidate's groups and one measured step; the plan with the
-        lowest median measured step on rank 0 is kept, with the measured and predicted times of
-        every candidate in its notes. The model's errors then cost a few steps, not the run. Turns,
-        not blocks: steps right after planning run slow and speed up over several steps, which in
-        sequential blocks favours whichever candidate goes last.
+    trial_steps: 0 (the default) trusts the calibrated model. Above 0, the backend's candidate plans
+        (:meth:`candidate_plans`; the model's choice first) take ``trial_steps`` turns each on the
+        cluster, round robin, a turn being one settling step on the candidate's groups and one
+        measured step; the plan with the lowest median measured step on rank 0 is kept, with the
+        measured and predicted times of every candidate in its notes. The model's errors then cost
+        a few steps, not the run. Turns, not blocks: steps right after planning run slow and speed
+        up over several steps, which in sequential blocks favours whichever candidate goes last.
     """
 
     system = "?"
@@ -177,18 +185,16 @@ class PlannedSync(GradSync):
                  run_dir: str | None = None, bench_budget_s: float = 0.02, bucket_mb: float = 25.0,
                  first_bucket_mb: float = 1.0, trial_steps: int = TRIAL_STEPS,
                  calibrate_steps: int = 3, warmup_steps: int = 1, settle_steps: int = 3,
-                 calibrate_families: Sequence[str] = (), calibrate_fused: bool = False):
+                 calibrate_families: Sequence[str] | str = ALL, calibrate_fused: bool = True,
+                 calibrate_budget: int = CALIBRATE_BUDGET):
         self.schema(comm=comm, memory=memory if isinstance(memory, str) else None, memory_beta=memory_beta,
                     hierarchical=hierarchical, profile_steps=profile_steps, network_bandwidth=network_bandwidth,
                     network_latency=network_latency, gpus_per_machine=gpus_per_machine, run_dir=run_dir,
                     bench_budget_s=bench_budget_s, bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb,
                     trial_steps=trial_steps, calibrate_steps=calibrate_steps, warmup_steps=warmup_steps,
                     settle_steps=settle_steps, calibrate_families=calibrate_families, calibrate_fused=calibrate_fused,
-                    **self._own_keys())  # refuses what no run can use
+                    calibrate_budget=calibrate_budget, **self._own_keys())  # refuses what no run can use
         super().__init__()
-        # Before the executor's own checks: a compressor no plan can price is the whole answer (its
-        # scheme's refusal would come first and, once followed, lead only to this one).
-        check_plannable(compressor, f"sync={self.system}")
         self.compressed = CompressSync(compressor=compressor, comm=comm, memory=memory, memory_beta=memory_beta,
                                        hierarchical=False, local_size=gpus_per_machine, fusion="tensor",
                                        bucket_mb=bucket_mb, first_bucket_mb=first_bucket_mb)
@@ -202,22 +208,21 @@ class PlannedSync(GradSync):
         compressor_warmup = compressor.warmup_steps_left() if compressor is not None else 0
         self.session = PlanningSession(max(warmup_steps, compressor_warmup - profile_steps), profile_steps,
                                        settle_steps, calibrate_steps, trial_steps)
-        self.calibrate_families = _families(calibrate_families)
-        for scheme, _ in self.calibrate_families if compressor is not None else ():
+        self.calibrate_families = _families(calibrate_families)  # None: all the planner may choose
+        for scheme, _ in (self.calibrate_families or []) if compressor is not None else ():
             self.compressed.check_choice(TensorChoice("default", scheme, False), "sync.calibrate_families")
-        self.calibrate_fused = bool(calibrate_fused)
-        asked = [key for key, on in (("calibrate_families", bool(self.calibrate_families)),
-                                     ("calibrate_fused", self.calibrate_fused),
-                                     ("calibrate_mixed", self.calibrate_mixed)) if on]
-        if asked and (not calibrate_steps or compressor is None or compressor.name == "none"):
-            # Calibration runs only for a compressor, on calibration steps: refuse rather than ignore.
+        self.calibrate_fused, self.calibrate_budget = bool(calibrate_fused), int(calibrate_budget)
+        if self.calibrate_families and (not calibrate_steps or compressor is None or compressor.name == "none"):
+            # Calibration runs only for a compressor, on calibration steps: a list of families asked
+            # for is refused rather than ignored (the defaults, all of them fused and mixed, are
+            # what calibration does when it runs).
             why = "sync.calibrate_steps=0" if not calibrate_steps else "compressor=none (nothing to calibrate)"
-            raise ValueError(f"sync.{asked[0]} needs calibration steps with a compressor; got {why}")
-        # Calibration's queue of (scheme, hierarchical, layout: alone, fused or mixed), the configured
-        # family's layer-wise steps last.
+            raise ValueError(f"sync.calibrate_families needs calibration steps with a compressor; got {why}")
+        # Calibration's queue of (scheme, hierarchical, layout: alone, fused or mixed).
         self._families_left: list[tuple[str, bool, str]] = []
         self._calibrating: tuple[str, bool, str] | None = None  # the queue's entry in force
-        self._families_done: dict[str, dict[str, Any]] = {}  # per family calibrated before it: periods, spans
+        self._families_done: dict[str, dict[str, Any]] = {}  # per layout calibrated: periods, spans, option
+        self._calibration_work: list[GroupWork] = []  # every measured calibration step's groups
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
@@ -344,33 +349,66 @@ class PlannedSync(GradSync):
         return report
 
     # -- calibration -----------------------------------------------------------------------------
-    def _start_calibration(self) -> None:
-        """Every tensor compressed alone under each family of ``sync.calibrate_families`` in turn (and
-        fused, mixed: ``calibrate_fused``, ``calibrate_mixed``), the configured option's layer-wise
-        steps last, its work timed (CompressSync.work)."""
+    def option_families(self) -> list[tuple[str, bool]]:
+        """The option families (scheme, hierarchical) of the configured compressor the planner may
+        choose: Cupcake's configured one (every group takes it)."""
+        return [self._configured_family()]
+
+    def calibration_layouts(self) -> list[tuple[str, bool, str]]:
+        """What calibration times, most needed first: the configured family layer-wise and fused,
+        Espresso's mixed step, then each other family layer-wise, then each fused (a family whose
+        fused step the budget leaves out is still priced from its own layer-wise one)."""
         configured = self._configured_family()
-        for scheme, hier in self.calibrate_families:
+        families = self.option_families() if self.calibrate_families is None else [configured,
+                                                                                   *self.calibrate_families]
+        others = [f for f in dict.fromkeys(families) if f != configured]
+        fused = [FUSED] if self.calibrate_fused else []
+        return ([(*configured, layout) for layout in [ALONE, *fused, *([MIXED] if self.calibrate_mixed else [])]]
+                + [(*f, ALONE) for f in others] + [(*f, layout) for f in others for layout in fused])
+
+    def calibration_schedule(self) -> tuple[list[tuple[str, bool, str]], int, int]:
+        """(the layouts calibration runs, measured steps each, steps in all): the most layouts of
+        :meth:`calibration_layouts` that fit ``calibrate_budget`` with one measured step each, then
+        as many measured steps each (up to ``calibrate_steps``) as still fit. Steps in all:
+        ``settle_steps`` for the first layout, one settling step for each later one, and the
+        measured ones. (The first layout is run whatever the budget.)"""
+        layouts, settle = self.calibration_layouts(), self.session.settle_steps
+
+        def steps(count: int, each: int) -> int:
+            return settle + count * each + count - 1
+
+        count = len(layouts)
+        while count > 1 and steps(count, 1) > self.calibrate_budget:
+            count -= 1
+        each = max(1, min(self.session.calibrate_steps, (self.calibrate_budget - settle - count + 1) // count))
+        return layouts[:count], each, steps(count, each)
+
+    def _start_calibration(self) -> None:
+        """Each layout of :meth:`calibration_schedule` in turn, its work timed (CompressSync.work)."""
+        for scheme, hier in self.calibrate_families or []:
             if hier and not self._hierarchical_possible():
                 raise ValueError(f"sync.calibrate_families: {scheme}/hier needs several machines of several "
                                  f"ranks each (sync.gpus_per_machine / sync.local_size)")
-        extra = [FUSED] if self.calibrate_fused else []
-        mixed = [MIXED] if self.calibrate_mixed else []
-        self._families_left = ([(*f, layout) for f in self.calibrate_families if f != configured
-                                for layout in [ALONE, *extra]]
-                               + [(*configured, layout) for layout in [*extra, *mixed, ALONE]])
-        self._families_done = {}
-        self._calibrate_next()
+        layouts, self._measured_each, total = self.calibration_schedule()
+        if self.rank == 0:
+            left = [_layout_label(entry) for entry in self.calibration_layouts()[len(layouts):]]
+            print(f"ddlscale {self.system}: calibrating {len(layouts)} layout(s), {self._measured_each} measured "
+                  f"step(s) each, {total} steps in all (sync.calibrate_budget={self.calibrate_budget}): "
+                  + ", ".join(map(_layout_label, layouts))
+                  + (f"; left out for the budget: {', '.join(left)}" if left else ""), flush=True)
+        self._families_left, self._families_done, self._calibration_work = list(layouts), {}, []
+        self._calibrate_next(first=True)
 
     def _configured_family(self) -> tuple[str, bool]:
         """The configured option's (scheme, hierarchical), as calibration runs it."""
         return self.comm_scheme, self.hierarchical and self._hierarchical_possible()
 
-    def _calibrate_next(self) -> None:
-        """Settle and calibrate the next family of the queue: every tensor alone, each dtype's tensors
-        in one group (fused), or the largest tensor alone under it and every other one dense alone
-        (mixed)."""
+    def _calibrate_next(self, first: bool = False) -> None:
+        """Settle and calibrate the next layout of the queue: every tensor alone, each dtype's
+        tensors in one group (fused), or the largest tensor alone under it and every other one
+        dense alone (mixed)."""
         scheme, hierarchical, layout = self._calibrating = self._families_left.pop(0)
-        self.session.start_calibration()
+        self.session.start_calibration(self.session.settle_steps if first else 1, self._measured_each)
         compressed = self.compressed
         compressed.work = []
         choice = TensorChoice("default", scheme, hierarchical)
@@ -388,23 +426,25 @@ class PlannedSync(GradSync):
         self.on_setup()
 
     def _family_calibrated(self) -> bool:
-        """After a family's last calibration step: keep its periods and spans and start the next
-        family (False), or True after the configured one, whose measurements planning reads."""
-        if not self._families_left:
-            return True
+        """After a layout's last calibration step: keep its periods, spans and work, then start the
+        next layout (False), or True after the last one."""
         scheme, hierarchical, layout = self._calibrating
         self._families_done[family("default", scheme, hierarchical) + layout] = {
             "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
             "option": Option("default", scheme, hierarchical), "layout": layout}
+        self._calibration_work += self.compressed.work or []
+        if not self._families_left:
+            return True
         self._calibrate_next()
         return False
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
-        """The configured compressor's fits scaled by what its work cost in the calibration steps, encode
-        and decode each: the median over groups and steps of (seconds in training) / (seconds the fit
-        says), weighted by the latter — the large groups that dominate a step dominate it, and one
-        group caught by a scheduling stall (tens of ms on an oversubscribed host) does not."""
-        work, self.compressed.work = self.compressed.work or [], None
+        """The configured compressor's fits scaled by what its work cost in the calibration steps (every
+        layout's measured steps), encode and decode each: the median over groups and steps of
+        (seconds in training) / (seconds the fit says), weighted by the latter — the large groups
+        that dominate a step dominate it, and one group caught by a scheduling stall (tens of ms on
+        an oversubscribed host) does not."""
+        work, self._calibration_work, self.compressed.work = self._calibration_work, [], None
         if not work or "default" not in costs:
             return costs
         prof = costs["default"]
@@ -412,7 +452,7 @@ class PlannedSync(GradSync):
                                          if (fitted := sum(c * fit(n) for n, c in g.calls[kind])) > 0]) or 1.0
                  for kind, fit in (("encode", prof.encode), ("decode", prof.decode))}
         return {**costs, "default": prof.calibrated(ratio["encode"], ratio["decode"], groups=len(work),
-                                                    steps=self.session.calibrate_steps)}
+                                                    steps=getattr(self, "_measured_each", 0))}
 
     def calibrate_network(self, profile: Profile) -> Profile:
         """``profile`` with the allreduce efficiency that makes the model's dense step in this
@@ -424,61 +464,49 @@ class PlannedSync(GradSync):
         efficiency = {**profile.network.get("efficiency", {}), "allreduce": factor}
         return replace(profile, network={**profile.network, "efficiency": efficiency})
 
-    def calibrate_groups(self, profile: Profile, lag: float | None = None) -> Profile:
-        """``profile`` with what the calibration steps measured of the configured option's family
-        (:attr:`Profile.families`): the slowest rank's ``lag`` under it (None: not measured), then
-        its CPU (per group; per element too where its fused steps were timed) that makes the model's
-        layer-wise step take what those steps took (their median period on this rank)."""
-        periods = self.session.calibration_periods()
-        if not periods or "default" not in profile.compressors:
+    def fit_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
+        """``profile`` with what calibration measured of each family it timed (:attr:`Profile.families`):
+        the slowest rank's lag under it layer-wise and fused, then its CPU per group and per element
+        that make its layer-wise and fused steps take what they took (:func:`family_cpu`, a
+        correction either way); the configured family's CPU stands for the compressor's families
+        left out; then what a dense group costs beside compression (the mixed step)."""
+        done, self._families_done = self._families_done, {}
+        if "default" not in profile.compressors:
             return profile
-        return self._with_group_overhead(profile, statistics.median(periods), lag)
-
-    def _calibrate_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
-        """``profile`` with each family calibrated before the configured one: the slowest rank's lag
-        under it (layer-wise), then its CPU that makes its layer-wise step (and fused step, where
-        calibrated) what its steps took."""
         compressors = self._planning_compressors()
-        for key, done in self._families_done.items():
-            option = done["option"]
-            if done["layout"] != ALONE or not done["periods"] or not CostModel(profile, compressors).allows(option):
+        model = CostModel(profile, compressors)
+        configured = configured_option(model, self.comm_scheme, self.hierarchical)
+        for key, alone in done.items():
+            option = alone["option"]
+            if alone["layout"] != ALONE or not alone["periods"] or not model.allows(option):
                 continue
-            if key in lags:
-                profile = profile.with_family(key, lag_s=lags[key])
-            per_group, per_element = self._family_cpu(profile, option, statistics.median(done["periods"]))
+            lagged = {term: lags[key + layout] for term, layout in (("lag_s", ALONE), ("fused_lag_s", FUSED))
+                      if key + layout in lags}
+            profile = profile.with_family(key, **lagged)
+            layerwise_s = statistics.median(alone["periods"])
+            fused = done.get(key + FUSED, {}).get("periods")
+            per_group, per_element = family_cpu(profile, option, layerwise_s,
+                                                statistics.median(fused) if fused else None, compressors)
             profile = profile.with_family(key, cpu_s=per_group, cpu_per_element_s=per_element)
-        for done in self._families_done.values():  # a mixed step, its compressed family's terms known now
-            if done["layout"] == MIXED and done["periods"]:
-                beside = beside_overhead(profile, done["option"], statistics.median(done["periods"]), compressors)
+            if option == configured:  # for the record (plan.txt's note, the experiments' tables)
+                facts = {"group_s": per_group, "element_s": per_element, "layerwise_step_s": layerwise_s}
+                default = profile.compressors["default"]
+                profile = replace(profile, compressors={**profile.compressors, "default": replace(
+                    default, calibration={**default.calibration, **facts})})
+        mine = profile.families.get(configured.family, {})
+        if "cpu_s" in mine:
+            # The compressor's families calibration left out take the configured one's CPU. An
+            # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
+            # per-group machinery — blocking machine collectives, a job, a scheme — so it pays the
+            # per-group part where that is a cost; a negative one corrects compression work it has none of.
+            profile = (profile.with_family("default/*", cpu_s=mine["cpu_s"],
+                                           cpu_per_element_s=mine.get("cpu_per_element_s", 0.0))
+                       .with_family("none/*", cpu_s=max(0.0, mine["cpu_s"])))
+        for entry in done.values():  # a mixed step, its compressed family's terms known now
+            if entry["layout"] == MIXED and entry["periods"]:
+                beside = beside_overhead(profile, entry["option"], statistics.median(entry["periods"]), compressors)
                 profile = profile.with_family(DENSE.family, beside_compression_s=beside)
-        self._families_done = {}
         return profile
-
-    def _family_cpu(self, profile: Profile, option: Option, layerwise_s: float) -> tuple[float, float]:
-        """(seconds per group, per element) of ``option``'s family: from its layer-wise and fused steps
-        where both were measured, else all per group from the layer-wise ones."""
-        compressors = self._planning_compressors()
-        fused = self._families_done.get(option.family + FUSED, {}).get("periods")
-        if fused:
-            return family_overheads(profile, option, layerwise_s, statistics.median(fused), compressors)
-        return group_overhead(profile, option, layerwise_s, compressors), 0.0
-
-    def _with_group_overhead(self, profile: Profile, measured: float, lag: float | None = None) -> Profile:
-        compressors = self._planning_compressors()
-        option = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
-        if lag is not None:
-            profile = profile.with_family(option.family, lag_s=lag)
-        extra, per_element = self._family_cpu(profile, option, measured)
-        facts = {"default": {"group_s": extra, "layerwise_step_s": measured}, "none": {"group_s": extra}}
-        profile = replace(profile, compressors={key: replace(c, calibration={**c.calibration, **facts.get(key, {})})
-                                                for key, c in profile.compressors.items()})  # for the record
-        profile = profile.with_family(option.family, cpu_s=extra, cpu_per_element_s=per_element)
-        # The compressor's other families were not run: they take this figure until measured. An
-        # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
-        # per-group machinery — blocking machine collectives, a job, a scheme — so it pays it too;
-        # flat dense groups pay nothing (their own path).
-        return (profile.with_family("default/*", cpu_s=extra, cpu_per_element_s=per_element)
-                .with_family("none/*", cpu_s=extra))
 
     # -- planning --------------------------------------------------------------------------------
     def _plan_and_switch(self) -> None:
@@ -490,11 +518,11 @@ class PlannedSync(GradSync):
             costs, failure = self.calibrate(self.profile_compressors()), None
         except Exception as exc:  # said in the gather below, so no rank waits in it for this one
             costs, failure = None, exc
-        lag, calibration_lag, family_lags = self._slowest_lag(failure)
+        lag, family_lags = self._slowest_lag(failure)
 
         def plan() -> list[dict[str, Any]]:
             before = self.calibrate_network(replace(self.build_profile(costs), lag_s=lag))
-            profile = self._calibrate_families(self.calibrate_groups(before, calibration_lag), family_lags)
+            profile = self.fit_families(before, family_lags)
             model = CostModel(profile, self._planning_compressors())
             plans = (self.candidate_plans(profile, model) if self.session.trial_steps
                      else [self.compute_plan(profile, model)])
@@ -601,19 +629,17 @@ class PlannedSync(GradSync):
         self.network_config.update(latency=f"{probe['allreduce_alpha_s'] * 1e6:.1f}us",
                                    exchange_latency=f"{probe['allgather_alpha_s'] * 1e6:.1f}us", latency_probe=probe)
 
-    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, float | None, dict[str, float]]:
+    def _slowest_lag(self, failure: Exception | None = None) -> tuple[float, dict[str, float]]:
         """Every rank: how much later than this one the slowest rank ended backward in the profiled
-        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`), and in the
-        calibration steps under the configured option (None where none were measured), and under each
-        other calibrated family (by :func:`family` key). The gather
-        also carries ``failure``, this rank's error in profiling its compressors: every rank raises
-        then, naming the rank that failed, where the others would wait for it in the next collective."""
+        dense steps (:func:`slowest_lag` over every rank's :meth:`StepRecorder.spans`), and in each
+        calibrated layout's steps (by its key: :func:`family` plus the layout). The gather also
+        carries ``failure``, this rank's error in profiling its compressors: every rank raises then,
+        naming the rank that failed, where the others would wait for it in the next collective."""
         if self.world_size < 2:
             if failure is not None:
                 raise failure
-            return 0.0, None, {}
+            return 0.0, {}
         mine = {"spans": self.session.recorder.spans(self.session.warmup_steps),
-                "calibration": self.session.calibration_spans,
                 "families": {key: done["spans"] for key, done in self._families_done.items()},
                 "error": None if failure is None else f"{type(failure).__name__}: {failure}"}
         gathered: list[Any] = [None] * self.world_size
@@ -622,11 +648,9 @@ class PlannedSync(GradSync):
         if failed:
             said = "; ".join(f"rank {self.comm._global(rank)}: {error}" for rank, error in failed)
             raise RuntimeError(f"sync={self.system}: profiling the compressors failed on {said}") from failure
-        calibration = [g["calibration"] for g in gathered]
-        measured = slowest_lag(calibration, self.rank) if all(calibration) else None
         families = {key: [g["families"].get(key, []) for g in gathered] for key in self._families_done}
         lags = {key: slowest_lag(spans, self.rank) for key, spans in families.items() if all(spans)}
-        return slowest_lag([g["spans"] for g in gathered], self.rank), measured, lags
+        return slowest_lag([g["spans"] for g in gathered], self.rank), lags
 
     def _planning_compressors(self) -> dict[str, Compressor]:
         compressors = self.compressed.compressors
@@ -650,7 +674,8 @@ class PlannedSync(GradSync):
         tensors = []
         for position, i in enumerate(order):
             p = self.params[i]
-            kept = {}
+            factors = matrix_kept(default, p.shape, p.dtype)  # PowerSGD: its factors, from the shape
+            kept = {} if factors is None else {"default": factors}
             if probe is not None:
                 # What one rank compresses is about its share of the average (residuals aside); a tensor
                 # without a gradient is sent as zeros. Every unit gets a fraction: one missing would
@@ -740,9 +765,9 @@ class EspressoSync(PlannedSync):
     Cupcake's groups of the configured option) where the model says it is faster. The plan, with each
     tensor's predicted saving, is printed and saved as ``plan.txt``.
 
-    With ``trial_steps`` > 0 (the config's default: 3) the plan is checked on the cluster before it is
-    kept: Espresso's plan, Cupcake's and dense allreduce take turns for a few steps each and the fastest
-    measured stays, so a cost-model error costs those steps only.
+    With ``trial_steps`` > 0 (0 by default: calibration took its place) the plan is checked on the
+    cluster before it is kept: Espresso's plan, Cupcake's and dense allreduce take turns for a few
+    steps each and the fastest measured stays, so a cost-model error costs those steps only.
 
     Args (besides :class:`PlannedSync`'s):
 
@@ -750,10 +775,11 @@ class EspressoSync(PlannedSync):
         on the training thread only, so offloaded choices are predictions of what a side stream would
         give, not what runs: off by default, and the plan says so when on.
     fuse: consider fused plans (equal-option runs, Cupcake groups of ``comm``); off: one tensor each.
-    calibrate_mixed: also settle and time a mixed step before the configured family's layer-wise
-        steps: the largest tensor under the configured option, every other one dense alone. What
-        its dense groups cost beyond the model is charged to every uncompressed group (flat or
-        hierarchical) of a plan that compresses (:func:`~ddlscale.plan.planner.beside_overhead`,
+    calibrate_mixed: also settle and time a mixed step (on by default), after the configured
+        family's layer-wise and fused ones: the largest tensor under the configured option, every
+        other one dense alone. What its dense groups cost beyond the model is charged to every
+        uncompressed group (flat or hierarchical) of a plan that compresses
+        (:func:`~ddlscale.plan.planner.beside_overhead`,
         :meth:`~ddlscale.plan.pricing.CostModel.beside_compression`); without it such groups are
         priced as if they ran alone.
     """
@@ -761,10 +787,23 @@ class EspressoSync(PlannedSync):
     system = "espresso"
     schema = EspressoConfig
 
-    def __init__(self, *args, offload: bool = False, fuse: bool = True, calibrate_mixed: bool = False, **kwargs):
+    def __init__(self, *args, offload: bool = False, fuse: bool = True, calibrate_mixed: bool = True, **kwargs):
         # Checked by the schema, with the rest.
         self.offload, self.fuse, self.calibrate_mixed = offload, fuse, calibrate_mixed
         super().__init__(*args, **kwargs)
+
+    def option_families(self) -> list[tuple[str, bool]]:
+        """Every family Espresso may choose for the configured compressor: each scheme that carries
+        it, flat and, where machines of several ranks exist, hierarchical (the cost model's options)."""
+        out = []
+        for hierarchical in (False, True) if self._hierarchical_possible() else (False,):
+            for name in SCHEMES:
+                try:
+                    self.compressed.check_choice(TensorChoice("default", name, hierarchical), "sync.calibrate_families")
+                except ValueError:
+                    continue
+                out.append((name, hierarchical))
+        return out
 
     def compute_plan(self, profile: Profile, model: CostModel) -> CompressionPlan:
         option = configured_option(model, self.comm_scheme, self.hierarchical)
@@ -816,14 +855,16 @@ class CupcakeSync(PlannedSync):
         return list(plans.values())
 
 
-def _families(value: Sequence[str] | None) -> list[tuple[str, bool]]:
+def _families(value: Sequence[str] | str | None) -> list[tuple[str, bool]] | None:
     """``sync.calibrate_families`` as (scheme, hierarchical) pairs: scheme names, ``/hier`` for the
-    hierarchical layout."""
+    hierarchical layout; None for ``all``."""
+    if value == ALL:
+        return None
     if value is None:
         return []
     if isinstance(value, str) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"sync.calibrate_families must be a list of scheme names (e.g. [alltoall, zen/hier]), "
-                         f"got {value!r}")
+        raise ValueError(f"sync.calibrate_families must be {ALL} or a list of scheme names (e.g. "
+                         f"[alltoall, zen/hier]), got {value!r}")
     out = []
     for text in value:
         scheme, _, layout = text.partition("/")
@@ -833,6 +874,12 @@ def _families(value: Sequence[str] | None) -> list[tuple[str, bool]]:
         if (scheme, layout == "hier") not in out:
             out.append((scheme, layout == "hier"))
     return out
+
+
+def _layout_label(entry: tuple[str, bool, str]) -> str:
+    """A calibration layout as the schedule names it: ``allgather``, ``zen/hier fused``, ``allgather mixed``."""
+    scheme, hierarchical, layout = entry
+    return scheme + ("/hier" if hierarchical else "") + {ALONE: "", FUSED: " fused", MIXED: " mixed"}[layout]
 
 
 def _calibration_note(profile: Profile) -> str:
@@ -847,18 +894,18 @@ def _calibration_note(profile: Profile) -> str:
     if "encode" in calibration:
         parts.append(f"encode x{calibration['encode']:.2f}, decode x{calibration['decode']:.2f} the benchmark "
                      f"({calibration['groups']} groups over {calibration['steps']} layer-wise steps)")
-    if "group_s" in calibration:
-        parts.append(f"{calibration['group_s'] * 1e3:.3f} ms more per group, for the layer-wise steps' "
-                     f"{calibration['layerwise_step_s'] * 1e3:.1f} ms")
     for key, terms in sorted(profile.families.items()):
-        if "lag_s" in terms:
-            parts.append(f"under {key} the slowest rank {terms['lag_s'] * 1e3:.2f} ms behind at backward end")
+        if "lag_s" in terms or "fused_lag_s" in terms:
+            parts.append(f"under {key} the slowest rank " + " and ".join(
+                f"{terms[term] * 1e3:.2f} ms behind at backward end {where}"
+                for term, where in (("lag_s", "layer-wise"), ("fused_lag_s", "fused")) if term in terms))
         if terms.get("beside_compression_s"):
             parts.append(f"each uncompressed group {terms['beside_compression_s'] * 1e3:.3f} ms more beside compressed "
                          "ones (a mixed step)")
-        if terms.get("cpu_per_element_s") and not key.endswith("/*"):
-            parts.append(f"under {key} {terms['cpu_s'] * 1e3:.3f} ms per group and "
-                         f"{terms['cpu_per_element_s'] * 1e9:.2f} ms per million elements (layer-wise and fused steps)")
+        if "cpu_s" in terms and not key.endswith("/*"):
+            parts.append(f"under {key} {terms['cpu_s'] * 1e3:+.3f} ms per group and "
+                         f"{terms.get('cpu_per_element_s', 0.0) * 1e9:+.2f} ms per million elements beyond the model "
+                         f"(its layer-wise and fused steps)")
     return "calibrated in training: " + "; ".join(parts) if parts else ""
 
 

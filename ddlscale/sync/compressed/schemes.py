@@ -62,6 +62,9 @@ class Job:
     state: dict[str, Any] = field(default_factory=dict)
     work: GroupWork | None = None  # when given, timed_work adds to it
     feedback: bool = False  # error feedback subtracts ``shared``: every rounding of the result must be in a share
+    # The names of the tensors it holds, in buffer order: they key per-tensor state that is not laid
+    # out like the buffer (PowerSGD's Q), so that it follows each tensor into any group.
+    members: tuple[str, ...] = ()
 
     @property
     def shared(self) -> torch.Tensor:
@@ -204,25 +207,49 @@ class Allreduce(Scheme):
 
     def finish(self, job: Job) -> torch.Tensor:
         if hasattr(job.compressor, "reduce"):
-            def allreduce(t: torch.Tensor) -> None:
-                job.comm.allreduce(t).wait()
-
-            # Each member as its own matrix, all factors of the group in shared allreduces; error
-            # feedback subtracts this rank's own share of the result.
-            segments = job.segments or [Segment(job.tensor.numel())]
-            members = [piece.view(s.rows, s.cols) for piece, s in
-                       zip(torch.split(job.tensor, [s.numel for s in segments]), segments, strict=True)]
-            names = [f"{job.name}#{k}" for k in range(len(members))] if len(members) > 1 else [job.name]
-            own: list[torch.Tensor] = []
-            total = torch.cat([t.reshape(-1) for t in job.compressor.reduce_many(members, names, allreduce, own)])
-            job.local = torch.cat([t.reshape(-1) for t in own])
-            return total
+            return self._power_iteration(job)
         if "owners" in job.state:
             return job.state["owners"].finish(job)
         for pending in job.state["pending"]:
             pending.wait()
         with timed_work(job.work, "decode", job.tensor.numel(), 1):
             return job.compressor.decompress(job.state["compressed"]).reshape(-1)
+
+
+    @staticmethod
+    def _power_iteration(job: Job) -> torch.Tensor:
+        """PowerSGD: each member as its own matrix, warm-started under its tensor's name (so its Q
+        follows the tensor across regroupings), all factors of the group in shared allreduces;
+        error feedback subtracts this rank's own share of the result. Its compute is timed as the
+        profile benchmarks it: up to Q's allreduce encode (P = M Q, orthogonalize, Q = M^T P, this
+        rank's share), after it decode (P Q^T)."""
+        waited, last = [0.0], [None]
+
+        def allreduce(t: torch.Tensor) -> None:
+            start = clock.now()
+            job.comm.allreduce(t).wait()
+            last[0] = clock.now()
+            waited[0] += last[0] - start
+
+        segments = job.segments or [Segment(job.tensor.numel())]
+        members = [piece.view(s.rows, s.cols) for piece, s in
+                   zip(torch.split(job.tensor, [s.numel for s in segments]), segments, strict=True)]
+        if len(job.members) == len(members):
+            names = list(job.members)
+        else:  # a buffer given without its tensors' names (a direct caller): its members by position
+            names = [f"{job.name}#{k}" for k in range(len(members))] if len(members) > 1 else [job.name]
+        own: list[torch.Tensor] = []
+        start = clock.now()
+        reduced = job.compressor.reduce_many(members, names, allreduce, own)
+        end = clock.now()
+        if job.work is not None:
+            decode = end - last[0] if last[0] is not None else 0.0
+            numel = job.tensor.numel()
+            for kind, seconds in (("encode", end - start - waited[0] - decode), ("decode", decode)):
+                job.work.seconds[kind] += seconds
+                job.work.calls[kind].append((numel, 1))
+        job.local = torch.cat([t.reshape(-1) for t in own])
+        return torch.cat([t.reshape(-1) for t in reduced])
 
 
 def _compress_whole(job: Job) -> tuple[Compressed, torch.Tensor]:

@@ -5,8 +5,9 @@ A planned run goes through these phases, in order, each a number of steps:
     WARMUP -> PROFILE -> [SETTLE -> CALIBRATE] -> [TRIAL_SETTLE <-> TRIAL] -> PLAN
 
 WARMUP and PROFILE run dense allreduce in DDP's buckets (PROFILE's steps are recorded); SETTLE and
-CALIBRATE run every tensor compressed alone (CALIBRATE's work and steps are timed), only with more
-than one rank, a compressor and ``calibrate_steps`` > 0; then the plan is computed. With several
+CALIBRATE run one calibration layout after another (every tensor compressed alone, fused, mixed;
+CALIBRATE's work and steps are timed), only with more than one rank, a compressor and
+``calibrate_steps`` > 0; then the plan is computed. With several
 candidate plans (Espresso's ``trial_steps`` > 0) they take turns on the cluster, a turn being one
 TRIAL_SETTLE step on the candidate's groups and one measured TRIAL step; the fastest is kept and
 PLAN runs it from then on. :class:`PlanningSession` holds the phase and what each phase counts;
@@ -106,8 +107,9 @@ class PlanningSession:
     """The phase a planned sync is in and the counts that move it on; pure bookkeeping, no collectives.
 
     warmup_steps, profile_steps: dense steps, the first not measured. settle_steps, calibrate_steps:
-    layer-wise compressed steps, the first not measured (``calibrate_steps`` 0 skips both).
-    trial_steps: turns per candidate (0: no trial).
+    the configured counts of calibration's settling and measured steps (``calibrate_steps`` 0 skips
+    calibration); each layout is given its own by :meth:`start_calibration`. trial_steps: turns per
+    candidate (0: no trial).
     """
 
     warmup_steps: int
@@ -117,7 +119,9 @@ class PlanningSession:
     trial_steps: int
     phase: Phase = Phase.WARMUP
     recorder: StepRecorder = field(default_factory=StepRecorder)  # the dense steps, as they run
-    calibrated: int = 0  # calibration steps run, settling ones included
+    calibrated: int = 0  # the layout's calibration steps run, settling ones included
+    layout_settle: int = 0  # the layout's settling steps
+    layout_measured: int = 0  # the layout's measured steps
     calibration_ends: list[float] = field(default_factory=list)  # clock at each measured calibration step's end
     # Per measured calibration step: the previous step's end (where the ranks met) to backward end,
     # on this rank's clock — the compressed layout's lag between ranks, compared across ranks.
@@ -138,8 +142,12 @@ class PlanningSession:
         self.phase = Phase.WARMUP if steps < self.warmup_steps else Phase.PROFILE
         return steps >= self.warmup_steps + self.profile_steps
 
-    def start_calibration(self) -> None:
+    def start_calibration(self, settle: int | None = None, measured: int | None = None) -> None:
+        """A calibration layout begins: ``settle`` settling steps, then ``measured`` measured ones
+        (default: the configured counts)."""
         self.phase, self.calibrated, self.calibration_ends, self.calibration_spans = Phase.SETTLE, 0, [], []
+        self.layout_settle = self.settle_steps if settle is None else settle
+        self.layout_measured = self.calibrate_steps if measured is None else measured
 
     def calibration_step(self, now: float, backward_end: float | None = None) -> bool:
         """After a calibration step ending at ``now`` (its backward ended at ``backward_end``, if
@@ -151,12 +159,12 @@ class PlanningSession:
         self.calibration_ends.append(now)  # a step's end: the next one's start
         if self.settling():
             self.calibration_ends = self.calibration_ends[-1:]
-        self.phase = Phase.SETTLE if self.calibrated < self.settle_steps else Phase.CALIBRATE
-        return self.calibrated >= self.settle_steps + self.calibrate_steps
+        self.phase = Phase.SETTLE if self.calibrated < self.layout_settle else Phase.CALIBRATE
+        return self.calibrated >= self.layout_settle + self.layout_measured
 
     def settling(self) -> bool:
         """Whether the calibration step that just ran was a settling one (its work is not kept)."""
-        return self.calibrated <= self.settle_steps
+        return self.calibrated <= self.layout_settle
 
     def calibration_periods(self) -> list[float]:
         """The measured calibration steps' periods (used once)."""
