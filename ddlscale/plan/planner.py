@@ -8,13 +8,13 @@ run used (for the same cluster).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ddlscale import clock
 from ddlscale.comm.network import NetworkModel
-from ddlscale.comm.timeline import iteration_time
+from ddlscale.comm.timeline import TensorTask, iteration_time
 from ddlscale.compress import Compressor
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
@@ -55,17 +55,36 @@ def configured_option(model: CostModel, comm: str = "allgather", hierarchical: b
 
 
 def _solve(predicted: Callable[[float], float], measured_s: float, low: float, high: float) -> float:
-    """The ``x`` in [low, high] where the non-decreasing ``predicted(x)`` reaches ``measured_s``
-    (bisection): ``low`` where the model already says that much or more, ``high`` where even that
-    falls short."""
-    if predicted(low) >= measured_s:
+    """The ``x`` in [low, high] where the non-decreasing ``predicted(x)`` reaches ``measured_s``:
+    ``low`` where the model already says that much or more, ``high`` where even that falls short.
+
+    False position with the Illinois step (a stale end's value halved), not bisection: the
+    simulated step is piecewise linear in a cost, so a chord lands near the root in a few
+    evaluations where halving takes twenty — the fits nest two of these solves."""
+    below, above = predicted(low) - measured_s, predicted(high) - measured_s
+    if below >= 0:
         return low
-    if predicted(high) < measured_s:
+    if above < 0:
         return high
+    stale = 0  # which end stayed put last time: -1 low, +1 high
     while high - low > 1e-6 * max(1.0, abs(low), abs(high)):
-        middle = (low + high) / 2
-        low, high = (middle, high) if predicted(middle) < measured_s else (low, middle)
-    return (low + high) / 2
+        x = (low * above - high * below) / (above - below)
+        if not low < x < high:  # rounding at a tiny bracket
+            x = (low + high) / 2
+        value = predicted(x) - measured_s
+        if value < 0:
+            low, below = x, value
+            if stale == -1:
+                above /= 2
+            stale = -1
+        else:
+            high, above = x, value
+            if value == 0:
+                break
+            if stale == 1:
+                below /= 2
+            stale = 1
+    return high if above == 0 else (low + high) / 2
 
 
 def fused_units(units: list[Unit]) -> list[Unit]:
@@ -80,7 +99,7 @@ class _Layout:
     """A calibration step's groups under one option, priced once with the family's CPU left out;
     :meth:`time` adds a CPU correction of ``group_s`` per group and ``element_s`` per element to each
     group's encode (as :meth:`CostModel.costs_many` charges a family's terms: never below zero in
-    total), fast enough for the nested bisections of :func:`family_cpu`."""
+    total), fast enough for the nested solves of :func:`family_cpu`."""
 
     def __init__(self, profile: Profile, option: Option, units: list[Unit], compressors: dict[str, Compressor]):
         model = CostModel(profile.with_family(option.family, cpu_s=0.0, cpu_per_element_s=0.0), compressors)
@@ -91,7 +110,9 @@ class _Layout:
 
     def time(self, group_s: float, element_s: float) -> float:
         encodes = np.maximum(0.0, self.base + group_s + element_s * self.numel).tolist()
-        tasks = [replace(t, encode_s=e) for t, e in zip(self.tasks, encodes, strict=True)]
+        # Built directly: dataclasses.replace took three quarters of a fit's time.
+        tasks = [TensorTask(t.name, t.ready_s, e, t.comm_s, t.decode_s, t.encode_on_compute, t.lag_s)
+                 for t, e in zip(self.tasks, encodes, strict=True)]
         return iteration_time(tasks, self.backward_end_s, self.optimizer_s, check=False)
 
     def per_group(self, element_s: float, measured_s: float) -> float:
@@ -118,7 +139,7 @@ def family_cpu(profile: Profile, option: Option, layerwise_s: float, fused_s: fl
     step cannot tell a cost per group from a cost per element; charged all per group, a family's
     cost measured on N groups is under-charged to a plan of a few large groups by about (N - 1) / N
     (plans of one or two compressed groups predicted 10-41% under, compression_schemes_dilated), so
-    the fused step, where given, is the second point. (The outer bisection takes the fused step's
+    the fused step, where given, is the second point. (The outer solve takes the fused step's
     prediction to grow with the per-element share, as it does where one group holds every tensor
     and the layer-wise step holds it fixed.) 0, 0 for an uncompressed option."""
     if not option.compressed:
@@ -157,6 +178,48 @@ def _solve_outward(predicted: Callable[[float], float], measured_s: float, scale
             return _solve(predicted, floor + 1e-9 * max(1.0, floor), low, high)
         low, high = 2 * low, low
     return _solve(predicted, measured_s, low, high)
+
+
+@dataclass(frozen=True)
+class FamilySteps:
+    """What calibration measured of one option family in training: the median period of its
+    layer-wise steps (every tensor its own group) and of its fused ones (each dtype's tensors one
+    group; None: not run), and how far behind the slowest rank ended backward in each (None: not
+    measured, the dense lag stands)."""
+
+    layerwise_s: float
+    fused_s: float | None = None
+    lag_s: float | None = None
+    fused_lag_s: float | None = None
+
+
+def fit_families(profile: Profile, measured: dict[Option, FamilySteps], configured: Option,
+                 mixed_s: float | None = None, compressors: dict[str, Compressor] | None = None) -> Profile:
+    """``profile`` with each measured family's own terms (:attr:`Profile.families`): its lags, then
+    the CPU per group and per element that make its layer-wise and fused steps what they measured
+    (:func:`family_cpu`: a correction either way, so a family the benchmark over-prices is priced
+    down). The ``configured`` family's CPU stands for the compressor's families calibration left
+    out (``default/*``); a hierarchical uncompressed group (``none/*``) pays its per-group part where
+    that is a cost (it runs the same per-group machinery, but compresses nothing a negative
+    correction could be taken off). Then, from ``mixed_s`` (the mixed step of ``configured``, where
+    run), what a dense group costs beside compression (:func:`beside_overhead`)."""
+    compressors = compressors or {key: c.build() for key, c in profile.compressors.items()}
+    for option, steps in measured.items():
+        if not option.compressed:
+            continue
+        lags = {term: value for term, value in (("lag_s", steps.lag_s), ("fused_lag_s", steps.fused_lag_s))
+                if value is not None}
+        profile = profile.with_family(option.family, **lags)
+        per_group, per_element = family_cpu(profile, option, steps.layerwise_s, steps.fused_s, compressors)
+        profile = profile.with_family(option.family, cpu_s=per_group, cpu_per_element_s=per_element)
+    mine = profile.families.get(configured.family, {})
+    if "cpu_s" in mine:
+        profile = (profile.with_family("default/*", cpu_s=mine["cpu_s"], cpu_per_element_s=mine["cpu_per_element_s"])
+                   .with_family("none/*", cpu_s=max(0.0, mine["cpu_s"])))
+    if mixed_s is not None and configured.compressed:
+        profile = profile.with_family(DENSE.family, beside_compression_s=beside_overhead(
+            profile, configured, mixed_s, compressors))
+    return profile
 
 
 def mixed_options(units: list[Unit], option: Option) -> list[Option]:

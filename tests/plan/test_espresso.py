@@ -375,7 +375,9 @@ def _espresso_steps(rank, world, bandwidth, latency="100us"):
                         network_latency=latency, run_dir=None, settle_steps=1)
     sync.setup(params)
     exact = []
-    for step in range(6):  # warm-up, 1 profiled, 1 settling + 2 calibration steps, then the plan
+    # Warm-up, 1 profiled, the default calibration (every family Espresso may choose, layer-wise and
+    # fused, and a mixed step: each layout's steps exact too), then 2 on the plan.
+    for step in range(2 + sync.calibration_schedule()[2] + 2):
         exact.append(_exact_step(sync, params, rank, world, step))
     return sync.computed.to_dict(), exact, sync.state_dict()["planned"], dict(sync.network_config)
 
@@ -398,7 +400,7 @@ def _failing_profile_steps(rank, world):
             raise MemoryError("no room for the benchmark buffers")
         sync.profile_compressors = fails
     try:
-        for step in range(6):
+        for step in range(2 + sync.calibration_schedule()[2] + 1):
             _exact_step(sync, params, rank, world, step)
     except RuntimeError as exc:
         return str(exc)
@@ -523,10 +525,10 @@ def test_bad_config_names_the_key():
     with pytest.raises(ValueError, match="sync.trial_steps"):
         EspressoSync(TopK(), trial_steps=-1)
     EspressoSync(TopK(), network_latency="measured")  # probed on the sync group before planning
-    for comm in ("allreduce", "allgather"):  # one refusal, whatever the scheme: no plan prices PowerSGD
-        with pytest.raises(ValueError, match="sync=espresso: compressor=powersgd is not priced.*sync=compress "
-                                             "compressor=powersgd sync.comm=allreduce"):
-            EspressoSync(PowerSGD(), comm=comm)
+    # PowerSGD is an option under allreduce alone: another scheme is refused, naming it.
+    with pytest.raises(ValueError, match="sync.comm: compressor powersgd .* Use sync.comm=allreduce"):
+        EspressoSync(PowerSGD(), comm="allgather")
+    EspressoSync(PowerSGD(), comm="allreduce")
     with pytest.raises(ValueError, match="sync.comm must be one of"):
         configured_option(_model()[1], "broadcast")
 
@@ -550,23 +552,27 @@ def test_train_py_with_espresso_and_topk(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "sync=espresso", "compressor=topk", "model=cnn",
-         "model.num_samples=512", "trainer.max_steps=7", "sync.profile_steps=2", "sync.settle_steps=1", f"hydra.run.dir={out}",
+         "model.num_samples=512", "trainer.max_steps=23", "sync.profile_steps=2", "sync.settle_steps=1", f"hydra.run.dir={out}",
          "trainer.enable_progress_bar=false"],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["sync"] == "espresso" and summary["steps"] == 7
+    assert summary["sync"] == "espresso" and summary["steps"] == 23
     assert json.loads((out / "plan.json").read_text())["system"] == "espresso"
     profile = Profile.load(out / "plan_profile.json")
     assert profile.world_size == 2 and profile.compressors["default"].name == "topk"
     assert "predicted iteration" in (out / "plan.txt").read_text()
-    # metrics.csv marks what each step did; the run ended as the trial began, and the summary says so.
+    # The default calibration: every family top-k may take (allgather, alltoall, gather, zen),
+    # layer-wise and fused, and a mixed step: 9 layouts, a measured step each, every layout after
+    # the first settling for one step. No trial: the calibrated model's plan runs.
+    schemes = ("allgather", "alltoall", "gather", "zen")
+    assert all({"cpu_s", "lag_s", "fused_lag_s"} <= set(profile.families[f"default/{s}"]) for s in schemes)
     with (out / "metrics.csv").open() as handle:
         phases = [row["sync_phase"] for row in csv.DictReader(handle) if row.get("sync_phase")]
-    assert phases == ["warmup", "profile", "profile", "settle", "calibrate", "calibrate", "calibrate"]
-    assert summary["plan_source"] is None and summary["plan_state"].startswith("none kept: the run ended in turn 1")
-    assert summary["sync_phase_steps"] == {"warmup": 1, "profile": 2, "settle": 1, "calibrate": 3}
+    assert phases == ["warmup", "profile", "profile", *["settle", "calibrate"] * 9, "plan", "plan"]
+    assert summary["plan_source"] is not None and summary["plan_state"] == "chosen by the cost model"
+    assert summary["sync_phase_steps"] == {"warmup": 1, "profile": 2, "settle": 9, "calibrate": 9, "plan": 2}
 
 
 def test_iteration_time_is_simulate():
@@ -696,16 +702,16 @@ def _mixed_calibration(rank, world, run_dir):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=0.5), trial_steps=0, comm="allgather", memory="residual", profile_steps=1,
                         calibrate_steps=2, settle_steps=2, network_bandwidth="10mbit", run_dir=run_dir,
-                        calibrate_mixed=True)
+                        calibrate_families=[], calibrate_fused=False, calibrate_mixed=True)
     sync.setup(params)
     ops, mixed_choices = [], None
-    for step in range(1 + 1 + 4 * 2):
+    for step in range(1 + 1 + 4 + 3):
         g = torch.Generator().manual_seed(100 * rank + step)
         for name, p in reversed(params):
             p.grad = torch.randn(SHAPES[name], generator=g)
             sync.grad_ready(p)
         ops.append([r.op for r in sync.finish_step().collectives])
-        if step == 2:  # in the mixed step's settling
+        if step == 6:  # in the mixed step's settling
             mixed_choices = {name: (c.compressor, c.scheme) for name, c in sync.compressed.choices.tensors.items()}
     return ops, sync.computed is not None, mixed_choices
 
@@ -716,9 +722,9 @@ def test_a_mixed_calibration_step_runs_the_largest_tensor_compressed_and_the_res
     assert planned
     assert choices == {"d": ("default", "allgather")}  # the largest, as the model's mixed_options picks it
     assert ops[:2] == [["allreduce"]] * 2
-    # Mixed (2 settling, 2 timed): "d" (the largest) under allgather, the other three dense alone.
-    assert all(sorted(step) == sorted(["allgather_uneven"] + ["allreduce"] * 3) for step in ops[2:6])
-    assert ops[6:10] == [["allgather_uneven"] * len(SHAPES)] * 4  # the configured family alone, last
+    assert ops[2:6] == [["allgather_uneven"] * len(SHAPES)] * 4  # the configured family alone first
+    # Mixed (1 settling, 2 timed): "d" (the largest) under allgather, the other three dense alone.
+    assert all(sorted(step) == sorted(["allgather_uneven"] + ["allreduce"] * 3) for step in ops[6:9])
     profile = Profile.load(tmp_path / "plan_profile.json")
     assert profile.families[DENSE.family]["beside_compression_s"] >= 0
     assert "default/allgather" in profile.families
@@ -727,16 +733,12 @@ def test_a_mixed_calibration_step_runs_the_largest_tensor_compressed_and_the_res
 def test_calibrate_mixed_is_espressos_and_checked():
     with pytest.raises(ValueError, match="sync.calibrate_mixed"):
         EspressoSync(TopK(), calibrate_mixed="yes")
-    # Without calibration steps, or with nothing to compress, the calibration keys are refused, not ignored.
-    from ddlscale.compress import NoCompression
-
-    with pytest.raises(ValueError, match="sync.calibrate_mixed needs calibration steps.*calibrate_steps=0"):
-        EspressoSync(TopK(), calibrate_mixed=True, calibrate_steps=0)
-    with pytest.raises(ValueError, match="sync.calibrate_fused needs calibration steps.*compressor=none"):
-        EspressoSync(NoCompression(), calibrate_fused=True, calibrate_mixed=True)
+    with pytest.raises(ValueError, match="sync.calibrate_budget"):
+        EspressoSync(TopK(), calibrate_budget="many")
+    # A list of families asked for where no calibration runs is refused, not ignored.
     with pytest.raises(ValueError, match="sync.calibrate_families needs"):
         EspressoSync(TopK(), calibrate_families=["zen"], calibrate_steps=0)
-    EspressoSync(TopK(), calibrate_mixed=True)  # the default calibration steps
+    EspressoSync(TopK(), calibrate_steps=0)  # the defaults (every family, fused and mixed) then do nothing
     from ddlscale.sync.compressed import CupcakeSync
     with pytest.raises(TypeError):
         CupcakeSync(TopK(), calibrate_mixed=True)

@@ -69,7 +69,7 @@ def _planned_steps(rank, world, system):
                settle_steps=1)
     sync.setup(params)
     exact = []
-    for step in range(6):  # warm-up, 1 profiled, 1 settling + 3 calibration steps, then the plan
+    for step in range(2 + sync.calibration_schedule()[2] + 1):  # warm-up, 1 profiled, calibration, the plan
         g = torch.Generator().manual_seed(100 * rank + step)
         grads = {name: torch.randint(-8, 9, shape, generator=g).float() for name, shape in SHAPES.items()}
         for name, p in reversed(params):

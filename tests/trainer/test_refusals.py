@@ -90,12 +90,12 @@ def test_refusals_name_the_options_users_typed_not_classes():
     assert "ddlscale." not in _refused("memory=residual")
 
 
-@pytest.mark.parametrize("comm", ["allgather", "allreduce"])
-def test_powersgd_under_a_planned_sync_gets_one_refusal_with_the_whole_answer(comm):
-    message = _refused("sync=espresso", "compressor=powersgd", f"sync.comm={comm}")
-    assert message.startswith("sync=espresso: compressor=powersgd is not priced"), message
-    assert message.endswith("sync=compress compressor=powersgd sync.comm=allreduce"), message
-    check_config(_cfg("sync=compress", "compressor=powersgd", "sync.comm=allreduce"))  # and that runs
+@pytest.mark.parametrize("sync", ["espresso", "cupcake", "compress"])
+def test_powersgd_under_another_scheme_than_allreduce_gets_one_refusal_with_the_whole_answer(sync):
+    message = _refused(f"sync={sync}", "compressor=powersgd", "sync.comm=allgather")
+    assert message.startswith("sync.comm: compressor powersgd"), message
+    assert message.endswith("Use sync.comm=allreduce"), message
+    check_config(_cfg(f"sync={sync}", "compressor=powersgd", "sync.comm=allreduce"))  # and that runs
 
 
 def test_logger_offline_must_be_a_boolean():

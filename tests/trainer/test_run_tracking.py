@@ -145,7 +145,8 @@ SHAPES = {"a": (40,), "b": (8, 8), "c": (30,)}
 def _espresso_phases(rank, world, steps):
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in SHAPES.items()]
     sync = EspressoSync(TopK(ratio=0.5), memory="none", profile_steps=1, network_bandwidth="10mbit", run_dir=None,
-                        trial_steps=1, calibrate_steps=1, settle_steps=1)
+                        trial_steps=1, calibrate_steps=1, settle_steps=1,
+                        calibrate_families=[], calibrate_fused=False, calibrate_mixed=False)  # one layout
     sync.setup(params)
     phases, reports = [], []
     for step in range(steps):

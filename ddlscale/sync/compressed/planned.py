@@ -27,7 +27,7 @@
    step in this backend's buckets takes what the profiled steps took
    (:func:`~ddlscale.plan.planner.allreduce_efficiency`), then per calibrated family its lags and
    its CPU per group and per element, either way, so that its layer-wise and fused steps take what
-   they took (:func:`~ddlscale.plan.planner.family_cpu`; :attr:`Profile.families`: the
+   they took (:func:`~ddlscale.plan.planner.fit_families`; :attr:`Profile.families`: the
    compressor's families left out take the configured one's CPU) — computes the plan
    (:meth:`PlannedSync.compute_plan`), writes ``plan.json`` / ``plan.txt`` and broadcasts it: every
    rank executes the identical plan, whatever its own timings were.
@@ -65,17 +65,17 @@ from ddlscale.compress.base import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
+    FamilySteps,
     allreduce_efficiency,
-    beside_overhead,
     configured_option,
     cupcake_plan,
     dense_plan,
     espresso_plan,
-    family_cpu,
+    fit_families,
     layerwise_plan,
     option_label,
 )
-from ddlscale.plan.pricing import DENSE, SCHEMES, CostModel, Option
+from ddlscale.plan.pricing import SCHEMES, CostModel, Option
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,
@@ -222,7 +222,9 @@ class PlannedSync(GradSync):
         self._families_left: list[tuple[str, bool, str]] = []
         self._calibrating: tuple[str, bool, str] | None = None  # the queue's entry in force
         self._families_done: dict[str, dict[str, Any]] = {}  # per layout calibrated: periods, spans, option
-        self._calibration_work: list[GroupWork] = []  # every measured calibration step's groups
+        # The compressor's work in every measured calibration step (mixed ones aside), and those steps.
+        self.calibration_work: list[GroupWork] = []
+        self.calibration_steps = 0
         self.comm_scheme, self.hierarchical = comm, bool(hierarchical)
         self.network_config = {"bandwidth": network_bandwidth, "latency": network_latency,
                                "gpus_per_machine": gpus_per_machine}
@@ -396,7 +398,8 @@ class PlannedSync(GradSync):
                   f"step(s) each, {total} steps in all (sync.calibrate_budget={self.calibrate_budget}): "
                   + ", ".join(map(_layout_label, layouts))
                   + (f"; left out for the budget: {', '.join(left)}" if left else ""), flush=True)
-        self._families_left, self._families_done, self._calibration_work = list(layouts), {}, []
+        self._families_left, self._families_done = list(layouts), {}
+        self.calibration_work, self.calibration_steps = [], 0
         self._calibrate_next(first=True)
 
     def _configured_family(self) -> tuple[str, bool]:
@@ -429,10 +432,13 @@ class PlannedSync(GradSync):
         """After a layout's last calibration step: keep its periods, spans and work, then start the
         next layout (False), or True after the last one."""
         scheme, hierarchical, layout = self._calibrating
+        periods = self.session.calibration_periods()
         self._families_done[family("default", scheme, hierarchical) + layout] = {
-            "periods": self.session.calibration_periods(), "spans": list(self.session.calibration_spans),
+            "periods": periods, "spans": list(self.session.calibration_spans),
             "option": Option("default", scheme, hierarchical), "layout": layout}
-        self._calibration_work += self.compressed.work or []
+        if layout != MIXED:  # its groups are the compressor's alone (a mixed step's are mostly dense)
+            self.calibration_work += self.compressed.work or []
+            self.calibration_steps += len(periods)
         if not self._families_left:
             return True
         self._calibrate_next()
@@ -440,11 +446,13 @@ class PlannedSync(GradSync):
 
     def calibrate(self, costs: dict[str, CompressorProfile]) -> dict[str, CompressorProfile]:
         """The configured compressor's fits scaled by what its work cost in the calibration steps (every
-        layout's measured steps), encode and decode each: the median over groups and steps of
+        family's measured layer-wise and fused steps; a mixed step's groups are mostly dense), encode
+        and decode each: the median over groups and steps of
         (seconds in training) / (seconds the fit says), weighted by the latter — the large groups
         that dominate a step dominate it, and one group caught by a scheduling stall (tens of ms on
         an oversubscribed host) does not."""
-        work, self._calibration_work, self.compressed.work = self._calibration_work, [], None
+        work, steps = self.calibration_work, self.calibration_steps
+        self.calibration_work, self.calibration_steps, self.compressed.work = [], 0, None
         if not work or "default" not in costs:
             return costs
         prof = costs["default"]
@@ -452,7 +460,7 @@ class PlannedSync(GradSync):
                                          if (fitted := sum(c * fit(n) for n, c in g.calls[kind])) > 0]) or 1.0
                  for kind, fit in (("encode", prof.encode), ("decode", prof.decode))}
         return {**costs, "default": prof.calibrated(ratio["encode"], ratio["decode"], groups=len(work),
-                                                    steps=getattr(self, "_measured_each", 0))}
+                                                    steps=steps)}
 
     def calibrate_network(self, profile: Profile) -> Profile:
         """``profile`` with the allreduce efficiency that makes the model's dense step in this
@@ -465,47 +473,30 @@ class PlannedSync(GradSync):
         return replace(profile, network={**profile.network, "efficiency": efficiency})
 
     def fit_families(self, profile: Profile, lags: dict[str, float]) -> Profile:
-        """``profile`` with what calibration measured of each family it timed (:attr:`Profile.families`):
-        the slowest rank's lag under it layer-wise and fused, then its CPU per group and per element
-        that make its layer-wise and fused steps take what they took (:func:`family_cpu`, a
-        correction either way); the configured family's CPU stands for the compressor's families
-        left out; then what a dense group costs beside compression (the mixed step)."""
+        """``profile`` with what calibration measured of each family it timed, layer-wise and fused
+        (their median periods on this rank, the slowest rank's lags: :func:`~ddlscale.plan.planner.fit_families`),
+        and of Espresso's mixed step."""
         done, self._families_done = self._families_done, {}
-        if "default" not in profile.compressors:
+        if "default" not in profile.compressors or not done:
             return profile
+
+        def median(key: str) -> float | None:
+            periods = done.get(key, {}).get("periods")
+            return statistics.median(periods) if periods else None
+
+        measured = {entry["option"]: FamilySteps(median(key), median(key + FUSED), lags.get(key), lags.get(key + FUSED))
+                    for key, entry in done.items() if entry["layout"] == ALONE and entry["periods"]}
         compressors = self._planning_compressors()
-        model = CostModel(profile, compressors)
-        configured = configured_option(model, self.comm_scheme, self.hierarchical)
-        for key, alone in done.items():
-            option = alone["option"]
-            if alone["layout"] != ALONE or not alone["periods"] or not model.allows(option):
-                continue
-            lagged = {term: lags[key + layout] for term, layout in (("lag_s", ALONE), ("fused_lag_s", FUSED))
-                      if key + layout in lags}
-            profile = profile.with_family(key, **lagged)
-            layerwise_s = statistics.median(alone["periods"])
-            fused = done.get(key + FUSED, {}).get("periods")
-            per_group, per_element = family_cpu(profile, option, layerwise_s,
-                                                statistics.median(fused) if fused else None, compressors)
-            profile = profile.with_family(key, cpu_s=per_group, cpu_per_element_s=per_element)
-            if option == configured:  # for the record (plan.txt's note, the experiments' tables)
-                facts = {"group_s": per_group, "element_s": per_element, "layerwise_step_s": layerwise_s}
-                default = profile.compressors["default"]
-                profile = replace(profile, compressors={**profile.compressors, "default": replace(
-                    default, calibration={**default.calibration, **facts})})
-        mine = profile.families.get(configured.family, {})
-        if "cpu_s" in mine:
-            # The compressor's families calibration left out take the configured one's CPU. An
-            # uncompressed group off dense allreduce's own path (a hierarchical one) runs the same
-            # per-group machinery — blocking machine collectives, a job, a scheme — so it pays the
-            # per-group part where that is a cost; a negative one corrects compression work it has none of.
-            profile = (profile.with_family("default/*", cpu_s=mine["cpu_s"],
-                                           cpu_per_element_s=mine.get("cpu_per_element_s", 0.0))
-                       .with_family("none/*", cpu_s=max(0.0, mine["cpu_s"])))
-        for entry in done.values():  # a mixed step, its compressed family's terms known now
-            if entry["layout"] == MIXED and entry["periods"]:
-                beside = beside_overhead(profile, entry["option"], statistics.median(entry["periods"]), compressors)
-                profile = profile.with_family(DENSE.family, beside_compression_s=beside)
+        configured = configured_option(CostModel(profile, compressors), self.comm_scheme, self.hierarchical)
+        profile = fit_families(profile, measured, configured, median(configured.family + MIXED), compressors)
+        if configured in measured:  # for the record (plan.txt's note, the experiments' tables)
+            terms, default = profile.families[configured.family], profile.compressors["default"]
+            steps = measured[configured]
+            facts = {"group_s": terms["cpu_s"], "element_s": terms["cpu_per_element_s"],
+                     "layerwise_step_s": steps.layerwise_s,
+                     **({} if steps.fused_s is None else {"fused_step_s": steps.fused_s})}
+            profile = replace(profile, compressors={**profile.compressors, "default": replace(
+                default, calibration={**default.calibration, **facts})})
         return profile
 
     # -- planning --------------------------------------------------------------------------------

@@ -215,7 +215,6 @@ class Allreduce(Scheme):
         with timed_work(job.work, "decode", job.tensor.numel(), 1):
             return job.compressor.decompress(job.state["compressed"]).reshape(-1)
 
-
     @staticmethod
     def _power_iteration(job: Job) -> torch.Tensor:
         """PowerSGD: each member as its own matrix, warm-started under its tensor's name (so its Q

@@ -159,7 +159,9 @@ def _planned_run(rank, world, planned):
     params = _params()
     sync.setup(params)
     phases, out, momentum = [], [], {}
-    for step in range(12):
+    # Warm-up, profiling, the default calibration (every family, fused, mixed), 3 candidates x a
+    # turn of 2 steps, then the plan.
+    for step in range(2 + sync.calibration_schedule()[2] + 3 * 2 + 2):
         grads = _grads(rank, step)
         got = _step(sync, params, grads)
         phases.append(sync.step_phase)

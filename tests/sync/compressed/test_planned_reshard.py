@@ -83,7 +83,7 @@ def _resharded_run(rank, world, states, calibrate_steps):
     loaded = (sync.session.label, sync.computed)
     sent = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
     true = {name: torch.zeros(shape, dtype=torch.float64) for name, shape in SHAPES.items()}
-    steps = 2 + (1 + calibrate_steps if calibrate_steps else 0) + PLAN_STEPS
+    steps = 2 + (sync.calibration_schedule()[2] if calibrate_steps else 0) + PLAN_STEPS
     phases = [_step(sync, params, rank, step, sent, true) for step in range(steps)]
     for tensor in true.values():
         dist.all_reduce(tensor)
@@ -107,7 +107,8 @@ def test_a_resharded_planned_sync_plans_again_and_loses_no_error_feedback(saved,
             run_workers(_resharded_run, resumed, states, calibrate_steps)):
         # (a) no plan from the other size: warm-up and profiling again, then a plan made for this one.
         assert loaded == ("warmup", None), rank
-        calibration = ["settle"] + ["calibrate"] * calibrate_steps if calibrate_steps else []
+        # layer-wise, then fused: a settling step and the calibration steps each
+        calibration = (["settle"] + ["calibrate"] * calibrate_steps) * 2 if calibrate_steps else []
         assert phases == ["warmup", "profile", *calibration] + ["plan"] * PLAN_STEPS, rank
         assert plan["context"]["world_size"] == resumed
         # (b) sent + residuals left = the true sum + the residuals carried in: nothing lost, on every
@@ -166,6 +167,7 @@ def _resumed_mid_calibration(rank, world, families, saved_steps):
     sent, true = zeros(), zeros()
     layouts = 2 * (1 + len(families))  # each family layer-wise and fused
     phases = [_step(resumed, resumed_params, rank, 10 + step, sent, true) for step in range(2 + 3 * layouts + PLAN_STEPS)]
+    assert resumed.calibration_schedule()[2] == 3 * layouts
     for tensor in true.values():
         dist.all_reduce(tensor)
     residual, orphans = _residuals(resumed)
@@ -173,16 +175,17 @@ def _resumed_mid_calibration(rank, world, families, saved_steps):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world,families,saved_layout", [
-    (2, (), sorted(SHAPES)),  # the configured family fused first, then every tensor alone: saved alone
-    (4, ("allgather/hier",), ["d+c+b+a@machine"]),  # a hierarchical family alone, then fused: saved fused
+@pytest.mark.parametrize("world,families,saved_steps,saved_layout", [
+    (2, (), 7, ["d+c+b+a"]),  # every tensor alone first, then fused: saved fused
+    # the configured family alone and fused, then a hierarchical one alone and fused: saved in the last
+    (4, ("allgather/hier",), 13, ["d+c+b+a@machine"]),
 ])
 def test_a_planned_sync_resumed_mid_calibration_carries_its_error_feedback_into_the_next_layout(
-        world, families, saved_layout):
+        world, families, saved_steps, saved_layout):
     calibration = ["settle", "calibrate", "calibrate"] * 2 * (1 + len(families))
     for rank, (saved_phases, saved, carried, phases, sent, true, residual, orphans) in enumerate(
-            run_workers(_resumed_mid_calibration, world, families, 7)):
-        assert saved_phases == ["warmup", "profile", *calibration[:5]], rank
+            run_workers(_resumed_mid_calibration, world, families, saved_steps)):
+        assert saved_phases == ["warmup", "profile", *calibration[:saved_steps - 2]], rank
         assert saved == saved_layout, rank  # the second layout of the queue, not the one a resume builds first
         assert any(t.abs().max() > 0 for t in carried.values())  # there is error feedback to carry
         assert phases == ["warmup", "profile", *calibration] + ["plan"] * PLAN_STEPS, rank
