@@ -323,7 +323,15 @@ def test_calibration_steps_time_the_compressor_in_layer_wise_steps_and_scale_its
     # The allreduce efficiency makes the model's dense step (DDP's buckets) what the profiled steps took.
     factor = profile.network["efficiency"]["allreduce"]
     dense = dense_plan(profile, model).iteration_s
-    assert factor >= 1 and (dense == pytest.approx(profile.step_s, rel=1e-3) if factor > 1 else dense >= profile.step_s)
+    # (at 1 the model already says as much or more; at the search's bound, 100, a host so loaded that
+    # even that leaves the model's dense step short of the measured one)
+    assert 1 <= factor <= 100
+    if factor == 1:
+        assert dense >= profile.step_s
+    elif factor == 100:
+        assert dense <= profile.step_s
+    else:
+        assert dense == pytest.approx(profile.step_s, rel=1e-3)
     assert f"allreduce x{factor:.2f} the network model" in planned
 
 
