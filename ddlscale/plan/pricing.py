@@ -416,8 +416,12 @@ class CostModel:
             terms = prof.family_terms(option.family)
             alone = terms.get("lag_s", prof.lag_s)
             fused = terms.get("fused_lag_s", alone)
-            lag = np.where(tensors > 1, fused, alone) if isinstance(tensors, np.ndarray) else (
-                fused if tensors > 1 else alone)
+            if fused == alone:  # the common case (no fused steps measured): no per-group choice to make
+                lag = alone
+            elif isinstance(tensors, np.ndarray):
+                lag = np.where(tensors > 1, fused, alone)
+            else:
+                lag = fused if tensors > 1 else alone
         if option is not None and self.after_backward(option):
             # These exchanges block, so CompressSync runs them after backward (zen's batched in
             # finish_together, PowerSGD's power iteration in Allreduce.finish): they wait from the
@@ -425,7 +429,7 @@ class CostModel:
             # stolen after this group's also delay backward end; not counted here, so this is a
             # lower bound on the wait.)
             return prof.backward_end_s - ready_s + lag
-        if not np.any(lag):
+        if not (lag.any() if isinstance(lag, np.ndarray) else lag):
             return 0.0 * ready_s
         return lag * (prof.rest_s + ready_s) / (prof.rest_s + prof.backward_end_s)
 
