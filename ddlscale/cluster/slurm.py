@@ -67,7 +67,7 @@ def refusal() -> str:
 
 
 def gpus_per_node(accelerator: str, devices: int) -> int | None:
-    """``hydra.launcher.gpus_per_node`` of conf/cluster/slurm.yaml: a GPU per task when the trainer runs on
+    """``hydra.launcher.gpus_per_node`` of ddlscale/conf/cluster/slurm.yaml: a GPU per task when the trainer runs on
     GPUs, none asked otherwise (SLURM refuses a job that asks for GPUs its nodes do not have)."""
     return devices if str(accelerator).lower() in GPU_ACCELERATORS else None
 

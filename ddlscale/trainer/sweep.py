@@ -4,7 +4,7 @@ compose it for that job, goes through the same validation as a single run (:func
 Hydra's sweepers only compose each job as they launch it (a typo in a key fails then, a bad value not
 until the app runs), and the launcher runs them one after the other or a few at a time: a bad value in
 the tenth job stopped the sweep after nine jobs' time. :class:`CheckJobsFirst`, a Hydra callback
-(``hydra.callbacks`` in conf/hydra/default.yaml), does the check at ``on_multirun_start``, before the
+(``hydra.callbacks`` in ddlscale/conf/hydra/default.yaml), does the check at ``on_multirun_start``, before the
 sweeper is even built, so it holds whichever sweeper (``hydra/sweeper=basic``, ``optuna``) and
 launcher (``hydra/launcher=joblib``, ``submitit_slurm``) the sweep uses.
 
