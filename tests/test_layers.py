@@ -1,6 +1,6 @@
-"""The packages' dependencies point down (docs: the layers of ARCHITECTURE): the trainer builds whatever
-checkpoint tier is configured through the Checkpointer's hooks and names none; the launch modes under
-ddlscale.cluster take a tier's services as a callable and import nothing above them."""
+"""The packages' dependencies point down, in the order docs/developing.md's Layout lists them (every
+module checked against it); and within that order, the trainer builds whatever checkpoint tier is
+configured through the Checkpointer's hooks and names none."""
 
 import ast
 import re
@@ -42,3 +42,41 @@ def test_the_app_names_no_tier_and_no_tier_infrastructure():
 def test_the_cluster_imports_nothing_above_it():
     for above in ("ddlscale.ckpt", "ddlscale.trainer", "ddlscale.strategy", "ddlscale.testing"):
         assert _importing("cluster", above) == {}, above
+
+
+DEVELOPING = PACKAGE.parent / "docs" / "developing.md"
+
+
+def _documented_layers() -> list[str]:
+    """The packages and modules of docs/developing.md's Layout, from the top of the stack down."""
+    text = DEVELOPING.read_text()
+    block = text[text.index("## Layout"):].split("```")[1]
+    return [line.split()[0] for line in block.splitlines() if line.startswith("ddlscale")]
+
+
+def _layer_of(module: str, layers: list[str]) -> int | None:
+    """The index of the documented layer ``module`` belongs to: the longest listed prefix."""
+    owners = [i for i, layer in enumerate(layers) if module == layer or module.startswith(layer + ".")]
+    return max(owners, key=lambda i: len(layers[i])) if owners else None
+
+
+def test_every_module_imports_only_the_layers_documented_below_it():
+    layers = _documented_layers()
+    assert layers[0] == "ddlscale.tools" and "ddlscale.schema" in layers  # the block was found and read
+    upward, unplaced = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        own = _layer_of(module, layers)
+        if own is None:
+            unplaced.append(module)
+            continue
+        for name in _imports(path):
+            if not name.startswith("ddlscale."):
+                continue
+            target = _layer_of(name, layers)
+            if target is not None and target < own:
+                upward.append(f"{module} imports {name} ({layers[own]} is below {layers[target]})")
+    assert upward == []
+    # Only the entry points sit outside the documented layers.
+    assert set(unplaced) <= {"ddlscale", "ddlscale.__main__", "ddlscale.paths", "ddlscale.conf"}, unplaced

@@ -23,6 +23,9 @@ The interface a backend relies on
     per_member: bool      # treats each member of a fused buffer given its ``segments`` as alone
     needs_matrices: bool  # compresses matrices (PowerSGD): never hand it pieces cutting rows
     default_memory: str   # the error feedback a run gets unless it names one: residual if biased
+    votes: bool           # combine is a majority vote: no error feedback, no owner re-encoding
+    reduces_itself: bool  # runs its own collectives under allreduce (PowerSGD's power iteration)
+    wire_dtype: dtype | None  # a cast's wire type; shared_scale: bool  # ranks agree on a scale first
 
 ``Compressed(payload: list[Tensor], ctx: Context)``: ``payload`` is exactly what travels (its
 ``nbytes`` equals ``payload_bytes``, indices and scales included); ``Context(shape, dtype, extra,

@@ -130,7 +130,16 @@ class Compressor:
     over the whole group);
     ``needs_matrices`` — it compresses matrices (PowerSGD): a scheme that would hand it flat pieces
     cutting through rows refuses it;
-    ``unbiased`` — E[D(C(g))] = g: it runs without error feedback by default (:attr:`default_memory`).
+    ``unbiased`` — E[D(C(g))] = g: it runs without error feedback by default (:attr:`default_memory`);
+    ``votes`` — :meth:`combine` is a majority vote, not a sum: no residual accounts for what it drops,
+    and an owner cannot re-encode a tie in the compressor's own code;
+    ``reduces_itself`` — under allreduce it runs its own collectives (:meth:`reduce`: PowerSGD's power
+    iteration), so it is summable there and nowhere else;
+    ``wire_dtype`` — a cast's narrower wire type (None: not a cast), whose sum rounds below the tensor's
+    precision;
+    ``shared_scale`` — its ranks agree on a scale per member before compressing (one small allreduce
+    per group, in :meth:`agreed`: TernGrad's).
+    Every backend and planner reads these; none probes a compressor for a method or attribute.
     """
 
     name: str = "?"
@@ -140,6 +149,10 @@ class Compressor:
     member_bytes: int = 0
     needs_matrices: bool = False
     unbiased: bool = False
+    votes: bool = False
+    reduces_itself: bool = False
+    wire_dtype: torch.dtype | None = None
+    shared_scale: bool = False
 
     seed: int = 0  # stochastic compressors set it from their config
 

@@ -79,7 +79,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
-    per_member, needs_matrices = True, True
+    per_member, needs_matrices, reduces_itself = True, True, True
 
     def __init__(self, rank: int = 1, seed: int = 0) -> None:
         super().__init__()

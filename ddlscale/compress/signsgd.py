@@ -114,6 +114,10 @@ class SignSGD(Compressor):
         self._momenta: dict[str, torch.Tensor] = {}
 
     @property
+    def votes(self) -> bool:
+        return self.vote
+
+    @property
     def default_memory(self) -> str:
         return "none" if self.vote or not self.scaled else "residual"
 

@@ -242,11 +242,11 @@ class SchemePrice:
 # One entry per aggregation scheme a plan may name (the executing classes are in
 # ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
 PRICES: dict[str, SchemePrice] = {
-    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or _power_iteration(c)),
-    "allgather": SchemePrice(_price_allgather, lambda c: not _power_iteration(c)),  # PowerSGD: allreduce only
+    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or c.reduces_itself),
+    "allgather": SchemePrice(_price_allgather, lambda c: not c.reduces_itself),  # PowerSGD: allreduce only
     # They cut rows; their owners re-encode the aggregate, which a vote's tie does not fit.
-    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices and not getattr(c, "vote", False)),
-    "gather": SchemePrice(_price_gather, lambda c: not getattr(c, "vote", False) and not _power_iteration(c)),
+    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices and not c.votes),
+    "gather": SchemePrice(_price_gather, lambda c: not c.votes and not c.reduces_itself),
     "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
 }
 SCHEMES = tuple(PRICES)
@@ -436,7 +436,7 @@ class CostModel:
     def after_backward(self, option: Option) -> bool:
         """Whether ``option``'s collectives run only after backward: zen's (batched, blocking) and
         PowerSGD's (its power iteration runs in the scheme's finish)."""
-        return option.scheme == "zen" or (option.compressed and _power_iteration(self.compressors[option.compressor]))
+        return option.scheme == "zen" or (option.compressed and self.compressors[option.compressor].reduces_itself)
 
     def zen_rounds_s(self, hierarchical: bool = False) -> float:
         """The latency of zen's push and pull rounds, paid once per step for all of a layout's zen
@@ -470,7 +470,7 @@ class CostModel:
             dtype = torch.promote_types(dtype, torch.float32)
         # The kept fraction prices a variable-size payload (from the real gradients), and a payload of
         # matrix factors (from the shapes: PowerSGD's members' factors over the members' elements).
-        known = np.isfinite(kept_fraction) & (not getattr(comp, "fixed_size", True) or comp.needs_matrices)
+        known = np.isfinite(kept_fraction) & (not comp.fixed_size or comp.needs_matrices)
         kept = np.where(known, np.maximum(1, np.round(np.nan_to_num(kept_fraction) * numel)), 0).astype(np.int64)
         header = self.profile.compressors[option.compressor].header_bytes
         # The compressor's own formula, one unit at a time (each compressor has its own).
@@ -505,7 +505,7 @@ class CostModel:
         if self.beside and comp is None:
             decode += self.profile.family_terms(DENSE.family).get("beside_compression_s", 0.0)
         allreduce_net, allreduce_ranks = (self.across, n // k) if option.hierarchical else (net, n)
-        if comp is not None and getattr(comp, "shared_scale", False):
+        if comp is not None and comp.shared_scale:
             encode += float(allreduce_net.allreduce(4.0, allreduce_ranks))  # TernGrad's max of the ranks' scalars
         numel, ranks, across = total, n, net if scheme == "allreduce" else self.exchange
         if leader:
@@ -538,13 +538,13 @@ class CostModel:
             lambda x: enc_fit.many(x, extra_encode, extra_encode_per_element),
             lambda x: dec_fit.many(x, extra_decode, extra_decode_per_element),
             # Fixed-size payloads need no size exchange (CompressSync knows every rank's length).
-            0.0 if comp is None or getattr(comp, "fixed_size", True) else 1.0,
+            0.0 if comp is None or comp.fixed_size else 1.0,
             # A receiver's context for another rank's payload, built without data (Compressor.context:
             # compressing zeros, unless the compressor knows it from shape and dtype alone).
             comp is not None and type(comp).context is Compressor.context,
             float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
                   else element_size(dtype)),
-            2 if comp is not None and _power_iteration(comp) else 1)  # PowerSGD: P's allreduce, then Q's
+            2 if comp is not None and comp.reduces_itself else 1)  # PowerSGD: P's allreduce, then Q's
         scheme_encode, comm, scheme_decode = PRICES[scheme].price(priced)
         # A family's measured correction may be negative (the model over-prices it), but no group
         # holds the training thread for less than no time.
@@ -553,13 +553,8 @@ class CostModel:
     def _owners_sum(self, comp: Compressor, dtype: str) -> bool:
         """Whether an allreduce of ``comp``'s payloads runs as the owners' float32 sum: a cast narrower
         than the gradient under error feedback (the memory widens: it is one)."""
-        wire_dtype = getattr(comp, "wire_dtype", None)
+        wire_dtype = comp.wire_dtype
         return self.profile.widens and wire_dtype is not None and wire_dtype.itemsize < element_size(dtype)
-
-
-def _power_iteration(compressor: Compressor) -> bool:
-    """PowerSGD: its allreduce path runs a power iteration through its own collectives."""
-    return hasattr(compressor, "reduce")
 
 
 def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | np.ndarray:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm import CollectiveRecord, CommLedger, Communicator
+from ddlscale.compress.base import Compressor
 
 
 def in_flight(records: Sequence[CollectiveRecord], finishing: float, now: float) -> tuple[float, float]:
@@ -82,6 +83,9 @@ class GradSync:
     # gradient would otherwise run dense under its own name. (The planned syncs plan fusion alone
     # without one.)
     needs_compressor = False
+    # What this step did, when the backend runs in phases (a planned sync: profile, calibrate, trial,
+    # plan), for the trainer's metrics; None for a backend with one phase.
+    step_phase: str | None = None
 
     def __init__(self) -> None:
         self.ledger = CommLedger()
@@ -223,6 +227,15 @@ class GradSync:
         """What the backend adds to the run's summary.json, overriding the config's names: here that
         it keeps no error feedback (a compressing sync says which it resolved)."""
         return {"memory": "none"}
+
+    def report(self) -> dict[str, Any]:
+        """Everything the backend says of itself in the run's summary.json: :meth:`summary_fields`
+        here; a planned sync adds its kept plan, a sparse sync its routing."""
+        return self.summary_fields()
+
+    def default_compressor(self) -> Compressor | None:
+        """The compressor the config gave this backend (``compressor=``), if it takes one."""
+        return None
 
     def written_files(self) -> list[Path]:
         """Files this backend wrote for the run (a planned sync's plan), which loggers keep with its

@@ -34,8 +34,10 @@ from ddlscale.cluster import slurm, stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, IN_PROCESS, WORKER, Launch, no_services
 from ddlscale.cluster.emulated import unavailable_reason
 from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_with_restarts
+from ddlscale.compress.dgc import DGC
 from ddlscale.schema import is_int
 from ddlscale.strategy import DDLStrategy
+from ddlscale.sync.base import GradSync
 from ddlscale.trainer import pairing, rundir, runinfo, schemas
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.loggers import RunCSVLogger
@@ -187,9 +189,9 @@ def move_momentum(sync: Any, model: Any) -> bool:
     groups its plan keeps dense): DGC gives those the optimizer's momentum itself
     (:meth:`~ddlscale.compress.dgc.DGC.precondition_dense`), so the momentum moves there too and every
     tensor has it, corrected where it is compressed."""
-    executor = getattr(sync, "compressed", sync)  # a planned sync's compressing executor, or the sync itself
-    compressor = getattr(executor, "compressors", {}).get("default")
-    tied = (getattr(compressor, "name", None) == "dgc" and compressor.momentum > 0
+    compressor = sync.default_compressor() if isinstance(sync, GradSync) else None
+    # The model is any LightningModule: one that names no SGD momentum keeps its own optimizer.
+    tied = (isinstance(compressor, DGC) and compressor.momentum > 0
             and getattr(model, "optimizer_name", None) == "sgd" and getattr(model, "momentum", 0) == compressor.momentum)
     if tied:
         model.momentum = 0.0

@@ -36,7 +36,7 @@ from ddlscale.ckpt.base import Checkpointer
 from ddlscale.ckpt.state.shard import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync
-from ddlscale.trainer.loggers import record_config, record_summary
+from ddlscale.trainer.loggers import RunCSVLogger, record_config, record_summary
 
 
 def _median_after_warmup(values: list[float]) -> float:
@@ -178,12 +178,12 @@ class StepMetrics(pl.Callback):
             self.history[key].append(value)
         if stats:
             self.ops.append(_per_op(stats.collectives))
-        phase = getattr(sync, "step_phase", None)
+        phase = sync.step_phase if sync is not None else None
         if phase is not None:
             self.phases[phase] = self.phases.get(phase, 0) + 1
             self.step_phases.append(phase)
             for logger in trainer.loggers:
-                if callable(getattr(logger, "annotate", None)):
+                if isinstance(logger, RunCSVLogger):  # the run's metrics.csv: a text column per row
                     logger.annotate(sync_phase=phase)
         if step_loss is not None:
             pl_module.log("step_loss", step_loss, on_step=True, on_epoch=False, rank_zero_only=True)
@@ -234,9 +234,8 @@ class StepMetrics(pl.Callback):
         # Other callbacks' figures (checkpoint times...): every rank asks, as they may reduce over ranks.
         extra: dict[str, Any] = {}
         for callback in trainer.callbacks:
-            figures = getattr(callback, "summary_figures", None)
-            if callback is not self and callable(figures):
-                extra.update(figures(trainer))
+            if isinstance(callback, Checkpointer):
+                extra.update(callback.summary_figures(trainer))
         if not trainer.is_global_zero:
             return
         step_time = float(ranks[:, 0].max())
@@ -321,13 +320,9 @@ class StepMetrics(pl.Callback):
     def _sync_figures(self, trainer: pl.Trainer) -> dict[str, Any]:
         """What the backend says of itself (a planned sync's kept plan) and the steps of each phase."""
         sync = self._sync(trainer)
-        report = getattr(sync, "plan_report", None)
-        figures = dict(report()) if callable(report) else {}
-        if sync is not None:  # what the backend resolved (memory=default: the error feedback it chose)
-            figures.update(sync.summary_fields())
-        routing = getattr(sync, "routing", None)
-        if callable(routing):  # the sparse syncs: which tensors went sparse, in what units, how dense
-            figures["routing"] = routing()
+        # What the backend resolved (memory=default: the error feedback it chose), a planned sync's kept
+        # plan, a sparse sync's routing (which tensors went sparse, in what units, how dense).
+        figures = sync.report() if sync is not None else {}
         if self.phases:
             figures["sync_phase_steps"] = dict(self.phases)
             recorded = min(len(values) for values in self.history.values())

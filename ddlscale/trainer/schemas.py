@@ -128,11 +128,18 @@ class EmulatedClusterConfig(ClusterConfig):
         storage.check_config(self.storage, self.key("storage"))
 
 
+def declared_schema(cls: Any) -> type[Schema] | None:
+    """The schema ``cls`` declares as its ``schema`` attribute (ddlscale's components, a user's subclass
+    of one); None for a class that declares none (any other library's, a user's own)."""
+    declared = getattr(cls, "schema", None)  # the one place a _target_ class is asked
+    return declared if isinstance(declared, type) and issubclass(declared, Schema) else None
+
+
 def derived(cls: type) -> type[Schema]:
     """The schema of a class that declares none: its constructor's keyword arguments, untyped (the
     constructor checks them when the class is built)."""
-    declared = getattr(cls, "schema", None)
-    if isinstance(declared, type) and issubclass(declared, Schema):
+    declared = declared_schema(cls)
+    if declared is not None:
         return declared
     fields = []
     for name, p in inspect.signature(cls.__init__).parameters.items():
@@ -177,8 +184,8 @@ def known_keys(cls: type) -> set[str] | None:
     subclass of one) to its base's constructor, whose keywords count too; another library's class to
     the callable :data:`KWARGS_GO_TO` names. Any other ``**kwargs`` go where no one says: None.
     """
-    schema = getattr(cls, "schema", None)
-    declared = isinstance(schema, type) and issubclass(schema, Schema)
+    schema = declared_schema(cls)
+    declared = schema is not None
     keys = set(HYDRA_KEYS) | (set(schema.keys()) if declared else set())
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
@@ -336,6 +343,6 @@ def check(cfg: DictConfig) -> None:
     for group in GROUPS:
         node = cfg.get(group)
         cls = _target_class(node)
-        schema = getattr(cls, "schema", None)
-        if isinstance(schema, type) and issubclass(schema, Schema):
+        schema = declared_schema(cls)
+        if schema is not None:
             schema.of(_values(node))

@@ -31,6 +31,7 @@ from ddlscale.comm import Pending
 from ddlscale.compress.base import Compressor, Segment, pieces
 from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory
 from ddlscale.compress.none import NoCompression
+from ddlscale.compress.signsgd import SignSGD
 from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.sync.compressed.config import CompressConfig
 from ddlscale.sync.compressed.regroup import GroupLayout, load_summed_share, regroup
@@ -61,7 +62,7 @@ def feedback_refusal(compressor: Compressor | None, memory: Memory) -> str | Non
     identity error of 4.99 on gradients of at most 0.032 with scaled signs)."""
     if compressor is None or memory.name == "none":
         return None
-    if getattr(compressor, "vote", False) is True:
+    if compressor.votes:
         return (f"memory={memory.name} with compressor={compressor.name} compressor.vote=true: the majority vote is "
                 f"not the sum of what the ranks sent, so error feedback cannot account for what it drops. Use "
                 f"memory=none (signSGD, Signum), or compressor=efsignsgd (scaled signs summed, compressor.vote=false).")
@@ -77,7 +78,7 @@ def feedback_warning(compressor: Compressor | None, memory: Memory) -> str | Non
         return ("compressor=randomk with unbiased=true under error feedback: error feedback needs a contractive "
                 "compressor, and random-k scaled by numel/k is not — its residual grows until the loss is NaN "
                 "(measured on cnn and lstm). Set compressor.unbiased=false or memory=none.")
-    if isinstance(getattr(compressor, "vote", None), bool) and not compressor.scaled:
+    if isinstance(compressor, SignSGD) and not compressor.scaled:
         return (f"compressor={compressor.name} sends unscaled signs (+-1 whatever the gradient's scale) under error "
                 f"feedback: the residual g - sign(g) is of the order of 1 and grows instead of shrinking. Use "
                 f"memory=none, or compressor=efsignsgd (scaled signs with error feedback).")
@@ -335,6 +336,9 @@ class CompressSync(DenseAllreduce):
             self._flights[b] = None
         self._next_launch = 0
         self._was_sparse.clear()
+
+    def default_compressor(self) -> Compressor:
+        return self.compressors["default"]
 
     def summary_fields(self) -> dict[str, Any]:
         return {"memory": self.memory.name, "memory_default": self.memory_default}

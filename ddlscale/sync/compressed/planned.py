@@ -324,6 +324,12 @@ class PlannedSync(GradSync):
     def summary_fields(self) -> dict[str, Any]:
         return self.compressed.summary_fields()
 
+    def report(self) -> dict[str, Any]:
+        return {**self.plan_report(), **super().report()}
+
+    def default_compressor(self) -> Compressor:
+        return self.compressed.default_compressor()
+
     # -- what the trainer reports: the phase of each step (metrics.csv), the kept plan (summary.json) --
     def plan_report(self) -> dict[str, Any]:
         """The plan the run kept, for its summary: where it came from, its predicted step, and in what
@@ -660,7 +666,7 @@ class PlannedSync(GradSync):
         order = list(self.backward_order)
         summary = self.session.recorder.summary(order, self.session.warmup_steps)
         default = self.compressed.compressors["default"]
-        variable = default.name != "none" and not getattr(default, "fixed_size", True)
+        variable = default.name != "none" and not default.fixed_size
         probe = copy.deepcopy(default) if variable else None
         tensors = []
         for position, i in enumerate(order):

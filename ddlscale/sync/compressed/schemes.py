@@ -111,7 +111,7 @@ class Scheme:
                 f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
                 f"{compressor.name} is not summable; use allgather, alltoall or gather"
             )
-        if self.reencodes and getattr(compressor, "vote", False) is True:
+        if self.reencodes and compressor.votes:
             raise ValueError(
                 f"{key}: scheme {self.name} re-encodes each aggregate with the compressor, and "
                 f"{compressor.name}'s majority vote (+1, -1, or 0 on a tie) does not fit its 1-bit code; "
@@ -122,7 +122,7 @@ class Scheme:
                 f"{key}: scheme {self.name} cuts each group into flat partitions, but compressor "
                 f"{compressor.name} compresses whole matrices; use allreduce"
             )
-        if not self.carries_powersgd and hasattr(compressor, "reduce"):
+        if not self.carries_powersgd and compressor.reduces_itself:
             raise ValueError(
                 f"{key}: compressor {compressor.name} is Vogels et al.'s algorithm under allreduce only (one "
                 f"shared Q on every rank, a rank-r sum); under {self.name} each rank would run its own power "
@@ -157,7 +157,7 @@ class Scheme:
 
 
 def _allreducible(compressor: Compressor) -> bool:
-    return compressor.summable or hasattr(compressor, "reduce")
+    return compressor.summable or compressor.reduces_itself
 
 
 def _sizes(job: Job, message: torch.Tensor) -> list[int]:
@@ -188,11 +188,11 @@ class Allreduce(Scheme):
     @staticmethod
     def rounds(job: Job) -> bool:
         """Whether summing ``job``'s payloads would round below the tensor's precision unaccounted."""
-        wire_dtype = getattr(job.compressor, "wire_dtype", None)
+        wire_dtype = job.compressor.wire_dtype
         return job.feedback and wire_dtype is not None and wire_dtype.itemsize < job.tensor.element_size()
 
     def start(self, job: Job) -> None:
-        if hasattr(job.compressor, "reduce"):  # PowerSGD: allreduces inside its own steps
+        if job.compressor.reduces_itself:  # PowerSGD: allreduces inside its own steps
             return
         if self.rounds(job):
             job.state["owners"] = AllToAll()
@@ -206,7 +206,7 @@ class Allreduce(Scheme):
         job.state["pending"] = [job.comm.allreduce(p) for p in payload]
 
     def finish(self, job: Job) -> torch.Tensor:
-        if hasattr(job.compressor, "reduce"):
+        if job.compressor.reduces_itself:
             return self._power_iteration(job)
         if "owners" in job.state:
             return job.state["owners"].finish(job)

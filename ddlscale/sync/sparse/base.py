@@ -482,6 +482,9 @@ class SparseSync(DenseAllreduce):
             return 0
         return len(self.buckets) + sum(self.group_rounds(group) for group in self.groups)
 
+    def report(self) -> dict[str, Any]:
+        return {**super().report(), "routing": self.routing()}
+
     def summary_fields(self) -> dict[str, Any]:
         return {**super().summary_fields(), "collectives_priced": self.collectives_per_step(),
                 "latency_s": self.network.latency_s, "bandwidth_bps": self.network.bandwidth_bps,
