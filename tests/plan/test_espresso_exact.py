@@ -158,3 +158,32 @@ def test_thinned_fronts_stay_within_their_proven_gap():
         assert best * (1 - 1e-9) <= found.iteration_s <= (best + found.gap_s) * (1 + 1e-9), (trial, found.steps)
         thinned += found.gap_s > 0
     assert thinned > 10  # the cap bit: the bound was exercised, not only zero gaps
+
+
+def test_pareto_keeps_the_first_of_equal_points_sorted_by_alpha():
+    rng = np.random.default_rng(5)
+    for _ in range(200):
+        alpha, beta = rng.integers(0, 4, 40).astype(float), rng.integers(0, 4, 40).astype(float)
+        kept_alpha, kept_beta, index = pareto(alpha, beta, np.arange(40))
+        assert (np.diff(kept_alpha) > 0).all() and (np.diff(kept_beta) < 0).all()
+        for a, b, k in zip(kept_alpha, kept_beta, index, strict=True):
+            assert k == np.flatnonzero((alpha == a) & (beta == b)).min()
+
+
+def test_skipping_zen_subsets_finds_what_searching_each_one_does():
+    """One search with zen's rounds uncharged, then only the subsets whose cheaper rounds leave a chance:
+    the same time as searching every subset of zen's layouts (4 ranks per machine: flat and hierarchical)."""
+    from ddlscale.plan.espresso import _search_within, zen_subsets
+
+    rng, both = random.Random(17), 0
+    for trial in range(16):
+        profile = random_profile(rng, rng.randint(20, 60), world_size=16)
+        profile.network = {**profile.network, "gpus_per_machine": 4}
+        model = cost_model(profile)
+        units, options = units_of(profile), model.options()
+        both += len(zen_subsets(options)) == 4  # zen offered flat and hierarchical (a sparse compressor)
+        every = min(_search_within(units, model, profile.backward_end_s, profile.rest_s, subset, None).iteration_s
+                    for subset in zen_subsets(options))
+        found = search(units, model, profile.backward_end_s, profile.rest_s, cap=None)
+        assert found.iteration_s == every, trial
+    assert both >= 4
