@@ -56,7 +56,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from ddlscale.ckpt.base import PROGRESS_FILE
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE
 from ddlscale.cluster.dilation import AUTO, choose
 from ddlscale.cluster.dilation import parse as parse_dilation
 from ddlscale.testing.drill import GeminiDrill

@@ -41,7 +41,7 @@ def sparse_set(routing: dict | None) -> list[str]:
 
 def forced_set(routing: dict | None) -> list[str]:
     """The tensors ``sync.route=sparse`` sends sparse: a sparse gradient, or at most half its units non-zero."""
-    from ddlscale.sync.sparse.base import FORCED_DENSITY
+    from ddlscale.sync.sparse.sparse_sync import FORCED_DENSITY
 
     return sorted(name for name, r in (routing or {}).items()
                   if r["sparse_grad"] or (r["density"] is not None and r["density"] <= FORCED_DENSITY))

@@ -5,7 +5,7 @@ import socket
 import pytest
 import torch
 
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.agent import Agent
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.gemini.protocol import AgentClient

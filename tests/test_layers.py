@@ -80,3 +80,17 @@ def test_every_module_imports_only_the_layers_documented_below_it():
     assert upward == []
     # Only the entry points sit outside the documented layers.
     assert set(unplaced) <= {"ddlscale", "ddlscale.__main__", "ddlscale.paths", "ddlscale.conf"}, unplaced
+
+
+# Python fixes these two names: a package's own module, and what ``python -m package`` runs.
+SHARED_BASENAMES = {"__init__.py", "__main__.py"}
+
+
+def test_no_two_modules_share_a_basename():
+    """A module's file name says what it holds, once: no two modules of the package share one (a
+    search for ``store.py`` or a traceback's ``config.py`` names one file)."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name not in SHARED_BASENAMES:
+            by_name.setdefault(path.name, []).append(str(path.relative_to(PACKAGE.parent)))
+    assert {name: paths for name, paths in by_name.items() if len(paths) > 1} == {}

@@ -2,7 +2,7 @@
 
 Selected by ``ckpt=`` alone (``none``, ``disk``, ``gemini``). Where to look:
 
-* :mod:`~ddlscale.ckpt.base` — ``Checkpointer``, the callback every tier subclasses (when to save,
+* :mod:`~ddlscale.ckpt.checkpointer` — ``Checkpointer``, the callback every tier subclasses (when to save,
   what to restore, summary figures) and its launch hooks (``validate_launch``, ``services``).
 * :mod:`~ddlscale.ckpt.state` — a rank's state as bytes: capture, snapshot stream, RNG, data
   position, resharding to another world size.
@@ -20,15 +20,15 @@ from typing import Any
 # Loaded on first use: the replica agent, the drain and the control tool import this package too, and
 # must not pay for Lightning's import (seconds) every time a machine's agent starts.
 _EXPORTS = {
-    "HIGHFREQ": "base", "Checkpointer": "base",
+    "HIGHFREQ": "checkpointer", "Checkpointer": "checkpointer",
     "DataPosition": "state.data", "RANK_STATE_KEY": "state.shard", "SYNC_STATE_KEY": "state.shard",
     "Shard": "state.shard", "assemble": "state.shard", "capture_shard": "state.shard", "decode": "state.shard",
     "restore_local": "state.shard",
     "ManifestCheckpointIO": "version.io", "load_version": "version.io", "Manifest": "version.manifest",
     "ManifestError": "version.manifest", "ShardRecord": "version.manifest", "read_manifest": "version.manifest",
     "verify": "version.manifest",
-    "DiskCheckpointer": "disk.checkpointer", "find_resumable": "disk.checkpointer",
-    "GeminiCheckpointer": "gemini.checkpointer", "PlacementPlan": "gemini.placement",
+    "DiskCheckpointer": "disk.disk_checkpointer", "find_resumable": "disk.disk_checkpointer",
+    "GeminiCheckpointer": "gemini.gemini_checkpointer", "PlacementPlan": "gemini.placement",
     "monte_carlo": "gemini.placement", "paper_bound": "gemini.placement", "recovery_probability": "gemini.placement",
 }
 __all__ = sorted(_EXPORTS)

@@ -3,7 +3,7 @@
 The app builds one :class:`Launch` from the config and the environment (the only place that asks
 whether this process is a launcher or one of the ranks) and hands it to every launch mode
 (:mod:`ddlscale.cluster.launch`) and to the checkpointer's launch hooks
-(:meth:`~ddlscale.ckpt.base.Checkpointer.validate_launch`, :meth:`~ddlscale.ckpt.base.Checkpointer.services`).
+(:meth:`~ddlscale.ckpt.checkpointer.Checkpointer.validate_launch`, :meth:`~ddlscale.ckpt.checkpointer.Checkpointer.services`).
 A tier's services answer with :class:`Services`: what the launcher passes on to the ranks.
 """
 

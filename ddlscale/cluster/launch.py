@@ -4,7 +4,7 @@ The app picks the mode (:class:`~ddlscale.cluster.context.Launch`); a run that L
 itself (``cluster=local`` without restarts, SLURM) or that torchrun already started needs none of
 this. Each mode re-runs the app (``python -m ddlscale``) with the command line's overrides in every
 rank and reads back the summary rank 0 wrote; ``services`` (the checkpointer's, see
-:meth:`~ddlscale.ckpt.base.Checkpointer.services`) runs beside the ranks for the whole launch.
+:meth:`~ddlscale.ckpt.checkpointer.Checkpointer.services`) runs beside the ranks for the whole launch.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ under any memory and any scheme its properties allow.
 
 The interface a backend relies on
 ---------------------------------
-``Compressor`` (``base.py``)::
+``Compressor`` (``compressor.py``)::
 
     precondition(tensor, name, segments=None, ranks=1) -> Tensor  # once per step and group, first
     precondition_dense(tensor, name) -> Tensor            # instead, for a group a planned sync sends dense
@@ -91,8 +91,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ddlscale.compress.base import Compressed, Compressor, Context, Segment
 from ddlscale.compress.cast import BF16, FP16
+from ddlscale.compress.compressor import Compressed, Compressor, Context, Segment
 from ddlscale.compress.dgc import DGC
 from ddlscale.compress.int8 import Int8
 from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory, NoMemory, ResidualMemory

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ddlscale.compress.base import Compressor, Context, Shape, numel_of
+from ddlscale.compress.compressor import Compressor, Context, Shape, numel_of
 
 
 class Cast(Compressor):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ddlscale.compress.base import (
+from ddlscale.compress.compressor import (
     Segment,
     check_int,
     check_ratio,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddlscale.compress.base import (
+from ddlscale.compress.compressor import (
     Compressor,
     Context,
     Segment,

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddlscale.compress.base import check_unit_interval
+from ddlscale.compress.compressor import check_unit_interval
 
 
 class Memory:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddlscale.compress.base import Compressor, Context, Shape, float_bytes, numel_of
+from ddlscale.compress.compressor import Compressor, Context, Shape, float_bytes, numel_of
 
 
 class NoCompression(Compressor):

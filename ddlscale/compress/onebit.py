@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ddlscale.compress import bits
-from ddlscale.compress.base import Compressor, Context, Segment, Shape, wide
+from ddlscale.compress.compressor import Compressor, Context, Segment, Shape, wide
 
 
 class OneBit(Compressor):

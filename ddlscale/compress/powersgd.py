@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ddlscale.compress.base import (
+from ddlscale.compress.compressor import (
     Compressor,
     Context,
     Segment,

@@ -8,7 +8,16 @@ import math
 import torch
 
 from ddlscale.compress import bits
-from ddlscale.compress.base import Compressor, Context, Segment, Shape, check_int, check_seed, numel_of, wide
+from ddlscale.compress.compressor import (
+    Compressor,
+    Context,
+    Segment,
+    Shape,
+    check_int,
+    check_seed,
+    numel_of,
+    wide,
+)
 
 
 def code_width(levels: int) -> int:
@@ -24,7 +33,7 @@ class QSGD(Compressor):
 
     Unchanged by fusion: a fused buffer given its members buckets each member from its own start
     (its last bucket short, as alone), so no bucket and no norm spans two tensors; given the same
-    uniform draws (:meth:`~ddlscale.compress.base.Compressor.uniform`: a group draws from its own
+    uniform draws (:meth:`~ddlscale.compress.compressor.Compressor.uniform`: a group draws from its own
     name's stream) it decodes bit for bit as each member compressed alone. Each member past the first
     adds at most one norm (4 bytes).
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddlscale.compress.base import Compressor
+from ddlscale.compress.compressor import Compressor
 from ddlscale.paths import CONF_DIR
 
 COMPRESSOR_CONF = CONF_DIR / "compressor"

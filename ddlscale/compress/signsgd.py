@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ddlscale.compress import bits
-from ddlscale.compress.base import (
+from ddlscale.compress.compressor import (
     Compressor,
     Context,
     Segment,

@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ddlscale.compress.base import Compressed, Compressor, Context, Shape, float_bytes, index_dtype, numel_of
+from ddlscale.compress.compressor import (
+    Compressed,
+    Compressor,
+    Context,
+    Shape,
+    float_bytes,
+    index_dtype,
+    numel_of,
+)
 
 
 def top_indices(magnitude: torch.Tensor, k: int) -> torch.Tensor:

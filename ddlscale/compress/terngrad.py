@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.compress import bits
-from ddlscale.compress.base import (
+from ddlscale.compress.compressor import (
     Compressor,
     Context,
     Segment,
@@ -41,7 +41,7 @@ class TernGrad(Compressor):
 
     Unchanged by fusion: both are per layer, so a fused buffer given its members clips each by its
     own sigma and keeps one s per member (shared member by member); given the same uniform draws
-    (:meth:`~ddlscale.compress.base.Compressor.uniform`: a group draws from its own name's stream) it
+    (:meth:`~ddlscale.compress.compressor.Compressor.uniform`: a group draws from its own name's stream) it
     decodes bit for bit as each member compressed alone. Each member past the first adds its 4-byte s.
     A divisible scheme's partition holds pieces of members: each piece is clipped by its own sigma and
     shares its member's agreed s.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddlscale.compress.base import check_ratio, count_of
+from ddlscale.compress.compressor import check_ratio, count_of
 from ddlscale.compress.sparse import SparseCompressor, top_indices
 
 

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from ddlscale import clock
-from ddlscale.compress import Compressor, Memory, build_compressor, class_path, wire
-from ddlscale.compress.base import Segment
+from ddlscale.compress import Compressor, Memory, build_compressor, class_path, packing
+from ddlscale.compress.compressor import Segment
 from ddlscale.plan.fit import CostFit
 
 PROFILE_VERSION = 1
@@ -320,15 +320,15 @@ def measure_costs(compressor: Compressor, sizes: Sequence[int], device: str | to
             compensated = mem.compensate(comp.precondition(x, name, segments), name)
             compressed = comp.compress(compensated, name, segments)
             local = comp.decompress(compressed)
-            wire.pack(compressed.payload)
+            packing.pack(compressed.payload)
             mem.update(name, compensated, local.reshape(compensated.shape))
             comp.sent(name, local)
 
         compressed = comp.compress(x, name, segments)
-        message = wire.pack(compressed.payload)
+        message = packing.pack(compressed.payload)
 
         def decode(compressed=compressed, message=message):
-            comp.decompress_sum([compressed.with_payload(wire.unpack(message)) for _ in range(SUM_PROBE)])
+            comp.decompress_sum([compressed.with_payload(packing.unpack(message)) for _ in range(SUM_PROBE)])
 
         samples.append({"numel": size, "encode_s": _timed(encode, budget_s, device),
                         "decode_s": _timed(decode, budget_s, device) / SUM_PROBE})
@@ -369,7 +369,7 @@ def compressor_params(compressor: Compressor) -> dict[str, Any]:
 def header_bytes(compressor: Compressor) -> int:
     """Bytes the wire header adds to one packed payload of a flat tensor."""
     compressed = copy.deepcopy(compressor).compress(torch.randn(1024), "profile/header")
-    return int(wire.pack(compressed.payload).numel()) - compressed.nbytes
+    return int(packing.pack(compressed.payload).numel()) - compressed.nbytes
 
 
 def profile_compressor(compressor: Compressor, largest: int, device: str | torch.device = "cpu",

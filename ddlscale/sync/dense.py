@@ -15,8 +15,8 @@ import torch
 
 from ddlscale import clock
 from ddlscale.comm import Pending
-from ddlscale.sync.base import GradSync
-from ddlscale.sync.config import DenseConfig
+from ddlscale.sync.dense_config import DenseConfig
+from ddlscale.sync.grad_sync import GradSync
 
 
 def to_sparse_slices(dense: torch.Tensor, sparse_dim: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Any
 
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV
-from ddlscale.ckpt.gemini.launch import emulated_env, job_secret, start_emulated_agent, start_emulated_etcd
+from ddlscale.ckpt.gemini.services import emulated_env, job_secret, start_emulated_agent, start_emulated_etcd
 from ddlscale.cluster.context import job_name
 from ddlscale.cluster.emulated import TRAIN_MODULE, EmulatedCluster
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from ddlscale.ckpt.gemini.auth import MAC_BYTES, SECRET_ENV, JobKeys, create_secret_file, read_secret
+from ddlscale.ckpt.gemini.kvstore import JobStore, connect, serve
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import (
     BEGIN,
@@ -56,7 +57,6 @@ from ddlscale.ckpt.gemini.protocol import (
     request_mac,
 )
 from ddlscale.ckpt.gemini.stopping import mark_drained
-from ddlscale.ckpt.gemini.store import JobStore, connect, serve
 from ddlscale.ckpt.state.shard import decode
 from ddlscale.ckpt.state.snapshot import MAGIC as STREAM_MAGIC
 from ddlscale.ckpt.state.snapshot import rebuild

@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ddlscale.paths import CONF_DIR
 from ddlscale.sync.sparse.hashing import HashPartitioner
 from ddlscale.sync.sparse.rows import units_of
-from ddlscale.workloads.base import Workload
+from ddlscale.workloads.workload import Workload
 
 OUT_DIR = Path("outputs") / "sparsity"  # default out=: <model> below it, relative to the working directory
 # Past half non-zero, a dense allreduce is cheaper than any sparse scheme, so such tensors are dense.

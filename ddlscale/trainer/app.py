@@ -37,7 +37,7 @@ from ddlscale.cluster.launch import ServicesOf, run_on_emulated_cluster, run_wit
 from ddlscale.compress.dgc import DGC
 from ddlscale.schema import is_int
 from ddlscale.strategy import DDLStrategy
-from ddlscale.sync.base import GradSync
+from ddlscale.sync.grad_sync import GradSync
 from ddlscale.trainer import pairing, rundir, runinfo, schemas
 from ddlscale.trainer.host import keep_freed_memory
 from ddlscale.trainer.loggers import RunCSVLogger

@@ -32,7 +32,7 @@ import pytorch_lightning as pl
 import torch
 
 from ddlscale import clock
-from ddlscale.ckpt.base import Checkpointer
+from ddlscale.ckpt.checkpointer import Checkpointer
 from ddlscale.ckpt.state.shard import param_sha256
 from ddlscale.cluster import stop
 from ddlscale.sync import GradSync

@@ -1,10 +1,10 @@
 """CPU-friendly benchmark workloads, each a LightningModule with deterministic synthetic data."""
 
-from ddlscale.workloads.base import Workload
 from ddlscale.workloads.cnn import ResNetCNN
 from ddlscale.workloads.deepfm import DeepFM
 from ddlscale.workloads.gpt import GPT
 from ddlscale.workloads.lstm import LSTMLanguageModel
+from ddlscale.workloads.workload import Workload
 
 WORKLOADS: dict[str, type[Workload]] = {
     "lstm": LSTMLanguageModel,

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from ddlscale.workloads.base import Workload
 from ddlscale.workloads.validation import require_int_at_least
+from ddlscale.workloads.workload import Workload
 
 _NOISE_STD = 1.0
 

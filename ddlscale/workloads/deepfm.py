@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from ddlscale.workloads.base import Workload
 from ddlscale.workloads.validation import (
     config_key,
     require_bool,
     require_float_at_least,
     require_int_at_least,
 )
+from ddlscale.workloads.workload import Workload
 from ddlscale.workloads.zipf import sample_zipf
 
 # Per-id teacher weight scale: a sum over 8 fields then has std ~2, so labels are informative.

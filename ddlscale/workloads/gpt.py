@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from ddlscale.workloads.base import Workload
 from ddlscale.workloads.validation import config_key, require_float_at_least, require_int_at_least
+from ddlscale.workloads.workload import Workload
 from ddlscale.workloads.zipf import markov_zipf_sequences
 
 _INIT_STD = 0.02

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
-from ddlscale.workloads.base import Workload
 from ddlscale.workloads.seeding import derive_seed
 from ddlscale.workloads.validation import require_bool, require_float_at_least, require_int_at_least
+from ddlscale.workloads.workload import Workload
 from ddlscale.workloads.zipf import markov_zipf_sequences
 
 # Keeps the negative-sampling stream distinct from the data stream that shares ``data_seed``.

@@ -14,11 +14,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ddlscale import clock
 from ddlscale.ckpt import DataPosition, DiskCheckpointer, Manifest, ManifestError, ShardRecord, read_manifest
-from ddlscale.ckpt.base import process_started_unix
+from ddlscale.ckpt.checkpointer import process_started_unix
 from ddlscale.ckpt.state.data import ResumingBatchSampler, position_loader
 from ddlscale.ckpt.state.shard import Shard, decode
+from ddlscale.ckpt.version.atomic import write_atomic
 from ddlscale.ckpt.version.manifest import list_manifests
-from ddlscale.ckpt.version.storage import write_atomic
 from ddlscale.strategy import SYNC_STATE_KEY as STRATEGY_KEY
 
 # Lightning's own use of a deprecated torch API, silenced by the app in its workers.

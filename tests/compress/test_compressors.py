@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 import ddlscale.compress as C
 from ddlscale.compress import bits
-from ddlscale.compress.base import count_of, pieces
+from ddlscale.compress.compressor import count_of, pieces
 from ddlscale.compress.dgc import MIN_SAMPLE
 from ddlscale.paths import CONF_DIR
 

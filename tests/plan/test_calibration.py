@@ -29,7 +29,7 @@ from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import uniform_time
 from ddlscale.plan.synthetic import random_profile
 from ddlscale.sync.compressed import CupcakeSync, EspressoSync
-from ddlscale.sync.compressed.config import CALIBRATE_BUDGET, TRIAL_STEPS
+from ddlscale.sync.compressed.compress_config import CALIBRATE_BUDGET, TRIAL_STEPS
 from ddlscale.sync.compressed.planned import PlannedSync
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import build_compressor, class_path
-from ddlscale.compress.base import Compressor, Context, Shape, numel_of
+from ddlscale.compress.compressor import Compressor, Context, Shape, numel_of
 from ddlscale.plan.planner import configured_option, cost_model, cupcake_plan, espresso_plan
 from ddlscale.plan.profile import Profile, profile_compressor
 from ddlscale.plan.synthetic import random_profile

@@ -95,7 +95,7 @@ def test_a_user_subclass_keeps_its_own_keys_and_zens_checks():
 
 def test_a_sync_without_a_schema_of_its_own_checks_its_keys_when_built():
     # the example's call without a config file: a GradSync subclass, dense's keys removed
-    cfg = _cfg("sync._target_=ddlscale.sync.base.GradSync", "~sync.bucket_mb", "~sync.first_bucket_mb")
+    cfg = _cfg("sync._target_=ddlscale.sync.grad_sync.GradSync", "~sync.bucket_mb", "~sync.first_bucket_mb")
     check_config(cfg)
 
 

@@ -9,7 +9,7 @@ From the secret each process derives one key per purpose (HMAC-SHA256 of a label
 a MAC made for one purpose, or for another job sharing the secret, never verifies for this one:
 
 * ``message`` — every request to a replica agent and every reply (:mod:`ddlscale.ckpt.gemini.protocol`);
-* ``record`` — every store value the checkpointer trusts, bound to its key name (:mod:`ddlscale.ckpt.gemini.store`);
+* ``record`` — every store value the checkpointer trusts, bound to its key name (:mod:`ddlscale.ckpt.gemini.kvstore`);
 * ``replica`` — the MAC of a replica's bytes: computed by its sender, checked by every holder before
   the replica counts and by every reader before it is restored (:mod:`ddlscale.ckpt.version.checksum`).
 

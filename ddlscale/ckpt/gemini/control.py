@@ -28,8 +28,8 @@ from typing import Any
 
 from ddlscale import clock
 from ddlscale.ckpt.gemini.auth import JobKeys
+from ddlscale.ckpt.gemini.kvstore import JobStore, connect
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
-from ddlscale.ckpt.gemini.store import JobStore, connect
 from ddlscale.ckpt.version.manifest import Manifest
 
 _print_lock = threading.Lock()

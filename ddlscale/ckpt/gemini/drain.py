@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from ddlscale import clock
-from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer
+from ddlscale.ckpt.disk.disk_checkpointer import DiskCheckpointer
 from ddlscale.ckpt.disk.writer import write_version
 from ddlscale.ckpt.gemini.auth import JobKeys
+from ddlscale.ckpt.gemini.kvstore import JobStore, connect, consult_agents
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError
 from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, deadline_for, mark_drained
-from ddlscale.ckpt.gemini.store import JobStore, connect, consult_agents
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import decode
 from ddlscale.ckpt.version.checksum import matches

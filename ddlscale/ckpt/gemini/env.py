@@ -1,6 +1,6 @@
 """What a launcher tells Gemini's ranks through the environment: the job's store and the machine layout.
 
-The launchers of :mod:`~ddlscale.ckpt.gemini.launch` set these (with ``$DDLSCALE_JOB``,
+The launchers of :mod:`~ddlscale.ckpt.gemini.services` set these (with ``$DDLSCALE_JOB``,
 :data:`ddlscale.cluster.context.JOB_ENV`, and ``$DDLSCALE_SECRET_FILE``); on a real cluster the user
 exports them.
 """

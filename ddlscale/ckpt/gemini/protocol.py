@@ -115,7 +115,7 @@ class ReplicaRefused(ReplicaError):
 class ReplicaStoreBehind(ReplicaError):
     """An agent refused BEGIN: the job's store holds an older commit record (or incarnation) than one the
     agent has seen, or none at all. Someone wrote an old record back or deleted it; a version begun now
-    could overwrite the newest committed one, so the run must stop (:mod:`ddlscale.ckpt.gemini.store`)."""
+    could overwrite the newest committed one, so the run must stop (:mod:`ddlscale.ckpt.gemini.kvstore`)."""
 
 
 class ConnectionClosed(ConnectionError):

@@ -3,7 +3,7 @@
 
 ``resume=auto``, decided before workers start: the newest committed manifest names the version
 (:meth:`~GeminiRecovery.resume_path`) — the store's, or a newer one an agent has seen when the store
-went back (:func:`~ddlscale.ckpt.gemini.store.consult_agents`). Then every rank fetches its own
+went back (:func:`~ddlscale.ckpt.gemini.kvstore.consult_agents`). Then every rank fetches its own
 replica — from its machine's agent (software failure), else from a live holder (machine failure, the
 replacement took the rank) — and checks its MAC. All ranks agree by one collective: if any rank found no intact replica (whole
 group lost, MAC mismatch), everyone loads the newest persistent checkpoint instead. Restoring parses a
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.ckpt.disk.checkpointer import find_resumable
+from ddlscale.ckpt.disk.disk_checkpointer import find_resumable
+from ddlscale.ckpt.gemini.kvstore import consult_agents
 from ddlscale.ckpt.gemini.protocol import ReplicaError
-from ddlscale.ckpt.gemini.store import consult_agents
 from ddlscale.ckpt.state.shard import assemble
 from ddlscale.ckpt.state.snapshot import rebuild
 from ddlscale.ckpt.version.checksum import matches
@@ -33,7 +33,7 @@ PATH_PREFIX = "gemini:"
 
 
 class GeminiRecovery:
-    """The recovery half of :class:`~ddlscale.ckpt.gemini.checkpointer.GeminiCheckpointer`, kept apart
+    """The recovery half of :class:`~ddlscale.ckpt.gemini.gemini_checkpointer.GeminiCheckpointer`, kept apart
     from capture and commit. It reads the checkpointer's store and agents (``_connect``, ``_agent``,
     ``committed_manifest``, ``store``, ``auth``, ``machine``, ``device``) and its persistent tier
     (``persist_dir``: a path, or ``storage://`` on the storage machine; ``persist_bps``), and sets

@@ -10,7 +10,7 @@ agent reads this on every stop and should not pay for that.
 
 from __future__ import annotations
 
-from ddlscale.ckpt.gemini.store import JobStore
+from ddlscale.ckpt.gemini.kvstore import JobStore
 
 FLOOR_S = 10.0  # what any drain takes whatever the size: connections, the manifest, DCP's plan, the commit
 SLACK = 2.0  # on top of the bytes at the rate: decoding, hashing, a link shared with what is still running

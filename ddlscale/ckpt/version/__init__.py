@@ -3,6 +3,6 @@
 * :mod:`~ddlscale.ckpt.version.manifest` — the commit record (step, world size, every shard's size
   and checksum), written last and atomically; ``verify`` re-hashes every shard.
 * :mod:`~ddlscale.ckpt.version.checksum` — sha256 and the keyed MACs.
-* :mod:`~ddlscale.ckpt.version.storage` — atomic writes (temporary name, fsync, rename) and pacing.
+* :mod:`~ddlscale.ckpt.version.atomic` — atomic writes (temporary name, fsync, rename) and pacing.
 * :mod:`~ddlscale.ckpt.version.io` — loading a version on one rank; Lightning's CheckpointIO plugin.
 """

@@ -20,8 +20,8 @@ from ddlscale import clock
 from ddlscale.ckpt.disk.reader import DcpVersion
 from ddlscale.ckpt.state.reshard import assemble_resharded
 from ddlscale.ckpt.state.shard import assemble, decode
+from ddlscale.ckpt.version.atomic import pace
 from ddlscale.ckpt.version.manifest import SUFFIX, read_manifest, read_shard
-from ddlscale.ckpt.version.storage import pace
 from ddlscale.ckpt.version.store import locate
 
 

@@ -5,7 +5,7 @@ to it (``step_000000012.manifest.json``, ``step_000000012.<token>/__0_0.distcp``
 which kind:
 
 * a path: :class:`LocalStore`, a directory of this machine's file system (files appear whole through
-  :func:`~ddlscale.ckpt.version.storage.write_atomic`, fsynced);
+  :func:`~ddlscale.ckpt.version.atomic.write_atomic`, fsynced);
 * ``storage://<path>``: that path on the emulated cluster's storage machine
   (:mod:`ddlscale.cluster.storage`), through its WebDAV server and fsspec's client
   (:class:`~ddlscale.ckpt.version.remote.RemoteStore`).
@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from ddlscale.ckpt.version.atomic import fsync_dir, write_atomic
 from ddlscale.ckpt.version.checksum import Checksum
-from ddlscale.ckpt.version.storage import fsync_dir, write_atomic
 
 SCHEME = "storage://"  # ckpt.dir's prefix for a directory on the emulated cluster's storage machine
 

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from ddlscale.comm import Pending
-from ddlscale.compress.base import Compressor, Segment, pieces
+from ddlscale.compress.compressor import Compressor, Segment, pieces
 from ddlscale.compress.memory import MEMORIES, DecayedMemory, Memory
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.signsgd import SignSGD
 from ddlscale.plan.choices import Choices, TensorChoice
-from ddlscale.sync.compressed.config import CompressConfig
+from ddlscale.sync.compressed.compress_config import CompressConfig
 from ddlscale.sync.compressed.regroup import GroupLayout, load_summed_share, regroup
 from ddlscale.sync.compressed.schemes import SCHEMES, GroupWork, Job, scheme, timed_work
 from ddlscale.sync.dense import DenseAllreduce

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm.probe import MEASURED, probe_latency
-from ddlscale.compress.base import Compressor
+from ddlscale.compress.compressor import Compressor
 from ddlscale.compress.memory import Memory
 from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
@@ -87,13 +87,19 @@ from ddlscale.plan.profile import (
     slowest_lag,
 )
 from ddlscale.plan.result import CompressionPlan
-from ddlscale.sync.base import GradSync
 from ddlscale.sync.compressed.backend import CompressSync
-from ddlscale.sync.compressed.config import ALL, CALIBRATE_BUDGET, TRIAL_STEPS, EspressoConfig, PlannedConfig
+from ddlscale.sync.compressed.compress_config import (
+    ALL,
+    CALIBRATE_BUDGET,
+    TRIAL_STEPS,
+    EspressoConfig,
+    PlannedConfig,
+)
 from ddlscale.sync.compressed.regroup import layouts_of, layouts_state
 from ddlscale.sync.compressed.schemes import GroupWork
 from ddlscale.sync.compressed.session import Phase, PlanningSession, Trial
 from ddlscale.sync.dense import Bucket, DenseAllreduce
+from ddlscale.sync.grad_sync import GradSync
 from ddlscale.units import parse_bandwidth
 
 PROFILE_FILE, PLAN_FILE, PLAN_TEXT, WORK_FILE = "plan_profile.json", "plan.json", "plan.txt", "plan_work.json"

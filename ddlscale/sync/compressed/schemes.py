@@ -41,8 +41,8 @@ import torch
 
 from ddlscale import clock
 from ddlscale.comm import Communicator, volume
-from ddlscale.compress import wire
-from ddlscale.compress.base import Compressed, Compressor, Segment, pieces
+from ddlscale.compress import packing
+from ddlscale.compress.compressor import Compressed, Compressor, Segment, pieces
 from ddlscale.compress.sparse import SparseCompressor
 from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.hashing import HashPartitioner
@@ -170,7 +170,7 @@ def _sizes(job: Job, message: torch.Tensor) -> list[int]:
 
 def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.Tensor]) -> torch.Tensor:
     """Every rank's payload decoded with this rank's context and summed in rank order."""
-    return compressor.decompress_sum([like.with_payload(wire.unpack(message)) for message in messages])
+    return compressor.decompress_sum([like.with_payload(packing.unpack(message)) for message in messages])
 
 
 class Allreduce(Scheme):
@@ -256,7 +256,7 @@ def _compress_whole(job: Job) -> tuple[Compressed, torch.Tensor]:
     with timed_work(job.work, "encode", job.tensor.numel(), 1):
         compressed = job.compressor.compress(job.tensor, job.name, job.segments)
         job.local = job.compressor.decompress(compressed).reshape(-1)
-        return compressed, wire.pack(compressed.payload)
+        return compressed, packing.pack(compressed.payload)
 
 
 class Allgather(Scheme):
@@ -288,7 +288,7 @@ class AllToAll(Scheme):
             compressed = [job.compressor.compress(p, f"{job.name}/{j}", members[j])
                           for j, p in enumerate(torch.split(job.tensor, sizes))]
             job.local = torch.cat([job.compressor.decompress(c).reshape(-1) for c in compressed])
-            messages = [wire.pack(c.payload) for c in compressed]
+            messages = [packing.pack(c.payload) for c in compressed]
         splits_in = [m.numel() for m in messages]
         if job.compressor.fixed_size:  # partition j has the same length on every rank
             splits_out = [splits_in[job.comm.rank]] * n
@@ -313,7 +313,7 @@ class AllToAll(Scheme):
         # its share); everyone decodes every partition's.
         summed, decoded = self.second_stage(job, partial, f"{job.name}/{comm.rank}/sum", members[comm.rank],
                                             sum(sizes[: comm.rank]))
-        message = wire.pack(summed.payload)
+        message = packing.pack(summed.payload)
         # Fixed-size: the sum of partition j packs to what partition j did in the first stage.
         lengths = (job.state["lengths"] if compressor.fixed_size
                    else comm.allgather_sizes(message.numel(), message.device))
@@ -324,7 +324,7 @@ class AllToAll(Scheme):
                 out.append(decoded)
                 continue
             ctx = compressor.context(sizes[j], partial.dtype, f"{job.name}/{j}/sum", members[j])
-            out.append(compressor.decompress(Compressed(wire.unpack(piece), ctx)).reshape(-1))
+            out.append(compressor.decompress(Compressed(packing.unpack(piece), ctx)).reshape(-1))
         return torch.cat(out)
 
 
@@ -350,7 +350,7 @@ class GatherBroadcast(Scheme):
             with timed_work(job.work, "decode", job.tensor.numel(), len(messages)):
                 total = _decode_sum(compressor, job.state["compressed"], messages).reshape(-1)
             summed, decoded = self.second_stage(job, total, f"{job.name}/sum", job.segments)
-            message = wire.pack(summed.payload)
+            message = packing.pack(summed.payload)
             size = torch.tensor([message.numel()], dtype=torch.int64, device=job.tensor.device)
         else:
             size = torch.tensor([job.state["sizes"][0]], dtype=torch.int64, device=job.tensor.device)
@@ -362,7 +362,7 @@ class GatherBroadcast(Scheme):
         if decoded is not None:
             return decoded
         ctx = compressor.context(job.tensor.numel(), job.tensor.dtype, f"{job.name}/sum", job.segments)
-        return compressor.decompress(Compressed(wire.unpack(message), ctx)).reshape(-1)
+        return compressor.decompress(Compressed(packing.unpack(message), ctx)).reshape(-1)
 
 
 class ZenPushPull(Scheme):

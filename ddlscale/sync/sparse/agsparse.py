@@ -15,8 +15,8 @@ import torch
 
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
+from ddlscale.sync.sparse.sparse_sync import SparseSync
 from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
 
 

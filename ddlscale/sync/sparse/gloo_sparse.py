@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ddlscale.comm.network import NetworkModel
-from ddlscale.sync.sparse.base import SparseSync
+from ddlscale.sync.sparse.sparse_sync import SparseSync
 from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic
 
 INDEX_BYTES = torch.int64.itemsize  # gloo sends int64 indices

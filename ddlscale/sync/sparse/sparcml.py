@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 
 from ddlscale.comm.network import NetworkModel
-from ddlscale.sync.sparse.base import SparseSync
-from ddlscale.sync.sparse.config import SparCMLConfig
 from ddlscale.sync.sparse.recursive import SparseDoubling, break_even_density
+from ddlscale.sync.sparse.sparse_config import SparCMLConfig
+from ddlscale.sync.sparse.sparse_sync import SparseSync
 from ddlscale.sync.sparse.traffic import Exchanges, Sparsity, Traffic, doubling_rounds, doubling_seconds
 
 

@@ -15,9 +15,9 @@ import torch
 
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.sparse import pushpull
-from ddlscale.sync.sparse.base import SparseSync
 from ddlscale.sync.sparse.partition import ContiguousPartitioner
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
+from ddlscale.sync.sparse.sparse_sync import SparseSync
 from ddlscale.sync.sparse.traffic import (
     PUSH_PULL_ROUNDS,
     Exchanges,

@@ -20,7 +20,7 @@ outweigh the messages HC saves).
 **One exchange per step for the whole model** (``batch: backward`` or ``step``): every BP tensor of
 a step is one batch whatever its width and dtype (:mod:`.sections`: one index space, a section per
 width, dtype and pull format), every HC tensor one doubling chain (:class:`.recursive.SectionedDoubling`),
-tables that share row ids one unit set (:mod:`.base`), and dense tensors (an MLP beside the tables)
+tables that share row ids one unit set (:mod:`.sparse_sync`), and dense tensors (an MLP beside the tables)
 may ride either index-free (``carry_dense``): a BP batch's dense section moves a ring allreduce's
 bytes in the batch's two rounds, where their own allreduce would take 2(n-1) ring steps. A round
 costs what the ranks take to meet, whatever its bytes, so the step is routed as a whole
@@ -57,12 +57,12 @@ from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
 from ddlscale.sync.dense import DenseAllreduce, to_sparse_slices
 from ddlscale.sync.sparse import kernels, pushpull, sections
-from ddlscale.sync.sparse.base import GroupJob, SparseSync
-from ddlscale.sync.sparse.config import ZenConfig
 from ddlscale.sync.sparse.hashing import HashPartitioner, agreed_seed
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES
 from ddlscale.sync.sparse.recursive import Partial, Section, SectionedDoubling, SparseDoubling
 from ddlscale.sync.sparse.rows import units_of
+from ddlscale.sync.sparse.sparse_config import ZenConfig
+from ddlscale.sync.sparse.sparse_sync import GroupJob, SparseSync
 from ddlscale.sync.sparse.traffic import (
     PUSH_PULL_ROUNDS,
     Exchanges,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.agent import Agent
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.cluster.control_plane import EtcdAddress, EtcdKeyValue, EtcdMembers, Member, missing

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.auth import JobKeys
 from ddlscale.cluster.control_plane import EtcdKeyValue, missing
 from ddlscale.cluster.local import free_port

@@ -222,7 +222,7 @@ def test_a_replayed_commit_record_stops_begin_and_the_committed_buffer_is_kept(j
 
 
 def test_a_stale_incarnation_cannot_publish_over_its_successor(job):
-    from ddlscale.ckpt.gemini.store import StaleRecord
+    from ddlscale.ckpt.gemini.kvstore import StaleRecord
 
     job.store.set(job.keys.incarnation, 1)
     job.commit(4)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from ckpt_runs import QUIET, ROOT, summary
 
-from ddlscale.ckpt.base import PROGRESS_FILE
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE
 from ddlscale.ckpt.version.manifest import list_manifests, read_manifest
 from ddlscale.cluster import storage
 from ddlscale.cluster.emulated import unavailable_reason as cluster_unavailable

@@ -11,10 +11,9 @@ import time
 
 import pytest
 
-from ddlscale.ckpt.gemini import drain
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import drain, kvstore
 from ddlscale.ckpt.gemini.agent import server as agent_server
-from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
 from ddlscale.ckpt.gemini.protocol import HELLO, MAGIC, AgentClient, ReplicaError, ReplicaRefused
 
 

@@ -26,8 +26,7 @@ import time
 
 import pytest
 
-from ddlscale.ckpt.gemini import drain
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import drain, kvstore
 from ddlscale.ckpt.gemini.agent import server as agent_server
 from ddlscale.ckpt.gemini.agent.slots import COPY_CHUNK
 from ddlscale.ckpt.gemini.control import corrupt_replica

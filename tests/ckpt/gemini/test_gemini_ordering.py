@@ -19,8 +19,7 @@ import pytest
 import torch
 from gemini_job import payload
 
-from ddlscale.ckpt.gemini import drain
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import drain, kvstore
 from ddlscale.ckpt.gemini.interleave import ReplicaSender
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaStoreBehind
@@ -157,7 +156,7 @@ def test_an_incarnation_set_back_stops_begin_and_the_agents_tell_the_true_one(jo
 def _ranks(job, monkeypatch, agents):
     """Two ranks on machines 0 and 1, m = 2 (each agent holds both ranks' replicas), blocking sends, each
     with its own store connection; their state is :func:`gemini_job.payload`'s."""
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
 
     plan = PlacementPlan(2, 2)
     monkeypatch.setattr(gemini, "capture_local", lambda t, b: payload(t.global_rank, 2, t.global_step)["local"])
@@ -273,10 +272,10 @@ def test_a_store_set_back_mid_run_stops_train_py_loudly_then_it_resumes(tmp_path
     forward), and trains on, protected; and the drain when the agents stop writes its last version."""
     from ckpt_runs import QUIET, ROOT, summary
 
-    from ddlscale.ckpt.base import PROGRESS_FILE
+    from ddlscale.ckpt.checkpointer import PROGRESS_FILE
     from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, read_secret
     from ddlscale.ckpt.gemini.env import STORE_ENV
-    from ddlscale.ckpt.gemini.launch import local_gemini
+    from ddlscale.ckpt.gemini.services import local_gemini
     from ddlscale.ckpt.version.manifest import list_manifests, read_manifest
 
     def steps(run):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gemini_job import free_port
 
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.control import corrupt_replica
 from ddlscale.ckpt.gemini.interleave import (
     ReplicaSender,
@@ -489,7 +489,7 @@ def _one_rank_checkpointer(monkeypatch, job, captured):
     recorder, with each save capturing ``captured()``; and a stand-in trainer."""
     from types import SimpleNamespace
 
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
     from ddlscale.ckpt.gemini.placement import PlacementPlan
 
     checkpointer = gemini.GeminiCheckpointer(replicas=1)
@@ -535,7 +535,7 @@ def test_only_the_version_in_flight_keeps_its_snapshot(monkeypatch, job):
 def test_a_commit_that_raises_says_failed_and_the_next_version_does_not_wait_for_it(monkeypatch, job):
     """Every rank's next version waits for the outcome key; a commit that raised before writing it held
     each of them for commit_timeout_s + slack (40 s), and that version then failed too."""
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
 
     checkpointer, trainer = _one_rank_checkpointer(monkeypatch, job, lambda: torch.randn(1000))
     to_dict, calls = gemini.Manifest.to_dict, []
@@ -560,7 +560,7 @@ def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, t
     """Training goes back to the disk version, so its replayed steps must not be kept from their buffers
     by the old manifest (whose version could not be restored); with no disk version it stays, so a
     restart fails the same clear way instead of starting from scratch."""
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
     from ddlscale.ckpt.gemini import recovery
 
     (tmp_path / "disk").mkdir()
@@ -579,7 +579,7 @@ def test_falling_back_to_disk_forgets_the_stale_committed_version(monkeypatch, t
 
 
 def _fall_back_on(rank, world, directory):
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
     from ddlscale.ckpt.gemini import recovery
 
     def mismatch(directory, world_size, set_aside):

@@ -10,10 +10,10 @@ from ckpt_runs import QUIET, ROOT, assert_continues
 from ckpt_runs import summary as _summary
 from ckpt_runs import train as _train
 
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, read_secret
 from ddlscale.ckpt.gemini.control import agent_client, corrupt_replica
-from ddlscale.ckpt.gemini.launch import local_gemini
+from ddlscale.ckpt.gemini.services import local_gemini
 
 CNN = ["model=cnn", "model.width=4", "model.num_blocks=2", "model.image_size=8", "model.num_samples=192",
        "model.optimizer=sgd", "model.momentum=0.9"]

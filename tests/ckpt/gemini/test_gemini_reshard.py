@@ -11,12 +11,12 @@ import torch
 from ckpt_runs import summary, train
 
 from ddlscale.ckpt import load_version, read_manifest
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, read_secret
-from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
 from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV
-from ddlscale.ckpt.gemini.launch import local_gemini
+from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
 from ddlscale.ckpt.gemini.placement import PlacementPlan
+from ddlscale.ckpt.gemini.services import local_gemini
 from ddlscale.ckpt.version.checksum import checksum
 from ddlscale.ckpt.version.manifest import Manifest, ShardRecord, list_manifests
 from ddlscale.cluster.context import JOB_ENV

@@ -15,8 +15,8 @@ from ckpt_runs import summary as _summary
 from ckpt_runs import train as _train
 from gemini_job import free_port
 
-from ddlscale.ckpt.base import PROGRESS_FILE
-from ddlscale.ckpt.gemini.launch import local_gemini
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE
+from ddlscale.ckpt.gemini.services import local_gemini
 
 pytestmark = pytest.mark.slow
 

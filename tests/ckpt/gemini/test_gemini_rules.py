@@ -5,8 +5,8 @@ outcome; a DATA chunk beyond its version's announced size is refused before a by
 import threading
 import time
 
-from ddlscale.ckpt.gemini import store as kvstore
-from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+from ddlscale.ckpt.gemini import kvstore
+from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
 from ddlscale.ckpt.gemini.interleave import Transfer
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import REFUSED, REPLY

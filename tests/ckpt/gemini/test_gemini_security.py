@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ddlscale.ckpt.base import PROGRESS_FILE
-from ddlscale.ckpt.gemini import store as kvstore
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE
+from ddlscale.ckpt.gemini import kvstore
 from ddlscale.ckpt.gemini.interleave import ReplicaSender
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, ReplicaError, ReplicaRefused, ReplicaStoreBehind
@@ -275,7 +275,7 @@ def test_training_on_a_too_small_dev_shm_stops_at_start_up_naming_why(tmp_path):
 
 @pytest.mark.multiprocess
 def test_the_space_error_names_the_free_space_ckpt_replicas_and_the_version_size():
-    from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+    from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
 
     message = GeminiCheckpointer(replicas=2)._space_message(
         "agent x: cannot reserve 96.0 MiB (100663296 bytes) for version 1 of rank 0 in /dev/shm: 60.1 MiB free of "
@@ -349,7 +349,7 @@ class _Corrupting(AgentClient):
 def _two_rank_job(job, monkeypatch, missing):
     """Ranks 0 and 1 on machines 0 and 1, m = 2 (each machine holds both ranks' replicas), blocking sends;
     the replica of rank ``missing[0]`` on machine ``missing[1]`` is corrupted in transit at version 2."""
-    from ddlscale.ckpt.gemini import checkpointer as gemini
+    from ddlscale.ckpt.gemini import gemini_checkpointer as gemini
 
     agents = [job.agent(m, 2) for m in range(2)]
     plan = PlacementPlan(2, 2)

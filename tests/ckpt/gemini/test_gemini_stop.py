@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from ckpt_runs import QUIET, ROOT, summary
 
-from ddlscale.ckpt.base import PROGRESS_FILE
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE
 from ddlscale.ckpt.version.manifest import list_manifests, read_manifest
 
 pytestmark = pytest.mark.slow

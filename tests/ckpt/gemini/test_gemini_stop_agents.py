@@ -144,8 +144,8 @@ def test_a_launch_derives_the_drains_rate_and_tells_the_agents_and_the_drain(tmp
     written), ckpt.persist_bandwidth, or a plain disk's; the agents and machine 0's drain are told it."""
     from types import SimpleNamespace
 
-    from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
-    from ddlscale.ckpt.gemini.launch import Drain, drain_rate_bps
+    from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
+    from ddlscale.ckpt.gemini.services import Drain, drain_rate_bps
 
     run = str(tmp_path / "run")
     emulated = SimpleNamespace(cluster=SimpleNamespace(bandwidth_bps=10e9, storage=SimpleNamespace(bandwidth_bps=2e9)),
@@ -164,22 +164,22 @@ def test_a_launchs_agents_signalled_with_the_whole_job_keep_the_version_for_its_
     """cluster=local's launch (local_gemini): a stop signal reaches its agents too, before the launcher's
     drain runs. They keep their replicas; the drain on the way out writes the committed version; then
     they go at once (the drain's mark), not at their deadline."""
-    from ddlscale.ckpt.gemini import launch
+    from ddlscale.ckpt.gemini import services
     from ddlscale.ckpt.gemini.auth import JobKeys, read_secret
-    from ddlscale.ckpt.gemini.launch import Drain, local_gemini
-    from ddlscale.ckpt.gemini.store import JobStore, connect
+    from ddlscale.ckpt.gemini.kvstore import JobStore, connect
+    from ddlscale.ckpt.gemini.services import Drain, local_gemini
 
     # Whether they went on the drain's mark, not how fast (a busy host is slow at both): the agents wait
     # for the drain up to 320 s here (its 300 s deadline and the stop margin), and the launch's stop is
     # given 120 s before it kills them. An agent that exited by itself (0) within that saw the mark;
     # one still waiting for its deadline is killed (-SIGKILL).
-    exits, stop_agents = [], launch.stop_agents
+    exits, stop_agents = [], services.stop_agents
 
     def stop_and_record(agents, grace_s=2.0):
         stop_agents(agents, grace_s=120.0)
         exits.extend(agent.returncode for agent in agents)
 
-    monkeypatch.setattr(launch, "stop_agents", stop_and_record)
+    monkeypatch.setattr(services, "stop_agents", stop_and_record)
 
     persist = tmp_path / "checkpoints"
     model = nn.Linear(4, 3)

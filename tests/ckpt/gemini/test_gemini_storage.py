@@ -16,8 +16,8 @@ from torch import nn
 
 from ddlscale.ckpt.gemini import drain, recovery
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys
-from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
-from ddlscale.ckpt.gemini.launch import persist_emulated
+from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
+from ddlscale.ckpt.gemini.services import persist_emulated
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.rng import capture_rng
 from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, RANK_STATE_KEY

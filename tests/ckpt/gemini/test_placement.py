@@ -113,10 +113,10 @@ def test_bad_k_names_the_argument():
 @pytest.mark.multiprocess
 @pytest.mark.slow  # ~10 s: a subprocess of the tool
 def test_command_line():
-    out = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement", "16", "2", "3"],
+    out = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement_odds", "16", "2", "3"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "80.00%" in out.stdout and "62.86%" in out.stdout and "Monte-Carlo" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement", "4", "5", "1"],
+    bad = subprocess.run([sys.executable, "-m", "ddlscale.tools.placement_odds", "4", "5", "1"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "m (replicas)" in bad.stderr

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
-from ddlscale.compress import build_compressor, wire
+from ddlscale.compress import build_compressor, packing
 from ddlscale.compress.none import NoCompression
 from ddlscale.compress.powersgd import PowerSGD
 from ddlscale.compress.randomk import RandomK
@@ -263,7 +263,7 @@ def test_a_fused_group_of_a_per_member_compressor_equals_layer_wise(comm, compre
 def test_wire_round_trip_keeps_dtypes_and_shapes():
     payload = [torch.randn(3, 4), torch.arange(5, dtype=torch.int32), torch.tensor(2.5, dtype=torch.bfloat16),
                torch.zeros(0, dtype=torch.uint8), torch.tensor([True, False])]
-    back = wire.unpack(wire.pack(payload))
+    back = packing.unpack(packing.pack(payload))
     assert [t.dtype for t in back] == [t.dtype for t in payload]
     assert all(torch.equal(a, b) for a, b in zip(back, payload, strict=True))
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from ddlscale.cluster import run_workers
 from ddlscale.compress import build_compressor
-from ddlscale.compress.base import count_of
+from ddlscale.compress.compressor import count_of
 from ddlscale.compress.dgc import DGC
 from ddlscale.sync.compressed import Choices, CompressSync, CupcakeSync, EspressoSync, TensorChoice
 from ddlscale.trainer.app import move_momentum

@@ -17,7 +17,7 @@ from ddlscale.cluster import run_workers
 from ddlscale.comm import CollectiveRecord
 from ddlscale.comm.collectives import Message
 from ddlscale.paths import CONF_DIR
-from ddlscale.sync.base import in_flight
+from ddlscale.sync.grad_sync import in_flight
 from ddlscale.sync.sparse import (
     AGSparseSync,
     GlooSparseSync,

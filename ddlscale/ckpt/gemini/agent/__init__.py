@@ -46,8 +46,8 @@ from ddlscale.ckpt.gemini.agent.membership import Membership
 from ddlscale.ckpt.gemini.agent.server import MAX_CONNECTIONS, ReplicaServer
 from ddlscale.ckpt.gemini.agent.slots import JobView, ReplicaStore, file_prefix
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, SecretError
+from ddlscale.ckpt.gemini.kvstore import JobStore, connect
 from ddlscale.ckpt.gemini.protocol import mib, parse_address, shm_dir, shm_usage
-from ddlscale.ckpt.gemini.store import JobStore, connect
 from ddlscale.ckpt.version.manifest import Manifest
 from ddlscale.cluster.stop import STOP_SIGNALS
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ddlscale import clock
-from ddlscale.ckpt.gemini.store import JobStore
+from ddlscale.ckpt.gemini.kvstore import JobStore
 
 
 class Membership:

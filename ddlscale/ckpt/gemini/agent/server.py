@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ddlscale import clock
 from ddlscale.ckpt.gemini.agent.slots import Refused, Slot
 from ddlscale.ckpt.gemini.auth import MAC_BYTES
+from ddlscale.ckpt.gemini.kvstore import StoreWentBack
 from ddlscale.ckpt.gemini.protocol import (
     BEGIN,
     DATA,
@@ -59,7 +60,6 @@ from ddlscale.ckpt.gemini.protocol import (
     reply_mac,
     request_mac,
 )
-from ddlscale.ckpt.gemini.store import StoreWentBack
 from ddlscale.ckpt.version.checksum import KEYED, Checksum, algorithm_of
 
 if TYPE_CHECKING:

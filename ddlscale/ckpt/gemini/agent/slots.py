@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddlscale.ckpt.gemini.kvstore import JobStore, StoreWentBack
 from ddlscale.ckpt.gemini.protocol import FAILED, NO_SPACE, NO_VERSION, mib, shm_dir, shm_usage
-from ddlscale.ckpt.gemini.store import JobStore, StoreWentBack
 from ddlscale.ckpt.version.manifest import Manifest
 
 
@@ -273,9 +273,9 @@ class ReplicaStore:
 class JobView:
     """What the agent decides from: the job's incarnation and committed manifest, read from the store, and
     the newest of each it has seen there. The store can be made to go back (an old signed record written
-    back, a key deleted: :mod:`ddlscale.ckpt.gemini.store`); what the agent has seen cannot. So it refuses
+    back, a key deleted: :mod:`ddlscale.ckpt.gemini.kvstore`); what the agent has seen cannot. So it refuses
     BEGIN while the store is behind what it has seen (:meth:`committed` raises
-    :class:`~ddlscale.ckpt.gemini.store.StoreWentBack`), and tells anyone who asks (STAT: :meth:`seen`)."""
+    :class:`~ddlscale.ckpt.gemini.kvstore.StoreWentBack`), and tells anyone who asks (STAT: :meth:`seen`)."""
 
     def __init__(self, store: JobStore) -> None:
         self.store = store

@@ -14,7 +14,7 @@ from ddlscale.comm.probe import MEASURED
 from ddlscale.compress.memory import MEMORIES
 from ddlscale.schema import boolean, choice, integer, is_number, quantity
 from ddlscale.sync.compressed.schemes import SCHEMES
-from ddlscale.sync.config import DenseConfig
+from ddlscale.sync.dense_config import DenseConfig
 from ddlscale.units import parse_bandwidth, parse_time
 
 FUSIONS = ("tensor", "bucket")

@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddlscale.ckpt.base import HIGHFREQ, parse_every
-from ddlscale.ckpt.disk.config import write_rate
+from ddlscale.ckpt.checkpointer import HIGHFREQ, parse_every
+from ddlscale.ckpt.disk.disk_config import write_rate
 from ddlscale.ckpt.gemini.interleave import MODES
+from ddlscale.ckpt.gemini.kvstore import check_address
 from ddlscale.ckpt.gemini.placement import KINDS
-from ddlscale.ckpt.gemini.store import check_address
 from ddlscale.ckpt.version.checksum import KEYED
 from ddlscale.schema import Schema, choice, integer, is_number, number
 
@@ -22,7 +22,7 @@ PERSIST_EVERY = 100
 
 @dataclass
 class GeminiConfig(Schema):
-    """``ckpt.*`` of :class:`~ddlscale.ckpt.gemini.checkpointer.GeminiCheckpointer` (its docstring
+    """``ckpt.*`` of :class:`~ddlscale.ckpt.gemini.gemini_checkpointer.GeminiCheckpointer` (its docstring
     says what each key does)."""
 
     group = "ckpt"

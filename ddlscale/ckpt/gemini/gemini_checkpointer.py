@@ -37,18 +37,18 @@ import torch
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.disk.checkpointer import DiskCheckpointer, checkpoint_dir, write_rate
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.disk.disk_checkpointer import DiskCheckpointer, checkpoint_dir, write_rate
 from ddlscale.ckpt.gemini.auth import JobKeys
-from ddlscale.ckpt.gemini.config import PERSIST_EVERY, GeminiConfig
 from ddlscale.ckpt.gemini.env import STORE_ENV, machine_layout
+from ddlscale.ckpt.gemini.gemini_config import PERSIST_EVERY, GeminiConfig
+from ddlscale.ckpt.gemini.idle_gaps import TrainingWire
 from ddlscale.ckpt.gemini.interleave import ReplicaSender, Transfer
-from ddlscale.ckpt.gemini.launch import check_launch, launch_services
+from ddlscale.ckpt.gemini.kvstore import ETCD, JobStore, StoreWentBack, connect, consult_agents
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.protocol import AgentClient, LocalAgentClient, ReplicaError, mib, shm_dir
 from ddlscale.ckpt.gemini.recovery import GeminiRecovery
-from ddlscale.ckpt.gemini.store import ETCD, JobStore, StoreWentBack, connect, consult_agents
-from ddlscale.ckpt.gemini.wire import TrainingWire
+from ddlscale.ckpt.gemini.services import check_launch, launch_services
 from ddlscale.ckpt.state.data import DataPosition
 from ddlscale.ckpt.state.shard import PAYLOAD_FORMAT, capture_local, capture_shared, unchanged_until_step
 from ddlscale.ckpt.state.snapshot import capture

@@ -1,6 +1,6 @@
 """Checkpoint replica placement and the chance of surviving k simultaneous machine failures.
 
-    python -m ddlscale.tools.placement N m k [--kind mixed|group|ring] [--trials T] [--seed S]
+    python -m ddlscale.tools.placement_odds N m k [--kind mixed|group|ring] [--trials T] [--seed S]
 
 prints where each machine's checkpoint replicas go, then for k failures the exact recovery
 probability, Gemini's bound and a Monte-Carlo estimate (and ring placement's exact value beside it).
@@ -27,7 +27,7 @@ _TABLE_LIMIT = 64
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m ddlscale.tools.placement", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m ddlscale.tools.placement_odds", description=__doc__.split("\n\n")[0])
     parser.add_argument("N", type=int, help="machines")
     parser.add_argument("m", type=int, help="replicas of each machine's checkpoint (itself included)")
     parser.add_argument("k", type=int, help="simultaneous machine failures")

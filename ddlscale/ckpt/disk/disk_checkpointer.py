@@ -28,8 +28,8 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 
 from ddlscale import clock
-from ddlscale.ckpt.base import PROGRESS_FILE, Checkpointer
-from ddlscale.ckpt.disk.config import DiskConfig, write_rate
+from ddlscale.ckpt.checkpointer import PROGRESS_FILE, Checkpointer
+from ddlscale.ckpt.disk.disk_config import DiskConfig, write_rate
 from ddlscale.ckpt.disk.writer import DcpWriter
 from ddlscale.ckpt.state.shard import (
     PAYLOAD_FORMAT,

@@ -61,11 +61,11 @@ from ddlscale.comm import Communicator
 from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.probe import MEASURED, probe_bandwidth, probe_latency
 from ddlscale.sync.dense import DenseAllreduce
-from ddlscale.sync.sparse.config import SparseSyncConfig
 from ddlscale.sync.sparse.lane import shared_lane
 from ddlscale.sync.sparse.pushpull import INDEX_BYTES, INDEX_DTYPE
 from ddlscale.sync.sparse.recursive import union_counts
 from ddlscale.sync.sparse.rows import grad_of, row_width, slice_width, units_of
+from ddlscale.sync.sparse.sparse_config import SparseSyncConfig
 from ddlscale.sync.sparse.traffic import Exchanges, Option, RoundCosts, Sparsity, Traffic, decide
 
 FORCED_DENSITY = 0.5  # route=sparse: units at most this dense go sparse (above it, no format beats dense)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddlscale.ckpt.base import parse_every
+from ddlscale.ckpt.checkpointer import parse_every
 from ddlscale.schema import Schema, boolean, integer
 from ddlscale.units import parse_bandwidth
 
@@ -25,7 +25,7 @@ def write_rate(bandwidth: str | float | None, key: str = "ckpt.bandwidth") -> fl
 
 @dataclass
 class DiskConfig(Schema):
-    """``ckpt.*`` of :class:`~ddlscale.ckpt.disk.checkpointer.DiskCheckpointer` (its docstring says
+    """``ckpt.*`` of :class:`~ddlscale.ckpt.disk.disk_checkpointer.DiskCheckpointer` (its docstring says
     what each key does)."""
 
     group = "ckpt"

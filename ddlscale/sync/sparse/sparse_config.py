@@ -9,7 +9,7 @@ from typing import Any
 
 from ddlscale.comm.probe import MEASURED
 from ddlscale.schema import boolean, choice, integer, is_int, number, quantity
-from ddlscale.sync.config import DenseConfig
+from ddlscale.sync.dense_config import DenseConfig
 from ddlscale.units import parse_bandwidth, parse_time
 
 ROUTES = ("auto", "sparse")
@@ -20,7 +20,7 @@ BATCHES = ("backward", "step", "width", "tensor")  # which BP tensors share a pu
 
 @dataclass
 class SparseSyncConfig(DenseConfig):
-    """``sync.*`` of every sparse sync (:class:`~ddlscale.sync.sparse.base.SparseSync`'s arguments)."""
+    """``sync.*`` of every sparse sync (:class:`~ddlscale.sync.sparse.sparse_sync.SparseSync`'s arguments)."""
 
     profile_steps: int = 2
     sparse_params: Any = "auto"  # "auto" or a list of parameter names

@@ -1,7 +1,7 @@
 """Launching a Gemini job: checks before the workers start, and the secret, store and agents around them.
 
 :func:`check_launch` and :func:`launch_services` are ``GeminiCheckpointer``'s launch hooks
-(:class:`~ddlscale.ckpt.base.Checkpointer`): the app and the launch modes of
+(:class:`~ddlscale.ckpt.checkpointer.Checkpointer`): the app and the launch modes of
 :mod:`ddlscale.cluster.launch` call them without knowing the tier.
 
 The store is a TCPStore by default, or with ``ckpt.store=etcd`` an etcd cluster
@@ -41,20 +41,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddlscale.ckpt.disk.checkpointer import check_storage
+from ddlscale.ckpt.disk.disk_checkpointer import check_storage
 from ddlscale.ckpt.gemini.agent.slots import remove_replicas
 from ddlscale.ckpt.gemini.auth import SECRET_ENV, JobKeys, create_secret_file, read_secret
 from ddlscale.ckpt.gemini.drain import drain_and_report
 from ddlscale.ckpt.gemini.env import MACHINE_ENV, MACHINES_ENV, STORE_ENV, machine_count
+from ddlscale.ckpt.gemini.kvstore import ETCD, JobStore, connect, serve
 from ddlscale.ckpt.gemini.placement import PlacementPlan
 from ddlscale.ckpt.gemini.stopping import DISK_RATE_BPS, mark_drained, series_rate
-from ddlscale.ckpt.gemini.store import ETCD, JobStore, connect, serve
 from ddlscale.cluster import stop
 from ddlscale.cluster.context import ELASTIC, EMULATED, JOB_ENV, Launch, Services
 from ddlscale.cluster.control_plane import EtcdMembers, Member, missing
 
 if TYPE_CHECKING:
-    from ddlscale.ckpt.gemini.checkpointer import GeminiCheckpointer
+    from ddlscale.ckpt.gemini.gemini_checkpointer import GeminiCheckpointer
 
 AGENT_PORT = 29500  # replica agents' port on emulated machines
 ETCD_MEMBERS = 3  # members on the first machines: any one can fail and a quorum of two remains

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ddlscale import clock
 from ddlscale.comm import CollectiveRecord, CommLedger, Communicator
-from ddlscale.compress.base import Compressor
+from ddlscale.compress.compressor import Compressor
 
 
 def in_flight(records: Sequence[CollectiveRecord], finishing: float, now: float) -> tuple[float, float]:
