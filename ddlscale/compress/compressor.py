@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -266,6 +267,15 @@ class Compressor:
         """
         raise NotImplementedError
 
+    def payload_bytes_many(self, numels: np.ndarray, dtype: torch.dtype, kept: np.ndarray | None = None) -> np.ndarray:
+        """:meth:`payload_bytes` of flat tensors of each of ``numels`` elements (``kept``: each one's
+        selected elements, negative where none is given), as one float array: what a planner prices
+        thousands of candidate groups with. One call per tensor here; a compressor whose formula
+        vectorizes overrides it with the same integers."""
+        given = [None] * len(numels) if kept is None else [None if k < 0 else int(k) for k in kept.tolist()]
+        return np.array([self.payload_bytes(int(n), dtype, k) for n, k in zip(numels.tolist(), given, strict=True)],
+                        dtype=float)
+
     def _members(self, tensor: torch.Tensor, segments: Sequence[int | Segment] | None) -> tuple[Segment, ...] | None:
         """For a per-member compressor, ``segments`` as Segments (the tensor's own shape when none
         are given); None for any other."""
@@ -376,6 +386,19 @@ def count_of(ratio: float, numel: int) -> int:
     if numel == 0:
         return 0
     return min(numel, max(1, math.ceil(round(ratio * numel, 6))))
+
+
+def counts_of(ratio: float, numels: np.ndarray) -> np.ndarray:
+    """:func:`count_of` of each of ``numels``, the same integers: a product more than 1e-5 from an
+    integer has the same ceiling whatever its 6-decimal rounding, so only the few nearer ones are
+    rounded as Python rounds, one by one."""
+    numels = np.asarray(numels, dtype=np.int64)
+    product = ratio * numels.astype(np.float64)
+    counts = np.ceil(product)
+    for i in np.flatnonzero(np.abs(product - np.rint(product)) <= 1e-5).tolist():
+        counts[i] = math.ceil(round(float(product[i]), 6))
+    counts = np.minimum(numels, np.maximum(1, counts.astype(np.int64)))
+    return np.where(numels == 0, 0, counts)
 
 
 def wide(tensor: torch.Tensor) -> torch.Tensor:

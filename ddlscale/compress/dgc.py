@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddlscale.compress.compressor import (
@@ -17,6 +18,7 @@ from ddlscale.compress.compressor import (
     check_seed,
     check_unit_interval,
     count_of,
+    counts_of,
     wide,
 )
 from ddlscale.compress.sparse import SparseCompressor, top_indices
@@ -191,6 +193,9 @@ class DGC(SparseCompressor):
 
     def kept_max(self, numel: int) -> int:
         return min(numel, 2 * count_of(self.density(), numel))
+
+    def kept_max_many(self, numels: np.ndarray) -> np.ndarray:
+        return np.minimum(numels, 2 * counts_of(self.density(), numels))
 
     # -- checkpointed state --------------------------------------------------------------------
     def group_states(self) -> list[dict[str, torch.Tensor]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ddlscale.compress.compressor import (
@@ -15,6 +16,7 @@ from ddlscale.compress.compressor import (
     check_ratio,
     check_seed,
     count_of,
+    counts_of,
     float_bytes,
     index_dtype,
     numel_of,
@@ -157,7 +159,15 @@ class RandomK(SparseCompressor):
     def kept_max(self, numel: int) -> int:
         return count_of(self.ratio, numel)
 
+    def kept_max_many(self, numels: np.ndarray) -> np.ndarray:
+        return counts_of(self.ratio, numels)
+
     def payload_bytes(self, shape: Shape, dtype: torch.dtype, kept: int | None = None) -> int:
         if self.shared:
             return self.kept_max(numel_of(shape)) * float_bytes(dtype)
         return super().payload_bytes(shape, dtype, kept)
+
+    def payload_bytes_many(self, numels: np.ndarray, dtype: torch.dtype, kept: np.ndarray | None = None) -> np.ndarray:
+        if self.shared:
+            return (self.kept_max_many(numels) * float_bytes(dtype)).astype(float)
+        return super().payload_bytes_many(numels, dtype, kept)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ddlscale.compress.compressor import (
@@ -94,3 +95,15 @@ class SparseCompressor(Compressor):
         n = numel_of(shape)
         per = float_bytes(dtype) + index_dtype(n).itemsize
         return self.kept_count(n, kept) * per
+
+    def kept_max_many(self, numels: np.ndarray) -> np.ndarray:
+        """:meth:`kept_max` of each of ``numels`` (override with a vectorized formula)."""
+        return np.array([self.kept_max(n) for n in numels.tolist()], dtype=np.int64)
+
+    def payload_bytes_many(self, numels: np.ndarray, dtype: torch.dtype, kept: np.ndarray | None = None) -> np.ndarray:
+        numels = np.asarray(numels, dtype=np.int64)
+        counts = self.kept_max_many(numels)
+        if not self.fixed_size and kept is not None:
+            counts = np.where(kept >= 0, kept, counts)
+        index_bytes = np.where(numels <= torch.iinfo(torch.int32).max, 4, 8)  # index_dtype's choice
+        return (counts * (float_bytes(dtype) + index_bytes)).astype(float)

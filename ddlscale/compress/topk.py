@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ddlscale.compress.compressor import check_ratio, count_of
+from ddlscale.compress.compressor import check_ratio, count_of, counts_of
 from ddlscale.compress.sparse import SparseCompressor, top_indices
 
 
@@ -33,3 +34,6 @@ class TopK(SparseCompressor):
 
     def kept_max(self, numel: int) -> int:
         return count_of(self.ratio, numel)
+
+    def kept_max_many(self, numels: np.ndarray) -> np.ndarray:
+        return counts_of(self.ratio, numels)

@@ -473,10 +473,15 @@ class CostModel:
         known = np.isfinite(kept_fraction) & (not comp.fixed_size or comp.needs_matrices)
         kept = np.where(known, np.maximum(1, np.round(np.nan_to_num(kept_fraction) * numel)), 0).astype(np.int64)
         header = self.profile.compressors[option.compressor].header_bytes
-        # The compressor's own formula, one unit at a time (each compressor has its own).
-        packed = np.array([comp.payload_bytes(shape if shape is not None else n, dtype, k if use else None)
-                           for n, shape, k, use in zip(numel.tolist(), shapes, kept.tolist(), known.tolist(),
-                                                       strict=True)], dtype=float)
+        # The compressor's own formula: over every flat group at once, and one at a time for a unit
+        # priced by its shape (PowerSGD's matrices).
+        flat = np.array([shape is None for shape in shapes], dtype=bool)
+        packed = np.empty(flat.size)
+        if flat.any():
+            numels = np.asarray(numel, dtype=np.int64)[flat]
+            packed[flat] = comp.payload_bytes_many(numels, dtype, np.where(known, kept, -1)[flat])
+        for i in np.flatnonzero(~flat).tolist():
+            packed[i] = comp.payload_bytes(shapes[i], dtype, int(kept[i]) if known[i] else None)
         # A per-member compressor's scales for a fused group's other members, in proportion to the
         # elements this payload holds (an alltoall partition holds about its share of them).
         members = 0 if option.hierarchical or not comp.per_member else comp.member_bytes * (tensors - 1)

@@ -35,3 +35,29 @@ def test_the_schemes_refuse_by_the_declared_capabilities():
     with pytest.raises(ValueError, match="allreduce only"):
         scheme("allgather").check(build_compressor("powersgd"), "sync.comm")
     scheme("allreduce").check(build_compressor("powersgd"), "sync.comm")
+
+
+def test_counts_of_is_count_of_on_every_size():
+    import numpy as np
+
+    from ddlscale.compress.compressor import count_of, counts_of
+
+    sizes = np.array([0, 1, 2, 7, 99, 100, 101, 1000, 12345, 2**31 - 1, 2**31 + 5, 3 * 10**9], dtype=np.int64)
+    sizes = np.concatenate([sizes, np.random.default_rng(0).integers(0, 10**8, 2000)])
+    for ratio in (0.001, 0.01, 0.07, 0.1, 1 / 3, 0.5, 0.999, 1.0):
+        assert counts_of(ratio, sizes).tolist() == [count_of(ratio, int(n)) for n in sizes.tolist()], ratio
+
+
+@pytest.mark.parametrize("name", sorted(COMPRESSORS))
+def test_payload_bytes_many_is_payload_bytes_of_each(name):
+    import numpy as np
+
+    comp = build_compressor(name)
+    sizes = np.array([1, 3, 64, 100, 1000, 4097, 123457, 2**31 + 3], dtype=np.int64)
+    kept = np.array([-1, 1, 5, -1, 10, 40, -1, 7], dtype=np.int64)
+    for dtype in (torch.float32, torch.float16):
+        for given in (None, kept):
+            many = comp.payload_bytes_many(sizes, dtype, given)
+            one = [comp.payload_bytes(int(n), dtype, None if given is None or k < 0 else int(k))
+                   for n, k in zip(sizes.tolist(), kept.tolist(), strict=True)]
+            assert many.tolist() == [float(b) for b in one], (dtype, given)
