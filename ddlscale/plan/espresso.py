@@ -70,43 +70,54 @@ class Evaluator:
         self.units, self.model = list(units), model
         self.backward_end_s, self.optimizer_s = backward_end_s, optimizer_s
         self._tasks: dict[Option, list[TensorTask]] = {}  # every unit's task per option, priced together
-        self._useful: dict[tuple, list[Option]] = {}
+        self._costs: dict[Option, np.ndarray] = {}
+        self._useful: dict[tuple, list[list[int]]] = {}
         self.evaluations = 0
 
     def task(self, i: int, option: Option) -> TensorTask:
-        found = self._tasks.get(option)
-        if found is None:
-            found = self._tasks[option] = self.model.tasks(self.units, option)
-        return found[i]
+        return self._all(option)[i]
 
     def tasks(self, options: Sequence[Option]) -> list[TensorTask]:
         return [self.task(i, o) for i, o in enumerate(options)]
 
-    def useful(self, i: int, options: Sequence[Option]) -> list[Option]:
-        """``options`` without those another one matches or beats on every cost of unit ``i``.
+    def costs(self, option: Option) -> np.ndarray:
+        """Every unit's (ready, encode, comm, decode, lag) under ``option``: a (5, units) array."""
+        found = self._costs.get(option)
+        if found is None:
+            found = self._costs[option] = np.array(
+                [[t.ready_s, t.encode_s, t.comm_s, t.decode_s, t.lag_s] for t in self._all(option)], dtype=float
+            ).reshape(-1, 5).T
+        return found
+
+    def _all(self, option: Option) -> list[TensorTask]:
+        found = self._tasks.get(option)
+        if found is None:
+            found = self._tasks[option] = self.model.tasks(self.units, option)
+        return found
+
+    def useful(self, options: Sequence[Option]) -> list[list[int]]:
+        """Per unit, the indices into ``options`` of those no other one matches or beats on every cost.
 
         With compute-stream tasks only (the exact search's plans) the simulator is a max-plus recursion,
         so the iteration time never decreases when an encode, comm, decode or lag time grows: such an
         option can never be strictly better and dropping it is exact. It spares many front points
         on small tensors, where several schemes cost the same constants. (A side stream queues
-        jobs, where a longer job can reorder the queue, so side options are never pruned.)
+        jobs, where a longer job can reorder the queue, so side options are never pruned.) Equal
+        costs keep the first such option. Every unit at once: (options, options, units) comparisons.
         """
-        key = (i, tuple(options))
+        key = tuple(options)
         if key not in self._useful:
+            count = len(self.units)
             if any(o.device != "compute" for o in options):
-                self._useful[key] = list(options)
+                self._useful[key] = [list(range(len(options)))] * count
             else:
-                costs = [(o, (t.encode_s, t.comm_s, t.decode_s, t.lag_s)) for o in options for t in [self.task(i, o)]]
-
-                def dominated(k: int) -> bool:
-                    mine = costs[k][1]
-                    for m, (_, other) in enumerate(costs):
-                        if m != k and all(a <= b for a, b in zip(other, mine, strict=True)):
-                            if other != mine or m < k:  # equal costs: keep the first such option
-                                return True
-                    return False
-
-                self._useful[key] = [o for k, (o, _) in enumerate(costs) if not dominated(k)]
+                cost = np.stack([self.costs(o)[1:] for o in options])  # (options, 4, units)
+                no_worse = (cost[:, None] <= cost[None, :]).all(axis=2)  # [m, k, unit]: m matches or beats k
+                same = (cost[:, None] == cost[None, :]).all(axis=2)
+                earlier = np.tri(len(options), k=-1, dtype=bool).T[:, :, None]  # [m, k]: m < k
+                other = ~np.eye(len(options), dtype=bool)[:, :, None]
+                beaten = (other & no_worse & (~same | earlier)).any(axis=0)  # (options, units)
+                self._useful[key] = [np.flatnonzero(~beaten[:, n]).tolist() for n in range(count)]
         return self._useful[key]
 
     def time(self, tasks: Sequence[TensorTask]) -> float:
@@ -137,13 +148,10 @@ def exact(ev: Evaluator, options: Sequence[Option], bound: float, cap: int | Non
     :mod:`ddlscale.plan.frontier`; ``bound``: a known plan's time. Returns the plan, its proven
     distance from the optimum (0 unless a front outgrew ``cap``) and how many front points the
     sweep kept."""
-    units = ev.units
-    useful = [ev.useful(i, options) for i in range(len(units))]
-    rows = []
-    for i, choices in enumerate(useful):
-        tasks = [ev.task(i, o) for o in choices]
-        costs = np.array([[t.ready_s, t.encode_s, t.comm_s, t.decode_s, t.lag_s] for t in tasks], dtype=float).T
-        rows.append((np.full(len(choices), i + 1), costs))
+    kept = ev.useful(options)
+    table = np.stack([ev.costs(o) for o in options])  # (options, 5, units)
+    useful = [[options[k] for k in ks] for ks in kept]
+    rows = [(np.full(len(ks), i + 1), table[ks, :, i].T) for i, ks in enumerate(kept)]
     # The most favourable state any prefix 0..i-1 reaches: each cost at its least over the options
     # (the recursion is monotone in each), comm end >= that of the least costs, stolen >= their sum.
     floor_c, floor_s = [0.0], [0.0]
