@@ -1,7 +1,7 @@
 """Does training under ``sync=cupcake`` and ``sync=espresso`` converge like its compressor does layer-wise?
 
     python -m experiments.planned_convergence [--workloads cnn,lstm] [--compressors dgc,efsignsgd,randomk]
-        [--steps 150] [--bandwidth 100mbit] [--seeds 0,1,2] [--dilation k]
+        [--steps 150] [--bandwidth 100mbit] [--seeds 0,1,2] [--dilation k] [--keep DIR [--reuse]]
 
 Per seed, the same workload, initialization and data for every run, 2 workers on this host; only
 the synchronization differs:
@@ -27,6 +27,10 @@ payload rate, as experiments/espresso_cupcake tells its planners), dense and lay
 links, and each run records whether its machines got their CPU share (``starved``: such a run stays in
 results.csv and is left out of the claim's check). ``--dilation 1`` is that cluster without dilation;
 without the option the runs are 2 workers on this host, as before. Needs root (network namespaces).
+
+Dilated, the grid takes hours (about 1.5 minutes a cnn run and 6 an lstm run at 100 Mbit/s, 60 runs for
+3 seeds): ``--keep DIR`` keeps every run's folder, and ``--keep DIR --reuse`` reads the runs finished
+there instead of training them again, so it can run in parts and report once all are done.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from pathlib import Path
 from ddlscale.clock import parse_factor
 from experiments.compression_accuracy import _smooth, loss_curve
 from experiments.espresso_cupcake import SETTINGS, planner_network, scheme_of
-from experiments.harness import Results, train
+from experiments.harness import Results, read_summary, train
 
 METHODS = ("layerwise", "cupcake", "espresso")
 
@@ -113,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", default="0,1,2", help="one run per seed of every case; gaps are paired by seed")
     parser.add_argument("--dilation", type=lambda v: parse_factor(v, "--dilation"), default=None,
                         help="run on the emulated cluster (2 machines, NICs at --bandwidth) at this time dilation")
+    parser.add_argument("--keep", default="", help="keep every run's folder (metrics, plan, summary) under this path")
+    parser.add_argument("--reuse", action="store_true",
+                        help="with --keep: read the runs already finished there instead of training them again "
+                             "(the dilated grid takes hours: run it in parts, then once more to report)")
     return parser
 
 
@@ -124,7 +132,10 @@ def command_of(args: argparse.Namespace, seeds: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.reuse and not args.keep:
+        parser.error("--reuse needs --keep: the folder whose runs to read")
     workloads, compressors = args.workloads.split(","), args.compressors.split(",")
     seeds = list(dict.fromkeys(int(s) for s in args.seeds.split(",")))  # a repeated seed would repeat a run
 
@@ -139,13 +150,17 @@ def main(argv: list[str] | None = None) -> None:
     curves, rows = {}, []
     cluster, emulated = cluster_of(args.dilation, args.bandwidth), args.dilation is not None
     told = f"{planner_network(args.bandwidth)[0]} bit/s (the NICs' TCP payload rate)" if emulated else args.bandwidth
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as temporary:
+        scratch = args.keep or temporary
         for k, (seed, workload, method, compressor) in enumerate(runs):
             run_dir = Path(scratch) / f"{workload}-{method}-{compressor}-{seed}"
             sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth, emulated)
-            ran = train([f"model={workload}", *sync, *cluster, f"trainer.max_steps={args.steps}", f"seed={seed}",
-                         "logger=csv", "trainer.log_every_n_steps=1"], run_dir=run_dir,
-                        timeout=3600 if emulated else 900)  # dense lstm at 100 Mbit/s, dilated: many minutes
+            if args.reuse and (run_dir / "summary.json").exists():  # finished in an earlier part
+                ran = read_summary(run_dir)
+            else:
+                ran = train([f"model={workload}", *sync, *cluster, f"trainer.max_steps={args.steps}", f"seed={seed}",
+                             "logger=csv", "trainer.log_every_n_steps=1"], run_dir=run_dir,
+                            timeout=3600 if emulated else 900)  # dense lstm at 100 Mbit/s, dilated: many minutes
             curve = curves[(seed, workload, method, compressor)] = loss_curve(run_dir)
             rows.append(row_of(seed, workload, method, compressor, curve, ran,
                                compressed_share(run_dir) if method in ("cupcake", "espresso") else ""))

@@ -3,6 +3,7 @@ the commands their reports write (what the claims table gives) and the rows the 
 an experiment."""
 
 import csv
+import json
 import shlex
 import statistics
 
@@ -119,3 +120,34 @@ def _rewritten(tmp_path, reps: int):
     folder.mkdir()
     write_trials(folder, reps)
     return folder
+
+
+def test_planned_convergence_resumes_from_the_runs_it_kept(tmp_path, monkeypatch):
+    """--keep DIR --reuse reads the runs finished in DIR and trains only the others (the dilated grid
+    takes hours: it runs in parts)."""
+    from experiments import harness
+
+    def finish(run_dir, losses):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "summary.json").write_text(json.dumps({"dilation": 1.0}))
+        (run_dir / "metrics.csv").write_text("step,train_loss_step\n" + "".join(f"{i},{v}\n" for i, v in enumerate(losses)))
+        (run_dir / "plan.json").write_text(json.dumps({"units": [{"numel": 4}], "options": [{"compressor": "default"}]}))
+
+    trained = []
+
+    def fake_train(overrides, run_dir=None, timeout=None):
+        trained.append(run_dir.name)
+        finish(run_dir, [2.0, 1.0, 0.5])
+        return {"dilation": 1.0}
+
+    monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
+    monkeypatch.setattr(planned_convergence, "train", fake_train)
+    keep = tmp_path / "kept"
+    finish(keep / "cnn-dense-None-0", [3.0, 2.0, 1.5])  # finished in an earlier part
+    argv = ["--workloads", "cnn", "--compressors", "dgc", "--steps", "3", "--seeds", "0", "--keep", str(keep)]
+    planned_convergence.main([*argv, "--reuse"])
+    assert "cnn-dense-None-0" not in trained and len(trained) == len(planned_convergence.METHODS)
+    rows = list(csv.DictReader((tmp_path / "results" / "planned_convergence" / "results.csv").open()))
+    assert {r["method"]: float(r["final_loss"]) for r in rows}["dense"] == 1.5  # read back, not trained
+    with pytest.raises(SystemExit):
+        planned_convergence.main([a for a in argv if a not in ("--keep", str(keep))] + ["--reuse"])
