@@ -349,8 +349,9 @@ def main(argv: list[str] | None = None) -> None:
                 for rep, (method, comp) in alternating(keys, args.reps):
                     run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
                     started = time.perf_counter()
-                    if args.reuse and (run_dir / "summary.json").exists():
-                        summary = read_summary(run_dir)
+                    kept = read_summary(run_dir) if args.reuse and (run_dir / "summary.json").exists() else {}
+                    if kept.get("status") == "finished":  # a run stopped when its part ended runs again
+                        summary = kept
                         timed = run_dir / "wall.json"  # absent in runs kept before it was written
                         wall = json.loads(timed.read_text())["wall_s"] if timed.exists() else float("nan")
                     else:

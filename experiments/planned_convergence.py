@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> None:
         for k, (seed, workload, method, compressor) in enumerate(runs):
             run_dir = Path(scratch) / f"{workload}-{method}-{compressor}-{seed}"
             sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth, emulated)
-            if args.reuse and (run_dir / "summary.json").exists():  # finished in an earlier part
-                ran = read_summary(run_dir)
+            kept = read_summary(run_dir) if args.reuse and (run_dir / "summary.json").exists() else {}
+            if kept.get("status") == "finished":  # finished in an earlier part (a stopped one runs again)
+                ran = kept
             else:
                 ran = train([f"model={workload}", *sync, *cluster, f"trainer.max_steps={args.steps}", f"seed={seed}",
                              "logger=csv", "trainer.log_every_n_steps=1"], run_dir=run_dir,

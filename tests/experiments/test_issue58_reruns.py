@@ -127,9 +127,9 @@ def test_planned_convergence_resumes_from_the_runs_it_kept(tmp_path, monkeypatch
     takes hours: it runs in parts)."""
     from experiments import harness
 
-    def finish(run_dir, losses):
+    def finish(run_dir, losses, status="finished"):
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "summary.json").write_text(json.dumps({"dilation": 1.0}))
+        (run_dir / "summary.json").write_text(json.dumps({"dilation": 1.0, "status": status}))
         (run_dir / "metrics.csv").write_text("step,train_loss_step\n" + "".join(f"{i},{v}\n" for i, v in enumerate(losses)))
         (run_dir / "plan.json").write_text(json.dumps({"units": [{"numel": 4}], "options": [{"compressor": "default"}]}))
 
@@ -138,15 +138,17 @@ def test_planned_convergence_resumes_from_the_runs_it_kept(tmp_path, monkeypatch
     def fake_train(overrides, run_dir=None, timeout=None):
         trained.append(run_dir.name)
         finish(run_dir, [2.0, 1.0, 0.5])
-        return {"dilation": 1.0}
+        return {"dilation": 1.0, "status": "finished"}
 
     monkeypatch.setattr(harness, "RESULTS", tmp_path / "results")
     monkeypatch.setattr(planned_convergence, "train", fake_train)
     keep = tmp_path / "kept"
     finish(keep / "cnn-dense-None-0", [3.0, 2.0, 1.5])  # finished in an earlier part
+    finish(keep / "cnn-layerwise-dgc-0", [3.0], status="stopped")  # stopped when that part ended: runs again
     argv = ["--workloads", "cnn", "--compressors", "dgc", "--steps", "3", "--seeds", "0", "--keep", str(keep)]
     planned_convergence.main([*argv, "--reuse"])
     assert "cnn-dense-None-0" not in trained and len(trained) == len(planned_convergence.METHODS)
+    assert "cnn-layerwise-dgc-0" in trained
     rows = list(csv.DictReader((tmp_path / "results" / "planned_convergence" / "results.csv").open()))
     assert {r["method"]: float(r["final_loss"]) for r in rows}["dense"] == 1.5  # read back, not trained
     with pytest.raises(SystemExit):
