@@ -42,7 +42,7 @@ from typing import Any
 
 from ddlscale.sync.compressed.schemes import SCHEMES, scheme
 from ddlscale.units import parse_time
-from experiments.harness import Results, alternating, machine, read_summary, spread, train
+from experiments.harness import Results, alternating, finished_run, machine, spread, train
 
 WORKLOADS = ("cnn", "lstm", "gpt")
 COMPRESSORS = ("dgc", "efsignsgd", "randomk")
@@ -349,8 +349,8 @@ def main(argv: list[str] | None = None) -> None:
                 for rep, (method, comp) in alternating(keys, args.reps):
                     run_dir = Path(scratch) / f"{bw}-{workload}-{method}-{comp}-{rep}"
                     started = time.perf_counter()
-                    kept = read_summary(run_dir) if args.reuse and (run_dir / "summary.json").exists() else {}
-                    if kept.get("status") == "finished":  # a run stopped when its part ended runs again
+                    kept = finished_run(run_dir, args.reuse)  # a run stopped when its part ended runs again
+                    if kept is not None:
                         summary = kept
                         timed = run_dir / "wall.json"  # absent in runs kept before it was written
                         wall = json.loads(timed.read_text())["wall_s"] if timed.exists() else float("nan")

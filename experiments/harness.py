@@ -95,6 +95,24 @@ def read_summary(run_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def finished_run(run_dir: Path, reuse: bool) -> dict[str, Any] | None:
+    """With ``reuse``: the summary of the run ``run_dir`` holds when it finished, else None, and a
+    stopped run's folder is set aside as ``<name>.stopped-<k>`` (kept, not overwritten: the run
+    trains again into ``run_dir``, which train.py refuses to reuse)."""
+    run_dir = Path(run_dir)
+    if not reuse or not run_dir.exists():
+        return None
+    if (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        if summary.get("status") == "finished":
+            return read_summary(run_dir)
+    k = 1
+    while run_dir.with_name(f"{run_dir.name}.stopped-{k}").exists():
+        k += 1
+    run_dir.rename(run_dir.with_name(f"{run_dir.name}.stopped-{k}"))
+    return None
+
+
 def note_dilation(k: float) -> None:
     """Count a run's time-dilation factor in the report's, whether the run was trained or read back."""
     DILATIONS.add(float(k))

@@ -44,7 +44,7 @@ from pathlib import Path
 from ddlscale.clock import parse_factor
 from experiments.compression_accuracy import _smooth, loss_curve
 from experiments.espresso_cupcake import SETTINGS, planner_network, scheme_of
-from experiments.harness import Results, read_summary, train
+from experiments.harness import Results, finished_run, train
 
 METHODS = ("layerwise", "cupcake", "espresso")
 
@@ -155,8 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         for k, (seed, workload, method, compressor) in enumerate(runs):
             run_dir = Path(scratch) / f"{workload}-{method}-{compressor}-{seed}"
             sync = ["sync=dense"] if method == "dense" else overrides_of(method, compressor, args.bandwidth, emulated)
-            kept = read_summary(run_dir) if args.reuse and (run_dir / "summary.json").exists() else {}
-            if kept.get("status") == "finished":  # finished in an earlier part (a stopped one runs again)
+            kept = finished_run(run_dir, args.reuse)  # finished in an earlier part (a stopped one runs again)
+            if kept is not None:
                 ran = kept
             else:
                 ran = train([f"model={workload}", *sync, *cluster, f"trainer.max_steps={args.steps}", f"seed={seed}",

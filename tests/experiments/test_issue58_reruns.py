@@ -136,6 +136,7 @@ def test_planned_convergence_resumes_from_the_runs_it_kept(tmp_path, monkeypatch
     trained = []
 
     def fake_train(overrides, run_dir=None, timeout=None):
+        assert not run_dir.exists()  # train.py refuses a folder that holds a run
         trained.append(run_dir.name)
         finish(run_dir, [2.0, 1.0, 0.5])
         return {"dilation": 1.0, "status": "finished"}
@@ -149,6 +150,8 @@ def test_planned_convergence_resumes_from_the_runs_it_kept(tmp_path, monkeypatch
     planned_convergence.main([*argv, "--reuse"])
     assert "cnn-dense-None-0" not in trained and len(trained) == len(planned_convergence.METHODS)
     assert "cnn-layerwise-dgc-0" in trained
+    stopped = keep / "cnn-layerwise-dgc-0.stopped-1"  # the stopped run is set aside, not lost
+    assert json.loads((stopped / "summary.json").read_text())["status"] == "stopped"
     rows = list(csv.DictReader((tmp_path / "results" / "planned_convergence" / "results.csv").open()))
     assert {r["method"]: float(r["final_loss"]) for r in rows}["dense"] == 1.5  # read back, not trained
     with pytest.raises(SystemExit):
