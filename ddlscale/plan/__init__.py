@@ -2,6 +2,7 @@
 
 - :mod:`.profile`  what a plan is computed from (measured on the first steps, saved as JSON);
 - :mod:`.fit`      constant-then-linear compression cost curves;
+- :mod:`.aggregation` each aggregation scheme: the compressors it carries and its price;
 - :mod:`.pricing`  an option (compressor x scheme x layout x device) as a simulator task;
 - :mod:`.frontier` the suffix Pareto-front DP both planners run (exact, or a proven bound when capped);
 - :mod:`.cupcake`  the exact dynamic program over fusion split points;

@@ -16,19 +16,10 @@ from ddlscale import clock
 from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorTask, iteration_time
 from ddlscale.compress import Compressor
+from ddlscale.plan.aggregation import SCHEMES, check_scheme
 from ddlscale.plan.cupcake import plan_fusion
 from ddlscale.plan.espresso import espresso
-from ddlscale.plan.pricing import (
-    DENSE,
-    SCHEMES,
-    CostModel,
-    Option,
-    Unit,
-    check_scheme,
-    element_size,
-    fuse,
-    units_of,
-)
+from ddlscale.plan.pricing import DENSE, CostModel, Option, Unit, element_size, fuse, units_of
 from ddlscale.plan.profile import Profile
 from ddlscale.plan.result import CompressionPlan, per_unit_savings, plan_time, uniform_time
 

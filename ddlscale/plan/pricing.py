@@ -8,7 +8,8 @@ collectives take, and the profiled encode/decode fits. :meth:`CostModel.task` tu
 into the :class:`~ddlscale.comm.timeline.TensorTask` the iteration simulator schedules, so Espresso
 and Cupcake score plans with one model.
 
-The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues (SYSTEMS.md §2):
+The collectives are those :class:`~ddlscale.sync.compressed.CompressSync` issues (SYSTEMS.md §2), each
+priced by its scheme's :class:`~ddlscale.plan.aggregation.Aggregation`:
 
 - ``allreduce`` (summable payloads): encode, allreduce the payload, decode once;
 - ``allgather``: encode (plus the local decode error feedback needs), exchange sizes, allgather the
@@ -66,26 +67,22 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from ddlscale.comm import volume
 from ddlscale.comm.network import NetworkModel
 from ddlscale.comm.timeline import TensorTask
 from ddlscale.compress import Compressor
-from ddlscale.compress.sparse import SparseCompressor
+from ddlscale.plan.aggregation import AGGREGATIONS, SCHEMES, Pricing
 from ddlscale.plan.choices import TensorChoice
 from ddlscale.plan.fit import CostFit
 from ddlscale.plan.profile import Profile, family
 from ddlscale.units import parse_time
 
 DEVICES = ("compute", "side")
-SIZE_BYTES = 8  # one int64: a size exchanged before an uneven collective
-INDEX_BYTES = 4  # an int32 index of Zen's pairs
-SMALL_BYTES = 64 << 10  # ddlscale.comm.collectives: below this gloo's ring allgather, above direct
 
 
 @dataclass(frozen=True, order=True)
@@ -142,121 +139,6 @@ class Unit:
     @property
     def label(self) -> str:
         return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]} ({len(self.names)})"
-
-
-@dataclass(frozen=True)
-class Pricing:
-    """What a scheme is priced from, for a row of units of one dtype under one option (arrays over
-    the units): ``numel`` the elements it carries (a hierarchical group's chunk), over ``ranks``
-    ranks on ``net``; ``payload(x)`` the packed bytes of a payload of x elements; ``encode(x)`` and
-    ``decode(x)`` one compressor call on x elements; ``sized`` 1 where payload sizes vary (sizes are
-    exchanged first), else 0; ``contexts``: decoding another rank's payload needs a context made by
-    compressing zeros."""
-
-    numel: np.ndarray
-    ranks: int
-    net: NetworkModel
-    payload: Callable[[np.ndarray], np.ndarray]
-    encode: Callable[[np.ndarray], np.ndarray]
-    decode: Callable[[np.ndarray], np.ndarray]
-    sized: float
-    contexts: bool
-    value_bytes: float = 4.0  # one value as the compressor sends it (Zen's pairs: an int32 index beside it)
-    rounds: int = 1  # allreduce: the collectives the payload is split over (PowerSGD: P, then Q)
-
-    def exchange_sizes(self) -> float:
-        """The blocking exchange of one size per rank before an uneven collective (on the training
-        thread while the group is launched: charged to encode)."""
-        return self.sized * _exchange_sizes(self.net, self.ranks)
-
-
-Price = tuple[np.ndarray | float, np.ndarray | float, np.ndarray | float]  # (encode_s, comm_s, decode_s)
-
-
-def _price_allreduce(p: Pricing) -> Price:
-    """Encode, allreduce the payload (in ``rounds`` collectives of equal shares), decode once."""
-    comm = p.rounds * p.net.allreduce(p.payload(p.numel) / p.rounds, p.ranks)
-    return p.encode(p.numel), comm, p.decode(p.numel)
-
-
-def _price_allgather(p: Pricing) -> Price:
-    """Encode (plus the local decode), sizes, allgather the packed payloads, decode and sum all n."""
-    return (p.encode(p.numel) + p.exchange_sizes(), _allgather(p.net, p.payload(p.numel), p.ranks),
-            p.ranks * p.decode(p.numel))
-
-
-def _price_alltoall(p: Pricing) -> Price:
-    """Encode the n partitions, all-to-all them (after their sizes); the owner decodes n pieces and
-    re-encodes their sum, every rank allgathers the n sums and decodes them. The re-encode and the
-    second collective run after backward: charged to decode and comm."""
-    part = -(-p.numel // p.ranks)
-    payload = p.payload(part)
-    comm = (p.net.all_to_all(payload, p.ranks) + p.sized * _exchange_sizes(p.net, p.ranks)
-            + _allgather(p.net, payload, p.ranks))
-    contexts = p.ranks - 1 if p.contexts else 0
-    return (p.ranks * p.encode(part) + p.exchange_sizes(), comm,
-            2 * p.ranks * p.decode(part) + (1 + contexts) * p.encode(part))
-
-
-def _price_gather(p: Pricing) -> Price:
-    """Encode, gather to rank 0, which decodes n payloads, re-encodes the sum and broadcasts it (its
-    size first); everyone decodes. Rank 0's path is the critical one."""
-    payload = p.payload(p.numel)
-    comm = (p.net.gather(payload, p.ranks) + p.sized * p.net.broadcast(SIZE_BYTES, p.ranks)
-            + p.net.broadcast(payload, p.ranks))
-    return (p.encode(p.numel) + p.exchange_sizes(), comm,
-            p.ranks * p.decode(p.numel) + p.encode(p.numel) + p.decode(p.numel))
-
-
-def _price_zen(p: Pricing) -> Price:
-    """Encode; push each (index, value) to the rank its index hashes to (one exchange of ~1/n of
-    the payload per peer); the owner sums, and every rank pulls each owner's share of the union as
-    pairs or as a hash bitmap (:func:`~ddlscale.comm.volume.pull_as_bitmap`, as the executor
-    decides). Both exchanges run after backward. The union is priced as if the ranks chose
-    independently (:func:`~ddlscale.comm.volume.expected_union`), an upper estimate for top-k."""
-    payload = p.payload(p.numel)
-    pair = p.value_bytes + INDEX_BYTES
-    kept = np.maximum(1.0, payload / pair)
-    union = np.array([volume.expected_union(int(m), int(k), p.ranks) for m, k in zip(p.numel.tolist(), kept.tolist(),
-                                                                                      strict=True)])
-    bitmap = np.array([p.sized == 0 and volume.pull_as_bitmap(int(m), int(k), p.ranks) for m, k in
-                       zip(p.numel.tolist(), kept.tolist(), strict=True)])
-    share = union / p.ranks
-    pulled = np.where(bitmap, np.ceil(p.numel / p.ranks / 8) + share * p.value_bytes, share * pair)
-    # Two exchanges, batched with the step's other zen groups: their latency is paid once per step
-    # (CostModel.fixed_s), not here.
-    net = _without_latency(p.net)
-    comm = net.all_to_all(payload / p.ranks, p.ranks) + net.all_to_all(pulled, p.ranks)
-    return p.encode(p.numel), comm, 2 * p.decode(p.numel)
-
-
-@dataclass(frozen=True)
-class SchemePrice:
-    """How the planners see one aggregation scheme: its ``price`` and which compressors it ``carries``
-    (as the executing class's ``check`` refuses the others)."""
-
-    price: Callable[[Pricing], Price]
-    carries: Callable[[Compressor], bool] = lambda compressor: True
-
-
-# One entry per aggregation scheme a plan may name (the executing classes are in
-# ddlscale.sync.compressed.schemes, under the same names): a new scheme adds its entry here.
-PRICES: dict[str, SchemePrice] = {
-    "allreduce": SchemePrice(_price_allreduce, lambda c: c.summable or c.reduces_itself),
-    "allgather": SchemePrice(_price_allgather, lambda c: not c.reduces_itself),  # PowerSGD: allreduce only
-    # They cut rows; their owners re-encode the aggregate, which a vote's tie does not fit.
-    "alltoall": SchemePrice(_price_alltoall, lambda c: not c.needs_matrices and not c.votes),
-    "gather": SchemePrice(_price_gather, lambda c: not c.votes and not c.reduces_itself),
-    "zen": SchemePrice(_price_zen, lambda c: isinstance(c, SparseCompressor)),  # (index, value) pairs
-}
-SCHEMES = tuple(PRICES)
-
-
-def check_scheme(name: str, key: str = "sync.comm") -> str:
-    """``name`` if it names a scheme, else a ValueError naming ``key``."""
-    if name not in PRICES:
-        raise ValueError(f"{key} must be one of {', '.join(PRICES)}; got {name!r}")
-    return name
 
 
 class CostModel:
@@ -331,7 +213,7 @@ class CostModel:
             return False
         if option.device == "side" and not option.compressed:
             return False  # nothing to offload: the executor's own work stays on the training thread
-        if not PRICES[option.scheme].carries(comp):
+        if not AGGREGATIONS[option.scheme].carries(comp):
             return False
         return option.compressed or option.scheme == "allreduce"  # uncompressed through allgather & co never wins
 
@@ -550,7 +432,7 @@ class CostModel:
             float(torch.promote_types(_dtype(dtype), torch.float32).itemsize if self.profile.widens
                   else element_size(dtype)),
             2 if comp is not None and comp.reduces_itself else 1)  # PowerSGD: P's allreduce, then Q's
-        scheme_encode, comm, scheme_decode = PRICES[scheme].price(priced)
+        scheme_encode, comm, scheme_decode = AGGREGATIONS[scheme].price(priced)
         # A family's measured correction may be negative (the model over-prices it), but no group
         # holds the training thread for less than no time.
         return np.maximum(0.0, encode + scheme_encode), comm, decode + scheme_decode
@@ -566,29 +448,6 @@ def _extra_members(tensors: int | np.ndarray, scheme: str, ranks: int) -> int | 
     """Members past the first in what one call compresses: an all-to-all partition holds about its
     share of a fused buffer's members."""
     return np.maximum((-(-tensors // ranks) if scheme == "alltoall" else tensors) - 1, 0)
-
-
-@functools.lru_cache(maxsize=64)
-def _without_latency(net: NetworkModel) -> NetworkModel:
-    """``net`` with no per-message latency: the bandwidth part of an exchange whose rounds are paid elsewhere."""
-    return replace(net, latency_s=0.0, intra_latency_s=0.0)
-
-
-@functools.lru_cache(maxsize=4096)
-def _exchange_sizes(net: NetworkModel, n: int) -> float:
-    """The blocking exchange of one size per rank before an uneven collective."""
-    return net.all_to_all(SIZE_BYTES, n)
-
-
-def _allgather(net: NetworkModel, piece_bytes: np.ndarray, n: int) -> np.ndarray:
-    """Communicator's allgather: gloo's ring for small pieces, a direct exchange for large ones.
-
-    The direct exchange of equal pieces is the uniform all-to-all (the same send matrix), priced in
-    O(1) rather than through the n x n matrix ``allgather(..., "direct")`` builds.
-    """
-    ratio = net.efficiency.get("allgather", 1.0) / net.efficiency.get("all_to_all", 1.0)
-    return np.where(piece_bytes * n <= SMALL_BYTES, net.allgather(piece_bytes, n, "ring"),
-                    net.all_to_all(piece_bytes, n) * ratio)
 
 
 @functools.cache

@@ -63,6 +63,7 @@ from ddlscale import clock
 from ddlscale.comm.probe import MEASURED, probe_latency
 from ddlscale.compress.compressor import Compressor
 from ddlscale.compress.memory import Memory
+from ddlscale.plan.aggregation import SCHEMES
 from ddlscale.plan.choices import Choices, TensorChoice
 from ddlscale.plan.planner import (
     FamilySteps,
@@ -75,7 +76,7 @@ from ddlscale.plan.planner import (
     layerwise_plan,
     option_label,
 )
-from ddlscale.plan.pricing import SCHEMES, CostModel, Option
+from ddlscale.plan.pricing import CostModel, Option
 from ddlscale.plan.profile import (
     CompressorProfile,
     Profile,

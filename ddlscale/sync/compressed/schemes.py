@@ -27,8 +27,9 @@ result: the shares of all ranks sum to it exactly. Error feedback subtracts the 
 compression drops is lost: where an owner compresses a partition's sum a second time, the error of
 that second compression is in its share (and so in its residual) too.
 
-A new scheme is one :class:`Scheme` subclass registered in :data:`SCHEMES` (and priced under the
-same name in :data:`ddlscale.plan.pricing.PRICES`, so the planners may choose it).
+A scheme's rules (which compressors it carries) and price are its
+:class:`~ddlscale.plan.aggregation.Aggregation`'s, which its class here subclasses: a new scheme is
+an Aggregation subclass there and its executing subclass here, registered in :data:`SCHEMES`.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from ddlscale import clock
 from ddlscale.comm import Communicator, volume
 from ddlscale.compress import packing
 from ddlscale.compress.compressor import Compressed, Compressor, Segment, pieces
-from ddlscale.compress.sparse import SparseCompressor
+from ddlscale.plan import aggregation
+from ddlscale.plan.aggregation import Aggregation
 from ddlscale.sync.sparse import pushpull
 from ddlscale.sync.sparse.hashing import HashPartitioner
 
@@ -97,37 +99,14 @@ def timed_work(work: GroupWork | None, kind: str, numel: int = 0, calls: int = 0
         work.calls[kind].append((numel, calls))
 
 
-class Scheme:
-    name = "?"
-    needs_summable = False
-    divisible = False  # cuts a group into flat partitions (a compressor of matrices cannot follow)
-    reencodes = False  # an owner compresses the aggregate again (a vote's tie cannot be sent in 1 bit)
-    carries_powersgd = False  # PowerSGD's shared-Q power iteration needs summed factors
+class Scheme(Aggregation):
+    """An aggregation scheme as it runs: its rules and price are its :class:`Aggregation`'s."""
 
     def check(self, compressor: Compressor, key: str) -> None:
         """Refuse a compressor this scheme cannot carry (before training starts)."""
-        if self.needs_summable and not _allreducible(compressor):
-            raise ValueError(
-                f"{key}: scheme {self.name} sums payloads with an allreduce, but compressor "
-                f"{compressor.name} is not summable; use allgather, alltoall or gather"
-            )
-        if self.reencodes and compressor.votes:
-            raise ValueError(
-                f"{key}: scheme {self.name} re-encodes each aggregate with the compressor, and "
-                f"{compressor.name}'s majority vote (+1, -1, or 0 on a tie) does not fit its 1-bit code; "
-                f"use allgather"
-            )
-        if self.divisible and compressor.needs_matrices:
-            raise ValueError(
-                f"{key}: scheme {self.name} cuts each group into flat partitions, but compressor "
-                f"{compressor.name} compresses whole matrices; use allreduce"
-            )
-        if not self.carries_powersgd and compressor.reduces_itself:
-            raise ValueError(
-                f"{key}: compressor {compressor.name} is Vogels et al.'s algorithm under allreduce only (one "
-                f"shared Q on every rank, a rank-r sum); under {self.name} each rank would run its own power "
-                f"iteration. Use sync.comm=allreduce"
-            )
+        reason = self.refusal(compressor)
+        if reason is not None:
+            raise ValueError(f"{key}: {reason}")
 
     def start(self, job: Job) -> None:
         raise NotImplementedError
@@ -156,10 +135,6 @@ class Scheme:
         return summed, decoded
 
 
-def _allreducible(compressor: Compressor) -> bool:
-    return compressor.summable or compressor.reduces_itself
-
-
 def _sizes(job: Job, message: torch.Tensor) -> list[int]:
     """Every rank's message length: known locally for fixed-size compressors (same shape, same
     payload, same header everywhere), else one blocking exchange of sizes."""
@@ -173,17 +148,13 @@ def _decode_sum(compressor: Compressor, like: Compressed, messages: list[torch.T
     return compressor.decompress_sum([like.with_payload(packing.unpack(message)) for message in messages])
 
 
-class Allreduce(Scheme):
+class Allreduce(aggregation.Allreduce, Scheme):
     """Sum the payloads with an allreduce. A payload narrower than the tensor (fp16/bf16 casts) sums
     in its own precision, and that rounding — several times each rank's cast error — would be in no
     rank's share. Under error feedback such a group is therefore reduced as a ring allreduce is,
     reduce-scatter then allgather, with the owner of each partition summing the n 16-bit pieces in
     float32 and casting the sum once (:class:`AllToAll`: the same bytes on the wire); the cast's
     error stays in the owner's share, so the shares sum to the result exactly."""
-
-    name = "allreduce"
-    needs_summable = True
-    carries_powersgd = True
 
     @staticmethod
     def rounds(job: Job) -> bool:
@@ -259,9 +230,7 @@ def _compress_whole(job: Job) -> tuple[Compressed, torch.Tensor]:
         return compressed, packing.pack(compressed.payload)
 
 
-class Allgather(Scheme):
-    name = "allgather"
-
+class Allgather(aggregation.Allgather, Scheme):
     def start(self, job: Job) -> None:
         compressed, message = _compress_whole(job)
         job.state.update(compressed=compressed, pending=job.comm.allgather_uneven(message, _sizes(job, message)))
@@ -273,12 +242,8 @@ class Allgather(Scheme):
             return job.compressor.combine(total, len(messages))
 
 
-class AllToAll(Scheme):
+class AllToAll(aggregation.AllToAll, Scheme):
     """Divisible: partition j is reduced at rank j, then every partition's sum is allgathered."""
-
-    name = "alltoall"
-    divisible = True
-    reencodes = True
 
     def start(self, job: Job) -> None:
         n = job.comm.size
@@ -328,11 +293,8 @@ class AllToAll(Scheme):
         return torch.cat(out)
 
 
-class GatherBroadcast(Scheme):
+class GatherBroadcast(aggregation.GatherBroadcast, Scheme):
     """Centralized: rank 0 decodes and sums every payload, re-compresses and broadcasts the sum."""
-
-    name = "gather"
-    reencodes = True
 
     def start(self, job: Job) -> None:
         compressed, message = _compress_whole(job)
@@ -365,7 +327,7 @@ class GatherBroadcast(Scheme):
         return compressor.decompress(Compressed(packing.unpack(message), ctx)).reshape(-1)
 
 
-class ZenPushPull(Scheme):
+class ZenPushPull(aggregation.ZenPushPull, Scheme):
     """Sparsifiers' selections through Zen's hash-partitioned push, sum and pull, one unit per
     element (the thesis's two halves: compression makes gradients sparse, Zen syncs sparse ones).
     The sum is exact, so this rank's share is what it sent and error feedback loses nothing.
@@ -376,18 +338,10 @@ class ZenPushPull(Scheme):
     (:mod:`ddlscale.plan.pricing`) prices it so: each group's exchanges without their latency, the
     two rounds' latency once per step (``CostModel.fixed_s``)."""
 
-    name = "zen"
     SEED = 0x5EED  # a constant every rank shares: no agreement round needed
     # One per world size, kept across steps (a Scheme is made per launch): the owned sets the
     # bitmap pull decodes against are computed once per tensor size, not every step.
     _partitioners: dict[int, HashPartitioner] = {}
-
-    def check(self, compressor: Compressor, key: str) -> None:
-        if not isinstance(compressor, SparseCompressor):
-            raise ValueError(
-                f"{key}: scheme zen pushes (index, value) pairs, but compressor {compressor.name} is not a "
-                f"sparsifier; zen carries topk, randomk, dgc and threshold"
-            )
 
     def start(self, job: Job) -> None:
         if job.tensor.numel() >= 2**31:

@@ -532,23 +532,27 @@ def test_hierarchical_powersgd_sends_factors_not_the_matrix(comm):
         assert [records[0], records[-1]] == inside
 
 
-def test_every_scheme_is_executed_and_priced_under_one_name_and_refuses_alike():
-    """A scheme is a Scheme subclass (executed) and a PRICES entry (planned) of the same name; the
-    planners offer a compressor under a scheme exactly where the scheme would carry it."""
+def test_every_scheme_is_executed_and_priced_by_one_object_and_refuses_alike():
+    """A scheme's executing class subclasses its Aggregation (rules and price written once, under one
+    name); the planners offer a compressor under a scheme exactly where the scheme would carry it."""
     from ddlscale.compress import COMPRESSORS
-    from ddlscale.plan.pricing import PRICES
+    from ddlscale.plan.aggregation import AGGREGATIONS
     from ddlscale.sync.compressed.schemes import SCHEMES, scheme
 
-    assert list(SCHEMES) == list(PRICES)
+    assert list(SCHEMES) == list(AGGREGATIONS)
+    for key, executing in SCHEMES.items():
+        assert issubclass(executing, type(AGGREGATIONS[key])) and executing.name == key
+        assert executing.price is type(AGGREGATIONS[key]).price and executing.refusal is type(AGGREGATIONS[key]).refusal
     for name in COMPRESSORS:
         compressor = build_compressor(name)
         for key in SCHEMES:
             try:
                 scheme(key).check(compressor, "sync.comm")
                 carried = True
-            except ValueError:
+            except ValueError as refused:
                 carried = False
-            assert carried == PRICES[key].carries(compressor), (name, key)
+                assert str(refused).startswith("sync.comm: ") and compressor.name in str(refused)
+            assert carried == AGGREGATIONS[key].carries(compressor), (name, key)
 
 
 # -- Zen as an aggregation scheme for sparsifiers -----------------------------------------------------
