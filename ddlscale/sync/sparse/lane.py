@@ -19,6 +19,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ddlscale.comm.groups import weak_group
@@ -30,7 +31,12 @@ class SyncLane:
     """One process group over the world's ranks and one thread running submitted jobs in order."""
 
     def __init__(self) -> None:
-        self._group = weak_group(dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend()))
+        # The world's timeout, not new_group's 30-minute default: a lane collective that a peer never
+        # joins fails on every rank as the world's would, naming where each rank was.
+        world = dist.distributed_c10d._get_default_group()
+        timeout = world._get_backend(torch.device("cpu")).options._timeout if dist.get_backend() == "gloo" else None
+        self._group = weak_group(dist.new_group(list(range(dist.get_world_size())), backend=dist.get_backend(),
+                                                timeout=timeout))
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddlscale-sparse")
 
     @property
