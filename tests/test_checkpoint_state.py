@@ -32,6 +32,7 @@ def _fit(max_steps, ckpt_dir=None, resume=None):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.multiprocess
 def test_resume_from_lightning_checkpoint_is_bit_exact(tmp_path):
     straight = _fit(10)

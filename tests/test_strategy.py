@@ -104,6 +104,7 @@ def test_dense_matches_stock_ddp(make_model, world, accumulate, clip):
     assert torch.equal(ours, ddp)
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.multiprocess
 def test_third_party_module_by_registry_name():
     """Lightning's own demo model trains unchanged with strategy="ddlscale", equal to DDP."""
@@ -165,6 +166,7 @@ class _StepClock(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 def test_device_time_idles_each_step_without_changing_training(tmp_path):
     def fit(device_time, path):
         pl.seed_everything(0)

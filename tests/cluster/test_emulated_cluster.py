@@ -83,7 +83,7 @@ time.sleep(60)
 
 @pytest.mark.multiprocess
 @needs_namespaces
-@pytest.mark.parametrize("how", ["raise", "sigterm", "sigint"])
+@pytest.mark.parametrize("how", ["raise", "sigterm", pytest.param("sigint", marks=pytest.mark.slow)])  # sigint: as sigterm
 def test_teardown_on_crash_sigterm_and_ctrl_c(how):
     # A background job inherits SIGINT ignored (as under CI); an interactive owner would not.
     owner = subprocess.Popen([sys.executable, "-c", _OWNER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

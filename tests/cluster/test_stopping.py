@@ -37,7 +37,8 @@ def _wait_for_steps(run_dir: Path, steps: int, process: subprocess.Popen, timeou
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("how", ["sigterm-to-launcher", "sigint-to-launcher", "ctrl-c-to-group"])
+@pytest.mark.parametrize("how", ["sigterm-to-launcher", pytest.param("sigint-to-launcher", marks=pytest.mark.slow),
+                                 "ctrl-c-to-group"])  # sigint to the launcher: as sigterm
 def test_a_stopped_run_leaves_no_process_behind_and_a_summary(tmp_path, how):
     out = tmp_path / "run"
     launcher = _train(*TINY, "trainer.max_steps=100000", f"hydra.run.dir={out}", *QUIET)

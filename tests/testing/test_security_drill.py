@@ -5,6 +5,8 @@ a dead agent nothing counts as refused."""
 import signal
 import sys
 
+import pytest
+
 from ddlscale.testing.security_drill import Drill
 
 # The agent with DATA's bounds check taken out: a chunk is received into whatever slice the buffer has.
@@ -22,6 +24,7 @@ main(sys.argv[1:])
 """
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 def test_the_drill_fails_against_an_agent_without_the_data_bounds_check(tmp_path, capsys):
     drill = Drill(tmp_path, agent_argv=[sys.executable, "-c", WEAKENED])
     try:

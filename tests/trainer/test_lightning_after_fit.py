@@ -35,6 +35,7 @@ def _trainer(steps: int, devices: int, **kwargs) -> pl.Trainer:
                       enable_progress_bar=False, enable_model_summary=False, **kwargs)
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.multiprocess
 def test_save_checkpoint_after_a_spawned_fit_holds_the_weights_and_resumes(tmp_path):
     os.environ.pop("MASTER_PORT", None)  # a fresh port per fit (see conftest.py)
@@ -86,6 +87,7 @@ def test_the_continuing_command_is_this_one_with_its_run_directory(monkeypatch):
                                     "hydra.job.chdir=false", "ckpt.resume=auto", "hydra.run.dir=/runs/it's here"]
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_a_stopped_run_prints_the_command_that_continues_it_and_that_command_does(tmp_path):
     out = tmp_path / "run"

@@ -89,6 +89,7 @@ def test_a_sweep_s_jobs_share_a_wandb_group_named_by_the_sweep(monkeypatch):
         hydra.cfg = None
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_a_wandb_run_keeps_metrics_csv_and_its_sync_line_names_its_folder(tmp_path):
     pytest.importorskip("wandb")

@@ -67,7 +67,8 @@ FAILURES = {
 }
 
 
-@pytest.mark.parametrize("how", list(FAILURES))
+@pytest.mark.parametrize("how", [pytest.param(how, marks=pytest.mark.slow) if how == "unwritable-ckpt-dir" else how
+                                 for how in FAILURES])  # unwritable-ckpt-dir: ~14 s, slow run only
 def test_a_failure_after_validation_writes_a_failed_summary_and_train_log(tmp_path, how):
     if how == "gpu-on-a-cpu-host" and torch.cuda.is_available():
         pytest.skip("this host has a GPU")
@@ -148,6 +149,7 @@ sys.meta_path.insert(0, _Absent())
 '''
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 def test_without_urllib3_a_refused_run_prints_only_its_refusal(tmp_path):
     (tmp_path / "sitecustomize.py").write_text(BLOCK_URLLIB3)
     env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -38,6 +38,7 @@ def _rows(run_dir):
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_a_run_reports_one_loss_keeps_its_log_and_a_resume_appends_to_it(tmp_path):
     out = tmp_path / "run"
@@ -177,6 +178,7 @@ def test_a_planned_sync_names_the_phase_of_every_step_and_the_plan_it_kept():
     assert set(final["plan_trial_step_s"]) == {p.split(": ")[1] for p in trial}
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_compare_gathers_a_sweep_into_a_table_and_a_plot(tmp_path, capsys):
     sweep = tmp_path / "sweep"
@@ -198,6 +200,7 @@ def test_compare_gathers_a_sweep_into_a_table_and_a_plot(tmp_path, capsys):
     assert len(compare.curves(sweep / jobs[0])["step_loss"][0]) == 3
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_help_documents_every_option_and_import_registers_the_strategy():
     result = subprocess.run([sys.executable, str(ROOT / "train.py"), "sync=zen", "--help"], cwd=ROOT,

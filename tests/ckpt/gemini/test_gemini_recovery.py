@@ -60,6 +60,7 @@ def test_restart_restores_from_memory_or_falls_back(straight, tmp_path, corrupt,
     assert_continues(straight, resumed, from_step)
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 @pytest.mark.e2e
 def test_no_intact_copy_and_no_persistent_tier_is_a_clear_error(tmp_path):
     with local_gemini(2, f"t{tmp_path.name}") as env:

@@ -286,6 +286,7 @@ def _train(out, *overrides):
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.slow  # the default run's time: make test-slow runs it
 def test_training_with_the_batched_exchange_is_bit_identical_to_per_tensor(tmp_path):
     # One routing for both (auto's would differ: batched, rounds are shared), so only the exchange differs:
     # the same tensors sparse, BP for each, the dense ones in their buckets.
